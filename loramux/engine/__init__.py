@@ -1,0 +1,1 @@
+"""loramux.engine"""
