@@ -1,1 +1,14 @@
-"""loramux.kernels"""
+"""Multi-LoRA kernels: one launch applies each token's own adapter (Punica's SGMV layout).
+
+    meta = build_lora_meta(token_slots, num_slots)           # once per forward, shared by layers
+    buf = lora_shrink(x, lora_a, scales, meta, ranks)         # [T, n_slices*R] float32
+    lora_expand(y, buf, lora_b, slice_sizes, meta, ranks)     # y += B(buf), in place
+
+Triton on CUDA tensors, the torch reference elsewhere; LORAMUX_KERNELS=triton|torch forces one.
+"""
+
+from . import reference
+from .dispatch import lora_expand, lora_shrink
+from .metadata import LoRABatchMeta, build_lora_meta
+
+__all__ = ["LoRABatchMeta", "build_lora_meta", "lora_shrink", "lora_expand", "reference"]

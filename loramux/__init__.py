@@ -1,0 +1,49 @@
+"""loramux: serve many LoRA adapters on one shared base model.
+
+The public API lives here. The engine (``LLM``, ``SamplingParams``) is imported on first use so
+that ``import loramux`` stays light for plugins and the CLI.
+"""
+
+from __future__ import annotations
+
+from loramux.errors import (
+    AdapterDownloadError,
+    AdapterNotFoundError,
+    CacheFullError,
+    IncompatibleAdapterError,
+    InvalidAdapterError,
+    LoRAError,
+    PluginError,
+)
+from loramux.registry import LoRAConfig, LoRARequest
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "LoRARequest",
+    "LoRAConfig",
+    "hookimpl",
+    "LoRAError",
+    "AdapterNotFoundError",
+    "InvalidAdapterError",
+    "IncompatibleAdapterError",
+    "AdapterDownloadError",
+    "CacheFullError",
+    "PluginError",
+]
+
+_LAZY = {
+    "LLM": "loramux.engine.llm",
+    "SamplingParams": "loramux.engine.sampling_params",
+    "hookimpl": "loramux.plugins.hookspecs",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'loramux' has no attribute {name!r}")

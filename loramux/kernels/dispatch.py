@@ -1,0 +1,66 @@
+"""Pick the Triton kernels on CUDA and the torch reference elsewhere (LORAMUX_KERNELS overrides)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+from .metadata import LoRABatchMeta
+
+ENV_VAR = "LORAMUX_KERNELS"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    choice = os.environ.get(ENV_VAR, "").strip().lower()
+    if choice in ("", "auto"):
+        return t.is_cuda
+    if choice == "triton":
+        return True
+    if choice == "torch":
+        return False
+    raise ValueError(f"{ENV_VAR}={choice!r} is not understood; use 'triton', 'torch' or leave it unset")
+
+
+def lora_shrink(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    scales: torch.Tensor,
+    meta: LoRABatchMeta,
+    ranks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """buf[t, i*R:(i+1)*R] = (x[t] @ A[slot(t), i*R:(i+1)*R].T) * scales[slot(t), i].
+
+    x: [T, H] fp16/bf16/fp32; lora_a: [S, n_slices*R, H] (x's dtype; slice i = rows i*R:(i+1)*R);
+    scales: [S, n_slices] float32; ranks: optional [S] int32, true rank per slot (rows past it are
+    zero padding and skipped). Returns buf: [T, n_slices*R] float32; rows of slot -1 tokens are
+    unspecified.
+    """
+    if _use_triton(x):
+        from .shrink import lora_shrink_triton
+
+        return lora_shrink_triton(x, lora_a, scales, meta, ranks)
+    return reference.lora_shrink_ref(x, lora_a, scales, meta, ranks)
+
+
+def lora_expand(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+    meta: LoRABatchMeta,
+    ranks: torch.Tensor | None = None,
+) -> None:
+    """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
+
+    y: [T, sum(slice_sizes)], any strides (a column slice of a wider output is fine);
+    buf: [T, n_slices*R] float32 from lora_shrink; lora_b: [S, sum(slice_sizes), R] in y's dtype.
+    Sums in float32, rounds once to y's dtype. Rows of slot -1 tokens are left exactly untouched.
+    """
+    if _use_triton(y):
+        from .expand import lora_expand_triton
+
+        lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks)
+        return
+    reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks)

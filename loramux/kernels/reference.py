@@ -1,0 +1,107 @@
+"""Pure-torch multi-LoRA shrink/expand: PEFT's mixed-batch semantics (group rows by adapter, add
+B(A(x)) * scaling). The CPU path in production and the oracle in tests (it also runs in float64).
+
+On the CPU the products run in float32 (float64 for float64 input), its fast path; on a GPU they run
+in the weights' dtype with float32 accumulation, as PEFT does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .checks import REF_DTYPES, check_expand, check_shrink
+from .metadata import LoRABatchMeta
+
+__all__ = ["lora_shrink_ref", "lora_expand_ref"]
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _mm_dtype(t: torch.Tensor) -> torch.dtype:
+    return t.dtype if (t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)) else _acc_dtype(t)
+
+
+def _slot_ranks(ranks: torch.Tensor | None, meta: LoRABatchMeta, R: int) -> list[int]:
+    if ranks is None:
+        return [R] * meta.num_active
+    key = ("ref_ranks", ranks.data_ptr(), ranks._version, R)
+    cached = meta._cache.get(key)
+    if cached is None:  # one small copy per (meta, ranks), not per layer call
+        r_all = ranks.tolist()
+        cached = [max(0, min(R, int(r_all[s]))) for s in meta.active_slots_host]
+        meta._cache[key] = cached
+    return cached
+
+
+def lora_shrink_ref(
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    scales: torch.Tensor,
+    meta: LoRABatchMeta,
+    ranks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """buf[t, i*R:(i+1)*R] = (x[t] @ A[slot(t), i*R:(i+1)*R].T) * scales[slot(t), i].
+
+    x: [T, H]; lora_a: [S, n_slices*R, H]; scales: [S, n_slices] float32; ranks: [S] or None.
+    Returns buf: [T, n_slices*R] float32 (float64 for float64 x); rows of slot -1 tokens are 0.
+    """
+    n_slices, R = check_shrink(x, lora_a, scales, meta, ranks, dtypes=REF_DTYPES)
+    T, H = x.shape
+    acc = _acc_dtype(x)
+    mm = _mm_dtype(x)
+    buf = torch.zeros(T, n_slices * R, dtype=acc, device=x.device)
+    if meta.num_active == 0 or R == 0:
+        return buf
+    slot_ranks = _slot_ranks(ranks, meta, R)
+    for (slot, rows), r in zip(meta.segments(), slot_ranks):
+        if r == 0:
+            continue
+        xs = x.index_select(0, rows).to(mm)  # [n, H]
+        a = lora_a[slot].view(n_slices, R, H)[:, :r].reshape(n_slices * r, H).to(mm)  # [n_slices*r, H]
+        out = (xs @ a.t()).to(acc).view(-1, n_slices, r)  # [n, n_slices, r]
+        out = out * scales[slot].to(acc).view(1, n_slices, 1)
+        if r == R:
+            buf.index_copy_(0, rows, out.view(-1, n_slices * R))
+        else:
+            full = torch.zeros(rows.numel(), n_slices, R, dtype=acc, device=x.device)
+            full[:, :, :r] = out
+            buf.index_copy_(0, rows, full.view(-1, n_slices * R))
+    return buf
+
+
+def lora_expand_ref(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+    meta: LoRABatchMeta,
+    ranks: torch.Tensor | None = None,
+) -> None:
+    """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
+
+    y: [T, sum(slice_sizes)] (any strides); buf: [T, n_slices*R] float32; lora_b: [S, sum(n_i), R].
+    The sum is formed in float32 (float64 for float64 y) and rounded once to y's dtype; rows of
+    slot -1 tokens are not touched.
+    """
+    slice_sizes = tuple(slice_sizes) if isinstance(slice_sizes, list) else slice_sizes
+    n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=REF_DTYPES)
+    if meta.num_active == 0 or R == 0:
+        return
+    acc = _acc_dtype(y)
+    mm = _mm_dtype(y)
+    offs = [0]
+    for n in slice_sizes:
+        offs.append(offs[-1] + n)
+    slot_ranks = _slot_ranks(ranks, meta, R)
+    for (slot, rows), r in zip(meta.segments(), slot_ranks):
+        if r == 0:
+            continue
+        bs = buf.index_select(0, rows).view(-1, n_slices, R)[:, :, :r].to(mm)  # [n, n_slices, r]
+        b = lora_b[slot]  # [N, R]
+        delta = torch.cat(
+            [bs[:, i] @ b[offs[i] : offs[i + 1], :r].to(mm).t() for i in range(n_slices)], dim=1
+        )  # [n, N]
+        new = (y.index_select(0, rows).to(acc) + delta.to(acc)).to(y.dtype)
+        y.index_copy_(0, rows, new)

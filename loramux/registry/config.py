@@ -1,0 +1,80 @@
+"""`LoRAConfig`: the bounds of the adapter tiers, validated once when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LoRAConfig", "LORA_DTYPES", "MAX_LORA_RANK_LIMIT"]
+
+MAX_LORA_RANK_LIMIT = 512
+LORA_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(field: str, value: object, low: int, high: int | None = None) -> None:
+    allowed = f"an int >= {low}" if high is None else f"an int from {low} to {high}"
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise ValueError(f"LoRAConfig.{field}: got {value!r}; allowed: {allowed}")
+
+
+@dataclass
+class LoRAConfig:
+    """How many adapters loramux keeps, and how large they may be.
+
+    :param max_loras: GPU slots: distinct adapters usable in one step.
+    :param max_lora_rank: the largest rank an adapter may have (1..512); slots are sized for it.
+    :param max_cpu_loras: adapters kept loaded in host memory; defaults to ``max_loras`` and
+        may not be smaller.
+    :param lora_dtype: dtype of adapter weights: ``"auto"`` (the model's dtype), ``"float16"``,
+        ``"bfloat16"`` or ``"float32"`` (or the matching ``torch.dtype``).
+    :param max_cpu_bytes: optional byte budget for the CPU tier, on top of ``max_cpu_loras``.
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str | torch.dtype = "auto"
+    max_cpu_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_lora_rank", self.max_lora_rank, 1, MAX_LORA_RANK_LIMIT)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _check_int("max_cpu_loras", self.max_cpu_loras, 1)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"LoRAConfig.max_cpu_loras: got {self.max_cpu_loras}; allowed: an int >= "
+                f"max_loras ({self.max_loras}), since every GPU slot is backed by the CPU tier"
+            )
+        if self.max_cpu_bytes is not None:
+            _check_int("max_cpu_bytes", self.max_cpu_bytes, 1)
+        if isinstance(self.lora_dtype, torch.dtype):
+            names = {dtype: name for name, dtype in LORA_DTYPES.items() if dtype is not None}
+            if self.lora_dtype not in names:
+                raise ValueError(
+                    f"LoRAConfig.lora_dtype: got {self.lora_dtype}; allowed: "
+                    "torch.float16, torch.bfloat16, torch.float32 or 'auto'"
+                )
+            self.lora_dtype = names[self.lora_dtype]
+        elif self.lora_dtype not in LORA_DTYPES:
+            raise ValueError(
+                f"LoRAConfig.lora_dtype: got {self.lora_dtype!r}; allowed: {', '.join(LORA_DTYPES)}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype | None:
+        """The adapter dtype as a ``torch.dtype``, or None for "auto" (follow the model)."""
+        return LORA_DTYPES[self.lora_dtype]
