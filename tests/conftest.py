@@ -58,3 +58,71 @@ def make_adapter(tmp_path_factory):
         return save_peft_adapter(model or tiny_llama(), directory, seed=seed, **lora_kwargs)
 
     return make
+
+
+# --- kernels (issue 4) -------------------------------------------------------------------------
+# Without CUDA the Triton kernels run under the interpreter. Triton reads TRITON_INTERPRET when a
+# @triton.jit function is defined, and loramux imports its kernel modules lazily, so setting it here
+# (before any test module is imported) holds for the whole pytest process.
+if not torch.cuda.is_available():
+    import os as _os
+
+    _os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# --- LoRA layers and model patching (issue 5) --------------------------------------------------
+TINY_ARCHS = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
+
+
+def tiny_model(arch: str, seed: int = 0):
+    """A 2-layer random-weight causal LM of ``arch`` (one of TINY_ARCHS), in eval mode."""
+    import transformers
+
+    common = {**TINY_LLAMA, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "mistral": lambda: transformers.MistralConfig(**common),
+        "gemma": lambda: transformers.GemmaConfig(**common, head_dim=8),  # tied, scaled embedding
+        "phi3": lambda: transformers.Phi3Config(**common),  # fused qkv_proj / gate_up_proj
+        "gpt2": lambda: transformers.GPT2Config(  # Conv1D, tied lm_head
+            vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
+            eos_token_id=2,
+        ),
+    }
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(configs[arch]()).eval()
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation engine (issue 6)
+# --------------------------------------------------------------------------------------------------
+
+
+def peft_greedy(adapter_path, prompt_ids: list[int], max_new_tokens: int, *, model=None) -> list[int]:
+    """The oracle: transformers (+ PEFT for an adapter) greedy ``generate`` on one prompt."""
+    from peft import PeftModel
+
+    base = model if model is not None else tiny_llama()
+    runner = base if adapter_path is None else PeftModel.from_pretrained(base, adapter_path)
+    with torch.no_grad():
+        out = runner.generate(
+            input_ids=torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+        )
+    if adapter_path is not None:
+        runner.unload()
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.fixture(scope="session")
+def engine_adapters(make_adapter):
+    """Three PEFT adapters for `tiny_llama()`: attention only, every projection (r=4), MLP down only."""
+    all_projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    return {
+        "attn": make_adapter("attn", seed=11),
+        "all": make_adapter("all", seed=12, r=4, lora_alpha=8, target_modules=all_projections),
+        "mlp": make_adapter("mlp", seed=13, target_modules=["down_proj"]),
+    }

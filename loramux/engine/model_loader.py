@@ -112,7 +112,12 @@ def default_model_path() -> Path:
         tmp.chmod(0o755)  # mkdtemp's 0700 would outlive the rename
         try:
             _convert_gguf(gguf_dir, tmp)
+            _write_marker(tmp)
             os.rename(tmp, target)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not _is_complete(target):  # not beaten to it by a process the lock missed (NFS)
+                raise
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -158,6 +163,13 @@ def _remove_leftovers(target: Path) -> None:
             target.unlink()
 
 
+def _write_marker(model_dir: Path) -> None:
+    """Record every file and its size; written last, so its presence means "complete"."""
+    files = {str(p.relative_to(model_dir)): p.stat().st_size for p in sorted(model_dir.rglob("*")) if p.is_file()}
+    marker = {"format_version": _FORMAT_VERSION, "source": f"{_GGUF_PACKAGE}/{_GGUF_FILE}", "files": files}
+    (model_dir / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+
+
 def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
         raise ModuleNotFoundError(
@@ -178,19 +190,14 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     # float32 keeps the dequantized Q4_1 values exactly; load_model casts to the dtype asked for.
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # The weights are plain tensors now: drop the GGUF "quantization" so the dir loads as usual.
-    model.config.quantization_config = None
-    del model.config.quantization_config
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.hf_quantizer = None
     model.config._name_or_path = _UPSTREAM_ID
     model.generation_config.eos_token_id = tokenizer.eos_token_id  # <|im_end|> ends a chat turn
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    files = {
-        str(p.relative_to(out_dir)): p.stat().st_size for p in sorted(out_dir.rglob("*")) if p.is_file()
-    }
-    marker = {"format_version": _FORMAT_VERSION, "source": f"{_GGUF_PACKAGE}/{_GGUF_FILE}", "files": files}
-    (out_dir / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     print(
         f"loramux: converted {DEFAULT_MODEL_NAME} in {time.perf_counter() - start:.1f} s",
         file=sys.stderr,

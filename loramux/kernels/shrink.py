@@ -17,10 +17,11 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import block_m_for, dot_precision, next_pow2, segment_tile, target_programs
+from .tiles import block_m_for, cdiv, dot_precision, next_pow2, segment_tile, target_programs
 
 
-@triton.jit
+# token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
+@triton.jit(do_not_specialize=["num_active", "k_per_split"])
 def _shrink_kernel(
     x_ptr, a_ptr, scales_ptr, ranks_ptr, buf_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
@@ -48,10 +49,9 @@ def _shrink_kernel(
 
     slot64 = slot.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_lo = pid_k * k_per_split
+    k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per_split, H)
-    if not n_live:
-        k_hi = k_lo
+    k_hi = tl.where(n_live, k_hi, k_lo)
     offs_k = tl.arange(0, BLOCK_K)
     # x: [T, H] gathered rows; A[slot]: [NR, H]
     x_ptrs = x_ptr + tok[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
@@ -73,8 +73,8 @@ def _shrink_kernel(
     out_ptrs = buf_ptr + tok[:, None] * stride_bm + offs_n[None, :] * stride_bn
     out_mask = m_mask[:, None] & (offs_n < NR)[None, :]
     if ATOMIC:
-        if n_live:
-            tl.atomic_add(out_ptrs, acc, mask=out_mask, sem="relaxed")
+        # buf was zeroed: columns past the slot's rank need no atomics
+        tl.atomic_add(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
     else:
         tl.store(out_ptrs, acc, mask=out_mask)  # columns past the rank get exact zeros
 
@@ -90,25 +90,37 @@ class ShrinkConfig:
 
 
 def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device) -> ShrinkConfig:
-    """Heuristic launch shape. Few tiles (decode): narrow rank blocks, then split K until the grid
-    fills the GPU. Many tiles (prefill): one rank block covering every slice, so x is read once."""
+    """Heuristic launch shape, cached on the meta (every layer of a step reuses it).
+
+    Weights dominate the bytes (decode: few tokens per slot): narrow rank blocks spread the
+    weights over programs. Activations dominate (prefill): 64-wide rank blocks, whose programs
+    for one tile run side by side, so x comes from DRAM once and from L2 after. Either way, K is
+    split until the grid fills the GPU; the split shrinks smoothly as tokens grow.
+    """
+    key = ("shrink", NR, H, dtype, device)
+    cfg = meta._cache.get(key)
+    if cfg is not None:
+        return cfg
+    target = target_programs(device)
     block_m = block_m_for(meta)
     n_tiles = max(1, meta.num_tiles(block_m))
-    target = target_programs(device)
-    block_n = min(max(16, next_pow2(NR)), 256)
-    while block_n > 16 and n_tiles * triton.cdiv(NR, block_n) < target:
-        block_n //= 2
-    block_k = 128 if dtype != torch.float32 else 64
-    if block_m * block_n >= 64 * 256:
-        block_k = 64
-    base = n_tiles * triton.cdiv(NR, block_n)
-    k_chunks = triton.cdiv(H, block_k)
+    np2 = min(max(16, next_pow2(NR)), 256)
+    if meta.num_active * NR >= meta.num_lora_tokens:  # weights dominate
+        block_n, block_k, num_stages = np2, 128, 4
+        while block_n > 16 and n_tiles * cdiv(NR, block_n) < target:
+            block_n //= 2
+    else:  # activations dominate: 64-wide rank blocks (wgmma m64n64) re-read x from L2, not DRAM
+        block_n, block_k, num_stages = min(np2, 64), 64, 4
+    if dtype == torch.float32:
+        block_k //= 2
+    base = n_tiles * cdiv(NR, block_n)
     split_k = 1
-    if base < target:
-        # each split keeps >= 4 K-steps so its loads pipeline
-        split_k = max(1, min(target // base, k_chunks // 4))
+    if base < target:  # each split keeps >= 2 K-steps
+        split_k = max(1, min(target // base, cdiv(H, block_k) // 2))
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
-    return ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, num_stages=3 if block_n >= 128 else 4)
+    cfg = ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, num_stages)
+    meta._cache[key] = cfg
+    return cfg
 
 
 def lora_shrink_triton(
@@ -118,29 +130,38 @@ def lora_shrink_triton(
     meta: LoRABatchMeta,
     ranks: torch.Tensor | None = None,
     config: ShrinkConfig | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton shrink; same contract as `loramux.kernels.lora_shrink`. `config` overrides the
-    heuristic launch shape (tests and benchmarks)."""
+    heuristic launch shape (tests and benchmarks); `out` ([T, n_slices*R] float32) receives buf."""
     n_slices, R = check_shrink(x, lora_a, scales, meta, ranks)
     T, H = x.shape
     NR = n_slices * R
     cfg = config or shrink_config(meta, NR, H, x.dtype, x.device)
     n_tiles = meta.num_tiles(cfg.block_m)
-    k_chunks = triton.cdiv(max(H, 1), cfg.block_k)
-    k_per_split = triton.cdiv(k_chunks, cfg.split_k) * cfg.block_k
-    split_k = triton.cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
+    k_chunks = cdiv(max(H, 1), cfg.block_k)
+    k_per_split = cdiv(k_chunks, cfg.split_k) * cfg.block_k
+    split_k = cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
     atomic = split_k > 1
-    buf = (torch.zeros if atomic else torch.empty)(T, NR, dtype=torch.float32, device=x.device)  # [T, NR]
+    if out is None:
+        buf = (torch.zeros if atomic else torch.empty)(T, NR, dtype=torch.float32, device=x.device)  # [T, NR]
+    else:
+        if out.shape != (T, NR) or out.dtype != torch.float32 or out.device != x.device:
+            raise ValueError(f"lora_shrink: out must be a float32 [{T}, {NR}] tensor on {x.device}, "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        buf = out
+        if atomic:
+            buf.zero_()
     if n_tiles == 0 or NR == 0:
         return buf
-    grid = (n_tiles * triton.cdiv(NR, cfg.block_n), split_k)
+    grid = (n_tiles * cdiv(NR, cfg.block_n), split_k)
     _shrink_kernel[grid](
         x, lora_a, scales, ranks if ranks is not None else scales, buf,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         H, NR, R, k_per_split,
         x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
         scales.stride(0), scales.stride(1), buf.stride(0), buf.stride(1),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, A_PAD=max(2, next_pow2(meta.num_slots)),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, A_PAD=max(32, next_pow2(meta.num_slots)),
         HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
         ATOMIC=atomic, PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

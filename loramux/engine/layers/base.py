@@ -1,0 +1,235 @@
+"""`BaseLayerWithLoRA`: the contract every LoRA layer wrapper follows, built-in or from a plugin.
+
+A wrapper keeps the model's own layer as ``base_layer`` and, beside it, one zero-padded copy of
+an adapter per GPU slot, in the layouts the kernels take:
+
+    lora_a_stacked  [max_loras, n_slices * R, in_features]     (model dtype and device)
+    lora_b_stacked  [max_loras, sum(output_sizes), R]
+    lora_scales     [max_loras, n_slices] float32
+    lora_ranks      [max_loras] int32   (0: the slot's adapter does not touch this layer)
+
+with R = ``max_lora_rank``. ``forward`` is the base layer's output plus, for every token, the
+delta of that token's slot, read from the shared `LoRAContext`. A subclass states its sizes in
+``__init__`` and, when its input is not ``[..., in_features]`` activations, overrides
+``apply_lora``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from loramux.engine.layers.context import LoRAContext
+from loramux.kernels import LoRABatchMeta, lora_expand, lora_shrink
+from loramux.registry import LoRAConfig, LoRAModuleWeights
+
+__all__ = ["BaseLayerWithLoRA"]
+
+
+class BaseLayerWithLoRA(nn.Module):
+    """A layer wrapped for multi-LoRA: ``base_layer(x) + scale[slot] * B[slot](A[slot](x))``.
+
+    :param base_layer: the layer to wrap; its parameters are used as they are, never copied.
+    :param module_name: its name in the model (``model.layers.0.self_attn.q_proj``).
+    :param lora_config: ``max_loras`` and ``max_lora_rank`` size the slot tensors.
+    :param in_features: width of the LoRA input (for an embedding: the vocabulary size).
+    :param output_sizes: width of each output slice; one slice unless adapters bring one
+        A/B pair per slice (a fused layer serving adapters trained on its unfused parts).
+    :param slice_names: the adapter module name whose weights fill each slice; defaults to
+        ``(module_name,)``.
+    :param dtype: dtype of the slot tensors; defaults to the base layer's weight dtype (adapter
+        weights are cast on copy, as the kernels compute in the activations' dtype).
+    :param device: defaults to the base layer's weight device.
+    """
+
+    #: PEFT stores an embedding LoRA as ``lora_embedding_A/B``; the loader marks those.
+    is_embedding = False
+
+    def __init__(
+        self,
+        base_layer: nn.Module,
+        module_name: str,
+        lora_config: LoRAConfig,
+        *,
+        in_features: int,
+        output_sizes: Sequence[int],
+        slice_names: Sequence[str] | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.module_name = module_name
+        self.in_features = int(in_features)
+        self.output_sizes = tuple(int(size) for size in output_sizes)
+        self.out_features = sum(self.output_sizes)
+        self.n_slices = len(self.output_sizes)
+        self.slice_names = tuple(slice_names) if slice_names is not None else (module_name,)
+        if len(self.slice_names) != self.n_slices:
+            raise ValueError(
+                f"{type(self).__name__}({module_name!r}): {len(self.slice_names)} slice names "
+                f"for {self.n_slices} output slices"
+            )
+        self.max_loras = lora_config.max_loras
+        self.max_lora_rank = lora_config.max_lora_rank
+        weight = getattr(base_layer, "weight", None)
+        dtype = dtype or (weight.dtype if weight is not None else torch.get_default_dtype())
+        device = device or (weight.device if weight is not None else None)
+        S, R, n = self.max_loras, self.max_lora_rank, self.n_slices
+        zeros = dict(dtype=dtype, device=device)
+        # buffers, so model.to(device) moves them; not persistent, so state_dict is the model's
+        self.register_buffer("lora_a_stacked", torch.zeros(S, n * R, self.in_features, **zeros), persistent=False)
+        self.register_buffer("lora_b_stacked", torch.zeros(S, self.out_features, R, **zeros), persistent=False)
+        self.register_buffer("lora_scales", torch.zeros(S, n, dtype=torch.float32, device=device), persistent=False)
+        self.register_buffer("lora_ranks", torch.zeros(S, dtype=torch.int32, device=device), persistent=False)
+        self._host_ranks = [0] * S  # lora_ranks on the host: skip layers no active slot touches
+        self.lora_context: LoRAContext | None = None  # set by the model manager
+
+    # -- the wrapped layer -------------------------------------------------------------------
+
+    def get_base_layer(self) -> nn.Module:
+        return self.base_layer
+
+    @property
+    def weight(self) -> torch.Tensor:  # what code reading `model.lm_head.weight` expects
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self.base_layer, "bias", None)
+
+    def __setattr__(self, name: str, value) -> None:
+        # transformers ties embeddings with `output_embeddings.weight = input_embeddings.weight`;
+        # keep that working on the wrapped layer
+        if name in ("weight", "bias") and "base_layer" in self._modules:
+            setattr(self.base_layer, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.lora_scales.dtype != torch.float32:  # model.half() must not round the scales
+            self.lora_scales = self.lora_scales.float()
+        if self.lora_ranks.dtype != torch.int32:
+            self.lora_ranks = self.lora_ranks.int()
+        return self
+
+    def extra_repr(self) -> str:
+        return (
+            f"module_name={self.module_name!r}, in={self.in_features}, out={self.output_sizes}, "
+            f"max_loras={self.max_loras}, max_lora_rank={self.max_lora_rank}"
+        )
+
+    # -- slots ----------------------------------------------------------------------------
+
+    def describe_mismatch(self, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> str | None:
+        """Why these weights cannot go into a slot of this layer, or None when they fit."""
+        for name, out, weights in zip(self.slice_names, self.output_sizes, weights_by_slice):
+            if weights is None:
+                continue
+            kind = "embedding LoRA (lora_embedding_A/B)" if weights.is_embedding else "LoRA (lora_A/B)"
+            if weights.is_embedding != self.is_embedding:
+                return (
+                    f"module {name!r} holds a {kind} but the model's layer there is a "
+                    f"{type(self.base_layer).__name__}"
+                )
+            if weights.rank > self.max_lora_rank:
+                return (
+                    f"module {name!r} has rank {weights.rank}, above max_lora_rank="
+                    f"{self.max_lora_rank}"
+                )
+            expected_a, expected_b = (weights.rank, self.in_features), (out, weights.rank)
+            got_a, got_b = tuple(weights.lora_a.shape), tuple(weights.lora_b.shape)
+            if got_a != expected_a or got_b != expected_b:
+                return (
+                    f"module {name!r}: the adapter's A is {list(got_a)} and B is {list(got_b)}, but "
+                    f"the model's {type(self.base_layer).__name__} needs A {list(expected_a)} and "
+                    f"B {list(expected_b)} ([r, in] and [out, r])"
+                )
+        return None
+
+    @torch.no_grad()
+    def set_lora(self, slot: int, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> None:
+        """Copy one adapter's weights into ``slot`` (cast to the slot dtype, zero-padded to R).
+
+        ``weights_by_slice`` holds one entry per output slice; None leaves that slice without
+        LoRA. Copies from pinned host memory into a GPU slot do not block the host.
+        """
+        assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
+        assert len(weights_by_slice) == self.n_slices, "one weights entry per output slice"
+        problem = self.describe_mismatch(weights_by_slice)
+        if problem is not None:
+            raise ValueError(problem)
+        R = self.max_lora_rank
+        lora_a = self.lora_a_stacked[slot]  # [n_slices*R, in]
+        lora_b = self.lora_b_stacked[slot]  # [out, R]
+        scales, rank = [], 0
+        offset = 0
+        for i, (size, weights) in enumerate(zip(self.output_sizes, weights_by_slice)):
+            a_rows = lora_a[i * R : (i + 1) * R]  # [R, in]
+            b_cols = lora_b[offset : offset + size]  # [size, R]
+            offset += size
+            r = 0 if weights is None else weights.rank
+            if r:
+                a_rows[:r].copy_(weights.lora_a, non_blocking=_async(weights.lora_a, a_rows))
+                b_cols[:, :r].copy_(weights.lora_b, non_blocking=_async(weights.lora_b, b_cols))
+            a_rows[r:].zero_()
+            b_cols[:, r:].zero_()
+            scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
+            rank = max(rank, r)
+        self.lora_scales[slot].copy_(torch.tensor(scales, dtype=torch.float32))
+        self.lora_ranks[slot] = rank
+        self._host_ranks[slot] = rank
+
+    @torch.no_grad()
+    def reset_lora(self, slot: int) -> None:
+        """Clear ``slot``: tokens mapped to it get the base layer's output only."""
+        assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
+        if self._host_ranks[slot] == 0:
+            return  # already empty: padding is always zero past a slot's rank
+        self.lora_a_stacked[slot].zero_()
+        self.lora_b_stacked[slot].zero_()
+        self.lora_scales[slot].zero_()
+        self.lora_ranks[slot] = 0
+        self._host_ranks[slot] = 0
+
+    def scale_multiplier(self) -> float:
+        """A factor the base layer applies to its own output after the product (1 for most)."""
+        return 1.0
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def rows_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        """The leading dims of ``x`` that index tokens (all but the feature dim)."""
+        return tuple(x.shape[:-1])
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        output = self.base_layer(x, *args, **kwargs)
+        context = self.lora_context
+        if context is None or context.meta is None:
+            return output
+        meta = context.meta_for(self.rows_shape(x))
+        if not any(self._host_ranks[slot] for slot in meta.active_slots_host):
+            return output  # no token of this batch uses an adapter that touches this layer
+        if not output.is_contiguous():
+            output = output.contiguous()
+        y = output.view(-1, self.out_features)  # [T, out], shares memory with output
+        if y.dtype != self.lora_b_stacked.dtype:  # e.g. autocast: add in the slot dtype
+            delta_y = y.to(self.lora_b_stacked.dtype)
+            self.apply_lora(x, delta_y, meta)
+            y.copy_(delta_y)
+        else:
+            self.apply_lora(x, y, meta)
+        return output
+
+    def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
+        """``y [T, out] += delta``, in place, for activations ``x [..., in_features]``."""
+        x = x.reshape(-1, self.in_features).to(self.lora_a_stacked.dtype)  # [T, in]
+        buf = lora_shrink(x, self.lora_a_stacked, self.lora_scales, meta, self.lora_ranks)  # [T, n*R] f32
+        lora_expand(y, buf, self.lora_b_stacked, self.output_sizes, meta, self.lora_ranks)
+
+
+def _async(source: torch.Tensor, target: torch.Tensor) -> bool:
+    return target.is_cuda and source.device.type == "cpu" and source.is_pinned()

@@ -1,0 +1,78 @@
+"""`LoRAContext`: the per-forward adapter mapping every LoRA layer of one model reads.
+
+The model manager fills it once per forward (`set_mapping`); the layers only read it, so the
+kernel metadata (one host sync) is built once per step, not once per layer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loramux.kernels import LoRABatchMeta, build_lora_meta
+
+__all__ = ["LoRAContext"]
+
+
+class LoRAContext:
+    """Which slot each token of the current forward uses, as kernel metadata.
+
+    :param num_slots: the number of GPU slots (``max_loras``).
+
+    Layers see inputs of one of three row counts:
+
+    - ``T`` rows (every token of the step): ``meta``, built from ``token_slots``;
+    - the rows of the logits (``lm_head`` on the sampled positions only): ``logits_slots`` when
+      the caller gave them, else, for Hugging Face's ``[B, k, H]`` layout (``logits_to_keep=k``
+      on a ``[B, S]`` batch), the last ``k`` tokens of every row of ``token_slots``.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.token_slots: torch.Tensor | None = None  # [T] int32, -1 = no adapter
+        self.meta: LoRABatchMeta | None = None
+        self._logits_meta: LoRABatchMeta | None = None
+        self._derived: dict[tuple[int, ...], LoRABatchMeta] = {}
+
+    def set(self, token_slots: torch.Tensor | None, logits_slots: torch.Tensor | None = None) -> None:
+        """Build the metadata for the next forward; ``None`` means no adapter for any token."""
+        self._derived = {}
+        self._logits_meta = None
+        if token_slots is None:
+            self.token_slots = self.meta = None
+            return
+        self.token_slots = token_slots
+        self.meta = build_lora_meta(token_slots, self.num_slots)
+        if logits_slots is not None:
+            self._logits_meta = build_lora_meta(logits_slots, self.num_slots)
+
+    def meta_for(self, rows_shape: tuple[int, ...]) -> LoRABatchMeta | None:
+        """The metadata for a layer input whose leading (non-feature) dims are ``rows_shape``."""
+        meta = self.meta
+        if meta is None:
+            return None
+        rows = 1
+        for dim in rows_shape:
+            rows *= dim
+        if rows == meta.num_tokens:
+            return meta
+        if self._logits_meta is not None and rows == self._logits_meta.num_tokens:
+            return self._logits_meta
+        derived = self._derived.get(rows_shape)
+        if derived is None:
+            derived = self._derive(rows_shape)
+            self._derived[rows_shape] = derived
+        return derived
+
+    def _derive(self, rows_shape: tuple[int, ...]) -> LoRABatchMeta:
+        batch, keep = (rows_shape[0], rows_shape[1]) if len(rows_shape) == 2 else (0, 0)
+        total = self.meta.num_tokens
+        if batch < 1 or keep < 1 or total % batch or keep > total // batch:
+            raise ValueError(
+                f"a LoRA layer got {rows_shape} rows of input but the mapping holds "
+                f"{total} tokens; pass set_mapping(token_slots, logits_slots=...) with one slot "
+                "per row of the logits when the model computes them on a subset of tokens"
+            )
+        # token_slots: [B, S] -> the last `keep` positions of every row, as HF's logits_to_keep
+        return build_lora_meta(
+            self.token_slots.reshape(batch, -1)[:, -keep:].reshape(-1), self.num_slots
+        )

@@ -1,0 +1,56 @@
+"""LoRA on token embeddings (`nn.Embedding` and subclasses such as Gemma's scaled embedding).
+
+PEFT's embedding LoRA is ``delta = A.T[token_id] @ B.T * scaling`` with A ``[r, vocab]`` and
+B ``[dim, r]``: the shrink is a gather of one column of A per token, the expand is the usual
+kernel. An embedding that scales its own output (``embed_scale``, Gemma) scales the delta too,
+as PEFT does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loramux.engine.layers.base import BaseLayerWithLoRA
+from loramux.kernels import LoRABatchMeta, lora_expand
+from loramux.registry import LoRAConfig
+
+__all__ = ["EmbeddingWithLoRA"]
+
+
+class EmbeddingWithLoRA(BaseLayerWithLoRA):
+    """`nn.Embedding` (weight ``[vocab, dim]``) with one embedding LoRA per slot.
+
+    Slot layout as in the base class with ``in_features = vocab``: ``lora_a_stacked``
+    ``[max_loras, R, vocab]``, ``lora_b_stacked`` ``[max_loras, dim, R]``.
+    """
+
+    is_embedding = True
+
+    def __init__(self, base_layer: nn.Embedding, module_name: str, lora_config: LoRAConfig) -> None:
+        super().__init__(
+            base_layer,
+            module_name,
+            lora_config,
+            in_features=base_layer.num_embeddings,
+            output_sizes=(base_layer.embedding_dim,),
+        )
+
+    def scale_multiplier(self) -> float:
+        embed_scale = getattr(self.base_layer, "embed_scale", None)
+        if embed_scale is None:
+            return 1.0
+        if isinstance(embed_scale, torch.Tensor):
+            # the base layer applies it in its weight dtype; so does PEFT to the delta
+            return float(embed_scale.to(self.lora_b_stacked.dtype))
+        return float(embed_scale)
+
+    def rows_shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        return tuple(x.shape)  # token ids: every dim indexes tokens
+
+    def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
+        token_ids = x.reshape(-1).long()  # [T]
+        slots = meta.token_slots.long().clamp(min=0)  # [T]; rows of slot -1 are ignored by expand
+        # buf: [T, R] f32 = A[slot, :, token] * scale[slot]
+        buf = self.lora_a_stacked[slots, :, token_ids].float() * self.lora_scales[slots]
+        lora_expand(y, buf, self.lora_b_stacked, self.output_sizes, meta, self.lora_ranks)

@@ -1,0 +1,50 @@
+"""LoRA on projections: `nn.Linear` (every Llama/Qwen/Mistral/Gemma/Phi-3 projection, ``lm_head``)
+and transformers' GPT-2 `Conv1D`.
+
+Fused layers (Phi-3 ``qkv_proj`` / ``gate_up_proj``, GPT-2 ``c_attn``) need nothing special here:
+PEFT trains and saves one A/B pair over the fused output, so they are one slice. The base class
+takes several slices for plugins that serve per-part adapters on a fused layer.
+
+``lm_head`` is a plain `LinearWithLoRA`: when the model computes logits on the last positions
+only, `LoRAContext.meta_for` maps those rows to their slots. Tied embeddings stay tied: the
+wrapper reads the base layer's weight, never a copy.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from loramux.engine.layers.base import BaseLayerWithLoRA
+from loramux.registry import LoRAConfig
+
+__all__ = ["LinearWithLoRA", "Conv1DWithLoRA"]
+
+
+class LinearWithLoRA(BaseLayerWithLoRA):
+    """`nn.Linear` (weight ``[out, in]``) with one LoRA per slot."""
+
+    def __init__(self, base_layer: nn.Linear, module_name: str, lora_config: LoRAConfig) -> None:
+        super().__init__(
+            base_layer,
+            module_name,
+            lora_config,
+            in_features=base_layer.in_features,
+            output_sizes=(base_layer.out_features,),
+        )
+
+
+class Conv1DWithLoRA(BaseLayerWithLoRA):
+    """transformers' GPT-2 `Conv1D` (weight ``[in, out]``, PEFT's ``fan_in_fan_out``).
+
+    PEFT still saves A as ``[r, in]`` and B as ``[out, r]``, so only the sizes differ from Linear.
+    """
+
+    def __init__(self, base_layer: nn.Module, module_name: str, lora_config: LoRAConfig) -> None:
+        in_features, out_features = base_layer.weight.shape
+        super().__init__(
+            base_layer,
+            module_name,
+            lora_config,
+            in_features=in_features,
+            output_sizes=(out_features,),
+        )

@@ -1,0 +1,150 @@
+"""`LLM`: offline generation over many adapters at once, as with vLLM.
+
+    from loramux import LLM, LoRARequest, SamplingParams
+    llm = LLM(enable_lora=True, max_loras=2)
+    outputs = llm.generate(
+        ["Name a colour.", "Name a colour.", "Name a colour."],
+        SamplingParams(temperature=0, max_tokens=32),
+        lora_request=[None, LoRARequest("caps", 1, path_a), LoRARequest("json", 2, path_b)],
+    )
+    for out in outputs:
+        print(out.outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from loramux.engine.llm_engine import LLMEngine, PromptType
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampling_params import SamplingParams
+from loramux.registry import LoRARequest
+
+__all__ = ["LLM"]
+
+Conversation = list[dict]
+
+
+class LLM:
+    """A base model serving LoRA adapters, for offline batches.
+
+    :param model: a Hugging Face model id or dir, a shipped dummy config name with
+        ``load_format="dummy"``, an already loaded ``PreTrainedModel``, or None for the embedded
+        default model (SmolLM2-135M-Instruct).
+    :param enable_lora: wrap the model's layers so requests can name adapters.
+    :param max_loras: adapters usable in one step (GPU slots).
+    :param max_lora_rank: the largest adapter rank; slots are sized for it.
+    :param max_cpu_loras: adapters kept loaded in host memory (default ``max_loras``).
+    :param lora_dtype: adapter weight dtype (``"auto"``: the model's).
+    :param dtype: model dtype (``"auto"``: float32 on CPU, bfloat16 on GPU).
+    :param device: defaults to CUDA when available.
+    :param max_num_seqs: sequences running at once (KV cache rows).
+    :param max_model_len: prompt plus output tokens per sequence.
+    :param max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
+    :param load_format: ``"auto"`` (real weights) or ``"dummy"`` (random, from a config).
+    :param lora_modules: adapters to register at start: ``{"name": path}`` or ``["name=path"]``.
+    :param kwargs: the rest of :class:`~loramux.engine.llm_engine.LLMEngine`'s options
+        (``registry``, ``tokenizer``, ``lora_target_modules``, ``seed``).
+    """
+
+    def __init__(self, model=None, *, enable_lora: bool = True, max_loras: int = 1, **kwargs) -> None:
+        self.llm_engine = LLMEngine(model, enable_lora=enable_lora, max_loras=max_loras, **kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt in one continuous batch; outputs come back in prompt order.
+
+        :param prompts: a string, ``{"prompt_token_ids": [...]}``, or a list of them.
+        :param sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
+        :param lora_request: one adapter for all prompts, or one per prompt (None = base model).
+        :param use_tqdm: show a progress bar.
+        :returns: one finished `RequestOutput` per prompt. A request whose adapter failed to load
+            finishes with ``finish_reason="error"`` and its ``error``; the others are unaffected.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        n = len(prompts)
+        params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams) or [SamplingParams()] * n
+        loras = _per_prompt(lora_request, n, "lora_request", LoRARequest) or [None] * n
+        engine = self.llm_engine
+        ids = [f"llm-{next(self._ids)}" for _ in range(n)]
+        added = []
+        try:
+            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
+                engine.add_request(request_id, prompt, p, lora)
+                added.append(request_id)
+        except BaseException:
+            engine.abort_request(added)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Seq[Conversation],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        lora_request: LoRARequest | Seq[LoRARequest | None] | None = None,
+        use_tqdm: bool = True,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations (``[{"role": "user", "content": "..."}]``, or a list
+        of them), formatted with the model's chat template."""
+        tokenizer = self.llm_engine.tokenizer
+        if tokenizer is None:
+            raise ValueError(f"model {self.llm_engine.model_name!r} has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            # the template already holds any BOS token: do not add special tokens again
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        generated = 0
+        try:
+            while len(finished) < len(ids) and engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished and output.request_id in wanted:
+                        finished[output.request_id] = output
+                        generated += len(output.outputs[0].token_ids)
+                        bar.update(1)
+                        bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
+        except BaseException:
+            engine.abort_request([i for i in ids if i not in finished])
+            raise
+        finally:
+            bar.close()
+        return [finished[i] for i in ids]
+
+
+def _per_prompt(value, n: int, name: str, single_type) -> list | None:
+    if value is None:
+        return None
+    if isinstance(value, single_type):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"{name}: got {len(values)} for {n} prompts; give one, or one per prompt")
+    return values

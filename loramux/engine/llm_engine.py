@@ -1,0 +1,308 @@
+"""`LLMEngine`: the step loop. Requests in, one forward per step for all of them, outputs out.
+
+    engine = LLMEngine(enable_lora=True, max_loras=4)
+    engine.add_request("a", "Hello", SamplingParams(max_tokens=32), LoRARequest("caps", 1, path))
+    while engine.has_unfinished_requests():
+        for output in engine.step(): ...
+
+Each step: take the requests and aborts that arrived (``add_request`` and ``abort_request`` are
+safe from any thread), collect the adapter loads that finished beside the loop, schedule, run the
+model once, sample, detokenize, check stops. A request naming an adapter that is not loaded waits
+for its load while the others keep decoding; a failed load finishes only that request, with
+``finish_reason="error"`` and the error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Mapping
+
+import torch
+
+from loramux.engine.adapter_loader import AdapterLoader
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.engine_setup import EngineSetup, build_engine_setup
+from loramux.engine.model_runner import ModelRunner
+from loramux.engine.outputs import RequestOutput
+from loramux.engine.sampler import Sampler
+from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.errors import LoRAError
+from loramux.registry import LoRAAdapter, LoRARequest
+
+__all__ = ["LLMEngine", "PromptType"]
+
+PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} (optionally with "prompt")
+
+
+class LLMEngine:
+    """Continuous batching over one base model with per-request LoRA adapters.
+
+    Arguments are those of :class:`loramux.LLM` (see :mod:`loramux.engine.engine_setup` for the
+    sizing defaults). ``add_request``, ``abort_request`` and the ``*_lora`` methods may be called
+    from any thread; ``step`` from one thread at a time.
+    """
+
+    def __init__(self, model=None, **kwargs) -> None:
+        setup: EngineSetup = build_engine_setup(model, **kwargs)
+        self.setup = setup
+        self.model = setup.model
+        self.tokenizer = setup.tokenizer
+        self.model_name = setup.model_name
+        self.max_model_len = setup.max_model_len
+        self.lora_manager = setup.lora_manager
+        self.registry = setup.registry
+        self.eos_token_ids = setup.eos_token_ids
+        self.kv_cache = setup.kv_cache
+        self.scheduler = Scheduler(
+            setup.kv_cache,
+            max_num_seqs=setup.max_num_seqs,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_loras=setup.max_loras,
+            on_adapter_start=self._activate,
+            on_adapter_end=lambda name: self.lora_manager.unpin(name),
+        )
+        self.runner = ModelRunner(
+            setup.model,
+            setup.kv_cache,
+            sampler=Sampler(setup.device, setup.seed),
+            lora_manager=setup.lora_manager,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_num_seqs=setup.max_num_seqs,
+        )
+        self.loader = AdapterLoader(self._load_adapter, max_workers=setup.max_loading_workers)
+        self._lock = threading.Lock()  # guards the inbox and the request table
+        self._step_lock = threading.RLock()  # one step, or one adapter operation, at a time
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._requests: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        self._lora_names: dict[int, str] = {}  # lora_int_id -> name, for remove_lora(id)
+        for request in setup.lora_modules:
+            self.add_lora(request)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Queue a request; it joins the batch at the next step (after its adapter loads).
+
+        :raises ValueError: a duplicate ``request_id``, an empty or too long prompt, a text
+            prompt without a tokenizer, or an adapter with LoRA disabled.
+        """
+        params = params or SamplingParams()
+        text, token_ids = self._tokenize(prompt)
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(token_ids)} tokens; max_model_len="
+                f"{self.max_model_len} leaves no room to generate. Shorten it or raise max_model_len."
+            )
+        if lora_request is not None and self.lora_manager is None:
+            raise ValueError(
+                f"request {request_id!r} asks for adapter {lora_request.lora_name!r} but LoRA is "
+                "disabled; build the engine with enable_lora=True."
+            )
+        if (params.stop_strings or params.include_stop_str_in_output) and self.tokenizer is None:
+            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this model has none")
+        seq = Sequence(
+            request_id=str(request_id),
+            prompt=text,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival=next(self._arrivals),
+            lora_request=lora_request,
+        )
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer,
+                token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop_strings,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.setup.device).manual_seed(params.seed)
+        with self._lock:
+            if seq.request_id in self._requests:
+                raise ValueError(f"request id {seq.request_id!r} is already in use")
+            self._requests[seq.request_id] = seq
+            self._inbox.append(("add", seq))
+            if lora_request is not None:
+                self._lora_names[lora_request.lora_int_id] = lora_request.lora_name
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests; each finishes with ``finish_reason="abort"`` at the next step."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        with self._lock:
+            self._inbox.extend(("abort", str(i)) for i in ids)
+
+    def has_unfinished_requests(self) -> bool:
+        with self._lock:
+            return bool(self._requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"model {self.model_name!r} has no tokenizer: give prompts as {{'prompt_token_ids': [...]}}"
+                )
+            return prompt, list(self.tokenizer(prompt).input_ids)
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, Mapping) and "prompt" in prompt:
+            return self._tokenize(prompt["prompt"])
+        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; return the requests that got a token or finished in it."""
+        with self._step_lock:
+            touched: dict[str, Sequence] = {}
+            self._drain_inbox(touched)
+            idle = not self.scheduler.has_work()
+            for seq, adapter, error in self.loader.poll(timeout=0.05 if idle else 0.0):
+                if error is not None:
+                    seq.fail(error if isinstance(error, LoRAError) else LoRAError(str(error), adapter=seq.lora_name))
+                    touched[seq.request_id] = seq
+                else:
+                    seq.adapter = adapter
+                    self.scheduler.add(seq)
+            batch = self.scheduler.schedule()
+            for seq in self.scheduler.failed:
+                touched[seq.request_id] = seq
+            self.scheduler.failed.clear()
+            if len(batch):
+                sampled = self.runner.run(batch, self.lora_manager.slot_of if self.lora_manager else None)
+                for seq, n in batch.chunks:
+                    seq.num_computed += n
+                for seq, token in sampled:
+                    seq.append_token(token, self.eos_token_ids, self.max_model_len)
+                    touched[seq.request_id] = seq
+            outputs = []
+            for seq in touched.values():
+                if seq.is_finished:
+                    self.scheduler.finish(seq)
+                    with self._lock:
+                        self._requests.pop(seq.request_id, None)
+                outputs.append(seq.to_output())
+            return outputs
+
+    def _drain_inbox(self, touched: dict[str, Sequence]) -> None:
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        for kind, item in items:
+            if kind == "add":
+                seq: Sequence = item
+                if seq.is_finished:  # aborted before it got here
+                    continue
+                if seq.lora_request is None:
+                    self.scheduler.add(seq)
+                else:
+                    seq.status = SequenceStatus.LOADING_ADAPTER
+                    self.loader.submit(seq)
+            else:
+                with self._lock:
+                    seq = self._requests.get(item)
+                if seq is None or seq.is_finished:
+                    continue
+                if seq.status is SequenceStatus.LOADING_ADAPTER:
+                    self.loader.discard(seq)
+                seq.finish("abort")
+                touched[seq.request_id] = seq
+
+    # -- adapters ------------------------------------------------------------------------------
+
+    def _load_adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """Resolve, load and validate (a worker thread, or the caller of ``add_lora``)."""
+        adapter = self.registry.get(request)
+        self.lora_manager.validate(adapter)
+        return adapter
+
+    def _activate(self, seq: Sequence) -> None:
+        """First running request of an adapter: put it in a GPU slot and pin it there."""
+        adapter = seq.adapter or self.lora_manager.adapter(seq.lora_name)
+        if adapter is None:  # evicted from the GPU since; the CPU tier or its source has it
+            adapter = self._load_adapter(seq.lora_request)
+        self.lora_manager.activate(adapter)
+        self.lora_manager.pin(seq.lora_name)
+
+    def _name_of(self, name_or_id: str | int) -> str:
+        if isinstance(name_or_id, int):
+            if name_or_id not in self._lora_names:
+                raise LoRAError(f"no adapter with lora_int_id={name_or_id} was seen by this engine.")
+            return self._lora_names[name_or_id]
+        return name_or_id
+
+    def _require_lora(self) -> None:
+        if self.lora_manager is None:
+            raise ValueError("LoRA is disabled; build the engine with enable_lora=True")
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register and load an adapter now (blocking), so requests naming it start at once."""
+        self._require_lora()
+        if lora_request.lora_path:
+            self.registry.register(lora_request.lora_name, lora_request.lora_path, lora_request.base_model_name)
+        self._load_adapter(lora_request)
+        with self._lock:
+            self._lora_names[lora_request.lora_int_id] = lora_request.lora_name
+        return True
+
+    def remove_lora(self, name_or_id: str | int) -> bool:
+        """Forget an adapter: unregister it and free its GPU slot and CPU entry.
+
+        :raises LoRAError: running requests use it.
+        """
+        self._require_lora()
+        name = self._name_of(name_or_id)
+        with self._step_lock:
+            if self.scheduler.adapter_refs.get(name):
+                raise LoRAError("it is in use by running requests.", adapter=name, fix="Retry when they finish.")
+            if name in self.scheduler.reserved_loras:
+                self.scheduler.reserved_loras.discard(name)
+                self.lora_manager.unpin(name)
+            removed = self.lora_manager.deactivate(name)
+            return bool(self.registry.unregister(name)) or removed
+
+    def pin_lora(self, name_or_id: str | int) -> bool:
+        """Keep an adapter in a GPU slot until ``remove_lora``; it counts against ``max_loras``."""
+        self._require_lora()
+        name = self._name_of(name_or_id)
+        request = next((LoRARequest(name, i) for i, n in self._lora_names.items() if n == name), None)
+        adapter = self._load_adapter(request or name)
+        with self._step_lock:
+            if name in self.scheduler.reserved_loras:
+                return True
+            in_use = self.scheduler.loras_in_use()
+            if name not in in_use and len(in_use) >= self.scheduler.max_loras:
+                raise LoRAError(
+                    f"all {self.scheduler.max_loras} GPU slots are in use by running or pinned adapters.",
+                    adapter=name,
+                    fix="Raise max_loras, or remove a pinned adapter.",
+                )
+            self.lora_manager.activate(adapter)
+            self.lora_manager.pin(name)
+            self.scheduler.reserved_loras.add(name)
+            return True
+
+    def list_loras(self) -> list[str]:
+        """Adapters this engine knows: registered, loaded on the CPU tier or in a GPU slot."""
+        self._require_lora()
+        return sorted(set(self.registry.list()) | set(self.lora_manager.resident()))
+
+    def close(self) -> None:
+        self.loader.shutdown()

@@ -1,0 +1,120 @@
+"""A request's state from arrival to finish: its tokens, its KV-cache row, its adapter, its output."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from loramux.engine.sampling_params import SamplingParams
+from loramux.errors import LoRAError
+from loramux.registry import LoRAAdapter, LoRARequest
+
+__all__ = ["Sequence", "SequenceStatus"]
+
+
+class SequenceStatus(enum.Enum):
+    LOADING_ADAPTER = "loading_adapter"  # its adapter is being resolved and loaded beside the loop
+    WAITING = "waiting"  # ready, queued for admission
+    RUNNING = "running"  # owns a KV row; prefilling or decoding
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request (vLLM's n=1 sequence group).
+
+    ``num_computed`` counts the tokens whose keys and values are in the cache. A step computes
+    the next ``num_tokens - num_computed`` tokens (or a chunk of them); when it reaches the last
+    token, the step samples a new one. A decode is just a chunk of one token.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int
+    lora_request: LoRARequest | None = None
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    kv_row: int | None = None
+    adapter: LoRAAdapter | None = None  # held from load to admission, so a CPU eviction can't lose it
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    error: LoRAError | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        return self.num_tokens - self.num_computed
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> None:
+        """Add a sampled token; finish on EOS, a stop token or string, max_tokens or max_model_len."""
+        self.output_token_ids.append(token)
+        params = self.params
+        if not params.ignore_eos and token in eos_token_ids:
+            self.finish("stop")
+        elif token in params.stop_token_ids:
+            self.finish("stop", token)
+        elif self.detokenizer is not None and (stop := self.detokenizer.add_token(token)) is not None:
+            self.finish("stop", stop)
+        elif len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.finish("length")
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+        if self.detokenizer is not None:
+            self.detokenizer.flush()
+
+    def fail(self, error: LoRAError) -> None:
+        self.error = error
+        self.finish("error")
+
+    @property
+    def text(self) -> str:
+        return "" if self.detokenizer is None else self.detokenizer.text
+
+    def to_output(self) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=self.text,
+            token_ids=list(self.output_token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[completion],
+            finished=self.is_finished,
+            error=self.error,
+            lora_name=self.lora_name,
+        )

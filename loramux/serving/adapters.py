@@ -1,0 +1,146 @@
+"""Which names the server answers to: the base model's, and adapters with stable int ids.
+
+A request's ``model`` field is either one of the base model's served names or an adapter name.
+Adapters come from ``--lora-modules`` and ``/v1/load_lora_adapter`` (with a path), or are named
+by a client and found on demand through the resolvers (an empty path). Each name keeps one
+``LoRARequest`` (one ``lora_int_id``) for as long as it is known, so concurrent requests for a
+new name share one resolution in the engine (single-flight).
+
+The engine knows adapters by ``LoRARequest.lora_name``. That is the public name, except after
+an in-place reload or while an unloaded adapter still serves running requests: the new weights
+then go to the engine under ``<name>@<id>``, so requests already running keep the old weights
+until they finish and the old version is removed ("retired"). Used on the event loop only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from loramux.errors import AdapterNotFoundError
+from loramux.registry import LoRARequest, validate_adapter_name
+from loramux.serving.errors import APIError
+
+__all__ = ["AdapterBook", "AdapterEntry"]
+
+
+@dataclass
+class AdapterEntry:
+    request: LoRARequest  # what the engine gets; its lora_name may be versioned (<name>@<id>)
+    source: str  # "static" (--lora-modules), "runtime" (load_lora_adapter), "resolved" (on demand)
+    confirmed: bool = True  # a resolved name is listed in /v1/models once a request with it ran
+    path: str | None = None  # where it was loaded from, when known
+
+
+class AdapterBook:
+    """Maps a request's ``model`` to ``None`` (the base model) or a ``LoRARequest``.
+
+    :param served_names: the base model's names; the first is the one responses carry.
+    """
+
+    def __init__(self, served_names: list[str]) -> None:
+        if not served_names:
+            raise ValueError("the base model needs at least one served name")
+        self.served_names = list(served_names)
+        self._entries: dict[str, AdapterEntry] = {}  # public name -> entry
+        self._retiring: dict[str, str] = {}  # engine name -> public name, until the engine drops it
+        self._ids = itertools.count(1)
+
+    @property
+    def base_name(self) -> str:
+        return self.served_names[0]
+
+    # -- serving requests ------------------------------------------------------------------------
+
+    def lookup(self, model: str) -> LoRARequest | None:
+        """The adapter ``model`` names (None for the base model), creating an on-demand entry.
+
+        :raises APIError: 400 when ``model`` is not a valid adapter name; 404 while an unloaded
+            adapter of that name still finishes its running requests.
+        """
+        if model in self.served_names:
+            return None
+        entry = self._entries.get(model)
+        if entry is not None:
+            return entry.request
+        if model in self._retiring:
+            raise APIError(404, f"the adapter {model!r} is being unloaded; it can be loaded again once "
+                           "its running requests finish", param="model", code="model_not_found")
+        request = self._new_request(model, model, "", param="model")
+        self._entries[model] = AdapterEntry(request, "resolved", confirmed=False)
+        return request
+
+    def settle(self, model: str, request: LoRARequest, error: BaseException | None) -> bool:
+        """Record how a request for ``model`` started: its adapter was found, or ``error``.
+
+        A name found on demand is listed from its first success on; one that fails is dropped,
+        so the next request asks the resolvers again. Returns True for the call that settled a
+        pending on-demand lookup (so it is counted once however many requests waited on it).
+        """
+        entry = self._entries.get(model)
+        if entry is None or entry.request != request:
+            return False
+        pending = not entry.confirmed
+        if error is None:
+            entry.confirmed = True
+        elif entry.source == "resolved" and (pending or isinstance(error, AdapterNotFoundError)):
+            del self._entries[model]
+        return pending
+
+    def is_known(self, model: str, request: LoRARequest) -> bool:
+        """Whether ``request`` is what ``model`` names now, registered or found on demand and run."""
+        entry = self._entries.get(model)
+        return entry is not None and entry.request == request and entry.confirmed
+
+    # -- loading and unloading -------------------------------------------------------------------
+
+    def prepare(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """A new ``LoRARequest`` for ``name`` at ``path``, not yet served (see ``commit``).
+
+        :raises APIError: 400 when the name is invalid or the base model's.
+        """
+        engine_name = f"{name}@{next(self._ids)}" if self._engine_name_taken(name) else name
+        return self._new_request(name, engine_name, path, base_model_name, param="lora_name")
+
+    def commit(self, name: str, request: LoRARequest, *, source: str, path: str) -> AdapterEntry | None:
+        """Make ``name`` serve ``request`` from now on; returns the entry it replaced."""
+        previous = self._entries.get(name)
+        self._entries[name] = AdapterEntry(request, source, confirmed=True, path=path)
+        return previous
+
+    def remove(self, name: str) -> AdapterEntry | None:
+        """Stop serving ``name``; the caller retires its engine adapter (``retire``)."""
+        return self._entries.pop(name, None)
+
+    def retire(self, name: str, request: LoRARequest) -> None:
+        """``request``'s adapter is on its way out of the engine: keep its engine name reserved."""
+        self._retiring[request.lora_name] = name
+
+    def retired(self, request: LoRARequest) -> None:
+        """The engine dropped ``request``'s adapter."""
+        self._retiring.pop(request.lora_name, None)
+
+    def get(self, name: str) -> AdapterEntry | None:
+        return self._entries.get(name)
+
+    def listed(self) -> list[tuple[str, AdapterEntry]]:
+        """The adapters /v1/models shows: registered ones and resolved ones that have run."""
+        return [(name, entry) for name, entry in self._entries.items() if entry.confirmed]
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _engine_name_taken(self, engine_name: str) -> bool:
+        return engine_name in self._retiring or any(
+            entry.request.lora_name == engine_name for entry in self._entries.values())
+
+    def _new_request(self, name: str, engine_name: str, path: str, base_model_name: str | None = None,
+                     *, param: str) -> LoRARequest:
+        if name in self.served_names:
+            raise APIError(400, f"{name!r} is the base model's name; pick another name for the adapter",
+                           param=param, code="invalid_adapter_name")
+        try:
+            validate_adapter_name(name)
+            return LoRARequest(engine_name, next(self._ids), path, base_model_name)
+        except ValueError as error:
+            raise APIError(400, f"invalid adapter name: {error}", param=param,
+                           code="invalid_adapter_name") from error

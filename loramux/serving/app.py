@@ -1,0 +1,154 @@
+"""The OpenAI-compatible FastAPI app: its routes, auth, and ``build_app``.
+
+``build_app(engine, config)`` takes any object with the ``LLMEngine`` contract; the engine thread
+starts with the app (lifespan) and stops with it. Every ``/v1`` route needs
+``Authorization: Bearer <key>`` when ``config.api_key`` is set; ``/health`` and ``/metrics`` never do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from loramux.serving import lora_admin
+from loramux.serving.errors import APIError, install_error_handlers
+from loramux.serving.generation import Generation, build_requests, chat_prompt, completion_prompts, run_generation
+from loramux.serving.metrics import CONTENT_TYPE
+from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from loramux.serving.state import ServerConfig, ServerState, get_state
+
+__all__ = ["build_app"]
+
+
+def _check_api_key(request: Request) -> None:
+    key = get_state(request).config.api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                       "with the key the server was started with (--api-key)", code="invalid_api_key")
+
+
+def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
+    name = body.unsupported()
+    if name is not None:
+        raise APIError(400, f"{name}: not supported by loramux; leave it out", param=name,
+                       code="unsupported_parameter")
+
+
+def _generation(state: ServerState, endpoint: str, body: Any, prompts: list[Any], max_tokens: int) -> Generation:
+    lora_request = state.book.lookup(body.model)
+    prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    requests, prompt_of_choice = build_requests(
+        prompts, body.n, lambda sample: state.sampling_params(body, max_tokens, sample), lora_request, prefix)
+    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
+    return Generation(endpoint, body.model, lora_request, requests, body.stream, include_usage, prompt_of_choice)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes
+# ---------------------------------------------------------------------------------------------
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+public = APIRouter()
+
+
+@public.get("/health")
+async def health(request: Request) -> Response:
+    dead = get_state(request).engine.dead
+    if dead is not None:
+        return JSONResponse({"status": "engine_dead", "error": str(dead)}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@public.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_cards(state: ServerState) -> list[ModelCard]:
+    base, max_model_len = state.book.base_name, state.config.max_model_len
+    cards = [ModelCard(id=name, root=base, max_model_len=max_model_len) for name in state.book.served_names]
+    for name, entry in state.book.listed():
+        cards.append(ModelCard(id=name, root=entry.path, parent=base, max_model_len=max_model_len))
+    return cards
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> ModelList:
+    return ModelList(data=_model_cards(get_state(request)))
+
+
+@v1.get("/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> ModelCard:
+    for card in _model_cards(get_state(request)):
+        if card.id == model:
+            return card
+    raise APIError(404, f"the model {model!r} is not loaded (an adapter found on demand is listed "
+                   "after its first request)", param="model", code="model_not_found")
+
+
+@v1.post("/completions")
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    _check_supported(body)
+    max_tokens = body.max_tokens or state.default_max_tokens(None)
+    gen = _generation(state, "completions", body, completion_prompts(body), max_tokens)
+    return await run_generation(state, request, gen)
+
+
+@v1.post("/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    _check_supported(body)
+    tokenizer = getattr(state.engine.engine, "tokenizer", None)
+    prompt = chat_prompt(tokenizer, body, state.config.chat_template)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:  # OpenAI's default: as long as the context allows
+        max_tokens = state.default_max_tokens(len(prompt["prompt_token_ids"]))
+    gen = _generation(state, "chat", body, [prompt], max_tokens)
+    return await run_generation(state, request, gen)
+
+
+v1.include_router(lora_admin.router)
+
+
+# ---------------------------------------------------------------------------------------------
+# The app
+# ---------------------------------------------------------------------------------------------
+
+
+def build_app(engine: Any, config: ServerConfig, *, sampling_params_cls: Any = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``LLMEngine``, or anything with its contract).
+
+    The ``config.lora_modules`` adapters are loaded here, before the app serves anything.
+    """
+    if sampling_params_cls is None:
+        from loramux.engine.sampling_params import SamplingParams as sampling_params_cls
+    state = ServerState(engine, config, sampling_params_cls)
+    lora_admin.register_static_adapters(state, engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        try:
+            yield
+        finally:
+            for task in list(state.background):
+                task.cancel()
+            await asyncio.to_thread(state.engine.stop)
+
+    app = FastAPI(title="loramux", summary="OpenAI-compatible server for many LoRA adapters on one model",
+                  lifespan=lifespan)
+    app.state.loramux = state
+    install_error_handlers(app)
+    app.include_router(public)
+    app.include_router(v1)
+    return app

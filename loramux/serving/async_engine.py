@@ -1,0 +1,259 @@
+"""The bridge between asyncio request handlers and the engine's synchronous step loop.
+
+The ``LLMEngine``'s requests are driven by one thread, the engine thread: it alone calls
+``add_request``, ``abort_request`` and ``step``. Handlers hand it requests and aborts through a
+command queue and never wait on the engine themselves; the engine thread hands each step's outputs
+back to the event loop with one ``call_soon_threadsafe`` per step. (Adapter operations such as
+``add_lora``, which block while an adapter loads and which the engine allows from any thread, run
+in worker threads instead, so they never hold up the step loop.)
+
+Outputs are cumulative (text and token ids so far), so a handler that reads slowly does not need
+every one: a request keeps only its latest output, and a reader always sees the newest state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from loramux.serving.errors import EngineDeadError
+
+__all__ = ["AsyncEngine", "RequestGroup", "SubRequest"]
+
+logger = logging.getLogger(__name__)
+
+# With unfinished requests that produced nothing (all waiting for an adapter to load, say), the
+# loop waits this long for a command instead of spinning on step().
+_IDLE_STEP_WAIT_S = 0.005
+
+
+@dataclass(frozen=True)
+class SubRequest:
+    """One engine request: what ``LLMEngine.add_request`` takes."""
+
+    request_id: str
+    prompt: Any  # a string or {"prompt_token_ids": [...]}
+    params: Any  # SamplingParams
+    lora_request: Any = None  # LoRARequest | None
+
+
+class RequestGroup:
+    """The engine requests behind one HTTP request (one per choice), watched together.
+
+    Lives on the event loop: the engine thread never touches it directly.
+    """
+
+    def __init__(self, requests: Sequence[SubRequest]) -> None:
+        self.requests = list(requests)
+        self.latest: list[Any] = [None] * len(self.requests)  # RequestOutput | None per choice
+        self.submitted_at = time.monotonic()
+        self.first_output_at: float | None = None
+        self._changed: set[int] = set()
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return all(output is not None and output.finished for output in self.latest)
+
+    def _update(self, index: int, output: Any) -> None:
+        if self.first_output_at is None:
+            self.first_output_at = time.monotonic()
+        self.latest[index] = output
+        self._changed.add(index)
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        if self._error is None:
+            self._error = error
+        self._event.set()
+
+    async def changes(self) -> list[int]:
+        """Wait for new outputs; returns the indices of the choices that changed.
+
+        :raises: what the engine raised for one of these requests (the whole group fails).
+        """
+        await self._event.wait()
+        self._event.clear()
+        if self._error is not None:
+            raise self._error
+        changed = sorted(self._changed)
+        self._changed.clear()
+        return changed
+
+
+class AsyncEngine:
+    """Runs an ``LLMEngine``'s step loop in its own thread and serves it to asyncio handlers.
+
+    :param engine: an object with the ``LLMEngine`` contract (add_request, step,
+        has_unfinished_requests, abort_request, ...).
+    """
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.dead: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._groups: dict[str, tuple[RequestGroup, int]] = {}  # request id -> (group, index); loop only
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # -- lifecycle (event loop) -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the engine thread; call from the event loop that will read the outputs."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="loramux-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything in flight and join the engine thread."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def in_flight(self) -> int:
+        """Engine requests submitted and not finished."""
+        return len(self._groups)
+
+    @property
+    def waiting(self) -> int:
+        """Engine requests submitted that have produced no output yet (queued, or their adapter loading)."""
+        return sum(1 for group, index in self._groups.values() if group.latest[index] is None)
+
+    # -- requests (event loop) ------------------------------------------------------------------
+
+    def submit(self, requests: Sequence[SubRequest]) -> RequestGroup:
+        """Hand ``requests`` to the engine; read their outputs from the returned group.
+
+        The caller must ``release`` the group when done with it (``open`` does so), which aborts
+        whatever has not finished: a client that goes away frees its sequences.
+        """
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine stopped after an error: {self.dead}")
+        group = RequestGroup(requests)
+        for index, request in enumerate(group.requests):
+            if request.request_id in self._groups:
+                raise ValueError(f"request id {request.request_id!r} is already in use")
+            self._groups[request.request_id] = (group, index)
+        self._commands.put(lambda: self._add(group.requests))
+        return group
+
+    def release(self, group: RequestGroup) -> None:
+        """Forget ``group``, aborting its unfinished requests in the engine."""
+        unfinished = []
+        for index, request in enumerate(group.requests):
+            if self._groups.pop(request.request_id, None) is None:
+                continue
+            output = group.latest[index]
+            if output is None or not output.finished:
+                unfinished.append(request.request_id)
+        if unfinished and self.dead is None:
+            self._commands.put(lambda: self._abort(unfinished))
+
+    # -- engine thread --------------------------------------------------------------------------
+
+    def _add(self, requests: list[SubRequest]) -> None:
+        for request in requests:
+            try:
+                self.engine.add_request(request.request_id, request.prompt, request.params,
+                                        lora_request=request.lora_request)
+            except Exception as error:  # a bad prompt or parameter fails only this HTTP request
+                self._to_loop(self._fail_request, request.request_id, error)
+                self._abort([r.request_id for r in requests if r is not request])
+                return
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:  # already finished or never added: nothing to free
+                logger.debug("abort_request(%s) failed", request_id, exc_info=True)
+
+    def _run(self) -> None:
+        while True:
+            busy = self._engine_busy()
+            if not self._run_commands(block=not busy, timeout=None):
+                return
+            if not self._engine_busy():
+                continue
+            started = time.monotonic()
+            try:
+                outputs = self.engine.step()
+            except BaseException as error:  # noqa: BLE001 - reported to every waiting handler
+                logger.exception("The engine's step() raised; the server cannot generate any more")
+                self.dead = error
+                self._to_loop(self._fail_all, EngineDeadError(f"the engine stopped after an error: {error!r}"))
+                return
+            if outputs:
+                self._to_loop(self._deliver, outputs)
+            elif time.monotonic() - started < _IDLE_STEP_WAIT_S:
+                if not self._run_commands(block=True, timeout=_IDLE_STEP_WAIT_S):
+                    return
+
+    def _engine_busy(self) -> bool:
+        try:
+            return bool(self.engine.has_unfinished_requests())
+        except Exception:
+            logger.exception("has_unfinished_requests() raised")
+            return False
+
+    def _run_commands(self, *, block: bool, timeout: float | None) -> bool:
+        """Run queued commands (waiting for one first when ``block``); False once stopped."""
+        try:
+            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return not self._stopping
+        while True:
+            if command is None or self._stopping:
+                self._shutdown()
+                return False
+            try:
+                command()
+            except Exception:
+                logger.exception("An engine command raised")
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _shutdown(self) -> None:
+        self._to_loop(self._fail_all, EngineDeadError("the server is shutting down"))
+
+    def _to_loop(self, fn: Callable, *args: Any) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn, *args)
+            except RuntimeError:  # the loop closed in between: nobody is listening any more
+                pass
+
+    # -- delivery (event loop) ------------------------------------------------------------------
+
+    def _deliver(self, outputs: list[Any]) -> None:
+        for output in outputs:
+            entry = self._groups.get(output.request_id)
+            if entry is not None:  # None: released (client gone) while this step ran
+                group, index = entry
+                group._update(index, output)
+
+    def _fail_request(self, request_id: str, error: BaseException) -> None:
+        entry = self._groups.get(request_id)
+        if entry is not None:
+            entry[0]._fail(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for group, _ in list(self._groups.values()):
+            group._fail(error)

@@ -1,0 +1,37 @@
+"""What the server reads from the engine besides outputs: the adapter tiers' counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loramux.serving.metrics import TierStats
+
+__all__ = ["engine_requests", "read_tiers"]
+
+
+def read_tiers(engine: Any) -> dict[str, TierStats]:
+    """Each adapter tier's counters and residents: ``{"cpu": ..., "gpu": ...}``.
+
+    The CPU tier is the registry's ``CPUAdapterCache`` (``.stats``, ``.names()``); the GPU tier is
+    the ``LoRAModelManager`` (``.resident()``, and ``.stats`` with the same fields when it keeps
+    them). An engine without LoRA has neither.
+    """
+    tiers: dict[str, TierStats] = {}
+    cache = getattr(getattr(engine, "registry", None), "cache", None)
+    if cache is not None:
+        tiers["cpu"] = _tier(cache.stats, cache.names())
+    manager = getattr(engine, "lora_manager", None)
+    if manager is not None:
+        tiers["gpu"] = _tier(getattr(manager, "stats", None), manager.resident())
+    return tiers
+
+
+def _tier(stats: Any, resident: list[str]) -> TierStats:
+    counts = {name: getattr(stats, name, None) for name in ("hits", "misses", "loads", "evictions")}
+    return TierStats(**counts, resident=list(resident))
+
+
+def engine_requests(engine: Any) -> int:
+    """Requests the engine holds (``get_num_unfinished_requests``), or -1 if it does not say."""
+    count = getattr(engine, "get_num_unfinished_requests", None)
+    return count() if count is not None else -1

@@ -1,0 +1,297 @@
+"""Completions and chat completions: API request -> engine requests -> JSON or server-sent events.
+
+One HTTP request becomes one engine request per choice (``n`` per prompt). Before anything is
+sent the handler waits for the first output, so a request whose adapter cannot be found or loaded
+gets a plain HTTP error (404/400/...) even with ``stream: true``; after that, a failure arrives as
+an SSE ``error`` event, which the ``openai`` client raises. A client that goes away aborts its
+engine requests (``AsyncEngine.release``), both while waiting and mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from loramux.errors import AdapterNotFoundError, InvalidAdapterError, IncompatibleAdapterError, LoRAError
+from loramux.serving.async_engine import RequestGroup, SubRequest
+from loramux.serving.errors import APIError, EngineDeadError, error_response, to_api_error
+from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
+
+__all__ = ["Generation", "chat_prompt", "completion_prompts", "run_generation"]
+
+# Status for a client that went away before its answer (nginx's convention; nobody reads it).
+_CLIENT_CLOSED = 499
+
+
+@dataclass
+class Generation:
+    """One generation request as the handlers see it."""
+
+    endpoint: str  # "completions" | "chat"
+    model: str  # the request's model field, echoed in responses
+    lora_request: Any  # LoRARequest | None
+    requests: list[SubRequest]
+    stream: bool
+    include_usage: bool
+    prompt_of_choice: list[int] = field(default_factory=list)  # choice index -> prompt index
+
+    @property
+    def object_name(self) -> str:
+        return "chat.completion" if self.endpoint == "chat" else "text_completion"
+
+
+def completion_prompts(request: CompletionRequest) -> list[Any]:
+    """The prompts of a completions request: strings or ``{"prompt_token_ids": [...]}``."""
+    prompt = request.prompt
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(item, int) for item in prompt):
+        return [{"prompt_token_ids": list(prompt)}]
+    return [item if isinstance(item, str) else {"prompt_token_ids": list(item)} for item in prompt]
+
+
+def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None) -> Any:
+    """Render ``request.messages`` with the model's chat template into the prompt the engine takes."""
+    if tokenizer is None:
+        raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions "
+                       "with token ids", param="messages", code="no_tokenizer")
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise APIError(400, "this model has no chat template; start the server with --chat-template "
+                       "FILE, or use /v1/completions", param="messages", code="no_chat_template")
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+    except ValueError as error:
+        raise APIError(400, f"messages: {error}", param="messages", code="invalid_parameter") from error
+    try:  # as LLM.chat does: the template holds any BOS token, so none is added again
+        text = tokenizer.apply_chat_template(messages, chat_template=template,
+                                             add_generation_prompt=request.add_generation_prompt, tokenize=False)
+    except Exception as error:  # a template that raises on these messages (e.g. role order)
+        raise APIError(400, f"messages: the chat template refused them: {error}", param="messages",
+                       code="invalid_parameter") from error
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+
+def build_requests(prompts: list[Any], n: int, make_params: Callable[[int], Any],
+                   lora_request: Any, prefix: str) -> tuple[list[SubRequest], list[int]]:
+    """One engine request per (prompt, choice), ids ``<response id>-<choice>``; and each choice's prompt."""
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    requests, prompt_of_choice = [], []
+    for prompt_index, prompt in enumerate(prompts):
+        for sample in range(n):
+            requests.append(SubRequest(f"{response_id}-{len(requests)}", prompt, make_params(sample), lora_request))
+            prompt_of_choice.append(prompt_index)
+    return requests, prompt_of_choice
+
+
+# ---------------------------------------------------------------------------------------------
+# Running one generation
+# ---------------------------------------------------------------------------------------------
+
+
+async def _until_disconnected(request: Request, awaitable) -> Any:
+    """``await awaitable`` unless the client disconnects first (then raise ``ConnectionAbortedError``)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    raise ConnectionAbortedError("the client disconnected")
+
+
+async def _all_outputs(group: RequestGroup) -> None:
+    while not group.finished:
+        await group.changes()
+        _raise_output_error(group)
+
+
+def _raise_output_error(group: RequestGroup) -> None:
+    for output in group.latest:
+        if output is not None and getattr(output, "error", None) is not None:
+            raise output.error
+        if output is not None and output.outputs and output.outputs[0].finish_reason == "error":
+            raise LoRAError("the engine failed this request without saying why")
+
+
+def _resolution_outcome(error: BaseException | None) -> str:
+    if error is None:
+        return "found"
+    if isinstance(error, AdapterNotFoundError):
+        return "not_found"
+    if isinstance(error, (InvalidAdapterError, IncompatibleAdapterError)):
+        return "invalid"
+    return "error"
+
+
+async def run_generation(state: Any, http_request: Request, gen: Generation) -> Response:
+    """Submit ``gen`` to the engine and answer it, as JSON or as a stream of events."""
+    started = time.monotonic()
+    try:
+        group = state.engine.submit(gen.requests)
+    except EngineDeadError as error:
+        return error_response(to_api_error(error))
+    try:
+        await _until_disconnected(http_request, group.changes())
+        _raise_output_error(group)
+    except BaseException as error:
+        state.engine.release(group)
+        if isinstance(error, ConnectionAbortedError):
+            state.count_request(gen, "cancelled", group)
+            return Response(status_code=_CLIENT_CLOSED)
+        _settle_adapter(state, gen, group, error)
+        if isinstance(error, asyncio.CancelledError):
+            raise
+        state.count_request(gen, "error", group)
+        return error_response(to_api_error(error))
+    _settle_adapter(state, gen, group, None)
+
+    if gen.stream:
+        return StreamingResponse(_stream(state, gen, group, started), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    try:
+        await _until_disconnected(http_request, _all_outputs(group))
+    except ConnectionAbortedError:
+        state.count_request(gen, "cancelled", group)
+        return Response(status_code=_CLIENT_CLOSED)
+    except Exception as error:
+        state.count_request(gen, "error", group)
+        return error_response(to_api_error(error))
+    finally:
+        state.engine.release(group)
+    state.count_request(gen, "ok", group, seconds=time.monotonic() - started)
+    return JSONResponse(_full_response(gen, group))
+
+
+def _settle_adapter(state: Any, gen: Generation, group: RequestGroup, error: BaseException | None) -> None:
+    """Record how the adapter lookup ended: confirm or forget an on-demand name.
+
+    The first request to settle a name found on demand counts the resolution and its latency.
+    """
+    if gen.lora_request is None:
+        return True
+    if state.book.settle(gen.model, gen.lora_request, error):
+        state.metrics.resolutions.labels(_resolution_outcome(error)).inc()
+        if error is None and group.first_output_at is not None:
+            state.metrics.load_seconds.labels("on_demand").observe(group.first_output_at - group.submitted_at)
+
+
+# ---------------------------------------------------------------------------------------------
+# Response bodies
+# ---------------------------------------------------------------------------------------------
+
+
+def _usage(gen: Generation, group: RequestGroup) -> dict:
+    prompt_tokens: dict[int, int] = {}
+    completion_tokens = 0
+    for index, output in enumerate(group.latest):
+        if output is None:
+            continue
+        prompt_tokens[gen.prompt_of_choice[index]] = len(output.prompt_token_ids or ())
+        completion_tokens += len(output.outputs[0].token_ids) if output.outputs else 0
+    prompt = sum(prompt_tokens.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens}
+
+
+def _finish_reason(output: Any) -> str | None:
+    if not output.finished:
+        return None
+    reason = output.outputs[0].finish_reason if output.outputs else None
+    return reason or "stop"
+
+
+def _full_response(gen: Generation, group: RequestGroup) -> dict:
+    choices = []
+    for index, output in enumerate(group.latest):
+        text = output.outputs[0].text if output.outputs else ""
+        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": _finish_reason(output)}
+        if gen.endpoint == "chat":
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choices.append(choice)
+    return {"id": gen.requests[0].request_id.rsplit("-", 1)[0], "object": gen.object_name,
+            "created": int(time.time()), "model": gen.model, "choices": choices,
+            "usage": _usage(gen, group)}
+
+
+def _sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+async def _stream(state: Any, gen: Generation, group: RequestGroup, started: float) -> AsyncIterator[str]:
+    """The SSE body: one chunk per choice per step (text deltas), then usage, then ``[DONE]``."""
+    response_id = gen.requests[0].request_id.rsplit("-", 1)[0]
+    created = int(time.time())
+    object_name = "chat.completion.chunk" if gen.endpoint == "chat" else "text_completion"
+    sent = [0] * len(gen.requests)  # characters of each choice's text already sent
+    done = [False] * len(gen.requests)
+
+    def chunk(choices: list[dict], usage: dict | None = None) -> str:
+        body: dict[str, Any] = {"id": response_id, "object": object_name, "created": created,
+                                "model": gen.model, "choices": choices}
+        if gen.include_usage:
+            body["usage"] = usage
+        return _sse(body)
+
+    status = "cancelled"
+    try:
+        if gen.endpoint == "chat":  # OpenAI sends the role first, alone
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                          "finish_reason": None} for i in range(len(gen.requests))])
+        changed = list(range(len(gen.requests)))
+        while True:
+            choices = []
+            for index in changed:
+                output = group.latest[index]
+                if output is None or done[index]:
+                    continue
+                text = output.outputs[0].text if output.outputs else ""
+                delta, sent[index] = text[sent[index]:], len(text)
+                reason = _finish_reason(output)
+                done[index] = reason is not None
+                if not delta and reason is None:
+                    continue
+                if gen.endpoint == "chat":
+                    body = {"delta": {"content": delta} if delta else {}}
+                else:
+                    body = {"text": delta}
+                choices.append({"index": index, **body, "logprobs": None, "finish_reason": reason})
+            if choices:
+                yield chunk(choices)
+            if all(done):
+                break
+            changed = await group.changes()
+            _raise_output_error(group)
+        if gen.include_usage:
+            yield _sse({"id": response_id, "object": object_name, "created": created, "model": gen.model,
+                        "choices": [], "usage": _usage(gen, group)})
+        status = "ok"
+        yield _sse("[DONE]")
+    except Exception as error:  # mid-stream failure: an error event the openai client raises
+        status = "error"
+        yield _sse(to_api_error(error).body())
+        yield _sse("[DONE]")
+    finally:  # also runs when the client disconnects and the stream is cancelled
+        state.engine.release(group)
+        seconds = time.monotonic() - started if status == "ok" else None
+        state.count_request(gen, status, group, seconds=seconds)
+

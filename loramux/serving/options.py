@@ -1,0 +1,100 @@
+"""The ``loramux serve`` flags, named as vLLM names them (``vllm serve --help``).
+
+Kept apart from the server so that building the CLI parser imports neither FastAPI nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+__all__ = ["add_serve_arguments", "parse_lora_module"]
+
+API_KEY_ENV = "LORAMUX_API_KEY"
+RUNTIME_UPDATING_ENV = "LORAMUX_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def parse_lora_module(text: str) -> tuple[str, str, str | None]:
+    """``name=path`` or ``{"name": ..., "path": ..., "base_model_name": ...}`` -> (name, path, base)."""
+    if text.lstrip().startswith("{"):
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"--lora-modules {text!r}: not valid JSON ({error})") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str) or not isinstance(spec.get("path"), str):
+            raise argparse.ArgumentTypeError(
+                f"--lora-modules {text!r}: the JSON form needs string fields \"name\" and \"path\" "
+                "(and optionally \"base_model_name\")")
+        base = spec.get("base_model_name")
+        return spec["name"], spec["path"], str(base) if base else None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(
+            f"--lora-modules {text!r}: expected NAME=PATH or a JSON object "
+            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    return name, path, None
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` flags to ``parser`` (the resolver flags are the CLI's shared ones)."""
+    parser.add_argument(
+        "model", nargs="?", default=None, metavar="MODEL",
+        help="a Hugging Face model id or local model dir (with --load-format dummy, also a shipped "
+        "config name); default: the embedded SmolLM2-135M-Instruct, with its demo adapters registered")
+    parser.add_argument(
+        "--served-model-name", nargs="+", metavar="NAME",
+        help="the names clients use for the base model (the first is echoed in responses); "
+        "default: MODEL as given, or the embedded model's name")
+
+    http = parser.add_argument_group("HTTP")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on; 0 picks a free one "
+                      "(default: %(default)s)")
+    http.add_argument(
+        "--api-key", default=os.environ.get(API_KEY_ENV) or None,
+        help=f"require 'Authorization: Bearer KEY' on every /v1 route (env {API_KEY_ENV})")
+    http.add_argument(
+        "--allow-runtime-lora-updating", action="store_true", default=_env_flag(RUNTIME_UPDATING_ENV),
+        help="enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter; without it they answer "
+        f"403 (env {RUNTIME_UPDATING_ENV}=1)")
+    http.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
+                      help="a Jinja chat template (or a file holding one) replacing the tokenizer's")
+    http.add_argument("--uvicorn-log-level", default="info",
+                      choices=["critical", "error", "warning", "info", "debug", "trace"])
+    http.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")
+
+    lora = parser.add_argument_group("LoRA")
+    lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=True,
+                      help="serve LoRA adapters (default: on)")
+    lora.add_argument("--max-loras", type=int, default=None, metavar="N",
+                      help="adapters usable in one step (GPU slots); default 1, or with the embedded "
+                      "model as many as it has demo adapters")
+    lora.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
+                      help="the largest adapter rank (default: %(default)s)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
+                      help="adapters kept loaded in host memory (default: --max-loras)")
+    lora.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
+                      help="adapter weight dtype (default: the model's)")
+    lora.add_argument(
+        "--lora-modules", nargs="+", action="extend", type=parse_lora_module, default=[], metavar="SPEC",
+        help="adapters to serve from the start: NAME=PATH, or JSON "
+        "'{\"name\": \"sql\", \"path\": \"/adapters/sql\", \"base_model_name\": \"...\"}'")
+    lora.add_argument(
+        "--lora-resolver", nargs="+", action="extend", default=[], metavar="NAME",
+        help="resolvers to ask for adapters not registered, in this order (like --lora-resolvers "
+        "A,B); `loramux plugins --all` lists them")
+
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                        help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
+    engine.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA if present)")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
+    engine.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
+    engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                        help="'dummy': random weights from the model's config (benchmarks)")
+    engine.add_argument("--seed", type=int, default=0, help="seed for sampling (default: %(default)s)")

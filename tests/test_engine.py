@@ -1,0 +1,240 @@
+"""The generation engine against its oracle: transformers + PEFT greedy generate, per request.
+
+Tiny random Llamas on CPU; every test runs in well under a few seconds.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from conftest import peft_greedy, tiny_llama
+
+from loramux import LoRARequest, SamplingParams
+from loramux.engine.llm import LLM
+from loramux.engine.llm_engine import LLMEngine
+from loramux.errors import AdapterNotFoundError, IncompatibleAdapterError, LoRAError
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def prompts(*lengths: int, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 128, (n,), generator=generator).tolist() for n in lengths]
+
+
+def engine(**kwargs) -> LLMEngine:
+    options = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64)
+    options.update(kwargs)
+    return LLMEngine(tiny_llama(), **options)
+
+
+def run_to_end(engine: LLMEngine, max_steps: int = 500) -> dict[str, object]:
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert not engine.has_unfinished_requests()
+    return finished
+
+
+def test_mixed_batch_matches_peft_greedy(engine_adapters):
+    """Base + three adapters (two slots), prompts of 1 to 30 tokens, chunked prefill, 4 rows."""
+    names = [None, "attn", "all", "mlp", "attn", None, "all", "mlp"]
+    ids = {"attn": 1, "all": 2, "mlp": 3}
+    requests = [None if n is None else LoRARequest(n, ids[n], str(engine_adapters[n])) for n in names]
+    batch = prompts(5, 17, 3, 9, 30, 1, 4, 12)
+    llm = LLM(tiny_llama(), max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, lora_request=requests, use_tqdm=False)
+    for name, prompt, out in zip(names, batch, outputs):
+        completion = out.outputs[0]
+        assert out.error is None and completion.finish_reason == "length"
+        path = None if name is None else engine_adapters[name]
+        assert completion.token_ids == peft_greedy(path, prompt, 10), f"adapter {name}, prompt of {len(prompt)}"
+
+
+def test_requests_join_while_others_decode(engine_adapters):
+    eng = engine(max_num_batched_tokens=8)
+    attn = LoRARequest("attn", 1, str(engine_adapters["attn"]))
+    mlp = LoRARequest("mlp", 3, str(engine_adapters["mlp"]))
+    early, late = prompts(6, 11, seed=2), prompts(14, 2, 7, seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng.add_request("e0", {"prompt_token_ids": early[0]}, params, attn)
+    eng.add_request("e1", {"prompt_token_ids": early[1]}, params)
+    tokens_before = {}
+    for _ in range(5):  # the early ones are decoding now
+        for out in eng.step():
+            tokens_before[out.request_id] = len(out.outputs[0].token_ids)
+    assert tokens_before and all(n > 0 for n in tokens_before.values())
+    eng.add_request("l0", {"prompt_token_ids": late[0]}, params, mlp)
+    eng.add_request("l1", {"prompt_token_ids": late[1]}, params, attn)
+    eng.add_request("l2", {"prompt_token_ids": late[2]}, params)
+    finished = run_to_end(eng)
+    expected = {
+        "e0": (engine_adapters["attn"], early[0]),
+        "e1": (None, early[1]),
+        "l0": (engine_adapters["mlp"], late[0]),
+        "l1": (engine_adapters["attn"], late[1]),
+        "l2": (None, late[2]),
+    }
+    for request_id, (path, prompt) in expected.items():
+        assert finished[request_id].outputs[0].token_ids == peft_greedy(path, prompt, 12), request_id
+
+
+def test_adapter_failing_validation_fails_only_its_request(engine_adapters, make_adapter):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import TINY_LLAMA
+
+    wider = LlamaForCausalLM(LlamaConfig(**{**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 96})).eval()
+    bad = make_adapter("wider", model=wider)
+    eng = engine()
+    batch = prompts(4, 6, 5)
+    eng.add_request("good", {"prompt_token_ids": batch[0]}, GREEDY, LoRARequest("attn", 1, str(engine_adapters["attn"])))
+    eng.add_request("bad", {"prompt_token_ids": batch[1]}, GREEDY, LoRARequest("wider", 7, str(bad)))
+    eng.add_request("missing", {"prompt_token_ids": batch[2]}, GREEDY, LoRARequest("nowhere", 8, "/does/not/exist"))
+    eng.add_request("base", {"prompt_token_ids": batch[2]}, GREEDY)
+    finished = run_to_end(eng)
+    assert finished["bad"].outputs[0].finish_reason == "error"
+    assert isinstance(finished["bad"].error, IncompatibleAdapterError) and "wider" in str(finished["bad"].error)
+    assert isinstance(finished["missing"].error, AdapterNotFoundError)
+    assert finished["good"].outputs[0].token_ids == peft_greedy(engine_adapters["attn"], batch[0], 10)
+    assert finished["base"].outputs[0].token_ids == peft_greedy(None, batch[2], 10)
+    assert finished["good"].error is None and finished["base"].error is None
+
+
+def test_stops_eos_stop_token_max_tokens_and_max_model_len():
+    prompt = prompts(5)[0]
+    reference = peft_greedy(None, prompt, 12)
+    model = tiny_llama()
+    model.generation_config.eos_token_id = reference[3]
+    first_eos = reference.index(reference[3])
+    eng = LLMEngine(model, enable_lora=False, max_num_seqs=4, max_model_len=12)
+    p = {"prompt_token_ids": prompt}
+    eng.add_request("eos", p, SamplingParams(temperature=0, max_tokens=12))
+    eng.add_request("ignore", p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    eng.add_request("stop_id", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[reference[1]]))
+    eng.add_request("model_len", p, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+    out = {k: v.outputs[0] for k, v in run_to_end(eng).items()}
+    assert (out["eos"].token_ids, out["eos"].finish_reason) == (reference[: first_eos + 1], "stop")
+    assert (out["ignore"].token_ids, out["ignore"].finish_reason) == (reference[:6], "length")
+    first_stop = reference.index(reference[1])
+    assert out["stop_id"].token_ids == reference[: first_stop + 1]
+    assert (out["stop_id"].finish_reason, out["stop_id"].stop_reason) == ("stop", reference[1])
+    assert (out["model_len"].token_ids, out["model_len"].finish_reason) == (reference[:7], "length")
+    with pytest.raises(ValueError, match="max_model_len"):
+        eng.add_request("too_long", {"prompt_token_ids": list(range(3, 15))}, GREEDY)
+
+
+def test_adapter_loads_beside_the_step_loop(engine_adapters):
+    """A slow adapter source delays only its own request; base requests decode meanwhile."""
+    from loramux.registry import load_adapter
+
+    release = threading.Event()
+
+    class SlowRegistry:
+        def get(self, request):
+            release.wait(10)
+            return load_adapter(request.lora_path, name=request.lora_name)
+
+    eng = engine(registry=SlowRegistry())
+    slow = LoRARequest("attn", 1, str(engine_adapters["attn"]))
+    a, b = prompts(4, 5, seed=4)
+    eng.add_request("slow", {"prompt_token_ids": a}, GREEDY, slow)
+    eng.add_request("base", {"prompt_token_ids": b}, GREEDY)
+    seen = {}
+    for _ in range(6):
+        for out in eng.step():
+            seen[out.request_id] = out
+    assert "slow" not in seen and len(seen["base"].outputs[0].token_ids) == 6
+    release.set()
+    finished = run_to_end(eng)
+    assert finished["slow"].outputs[0].token_ids == peft_greedy(engine_adapters["attn"], a, 10)
+
+
+def test_resolver_exception_fails_only_its_request():
+    class BrokenRegistry:
+        def get(self, request):
+            raise RuntimeError("the bucket is on fire")
+
+    eng = engine(registry=BrokenRegistry())
+    a, b = prompts(4, 5, seed=5)
+    eng.add_request("broken", {"prompt_token_ids": a}, GREEDY, LoRARequest("x", 1))
+    eng.add_request("base", {"prompt_token_ids": b}, GREEDY)
+    finished = run_to_end(eng)
+    error = finished["broken"].error
+    assert isinstance(error, LoRAError) and "bucket is on fire" in str(error) and "'x'" in str(error)
+    assert finished["base"].outputs[0].token_ids == peft_greedy(None, b, 10)
+
+
+def test_abort_and_duplicate_ids():
+    eng = engine()
+    a, b = prompts(4, 5, seed=6)
+    eng.add_request("a", {"prompt_token_ids": a}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    eng.add_request("b", {"prompt_token_ids": b}, GREEDY)
+    with pytest.raises(ValueError, match="already in use"):
+        eng.add_request("a", {"prompt_token_ids": a}, GREEDY)
+    eng.step()
+    eng.abort_request("a")
+    finished = run_to_end(eng)
+    assert finished["a"].outputs[0].finish_reason == "abort"
+    assert finished["b"].outputs[0].token_ids == peft_greedy(None, b, 10)
+    assert eng.kv_cache.num_free == eng.kv_cache.rows  # every row came back
+
+
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy():
+    eng = engine(enable_lora=False)
+    p = {"prompt_token_ids": prompts(6, seed=7)[0]}
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=8, seed=123, ignore_eos=True)
+    eng.add_request("s1", p, seeded)
+    eng.add_request("other", p, SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))
+    eng.add_request("top1", p, SamplingParams(temperature=1.0, top_k=1, max_tokens=8, ignore_eos=True))
+    first = run_to_end(eng)
+    eng.add_request("s2", p, seeded)  # alone in its batch this time
+    second = run_to_end(eng)
+    assert first["s1"].outputs[0].token_ids == second["s2"].outputs[0].token_ids
+    assert first["top1"].outputs[0].token_ids == peft_greedy(None, p["prompt_token_ids"], 8)
+
+
+def test_lora_admin_add_pin_list_remove(engine_adapters):
+    eng = engine(max_loras=2)
+    eng.add_lora(LoRARequest("attn", 1, str(engine_adapters["attn"])))
+    eng.add_lora(LoRARequest("mlp", 3, str(engine_adapters["mlp"])))
+    assert {"attn", "mlp"} <= set(eng.list_loras())
+    assert eng.pin_lora("attn") and eng.lora_manager.slot_of("attn") is not None
+    p = prompts(5, seed=8)[0]
+    # a request by name only: the registry knows the path from add_lora
+    eng.add_request("r", {"prompt_token_ids": p}, GREEDY, LoRARequest("mlp", 3))
+    finished = run_to_end(eng)
+    assert finished["r"].outputs[0].token_ids == peft_greedy(engine_adapters["mlp"], p, 10)
+    assert eng.remove_lora(3) and eng.remove_lora("attn")
+    assert eng.lora_manager.resident() == []
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "mistral", "gemma"])
+def test_other_architectures_match_transformers(model_type):
+    """The attention hook works for Qwen2 (biases), Mistral (sliding window) and Gemma."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TINY_LLAMA
+
+    extra = {"mistral": {"sliding_window": 6}, "gemma": {"head_dim": 8}}.get(model_type, {})
+    config = AutoConfig.for_model(model_type, **TINY_LLAMA, **extra)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(config).eval()
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config)).eval()  # the engine changes its config
+    model.load_state_dict(reference.state_dict())
+    batch = prompts(3, 13, 9, seed=9)
+    eng = LLMEngine(model, enable_lora=False, max_num_seqs=2, max_model_len=40, max_num_batched_tokens=8)
+    for i, p in enumerate(batch):
+        eng.add_request(str(i), {"prompt_token_ids": p}, GREEDY)
+    finished = run_to_end(eng)
+    for i, p in enumerate(batch):
+        assert finished[str(i)].outputs[0].token_ids == peft_greedy(None, p, 10, model=reference), (model_type, i)

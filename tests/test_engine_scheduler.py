@@ -1,0 +1,116 @@
+"""The scheduler alone: token budget, KV rows, at most max_loras adapters per step, no starvation."""
+
+from __future__ import annotations
+
+import itertools
+
+from conftest import TINY_LLAMA
+from transformers import LlamaConfig
+
+from loramux import LoRARequest, SamplingParams
+from loramux.engine.kv_cache import KVCache
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import Sequence
+from loramux.errors import CacheFullError
+
+_arrivals = itertools.count()
+
+
+def seq(name: str | None = None, prompt_len: int = 4, max_tokens: int = 3) -> Sequence:
+    lora = None if name is None else LoRARequest(name, sum(map(ord, name)))
+    return Sequence(
+        request_id=f"r{next(_arrivals)}",
+        prompt=None,
+        prompt_token_ids=[5] * prompt_len,
+        params=SamplingParams(max_tokens=max_tokens),
+        arrival=next(_arrivals),
+        lora_request=lora,
+    )
+
+
+def scheduler(rows: int = 4, budget: int = 64, max_loras: int = 1, **kwargs) -> Scheduler:
+    kv = KVCache(LlamaConfig(**TINY_LLAMA), rows=rows, max_len=32, dtype=__import__("torch").float32, device="cpu")
+    return Scheduler(kv, max_num_seqs=rows, max_num_batched_tokens=budget, max_loras=max_loras, **kwargs)
+
+
+def advance(s: Scheduler) -> list[Sequence]:
+    """Pretend the step ran: count computed tokens, sample, finish those at max_tokens."""
+    batch = s.schedule()
+    for q, n in batch.chunks:
+        q.num_computed += n
+        if q.num_computed == q.num_tokens:
+            q.output_token_ids.append(7)
+            if len(q.output_token_ids) >= q.params.max_tokens:
+                q.finish("length")
+                s.finish(q)
+    return [q for q, _ in batch.chunks]
+
+
+def test_decodes_first_then_chunked_prefill_within_the_budget():
+    s = scheduler(rows=3, budget=8, max_loras=2)
+    a, b, c = seq(prompt_len=6), seq(prompt_len=6), seq(prompt_len=2)
+    for q in (a, b, c):
+        s.add(q)
+    assert [(q, n) for q, n in s.schedule().chunks] == [(a, 6), (b, 2)]  # b's prompt is split
+    a.num_computed, b.num_computed = 6, 2
+    a.output_token_ids.append(1)
+    assert [(q, n) for q, n in s.schedule().chunks] == [(a, 1), (b, 4), (c, 2)]
+    assert s.kv.num_free == 0
+
+
+def test_at_most_max_loras_adapters_per_step():
+    s = scheduler(rows=8, max_loras=2)
+    for name in ["x", "y", "z", "x", None]:
+        s.add(seq(name))
+    names = {q.lora_name for q, _ in s.schedule().chunks}
+    assert names == {"x", "y", None}  # z waits; the x behind it waits too; base goes ahead
+    assert [q.lora_name for q in s.waiting] == ["z", "x"]
+
+
+def test_a_request_whose_adapter_is_not_resident_is_not_starved():
+    """A steady stream of requests for the running adapter must not keep 'b' out forever."""
+    s = scheduler(rows=4, max_loras=1)
+    s.add(seq("a"))
+    advance(s)
+    blocked = seq("b")
+    s.add(blocked)
+    admitted_at = None
+    for step in range(30):
+        s.add(seq("a"))  # more work for the running adapter every step
+        ran = advance(s)
+        if blocked in ran:
+            admitted_at = step
+            break
+        assert all(q.lora_name in ("a", None) for q in ran)
+    assert admitted_at is not None and admitted_at < 10
+
+
+def test_a_failed_activation_fails_only_that_request():
+    def activate(q):
+        if q.lora_name == "broken":
+            raise CacheFullError("no room", adapter="broken")
+
+    released = []
+    s = scheduler(rows=4, max_loras=2, on_adapter_start=activate, on_adapter_end=released.append)
+    ok, broken = seq("fine", max_tokens=1), seq("broken")
+    s.add(broken)
+    s.add(ok)
+    advance(s)
+    assert broken.finish_reason == "error" and s.failed == [broken]
+    assert ok.is_finished and released == ["fine"] and not s.adapter_refs
+    assert s.kv.num_free == 4
+
+
+def test_pinned_adapters_hold_slots_and_skip_the_queue():
+    s = scheduler(rows=8, max_loras=2)
+    s.reserved_loras = {"pinned"}
+    s.add(seq("a"))
+    advance(s)  # 'a' runs: both slots are in use now
+    blocked, pinned_request = seq("b"), seq("pinned")
+    s.add(blocked)
+    s.add(pinned_request)
+    ran = advance(s)
+    assert pinned_request in ran and blocked not in ran
+    s.reserved_loras = {"pinned", "other"}  # every slot pinned: a request for another adapter fails
+    advance(s)
+    assert blocked.finish_reason == "error" and isinstance(blocked.error, CacheFullError)

@@ -1,0 +1,456 @@
+"""Multi-LoRA kernels (issue 4): Triton vs a float64 torch reference, the reference vs a per-token
+loop, metadata, argument checks and dispatch.
+
+Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set in conftest.py) in float32 and
+float16; `gpu` tests run the same matrix plus bfloat16 and large shapes on CUDA.
+Outputs are poisoned first, rows of tokens without an adapter are compared bit for bit, and the
+error check fails on NaN.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from loramux.kernels import LoRABatchMeta, build_lora_meta, lora_expand, lora_shrink, reference
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+HAS_CUDA = torch.cuda.is_available()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1 before triton loads (conftest sets it without CUDA)"
+)
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+@dataclass(frozen=True)
+class Case:
+    T: int
+    H: int
+    S: int
+    R: int
+    slice_sizes: tuple[int, ...]
+    mapping: str  # random | partly_empty | none | one | reversed
+    per_slot_ranks: bool
+
+    def __str__(self):
+        return (f"T{self.T}-H{self.H}-S{self.S}-R{self.R}-n{'x'.join(map(str, self.slice_sizes))}"
+                f"-{self.mapping}{'-ranks' if self.per_slot_ranks else ''}")
+
+
+def make_slots(case: Case, gen: torch.Generator) -> torch.Tensor:
+    T, S = case.T, case.S
+    if case.mapping == "none":
+        return torch.full((T,), -1, dtype=torch.int32)
+    if case.mapping == "one":
+        return torch.full((T,), S - 1, dtype=torch.int32)
+    if case.mapping == "partly_empty":  # a few slots used, a third of the tokens without adapter
+        used = torch.randperm(S, generator=gen)[: max(1, S // 3)]
+        slots = used[torch.randint(0, used.numel(), (T,), generator=gen)]
+        slots[torch.rand(T, generator=gen) < 0.33] = -1
+        return slots.to(torch.int32)
+    if case.mapping == "reversed":  # descending runs: sorted the wrong way round
+        return torch.sort(torch.randint(-1, S, (T,), generator=gen), descending=True).values.to(torch.int32)
+    return torch.randint(-1, S, (T,), generator=gen, dtype=torch.int32)
+
+
+def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int):
+    """x, A, B, scales, ranks, slots; weights past each slot's rank are zero (as the slot manager
+    stores them)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = len(case.slice_sizes)
+    NR, N = n * case.R, sum(case.slice_sizes)
+    x = torch.randn(case.T, case.H, generator=gen)
+    A = torch.randn(case.S, NR, case.H, generator=gen) / case.H ** 0.5
+    B = torch.randn(case.S, N, case.R, generator=gen) / case.R ** 0.5
+    scales = torch.rand(case.S, n, generator=gen) * 1.5 + 0.5
+    ranks = None
+    if case.per_slot_ranks:
+        ranks = torch.randint(0, case.R + 1, (case.S,), generator=gen, dtype=torch.int32)
+        keep = torch.arange(case.R)[None, :] < ranks[:, None]  # [S, R]
+        A = A * keep.repeat(1, n)[:, :, None]
+        B = B * keep[:, None, :]
+        ranks = ranks.to(device)
+    slots = make_slots(case, gen)
+    to = dict(device=device)
+    return (x.to(dtype=dtype, **to), A.to(dtype=dtype, **to), B.to(dtype=dtype, **to),
+            scales.to(**to), ranks, slots.to(**to))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere gives inf (never passes)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern, so NaN payloads and -0.0 compare exactly."""
+    view = {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.contiguous().view(view)
+
+
+TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def check_pipeline(case: Case, dtype, device, seed, shrink, expand, y_offset=3):
+    """Run shrink then expand (given callables) and compare both with the float64 reference.
+
+    y is a column window at y_offset of a wider tensor: 3 gives an unaligned base and row stride,
+    8 a 16-byte-aligned one when the width is a multiple of 8 (the vectorised path on a GPU)."""
+    x, A, B, scales, ranks, slots = make_inputs(case, dtype, device, seed)
+    meta = build_lora_meta(slots, case.S)
+    meta64 = build_lora_meta(slots.cpu(), case.S)
+    n, N = len(case.slice_sizes), sum(case.slice_sizes)
+    active = (slots >= 0).cpu()
+
+    buf = shrink(x, A, scales, meta, ranks)
+    assert buf.shape == (case.T, n * case.R) and buf.dtype == torch.float32 and buf.device == x.device
+    ranks_cpu = ranks.cpu() if ranks is not None else None
+    buf_ref = reference.lora_shrink_ref(x.cpu().double(), A.cpu().double(), scales.cpu().double(), meta64, ranks_cpu)
+    err = rel_err(buf.cpu()[active], buf_ref[active])
+    assert err < TOL[torch.float32 if dtype == torch.float32 else dtype], f"shrink rel err {err:.2e}"
+
+    # y: a column window of a wider tensor (row stride != width), poisoned around the window
+    gen = torch.Generator().manual_seed(seed + 1)
+    o = y_offset
+    wide = torch.randn(case.T, N + 2 * o + (1 if o % 8 else 0), generator=gen).to(device=device, dtype=dtype)
+    wide[:, :o] = float("nan")
+    wide[:, o + N :] = float("nan")
+    y = wide[:, o : o + N]
+    wide_before = wide.clone()
+    y64 = y.cpu().double()
+    expand(y, buf, B, case.slice_sizes, meta, ranks)
+    reference.lora_expand_ref(y64, buf.cpu().double(), B.cpu().double(), case.slice_sizes, meta64, ranks_cpu)
+
+    wide_c, before_c = wide.cpu(), wide_before.cpu()
+    y_before = before_c[:, o : o + N]
+    assert torch.equal(bits(wide_c[:, :o]), bits(before_c[:, :o])), "expand wrote left of the y window"
+    assert torch.equal(bits(wide_c[:, o + N :]), bits(before_c[:, o + N :])), "expand wrote right of the y window"
+    assert torch.equal(bits(y.cpu()[~active]), bits(y_before[~active])), "expand touched a slot -1 row"
+    delta_ref = y64[active] - y_before[active].double()
+    delta = y.cpu()[active].double() - y_before[active].double()
+    err = rel_err(delta, delta_ref)
+    assert err < TOL[dtype], f"expand rel err {err:.2e}"
+    return meta
+
+
+CPU_CASES = [
+    Case(1, 33, 1, 8, (17,), "one", False),
+    Case(37, 70, 5, 8, (20, 9, 31), "random", True),
+    Case(64, 129, 64, 16, (40,), "random", False),
+    Case(50, 96, 8, 4, (24, 24), "partly_empty", True),
+    Case(23, 45, 3, 16, (19, 7), "none", False),
+    Case(90, 200, 4, 32, (65,), "reversed", True),
+    Case(40, 300, 2, 16, (16, 48, 8), "random", False),
+]
+
+
+def triton_ops(shrink_cfg=None, expand_cfg=None):
+    from loramux.kernels.expand import lora_expand_triton
+    from loramux.kernels.shrink import lora_shrink_triton
+
+    def shrink(x, A, scales, meta, ranks):
+        return lora_shrink_triton(x, A, scales, meta, ranks, config=shrink_cfg)
+
+    def expand(y, buf, B, sizes, meta, ranks):
+        lora_expand_triton(y, buf, B, sizes, meta, ranks, config=expand_cfg)
+
+    return shrink, expand
+
+
+# ---------------------------------------------------------------------------------------------
+# metadata
+
+
+def test_meta_groups_tokens_by_slot():
+    slots = torch.tensor([3, -1, 0, 3, 1, -1, 3, 0], dtype=torch.int32)
+    meta = build_lora_meta(slots, 5)
+    assert isinstance(meta, LoRABatchMeta)
+    assert (meta.num_tokens, meta.num_slots, meta.num_active, meta.num_lora_tokens, meta.max_segment) == (8, 5, 3, 6, 3)
+    assert meta.active_slots_host == (0, 1, 3) and meta.active_counts_host == (2, 1, 3)
+    assert meta.active_starts_host == (0, 2, 3)
+    assert meta.sorted_token_ids.tolist()[:6] == [2, 7, 4, 0, 3, 6]  # stable within a slot
+    assert sorted(meta.sorted_token_ids.tolist()[6:]) == [1, 5]
+    assert meta.active_slots.tolist()[:3] == [0, 1, 3] and meta.active_counts.tolist()[:3] == [2, 1, 3]
+    assert meta.active_counts.tolist()[3:] == [0, 0]
+    assert meta.num_tiles(2) == 1 + 1 + 2
+
+
+def test_meta_all_tokens_without_adapter_and_empty_batch():
+    meta = build_lora_meta(torch.full((6,), -1), 4)
+    assert meta.num_active == 0 and meta.num_lora_tokens == 0 and meta.num_tiles(16) == 0
+    meta = build_lora_meta(torch.zeros(0, dtype=torch.int64), 4)
+    assert meta.num_tokens == 0 and meta.num_active == 0
+
+
+@pytest.mark.parametrize("slots, num_slots, match", [
+    (torch.tensor([0, 4]), 4, "outside"),
+    (torch.tensor([0, -2]), 4, "outside"),
+    (torch.tensor([[0, 1]]), 4, "1-D"),
+    (torch.tensor([0.0, 1.0]), 4, "integer"),
+    (torch.tensor([0, 1]), 0, "num_slots"),
+])
+def test_meta_rejects_bad_input(slots, num_slots, match):
+    with pytest.raises(ValueError, match=match):
+        build_lora_meta(slots, num_slots)
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference against a per-token loop (PEFT's semantics written the slow, obvious way)
+
+
+@pytest.mark.parametrize("case", [CPU_CASES[1], CPU_CASES[3], CPU_CASES[4]], ids=str)
+def test_reference_matches_per_token_loop(case):
+    x, A, B, scales, ranks, slots = make_inputs(case, torch.float64, "cpu", seed=7)
+    meta = build_lora_meta(slots, case.S)
+    buf = reference.lora_shrink_ref(x, A, scales, meta, ranks)
+    y0 = torch.randn(case.T, sum(case.slice_sizes), dtype=torch.float64)
+    y = y0.clone()
+    reference.lora_expand_ref(y, buf, B, case.slice_sizes, meta, ranks)
+    R, offs = case.R, [0]
+    for n in case.slice_sizes:
+        offs.append(offs[-1] + n)
+    for t in range(case.T):
+        s = int(slots[t])
+        if s < 0:
+            assert torch.equal(y[t], y0[t])
+            continue
+        for i in range(len(case.slice_sizes)):
+            h = (A[s, i * R : (i + 1) * R] @ x[t]) * scales[s, i]  # [R]
+            torch.testing.assert_close(buf[t, i * R : (i + 1) * R], h, rtol=1e-12, atol=1e-12)
+            want = y0[t, offs[i] : offs[i + 1]] + B[s, offs[i] : offs[i + 1]] @ h
+            torch.testing.assert_close(y[t, offs[i] : offs[i + 1]], want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_the_cpu_path(dtype, monkeypatch):
+    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+    case = CPU_CASES[1]
+    check_pipeline(case, dtype, "cpu", 3, lora_shrink, lora_expand)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton under the interpreter (CPU)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CPU_CASES, ids=str)
+def test_triton_interpreter_matches_reference(case, dtype, monkeypatch):
+    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    y_offset = 8 if dtype == torch.float16 else 3
+    check_pipeline(case, dtype, "cpu", zlib.crc32(str(case).encode()) % 1000, lora_shrink, lora_expand, y_offset)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("seed", range(4))
+def test_triton_interpreter_random_shapes(seed):
+    gen = torch.Generator().manual_seed(100 + seed)
+    ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    n = ri(1, 3)
+    case = Case(T=ri(1, 80), H=ri(1, 160), S=ri(1, 64), R=[4, 8, 16, 32][ri(0, 3)],
+                slice_sizes=tuple(ri(1, 50) for _ in range(n)),
+                mapping=["random", "partly_empty", "reversed", "one"][ri(0, 3)], per_slot_ranks=bool(ri(0, 1)))
+    dtype = [torch.float32, torch.float16][seed % 2]
+    check_pipeline(case, dtype, "cpu", seed, *triton_ops())
+
+
+@needs_interpreter
+@pytest.mark.parametrize("case", [CPU_CASES[1], CPU_CASES[3], CPU_CASES[6]], ids=str)
+def test_triton_interpreter_forced_launch_shapes(case):
+    """Split-K with atomics, narrow blocks, and the 16-bit cast path of expand."""
+    from loramux.kernels.expand import ExpandConfig
+    from loramux.kernels.shrink import ShrinkConfig
+
+    ops = triton_ops(ShrinkConfig(16, 16, 16, split_k=3, num_warps=4, num_stages=2),
+                     ExpandConfig(16, 16, 4, num_warps=4, num_stages=2, cast_buf=True, prefetch=True))
+    check_pipeline(case, torch.float16, "cpu", 11, *ops)
+    ops = triton_ops(ShrinkConfig(32, 64, 32, split_k=1, num_warps=4, num_stages=2),
+                     ExpandConfig(32, 32, 2, num_warps=4, num_stages=2, cast_buf=False, prefetch=False))
+    check_pipeline(case, torch.float32, "cpu", 12, *ops)
+
+
+@needs_interpreter
+def test_triton_shrink_writes_every_element():
+    """Poisoned output buffer: every row of a token with an adapter is written (zeros past rank)."""
+    from loramux.kernels.shrink import ShrinkConfig, lora_shrink_triton
+
+    case = CPU_CASES[1]
+    x, A, B, scales, ranks, slots = make_inputs(case, torch.float32, "cpu", 5)
+    meta = build_lora_meta(slots, case.S)
+    out = torch.full((case.T, len(case.slice_sizes) * case.R), float("nan"))
+    buf = lora_shrink_triton(x, A, scales, meta, ranks, config=ShrinkConfig(16, 16, 32, 1, 4, 2), out=out)
+    assert buf is out
+    active = slots >= 0
+    assert torch.isfinite(buf[active]).all()
+    assert torch.isnan(buf[~active]).all()  # rows without adapter are not touched either
+    ref = reference.lora_shrink_ref(x.double(), A.double(), scales.double(), meta, ranks)
+    assert rel_err(buf[active], ref[active]) < 1e-5
+
+
+def test_nan_never_passes():
+    ref = torch.randn(8, 4)
+    bad = ref.clone()
+    bad[3, 1] = float("nan")
+    assert rel_err(bad, ref) == float("inf")
+    assert not rel_err(bad, ref) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# argument checks (shared by Triton and the reference) and dispatch
+
+
+def _good(T=6, H=10, S=3, R=4, sizes=(5, 7)):
+    x = torch.randn(T, H)
+    A = torch.randn(S, len(sizes) * R, H)
+    B = torch.randn(S, sum(sizes), R)
+    scales = torch.ones(S, len(sizes))
+    meta = build_lora_meta(torch.tensor([0, 1, -1, 2, 0, 1][:T]), S)
+    buf = torch.zeros(T, len(sizes) * R)
+    y = torch.zeros(T, sum(sizes))
+    return x, A, B, scales, meta, buf, y, sizes
+
+
+SHRINK_ERRORS = [
+    (lambda x, A, s, m: (x[0], A, s, m), "2-D"),
+    (lambda x, A, s, m: (x, A[0], s, m), "3-D"),
+    (lambda x, A, s, m: (x[:, :9], A, s, m), "hidden size"),
+    (lambda x, A, s, m: (x[:5], A, s, m), "tokens"),
+    (lambda x, A, s, m: (x.double(), A.double(), s, m), "dtype"),
+    (lambda x, A, s, m: (x.half(), A, s, m), "store adapter weights"),
+    (lambda x, A, s, m: (x, A, s[:2], m), "slots"),
+    (lambda x, A, s, m: (x, A[:, :7], s, m), "n_slices"),
+    (lambda x, A, s, m: (x, A, s.double(), m), "float32"),
+    (lambda x, A, s, m: (x, A, s, "meta"), "LoRABatchMeta"),
+    (lambda x, A, s, m: (x, A[:2], s[:2], m), "num_slots"),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("mutate, match", SHRINK_ERRORS, ids=[m for _, m in SHRINK_ERRORS])
+def test_shrink_rejects_bad_arguments(impl, mutate, match, monkeypatch):
+    if impl == "triton" and not INTERPRET:
+        pytest.skip("needs the interpreter on CPU")
+    monkeypatch.setenv("LORAMUX_KERNELS", impl)
+    x, A, B, scales, meta, buf, y, sizes = _good()
+    args = mutate(x, A, scales, meta)
+    if impl == "torch" and match in ("dtype", "float32"):
+        pytest.skip("the reference also takes float64 (it is the oracle)")
+    with pytest.raises(ValueError, match=match):
+        lora_shrink(*args)
+
+
+EXPAND_ERRORS = [
+    (lambda y, b, B, s, m: (y[0], b, B, s, m), "2-D"),
+    (lambda y, b, B, s, m: (y, b, B[0], s, m), "3-D"),
+    (lambda y, b, B, s, m: (y, b, B, (5, 6), m), "sum"),
+    (lambda y, b, B, s, m: (y, b, B, (12,), m), "slices of rank"),
+    (lambda y, b, B, s, m: (y, b, B, (), m), "non-empty"),
+    (lambda y, b, B, s, m: (y, b, B, (5, 7.0), m), "positive ints"),
+    (lambda y, b, B, s, m: (y, b.half(), B, s, m), "float32"),
+    (lambda y, b, B, s, m: (y.half(), b, B, s, m), "store adapter weights"),
+    (lambda y, b, B, s, m: (y[:5], b[:5], B, s, m), "tokens"),
+    (lambda y, b, B, s, m: (y, b, B[:2], s, m), "num_slots"),
+]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("mutate, match", EXPAND_ERRORS, ids=[m for _, m in EXPAND_ERRORS])
+def test_expand_rejects_bad_arguments(impl, mutate, match, monkeypatch):
+    if impl == "triton" and not INTERPRET:
+        pytest.skip("needs the interpreter on CPU")
+    monkeypatch.setenv("LORAMUX_KERNELS", impl)
+    x, A, B, scales, meta, buf, y, sizes = _good()
+    with pytest.raises(ValueError, match=match):
+        lora_expand(*mutate(y, buf, B, sizes, meta))
+
+
+def test_ranks_are_checked():
+    x, A, B, scales, meta, buf, y, sizes = _good()
+    with pytest.raises(ValueError, match="ranks"):
+        lora_shrink(x, A, scales, meta, torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="ranks"):
+        lora_expand(y, buf, B, sizes, meta, torch.ones(3))
+
+
+def test_dispatch_env_var(monkeypatch):
+    x, A, B, scales, meta, buf, y, sizes = _good()
+    monkeypatch.setenv("LORAMUX_KERNELS", "torch")
+    out = lora_shrink(x, A, scales, meta)
+    torch.testing.assert_close(out, reference.lora_shrink_ref(x, A, scales, meta))
+    monkeypatch.setenv("LORAMUX_KERNELS", "cuda-please")
+    with pytest.raises(ValueError, match="LORAMUX_KERNELS"):
+        lora_shrink(x, A, scales, meta)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+GPU_CASES = CPU_CASES + [
+    Case(256, 4096, 32, 16, (4096, 1024, 1024), "random", False),
+    Case(300, 2049, 64, 64, (2048, 1000), "partly_empty", True),
+    Case(16384, 4096, 64, 16, (4096, 1024, 1024), "random", True),
+    Case(16384, 1000, 64, 128, (777,), "reversed", False),
+    Case(1, 14336, 1, 64, (4096,), "one", False),
+]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", GPU_CASES, ids=str)
+def test_gpu_matches_reference(case, dtype, monkeypatch):
+    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)  # default dispatch must pick Triton
+    seed = zlib.crc32(str(case).encode()) % 1000
+    check_pipeline(case, dtype, "cuda", seed, lora_shrink, lora_expand, y_offset=3)
+    if sum(case.slice_sizes) % 8 == 0 and all(n % 8 == 0 for n in case.slice_sizes):
+        check_pipeline(case, dtype, "cuda", seed + 1, lora_shrink, lora_expand, y_offset=8)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [GPU_CASES[2], GPU_CASES[8]], ids=str)
+def test_gpu_forced_launch_shapes(case, dtype):
+    from loramux.kernels.expand import ExpandConfig
+    from loramux.kernels.shrink import ShrinkConfig
+
+    for scfg, ecfg in [
+        (ShrinkConfig(16, 16, 64, 5, 4, 3), ExpandConfig(16, 32, 4, 4, 2, cast_buf=True, prefetch=True)),
+        (ShrinkConfig(64, 64, 64, 1, 4, 3), ExpandConfig(64, 128, 2, 8, 2, cast_buf=False, prefetch=False)),
+        (ShrinkConfig(128, 64, 128, 2, 4, 3), ExpandConfig(128, 64, 8, 4, 2, cast_buf=True, prefetch=True)),
+    ]:
+        check_pipeline(case, dtype, "cuda", 21, *triton_ops(scfg, ecfg))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_dispatch_picks_triton_and_never_syncs(monkeypatch):
+    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+    case = Case(512, 4096, 8, 16, (4096, 1024, 1024), "random", True)
+    x, A, B, scales, ranks, slots = make_inputs(case, torch.bfloat16, "cuda", 0)
+    meta = build_lora_meta(slots, case.S)
+    y = torch.randn(case.T, sum(case.slice_sizes), device="cuda", dtype=torch.bfloat16)
+    buf = lora_shrink(x, A, scales, meta, ranks)  # warm up: compile outside the sync check
+    lora_expand(y, buf, B, case.slice_sizes, meta, ranks)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            buf = lora_shrink(x, A, scales, meta, ranks)
+            lora_expand(y, buf, B, case.slice_sizes, meta, ranks)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -1,0 +1,330 @@
+"""The HTTP layer in-process, against a small fake engine that keeps the `LLMEngine` contract.
+
+These pin down what does not depend on the model: the OpenAI wire format, error bodies, auth,
+the engine thread bridge (aborts, a dead engine), metrics. tests/test_server.py drives the real
+server process with the real engine.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from fastapi.testclient import TestClient
+
+from loramux.engine.outputs import CompletionOutput, RequestOutput
+from loramux.engine.sampling_params import SamplingParams
+from loramux.errors import AdapterNotFoundError, InvalidAdapterError
+from loramux.serving import ServerConfig, build_app
+
+
+class FakeTokenizer:
+    chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+
+    def apply_chat_template(self, messages, *, chat_template, add_generation_prompt, tokenize):
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+
+    def __call__(self, text, add_special_tokens=True):
+        return SimpleNamespace(input_ids=[ord(c) for c in text])
+
+
+class FakeEngine:
+    """Echoes ``<adapter>|<prompt>`` one character per step; adapters in ``known`` exist."""
+
+    def __init__(self, known=("fake-a", "fake-b")):
+        self.tokenizer = FakeTokenizer()
+        self.known = set(known)
+        self.loaded: dict[str, str] = {}
+        self.requests: dict[str, dict] = {}
+        self.aborted: list[str] = []
+        self.thread_ids: set[int] = set()
+        self.hang = threading.Event()  # set: step() returns nothing (an adapter "loading")
+        self.explode = False
+
+    def _mark(self):
+        self.thread_ids.add(threading.get_ident())
+
+    def add_request(self, request_id, prompt, params, lora_request=None):
+        self._mark()
+        if isinstance(prompt, dict):
+            prompt_ids = prompt["prompt_token_ids"]
+            prompt = "".join(chr(i) for i in prompt_ids)
+        else:
+            prompt_ids = [ord(c) for c in prompt]
+        name = lora_request.lora_name if lora_request else None
+        self.requests[request_id] = dict(
+            prompt=prompt, ids=prompt_ids, params=params, name=name,
+            target=f"{name or 'base'}|{prompt}", sent=0)
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def abort_request(self, request_id):
+        self._mark()
+        if self.requests.pop(request_id, None) is not None:
+            self.aborted.append(request_id)
+
+    def step(self):
+        self._mark()
+        if self.explode:
+            raise RuntimeError("boom")
+        if self.hang.is_set():
+            time.sleep(0.001)
+            return []
+        outputs = []
+        for request_id, r in list(self.requests.items()):
+            name = r["name"]
+            error = None
+            if name is not None and name not in self.known and name not in self.loaded:
+                error = AdapterNotFoundError("no resolver has it.", adapter=name, fix="Check the name.")
+            if name == "broken":
+                error = InvalidAdapterError("adapter_config.json is not JSON.", adapter=name)
+            if error is not None:
+                del self.requests[request_id]
+                outputs.append(RequestOutput(request_id, r["prompt"], r["ids"],
+                                             [CompletionOutput(0, "", [], "error")], True, error))
+                continue
+            r["sent"] += 1
+            text = r["target"][: r["sent"]]
+            reason = None
+            if r["sent"] >= r["params"].max_tokens:
+                reason = "length"
+            elif r["sent"] >= len(r["target"]):
+                reason = "stop"
+            for stop in r["params"].stop_strings:
+                if stop in text:
+                    text, reason = text[: text.index(stop)], "stop"
+            if reason:
+                del self.requests[request_id]
+            outputs.append(RequestOutput(request_id, r["prompt"], r["ids"],
+                                         [CompletionOutput(0, text, list(range(r["sent"])), reason)],
+                                         reason is not None))
+        return outputs
+
+    def add_lora(self, lora_request):
+        if "invalid" in lora_request.lora_path:
+            raise InvalidAdapterError("adapter_config.json is missing.", adapter=lora_request.lora_name,
+                                      path=lora_request.lora_path)
+        self.loaded[lora_request.lora_name] = lora_request.lora_path
+        return True
+
+    def remove_lora(self, name_or_id):
+        return self.loaded.pop(name_or_id, None) is not None
+
+    def list_loras(self):
+        return sorted(self.loaded)
+
+
+def make_client(engine=None, **config):
+    engine = engine or FakeEngine()
+    config.setdefault("served_model_names", ["fake-base"])
+    app = build_app(engine, ServerConfig(**config), sampling_params_cls=SamplingParams)
+    return engine, TestClient(app)
+
+
+@pytest.fixture
+def fake():
+    engine, client = make_client(allow_runtime_lora_updating=True, lora_modules=[("static-a", "/p/a", None)])
+    with client:
+        yield engine, client
+
+
+def complete(client, model="fake-base", **body):
+    body = {"model": model, "prompt": "hi", "max_tokens": 50, "temperature": 0, **body}
+    return client.post("/v1/completions", json=body)
+
+
+def test_completion_with_base_and_adapter(fake):
+    engine, client = fake
+    for model in ("fake-base", "fake-a", "static-a"):
+        response = complete(client, model)
+        assert response.status_code == 200, response.text
+        body = response.json()
+        expected = "base" if model == "fake-base" else model
+        assert body["choices"][0]["text"] == f"{expected}|hi"
+        assert body["choices"][0]["finish_reason"] == "stop"
+        assert body["model"] == model and body["object"] == "text_completion"
+        assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": len(f"{expected}|hi"),
+                                 "total_tokens": 2 + len(f"{expected}|hi")}
+    assert engine.thread_ids and threading.get_ident() not in engine.thread_ids
+
+
+def test_n_and_prompt_lists_make_one_choice_each(fake):
+    _, client = fake
+    body = complete(client, prompt=["ab", "cd"], n=2, max_tokens=3).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in body["choices"]] == ["bas"] * 4
+    assert [c["finish_reason"] for c in body["choices"]] == ["length"] * 4
+    assert body["usage"]["prompt_tokens"] == 4  # each prompt once, not once per choice
+
+
+def test_chat_renders_the_template(fake):
+    _, client = fake
+    response = client.post("/v1/chat/completions", json={
+        "model": "fake-a", "messages": [{"role": "user", "content": [{"type": "text", "text": "yo"}]}]})
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": "fake-a|user: yo\n"}
+
+
+def _events(response):
+    events = [line[len("data: "):] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_streaming_sends_deltas_and_usage(fake):
+    _, client = fake
+    body = {"model": "fake-b", "prompt": "xy", "max_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _events(response)
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    assert text == "fake-b|xy"
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(text)
+
+    body = {"model": "fake-base", "messages": [{"role": "user", "content": "q"}], "stream": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        events = _events(response)
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events) == "base|user: q\n"
+    assert events[0]["object"] == "chat.completion.chunk"
+
+
+def test_stop_strings_reach_the_engine(fake):
+    _, client = fake
+    assert complete(client, stop=["|"]).json()["choices"][0]["text"] == "base"
+
+
+def test_unknown_adapter_is_404_with_openai_body_even_when_streaming(fake):
+    _, client = fake
+    for stream in (False, True):
+        response = complete(client, "nobody", stream=stream)
+        assert response.status_code == 404
+        error = response.json()["error"]
+        assert error["param"] == "model" and error["code"] == "model_not_found"
+        assert "nobody" in error["message"] and error["type"]
+    assert "nobody" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
+
+
+def test_invalid_adapter_and_names(fake):
+    _, client = fake
+    response = complete(client, "broken")
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_adapter"
+    response = complete(client, "../etc")
+    assert response.status_code == 400 and response.json()["error"]["param"] == "model"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"model": "fake-base", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"model": "fake-base", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"model": "fake-base"}, "prompt"),
+    ({"prompt": "x"}, "model"),
+    ({"model": "fake-base", "prompt": "x", "top_p": 0}, "top_p"),
+    ({"model": "fake-base", "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+])
+def test_bad_parameters_are_400_naming_the_field(fake, body, param):
+    _, client = fake
+    response = client.post("/v1/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and param in error["message"]
+
+
+def test_malformed_json_and_unknown_routes(fake):
+    _, client = fake
+    response = client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    response = client.get("/v1/nothing")
+    assert response.status_code == 404 and "error" in response.json()
+    response = client.post("/v1/chat/completions", json={"model": "fake-base", "messages": []})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages"
+
+
+def test_models_list_base_and_adapters_with_parent(fake):
+    _, client = fake
+    complete(client, "fake-a")  # found on demand: listed from now on
+    cards = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert set(cards) == {"fake-base", "static-a", "fake-a"}
+    assert cards["static-a"]["parent"] == "fake-base" and cards["static-a"]["root"] == "/p/a"
+    assert cards["fake-a"]["parent"] == "fake-base"
+    assert cards["fake-base"]["parent"] is None
+    assert client.get("/v1/models/static-a").json()["id"] == "static-a"
+    assert client.get("/v1/models/nope").status_code == 404
+
+
+def test_load_unload_and_inplace(fake):
+    engine, client = fake
+    response = client.post("/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "/p/new"})
+    assert response.status_code == 200, response.text
+    assert engine.loaded["new"] == "/p/new"
+    assert complete(client, "new").json()["choices"][0]["text"] == "new|hi"
+    again = client.post("/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "/p/new2"})
+    assert again.status_code == 400 and again.json()["error"]["code"] == "adapter_exists"
+    inplace = client.post("/v1/load_lora_adapter",
+                          json={"lora_name": "new", "lora_path": "/p/new2", "load_inplace": True})
+    assert inplace.status_code == 200, inplace.text
+    # the new weights live under a versioned engine name; the old ones left the engine
+    (engine_name,) = [name for name in engine.loaded if name.startswith("new")]
+    assert engine_name.startswith("new@") and engine.loaded[engine_name] == "/p/new2"
+    assert complete(client, "new").json()["choices"][0]["text"] == f"{engine_name}|hi"
+    bad = client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/p/invalid"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
+    assert "bad" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "new"}).status_code == 200
+    assert engine_name not in engine.loaded
+    assert complete(client, "new").status_code == 404
+    missing = client.post("/v1/unload_lora_adapter", json={"lora_name": "new"})
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_name"
+
+
+def test_runtime_updating_is_off_by_default():
+    _, client = make_client()
+    with client:
+        for route in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+            response = client.post(route, json={"lora_name": "x", "lora_path": "/p"})
+            assert response.status_code == 403
+            assert "--allow-runtime-lora-updating" in response.json()["error"]["message"]
+
+
+def test_api_key_guards_v1_only():
+    _, client = make_client(api_key="sesame")
+    with client:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sesame"}):
+            response = client.get("/v1/models", headers=headers)
+            assert response.status_code == 401
+            assert response.json()["error"]["code"] == "invalid_api_key"
+        assert client.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
+        assert client.get("/health").status_code == 200
+        assert client.get("/metrics").status_code == 200
+
+
+def test_dead_engine_fails_requests_and_health():
+    engine, client = make_client()
+    engine.explode = True
+    with client:
+        response = complete(client)
+        assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+        assert client.get("/health").status_code == 503
+        assert complete(client).status_code == 503
+
+
+def test_metrics_count_requests_tokens_and_resolutions(fake):
+    _, client = fake
+    complete(client, "fake-a")
+    complete(client, "nobody-1")
+    complete(client, "nobody-2")
+    text = client.get("/metrics").text
+    assert 'loramux_requests_total{endpoint="completions",model="fake-a",status="ok"} 1.0' in text
+    assert 'loramux_requests_total{endpoint="completions",model="_unknown",status="error"} 2.0' in text
+    assert 'loramux_generation_tokens_total{model="fake-a"} 9.0' in text
+    assert 'loramux_adapter_resolutions_total{outcome="found"} 1.0' in text
+    assert 'loramux_adapter_resolutions_total{outcome="not_found"} 2.0' in text
+    assert "loramux_queue_depth 0.0" in text
+    assert "loramux_adapter_load_seconds_bucket" in text
