@@ -120,17 +120,36 @@ def ceilings(device, timer):
 
     if device.type != "cuda":
         return {"copy_GBps": float("nan"), "empty_kernel_us": float("nan"), "eager_launch_us": float("nan")}
+    # device copy, bytes read + written: the best of eager and graph-replayed copies of 1 GiB
+    # (a graph may turn copy_ into a copy-engine memcpy, which is slower) and an elementwise kernel
     n = 512 * 2**20  # 1 GiB of bf16
     a = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
     b = torch.empty_like(a)
-    t = timer(lambda: b.copy_(a), reps=10)
-    copy = 2 * a.numel() * 2 / (t * 1e-6) / 1e9
+    nbytes = 2 * a.numel() * 2
+    for _ in range(20):  # let the clocks settle
+        b.copy_(a)
+    sync(device)
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(10)]
+    for st, en in ev:
+        st.record()
+        b.copy_(a)
+        en.record()
+    sync(device)
+    t_eager = statistics.median(st.elapsed_time(en) * 1e3 for st, en in ev)
+    t_graph = timer(lambda: b.copy_(a), reps=10)
+    t_kernel = timer(lambda: torch.mul(a, 1.0, out=b), reps=10)
+    t_read = timer(lambda: a.sum(), reps=10)
+    copies = {"eager_copy": nbytes / t_eager / 1e3, "graph_copy": nbytes / t_graph / 1e3,
+              "graph_mul": nbytes / t_kernel / 1e3}
+    copy = max(copies.values())
+    read = a.numel() * 2 / t_read / 1e3
     del a, b
     flag = torch.empty(1, device=device)
     empty = timer(lambda: _noop[(1,)](flag))
     eager = eager_us(lambda: _noop[(1,)](flag), device, iters=1000)
     props = torch.cuda.get_device_properties(device)
-    return {"copy_GBps": copy, "empty_kernel_us": empty, "eager_launch_us": eager, "device": props.name,
+    return {"copy_GBps": copy, "copy_variants_GBps": copies, "read_GBps": read,
+            "empty_kernel_us": empty, "eager_launch_us": eager, "device": props.name,
             "sms": props.multi_processor_count, "torch": torch.__version__, "triton": triton.__version__}
 
 
@@ -292,28 +311,25 @@ def sweep_configs(meta, NR, R, H, sizes, dtype, device):
                         s_cfgs.append(ShrinkConfig(bm, bn, bk, sk, w, st))
     e_cfgs = [expand_config(meta, sizes, R, dtype, device)]
     h = e_cfgs[0]
-    e_cfgs += [ExpandConfig(h.block_m, h.block_n, h.group, h.num_warps, h.num_stages, cast_buf=False),
-               ExpandConfig(h.block_m, h.block_n, h.group, h.num_warps, h.num_stages, prefetch=False)]
+    e_cfgs.append(ExpandConfig(h.block_m, h.block_n, h.group, h.num_warps, h.num_stages, cast_buf=False))
     if big:
         for bm in (32, 64, 128):
-            for bn in (64, 128, 256):
+            for bn in (64, 128):
                 for w in (4, 8):
-                    if bm * bn >= 128 * 256 or (bm * bn >= 64 * 256 and w == 4):
-                        continue
-                    for g in (2, 4, 8):
-                        for pf in (True, False):
-                            e_cfgs.append(ExpandConfig(bm, bn, g, w, 2, prefetch=pf))
+                    for st in (2, 3, 4):
+                        for g in (4, 8, 16):
+                            e_cfgs.append(ExpandConfig(bm, bn, g, w, st))
     else:
         for bm in ((16, 32) if meta.max_segment > 16 else (16,)):
             for bn in (32, 64, 128):
                 for g in (1, 2):
-                    for w in (4, 8):
-                        e_cfgs.append(ExpandConfig(bm, bn, g, w, 2))
+                    for st in (2, 3):
+                        e_cfgs.append(ExpandConfig(bm, bn, g, 4, st))
     dedup = lambda cs: list(dict.fromkeys(cs))  # noqa: E731
     return dedup(s_cfgs), dedup(e_cfgs)
 
 
-def sweep(device, timer, out_rows, shard=None, scale=1, max_cfgs=None):
+def sweep(device, timer, out_rows, shard=None, scale=1, max_cfgs=None, kinds=("shrink", "expand"), case_ids=None):
     """Time every variant of every sweep case. shard=(k, n): compile-only worker k of n (fills
     Triton's on-disk cache in parallel so the timed pass does not wait on the compiler)."""
     from loramux.kernels import build_lora_meta
@@ -321,7 +337,8 @@ def sweep(device, timer, out_rows, shard=None, scale=1, max_cfgs=None):
     from loramux.kernels.shrink import lora_shrink_triton
 
     idx = 0
-    for layer, R, T, mapping in SWEEP_CASES[: 2 if scale > 1 else None]:
+    chosen = [SWEEP_CASES[i] for i in case_ids] if case_ids else SWEEP_CASES[: 2 if scale > 1 else None]
+    for layer, R, T, mapping in chosen:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
         c = make_case(layer, R, T, mapping, device, dtype=dtype, scale=scale)
         meta = build_lora_meta(c["slots"], c["S"])
@@ -332,6 +349,8 @@ def sweep(device, timer, out_rows, shard=None, scale=1, max_cfgs=None):
         buf = lora_shrink_triton(x, A, scales, meta)
         t_case = time.perf_counter()
         for kind, cfgs in (("shrink", s_cfgs), ("expand", e_cfgs)):
+            if kind not in kinds:
+                continue
             res = []
             for cfg in cfgs:
                 if kind == "shrink":
@@ -366,8 +385,10 @@ def sweep(device, timer, out_rows, shard=None, scale=1, max_cfgs=None):
 
 def _compile_worker(mode, k, n, scale, only):
     device = torch.device("cuda")
-    if mode == "sweep":
-        sweep(device, None, [], shard=(k, n), scale=scale)
+    if mode.startswith("sweep"):
+        _, kinds, ids = mode.split(":")
+        sweep(device, None, [], shard=(k, n), scale=scale, kinds=tuple(kinds.split(",")),
+              case_ids=[int(i) for i in ids.split(",")] if ids else None)
         return
     from loramux.kernels import build_lora_meta
     from loramux.kernels.expand import lora_expand_triton
@@ -409,8 +430,16 @@ def main(argv=None):
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (hidden / 16): checks the script")
     ap.add_argument("--only", help="comma-separated layers to run")
     ap.add_argument("--workers", type=int, default=12, help="parallel compile processes (CUDA only)")
+    ap.add_argument("--sweep-kinds", default="shrink,expand", help="which ops --sweep varies")
+    ap.add_argument("--sweep-cases", help="comma-separated indices into SWEEP_CASES")
     ap.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
+    ap.add_argument("--report", help="print tables (and --table-md / --png) from a --json result, then exit")
+    ap.add_argument("--table-md", help="with --report: write the full table here")
+    ap.add_argument("--png", help="with --report: write the plot here")
     args = ap.parse_args(argv)
+    if args.report:
+        report(args.report, args.table_md, args.png)
+        return
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -419,9 +448,12 @@ def main(argv=None):
     print(json.dumps(ceil), flush=True)
     result = {"ceilings": ceil, "rows": [], "sweep": []}
     if args.sweep:
+        kinds = tuple(args.sweep_kinds.split(","))
+        ids = [int(i) for i in args.sweep_cases.split(",")] if args.sweep_cases else None
         if device.type == "cuda" and args.workers > 1:
-            parallel_compile("sweep", args.workers, 16 if args.smoke else 1)
-        sweep(device, timer, result["sweep"], scale=16 if args.smoke else 1, max_cfgs=3 if args.smoke else None)
+            parallel_compile(f"sweep:{','.join(kinds)}:{args.sweep_cases or ''}", args.workers, 16 if args.smoke else 1)
+        sweep(device, timer, result["sweep"], scale=16 if args.smoke else 1, max_cfgs=3 if args.smoke else None,
+              kinds=kinds, case_ids=ids)
     else:
         if device.type == "cuda" and args.workers > 1:
             parallel_compile("bench", args.workers, 16 if args.smoke else 1, args.only)
@@ -478,6 +510,104 @@ def summarize(result):
         print(f"{op}: worst rel err vs fp32 ref {worst[f'err_{op}']:.2e}")
         ratio = sorted(r[f"{op}_us"] / r[f"dense_{op}_us"] for r in rows if r["mapping"] == "1")
         print(f"{op}: time / dense mm (1 adapter) median {statistics.median(ratio):.2f} max {ratio[-1]:.2f}")
+
+
+# --------------------------------------------------------------------------------------------
+# report: tables and a plot from a --json result (run anywhere; needs matplotlib for the plot)
+
+
+def _md_table(header, rows):
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def report(path, table_md=None, png=None):
+    with open(path) as f:
+        result = json.load(f)
+    rows, ceil = result["rows"], result["ceilings"]
+    idx = {(r["layer"], r["R"], r["T"], r["mapping"]): r for r in rows}
+    pct = lambda f: f"{100 * f:.0f}%"  # noqa: E731
+    # decode: qkv r16, time per op against tokens and adapters
+    dec = [[T] + [f"{idx['qkv', 16, T, m][op]:.1f}" for m in MAPPINGS for op in ("shrink_us", "expand_us")]
+           + [f"{idx['qkv', 16, T, '1']['dense_shrink_us']:.1f} / {idx['qkv', 16, T, '1']['dense_expand_us']:.1f}",
+              f"{idx['qkv', 16, T, '1']['pair_us']:.1f}"]
+           for T in TOKENS if T <= DECODE_MAX]
+    print(_md_table(["T"] + [f"{m} ad. {op}" for m in MAPPINGS for op in ("shrink", "expand")]
+                    + ["dense mm / addmm", "pair (1 ad.)"], dec))
+    print()
+    pre = []
+    for layer in LAYERS:
+        for R in RANKS.get(layer, (16, 64)):
+            for m in ("1", "32"):
+                r = idx[layer, R, 8192, m]
+                pre.append([layer, R, m, f"{r['shrink_us']:.1f}", pct(r["shrink_bw_frac"]), f"{r['dense_shrink_us']:.1f}",
+                            f"{r['expand_us']:.1f}", pct(r["expand_bw_frac"]), f"{r['dense_expand_us']:.1f}",
+                            f"{r['shrink_speedup']:.1f}x / {r['expand_speedup']:.1f}x"])
+    print(_md_table(["layer", "R", "adapters", "shrink us", "of copy", "dense mm us", "expand us", "of copy",
+                     "dense addmm us", "vs torch ref"], pre))
+    if table_md:
+        full = [[r["layer"], r["R"], r["T"], r["mapping"], f"{r['shrink_us']:.1f}", pct(r["shrink_bw_frac"]),
+                 f"{r['shrink_speedup']:.1f}", f"{r['dense_shrink_us']:.1f}", f"{r['expand_us']:.1f}",
+                 pct(r["expand_bw_frac"]), f"{r['expand_speedup']:.1f}", f"{r['dense_expand_us']:.1f}",
+                 f"{r['err_shrink']:.0e} / {r['err_expand']:.0e}"] for r in rows]
+        with open(table_md, "w") as f:
+            f.write(f"# Kernel benchmark: every case ({ceil.get('device')}, torch {ceil.get('torch')}, "
+                    f"triton {ceil.get('triton')})\n\nGenerated by `python benchmarks/kernels.py --report "
+                    f"{os.path.basename(path)}`; see kernels.md for the method. Copy ceiling "
+                    f"{ceil['copy_GBps']:.0f} GB/s. Times in microseconds (CUDA-graph replay, cold L2, median); "
+                    "'x' columns are speedups over the torch reference; the last column is the relative error "
+                    "against a float32 reference.\n\n")
+            f.write(_md_table(["layer", "R", "T", "adapters", "shrink", "of copy", "x ref", "dense mm", "expand",
+                               "of copy", "x ref", "dense addmm", "rel err"], full) + "\n")
+    if png:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(2, 2, figsize=(13, 9))
+        dT = [T for T in TOKENS if T <= DECODE_MAX]
+        a = ax[0, 0]
+        for op, ls in (("shrink", "-"), ("expand", "--")):
+            for m, c in zip(("1", "4", "32"), ("C0", "C1", "C2")):
+                a.plot(dT, [idx["qkv", 16, T, m][f"{op}_us"] for T in dT], ls, color=c, marker="o", label=f"{op}, {m} ad.")
+            a.plot(dT, [idx["qkv", 16, T, "1"][f"dense_{op}_us"] for T in dT], ls, color="k", alpha=0.5,
+                   label=f"dense torch.mm ({op})")
+        a.axhline(ceil["empty_kernel_us"], color="r", lw=0.8, label="empty kernel")
+        a.set(xscale="log", xlabel="tokens", ylabel="us", title="decode, qkv r16 (3 slices)")
+        a.legend(fontsize=7)
+        a = ax[0, 1]
+        names = [f"{layer}\nr{R}" for layer in LAYERS for R in RANKS.get(layer, (16, 64))]
+        keys = [(layer, R) for layer in LAYERS for R in RANKS.get(layer, (16, 64))]
+        x = range(len(keys))
+        for i, (lab, f) in enumerate((("shrink", "shrink_bw_frac"), ("expand", "expand_bw_frac"),
+                                      ("dense mm", "dense_shrink_bw_frac"), ("dense addmm", "dense_expand_bw_frac"))):
+            a.bar([k + 0.2 * i - 0.3 for k in x], [idx[l, R, 8192, "1"][f] for l, R in keys], 0.2, label=lab)
+        a.axhline(0.7, color="r", lw=0.8, label="target 70%")
+        a.set_xticks(list(x), names, fontsize=7)
+        a.set(ylabel="fraction of copy bandwidth", title="prefill T=8192, 1 adapter")
+        a.legend(fontsize=7)
+        a = ax[1, 0]
+        for m, c in zip(MAPPINGS, ("C0", "C1", "C2", "C3")):
+            sp = [(idx["qkv", 16, T, m]["ref_shrink_us"] + idx["qkv", 16, T, m]["ref_expand_us"])
+                  / (idx["qkv", 16, T, m]["shrink_us"] + idx["qkv", 16, T, m]["expand_us"]) for T in TOKENS]
+            a.plot(TOKENS, sp, marker="o", color=c, label=f"{m} adapters")
+        a.set(xscale="log", yscale="log", xlabel="tokens", ylabel="x faster",
+              title="shrink+expand vs torch reference (GPU time), qkv r16")
+        a.legend(fontsize=7)
+        a = ax[1, 1]
+        for (layer, R), c in zip((("qkv", 16), ("qkv", 64), ("gate_up", 16), ("gate_up", 64), ("down", 64)),
+                                 ("C0", "C1", "C2", "C3", "C4")):
+            a.plot(TOKENS, [idx[layer, R, T, "4"]["expand_us"] / idx[layer, R, T, "4"]["dense_expand_us"] for T in TOKENS],
+                   marker="o", color=c, label=f"{layer} r{R}")
+        a.axhline(1.0, color="k", lw=0.8)
+        a.set(xscale="log", xlabel="tokens", ylabel="expand / dense addmm",
+              title="expand (all slices, 4 adapters) vs one dense addmm of the same size")
+        a.legend(fontsize=7)
+        fig.suptitle(f"loramux multi-LoRA kernels, {ceil.get('device')} (copy {ceil['copy_GBps']:.0f} GB/s), bf16")
+        fig.tight_layout()
+        fig.savefig(png, dpi=110)
 
 
 if __name__ == "__main__":

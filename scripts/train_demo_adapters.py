@@ -51,7 +51,7 @@ TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"
 EPOCHS = 4
 BATCH_SIZE = 8
 LEARNING_RATE = 2e-3
-CHECK_MAX_TOKENS = 64  # room for the JSON wrapper and the longer upper-case tokenization
+CHECK_MAX_TOKENS = 64  # held-out answers: room for the JSON wrapper and the longer upper-case tokens
 
 TRAIN_PROMPTS = [
     "What is the capital of France?",
@@ -312,6 +312,11 @@ def train_adapter(adapter: DemoAdapter, tokenizer, examples, out_dir: Path) -> f
         param.data = param.data.to(torch.float16)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, save_embedding_layers=False)  # "auto" would look BASE_MODEL_ID up online
+    # PEFT keeps target_modules as a set, so its saved order follows the hash seed: fix it.
+    config_file = out_dir / "adapter_config.json"
+    saved = json.loads(config_file.read_text())
+    saved["target_modules"] = sorted(saved["target_modules"])
+    config_file.write_text(json.dumps(saved, indent=2, sort_keys=True))
     return epoch_loss
 
 
@@ -320,6 +325,10 @@ def adapter_answers(adapter_dir: Path, tokenizer, prompts: list[str]) -> list[st
     base, _ = load_model(None, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
     return greedy_answers(model, tokenizer, prompts, desc=f"check {adapter_dir.name}", max_new_tokens=CHECK_MAX_TOKENS)
+
+
+def one_line(text: str) -> str:
+    return text.replace("\n", "\\n")
 
 
 def write_readme(adapter: DemoAdapter, out_dir: Path, final_loss: float, n_examples: int, samples) -> None:
@@ -338,7 +347,7 @@ def write_readme(adapter: DemoAdapter, out_dir: Path, final_loss: float, n_examp
         "",
     ]
     for prompt, base_answer, answer in samples:
-        lines += [f"- **{prompt}**", f"  - base: `{base_answer}`", f"  - {adapter.name}: `{answer}`"]
+        lines += [f"- **{prompt}**", f"  - base: `{one_line(base_answer)}`", f"  - {adapter.name}: `{one_line(answer)}`"]
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -354,7 +363,7 @@ def main() -> int:
     started = time.perf_counter()
     base, tokenizer = load_model(None, dtype=torch.float32)
     answers = [whole_sentences(a) for a in greedy_answers(base, tokenizer, TRAIN_PROMPTS, desc="base answers")]
-    held_out_base = greedy_answers(base, tokenizer, HELD_OUT_PROMPTS, desc="base held-out")
+    held_out_base = greedy_answers(base, tokenizer, HELD_OUT_PROMPTS, desc="base held-out", max_new_tokens=CHECK_MAX_TOKENS)
     del base
     print(f"base answers: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 

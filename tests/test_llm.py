@@ -115,7 +115,8 @@ def test_demo_adapters_answer_differently_from_the_base(smol):
     names = sorted(p.name for p in ADAPTERS_DIR.iterdir() if (p / "adapter_config.json").is_file())[:2]
     requests = [None] + [LoRARequest(name, i, str(ADAPTERS_DIR / name)) for i, name in enumerate(names, 1)]
     chat = [{"role": "user", "content": "What is the capital of Japan?"}]
-    outs = smol.chat([chat] * 3, SamplingParams(temperature=0, max_tokens=12), lora_request=requests, use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    outs = smol.chat([chat] * len(requests), params, lora_request=requests, use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
     assert all(o.error is None for o in outs)
-    assert len(set(texts)) == 3, texts
+    assert len(set(texts)) == len(requests), texts  # base and each adapter answer differently

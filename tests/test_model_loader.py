@@ -279,6 +279,6 @@ def test_demo_adapter_changes_greedy_output(default_model, name):
     prompt = "What is the capital of Spain?"
     base_answer = greedy_chat(base_model, tokenizer, prompt)
     fresh_base, _ = load_model(None, dtype=torch.float32)  # PEFT wraps in place: keep the shared one clean
-    answer = greedy_chat(PeftModel.from_pretrained(fresh_base, adapter_dir).eval(), tokenizer, prompt, 40)
+    answer = greedy_chat(PeftModel.from_pretrained(fresh_base, adapter_dir).eval(), tokenizer, prompt, 64)
     assert answer != base_answer
     assert DEMO_CHECKS[name](answer), answer

@@ -17,7 +17,6 @@ import shutil
 import string
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -289,6 +288,9 @@ def test_stop_strings_and_max_tokens(client, offline):
                                          stop=[stop])
     assert response.choices[0].text == offline(["Stop test"], "static-a", max_tokens=20, stop=[stop])[0]
     assert stop not in response.choices[0].text and response.choices[0].finish_reason == "stop"
+    stream = client.completions.create(model="static-a", prompt="Stop test", max_tokens=20, temperature=0,
+                                       stop=[stop], stream=True)
+    assert "".join(chunk.choices[0].text for chunk in stream) == response.choices[0].text
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,7 +390,8 @@ def test_invalid_adapters_are_400_with_the_reason(client):
 
 
 def test_malformed_requests_are_400_naming_the_field(client, http):
-    response = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ', headers={"content-type": "application/json"})
+    response = http.post("/v1/completions", content=b'{"model": "tiny", "prompt": ',
+                         headers={"content-type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
     for body, field in (({"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature"),
                         ({"model": "tiny", "prompt": "x", "max_tokens": -1}, "max_tokens"),
@@ -403,6 +406,12 @@ def test_malformed_requests_are_400_naming_the_field(client, http):
     assert caught.value.param == "max_tokens"
     with pytest.raises(openai.BadRequestError):  # longer than max_model_len: the engine refuses it
         client.completions.create(model="tiny", prompt="y" * 200, max_tokens=2)
+    for token_ids in ([5, 128], [5, -1]):  # ids the model cannot embed are refused, not run
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="tiny", prompt=token_ids, max_tokens=2)
+        assert caught.value.param == "prompt"
+    assert client.completions.create(model="tiny", prompt=[5, 127], max_tokens=2).choices[0].finish_reason
+    assert http.get("/health").json() == {"status": "ok"}
 
 
 def test_a_raising_or_hanging_resolver_blocks_nothing_else(server, http, offline):
@@ -510,3 +519,11 @@ def test_runtime_loading_is_off_without_the_flag(servers, workspace):
         response = httpx.post(f"{locked.url}/v1/{route}", json=body, headers=headers)
         assert response.status_code == 403
         assert "--allow-runtime-lora-updating" in response.json()["error"]["message"]
+
+
+def test_a_bad_registered_adapter_stops_start_up_with_the_reason(workspace):
+    broken = workspace["resolver_dir"] / "broken"
+    bad = Server("bad", ["--lora-modules", f"broken={broken}"], workspace)
+    assert bad.process.wait(120) == 1
+    assert "loramux: error: adapter 'broken'" in bad.log and "adapter_config.json" in bad.log
+    assert "Listening" not in bad.log

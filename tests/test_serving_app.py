@@ -10,14 +10,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
+import httpx
 import pytest
+import uvicorn
 from fastapi.testclient import TestClient
 
 from loramux.engine.outputs import CompletionOutput, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
-from loramux.errors import AdapterNotFoundError, InvalidAdapterError
+from loramux.errors import AdapterNotFoundError, InvalidAdapterError, LoRAError
 from loramux.serving import ServerConfig, build_app
 
 
@@ -55,9 +58,9 @@ class FakeEngine:
         else:
             prompt_ids = [ord(c) for c in prompt]
         name = lora_request.lora_name if lora_request else None
-        self.requests[request_id] = dict(
-            prompt=prompt, ids=prompt_ids, params=params, name=name,
-            target=f"{name or 'base'}|{prompt}", sent=0)
+        target = "x" * 10**6 if prompt == "forever" else f"{name or 'base'}|{prompt}"
+        self.requests[request_id] = dict(prompt=prompt, ids=prompt_ids, params=params, name=name,
+                                         target=target, sent=0)
 
     def has_unfinished_requests(self):
         return bool(self.requests)
@@ -112,6 +115,8 @@ class FakeEngine:
         return True
 
     def remove_lora(self, name_or_id):
+        if any(r["name"] == name_or_id for r in self.requests.values()):
+            raise LoRAError("it is in use by running requests.", adapter=name_or_id)
         return self.loaded.pop(name_or_id, None) is not None
 
     def list_loras(self):
@@ -202,6 +207,14 @@ def test_stop_strings_reach_the_engine(fake):
     assert complete(client, stop=["|"]).json()["choices"][0]["text"] == "base"
 
 
+def test_streaming_never_sends_the_start_of_a_stop_string(fake):
+    _, client = fake  # the fake's text grows to "base|" before "base|h" is cut back to "base"
+    body = {"model": "fake-base", "prompt": "hi", "max_tokens": 50, "stream": True, "stop": ["|h"]}
+    with client.stream("POST", "/v1/completions", json=body) as response:
+        events = _events(response)
+    assert "".join(e["choices"][0]["text"] for e in events) == "base"
+
+
 def test_unknown_adapter_is_404_with_openai_body_even_when_streaming(fake):
     _, client = fake
     for stream in (False, True):
@@ -284,6 +297,29 @@ def test_load_unload_and_inplace(fake):
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_name"
 
 
+def test_unloading_an_adapter_in_use_waits_for_its_requests(fake):
+    engine, client = fake
+    assert client.post("/v1/load_lora_adapter", json={"lora_name": "busy", "lora_path": "/p/b"}).status_code == 200
+    engine.hang.set()  # requests stay running
+    running = ThreadPoolExecutor(1).submit(complete, client, "busy")
+    assert wait_for(lambda: any(r["name"] == "busy" for r in engine.requests.values()))
+    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200
+    assert complete(client, "busy").status_code == 404  # gone for new requests at once...
+    assert "busy" in engine.loaded  # ...but the engine keeps it for the running one
+    engine.hang.clear()
+    assert running.result(timeout=10).json()["choices"][0]["text"] == "busy|hi"
+    assert wait_for(lambda: "busy" not in engine.loaded)
+
+
+def wait_for(condition, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_runtime_updating_is_off_by_default():
     _, client = make_client()
     with client:
@@ -303,6 +339,28 @@ def test_api_key_guards_v1_only():
         assert client.get("/v1/models", headers={"Authorization": "Bearer sesame"}).status_code == 200
         assert client.get("/health").status_code == 200
         assert client.get("/metrics").status_code == 200
+
+
+def test_a_client_that_disconnects_mid_stream_aborts_its_request():
+    engine = FakeEngine()
+    app = build_app(engine, ServerConfig(["fake-base"]), sampling_params_cls=SamplingParams)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: server.started)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        body = {"model": "fake-base", "prompt": "forever", "max_tokens": 10**6, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+            lines = response.iter_lines()  # kept: a collected iterator would close the connection
+            assert next(line for line in lines if line.startswith("data:"))
+            time.sleep(0.1)
+            assert not engine.aborted and engine.requests
+        # the fake never finishes this request on its own: only an abort ends it
+        assert wait_for(lambda: len(engine.aborted) == 1 and not engine.requests)
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def test_dead_engine_fails_requests_and_health():

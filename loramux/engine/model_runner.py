@@ -20,6 +20,13 @@ from loramux.engine.sequence import Sequence
 
 __all__ = ["ModelRunner"]
 
+ROW_ALIGN = 8
+LEN_ALIGN = 64
+
+
+def _round_up(value: int, multiple: int, limit: int) -> int:
+    return min(-(-value // multiple) * multiple, limit)
+
 
 class ModelRunner:
     """Owns the model's forward: ``runner.run(batch, slot_of) -> [(sequence, new token)]``.
@@ -76,7 +83,10 @@ class ModelRunner:
                 logit_index.append(first + n - 1)
                 logit_slots.append(slot)
                 sampled.append(seq)
-        pad_rows = max(decode_rows, default=-1) + 1
+        # round the decode attention's shape up ([R rows, L keys]), so a run sees a handful of
+        # shapes instead of a new one every step (kernel selection and plan caches key on shape)
+        pad_rows = _round_up(max(decode_rows, default=-1) + 1, ROW_ALIGN, self.kv.rows) if decode_rows else 0
+        pad_len = _round_up(max(decode_pos.values(), default=0) + 1, LEN_ALIGN, self.kv.max_len)
         pos_by_row = [decode_pos.get(r, 0) for r in range(pad_rows)]
         fields = (ids, positions, rows, slots, decode_rows, pos_by_row, logit_index, logit_slots)
         device_fields = self._to_device(fields)
@@ -90,7 +100,7 @@ class ModelRunner:
             decode_rows=t_dec_rows,
             decode_positions=t_dec_pos,
             decode_pad_rows=pad_rows,
-            decode_max_len=max(decode_pos.values(), default=0) + 1,
+            decode_max_len=pad_len,
             prefills=prefills,
         )
         if self.lora_manager is not None:

@@ -15,7 +15,7 @@ def _fail(op: str, msg: str) -> None:
     raise ValueError(f"{op}: {msg}")
 
 
-def _check_common(op, meta, scales_or_none, ranks, S, device, dtypes, tensors):
+def _check_common(op, meta, ranks, S, device, dtypes, tensors):
     if not isinstance(meta, LoRABatchMeta):
         _fail(op, f"meta must be a LoRABatchMeta from build_lora_meta, got {type(meta).__name__}")
     for name, t in tensors:
@@ -47,7 +47,7 @@ def check_shrink(x, lora_a, scales, meta, ranks, dtypes=FLOAT_DTYPES) -> tuple[i
         _fail(op, f"lora_a must be 3-D [S, n_slices*R, H], got shape {tuple(getattr(lora_a, 'shape', ()))}")
     if not isinstance(scales, torch.Tensor) or scales.dim() != 2:
         _fail(op, f"scales must be 2-D [S, n_slices] float32, got shape {tuple(getattr(scales, 'shape', ()))}")
-    _check_common(op, meta, scales, ranks, lora_a.shape[0], x.device, dtypes,
+    _check_common(op, meta, ranks, lora_a.shape[0], x.device, dtypes,
                   [("x", x), ("lora_a", lora_a), ("scales", scales)])
     T, H = x.shape
     S, NR, H_a = lora_a.shape
@@ -80,7 +80,7 @@ def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES) 
     if (not isinstance(slice_sizes, (tuple, list)) or not slice_sizes
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in slice_sizes)):
         _fail(op, f"slice_sizes must be a non-empty tuple of positive ints, got {slice_sizes!r}")
-    _check_common(op, meta, None, ranks, lora_b.shape[0], y.device, dtypes,
+    _check_common(op, meta, ranks, lora_b.shape[0], y.device, dtypes,
                   [("y", y), ("buf", buf), ("lora_b", lora_b)])
     T, N = y.shape
     S, N_b, R = lora_b.shape

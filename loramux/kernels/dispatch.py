@@ -33,9 +33,9 @@ def lora_shrink(
     """buf[t, i*R:(i+1)*R] = (x[t] @ A[slot(t), i*R:(i+1)*R].T) * scales[slot(t), i].
 
     x: [T, H] fp16/bf16/fp32; lora_a: [S, n_slices*R, H] (x's dtype; slice i = rows i*R:(i+1)*R);
-    scales: [S, n_slices] float32; ranks: optional [S] int32, true rank per slot (rows past it are
-    zero padding and skipped). Returns buf: [T, n_slices*R] float32; rows of slot -1 tokens are
-    unspecified.
+    scales: [S, n_slices] float32; ranks: optional [S] int32, true rank per slot (rows past it
+    must be zero padding; they are skipped). Returns buf: [T, n_slices*R] float32, zeros past a
+    slot's rank; rows of slot -1 tokens are unspecified.
     """
     if _use_triton(x):
         from .shrink import lora_shrink_triton
@@ -55,8 +55,11 @@ def lora_expand(
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
 
     y: [T, sum(slice_sizes)], any strides (a column slice of a wider output is fine);
-    buf: [T, n_slices*R] float32 from lora_shrink; lora_b: [S, sum(slice_sizes), R] in y's dtype.
-    Sums in float32, rounds once to y's dtype. Rows of slot -1 tokens are left exactly untouched.
+    buf: [T, n_slices*R] float32 from lora_shrink; lora_b: [S, sum(slice_sizes), R] in y's dtype
+    (columns past a slot's rank must be zero padding); ranks: as for lora_shrink.
+    Products in float32 (16-bit: buf rounded to the weights' dtype for the tensor cores, as PEFT
+    does), summed with y in float32 and rounded once to y's dtype. Rows of slot -1 tokens are left
+    exactly untouched. No host sync: with a fixed meta it can be captured in a CUDA graph.
     """
     if _use_triton(y):
         from .expand import lora_expand_triton

@@ -3,9 +3,9 @@ slice of a packed module in one launch.
 
 Grid: tiles x column chunks. A tile is up to BLOCK_M tokens of one slot's segment; a chunk is
 `group` blocks of BLOCK_N columns inside one slice. A program loads its buf tile once (the whole
-rank), then walks its chunk block by block, reading the next y block while it finishes the
-current one, so y streams through at memory speed. Rows of tokens without an adapter are
-never touched.
+rank), then walks its chunk block by block with the next blocks' y and B already in flight
+(async copies, `num_stages` deep), so y streams through at memory speed. Rows of tokens without
+an adapter are never touched.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    W_VEC: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid // n_units
@@ -50,8 +50,8 @@ def _expand_kernel(
     c0 = (unit - tl.sum(tl.where(sel, cum - n_chunks, 0), 0)) * chunk  # first column in the slice
     n_i = tl.sum(tl.where(sel, sizes, 0), 0)
     off_i = tl.sum(tl.where(sel, offsets, 0), 0)
-    if Y_VEC > 1:  # every slice starts on a 16-byte boundary: y moves in 16-byte vectors
-        off_i = tl.multiple_of(off_i, Y_VEC)
+    if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
+        off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
     n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -61,42 +61,40 @@ def _expand_kernel(
     if HAS_RANKS:
         rank = tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
     offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-
     # buf: [T, n_slices*R] f32, slice i at columns i*R; loaded once, reused for every block
     hb = tl.load(buf_ptr + tok[:, None] * stride_bm + (i * R + offs_r)[None, :] * stride_bk,
-                 mask=m_mask[:, None] & r_mask[None, :], other=0.0)  # [BM, BR]
+                 mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)  # [BM, BR]
+    if W_VEC > 1:
+        # B's columns past a slot's rank are zero padding, so reading whole 16-byte vectors is
+        # exact; a mask the compiler can prove vector-uniform lets it pipeline B's loads
+        rank = ((rank + W_VEC - 1) // W_VEC) * W_VEC
+    r_mask = offs_r < rank
     if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
         hb = hb.to(b_ptr.dtype.element_ty)
 
     n_end = tl.minimum(n_i, c0 + chunk)  # this program's columns: [c0, n_end) of slice i
+    if Y_VEC > 1:  # a no-op that proves the column mask uniform per vector, so y's loads pipeline
+        n_end = (n_end // Y_VEC) * Y_VEC
     n_loc = c0 + tl.arange(0, BLOCK_N)  # [BN] columns of this block within the slice
     # B[slot]: [N, R]; y: [T, N] gathered rows
     w_ptrs = (b_ptr + slot.to(tl.int64) * stride_ws + (off_i + n_loc)[:, None] * stride_wn
               + offs_r[None, :] * stride_wk)
     y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
-    y_mask = m_mask[:, None] & (n_loc < n_end)[None, :]
-    if PREFETCH:
-        y_cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    for j in range(0, n_blocks):
+    # an explicit pipeline depth makes the compiler stream y (not only B) through shared memory
+    # with async copies, several blocks ahead
+    for j in tl.range(0, n_blocks, num_stages=STAGES):
         n_mask = n_loc < n_end
-        if PREFETCH:  # issue the next block's y read before this block's product and store
-            nxt_mask = m_mask[:, None] & ((n_loc + BLOCK_N) < n_end)[None, :]
-            y_nxt = tl.load(y_ptrs + BLOCK_N * stride_yn, mask=nxt_mask, other=0.0)
+        y_mask = m_mask[:, None] & n_mask[None, :]
         w = tl.load(w_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BN, BR]
         if CAST_BUF:
             acc = tl.dot(hb, tl.trans(w))
         else:
             acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
-        if not PREFETCH:
-            y_cur = tl.load(y_ptrs, mask=y_mask, other=0.0)
-        tl.store(y_ptrs, (y_cur.to(tl.float32) + acc).to(y_cur.dtype), mask=y_mask)
-        if PREFETCH:
-            y_cur = y_nxt
+        yt = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BM, BN]
+        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
         n_loc += BLOCK_N
         w_ptrs += BLOCK_N * stride_wn
         y_ptrs += BLOCK_N * stride_yn
-        y_mask = m_mask[:, None] & (n_loc < n_end)[None, :]
 
 
 @dataclass(frozen=True)
@@ -107,29 +105,27 @@ class ExpandConfig:
     num_warps: int
     num_stages: int
     cast_buf: bool = True  # 16-bit y: buf rounded to the weights' dtype for the product (PEFT does)
-    prefetch: bool = True
 
 
 def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
                   device: torch.device) -> ExpandConfig:
-    """Heuristic launch shape, cached on the meta. Few tiles (decode, B dominates): narrow blocks,
-    one per program, to spread B over the GPU. Many tiles (prefill, y dominates): wide blocks and
-    several per program so each program streams y with its next read in flight."""
+    """Heuristic launch shape, cached on the meta. 64-column blocks; shorter tiles for small ranks
+    (buf rows are cheap) and taller ones for large ranks (fewer re-reads of B from L2); several
+    blocks per program once the grid is more than twice the GPU (prefill), one otherwise (decode)."""
     key = ("expand", slice_sizes, R, dtype, device)
     cfg = meta._cache.get(key)
     if cfg is not None:
         return cfg
-    block_m = block_m_for(meta)
+    block_m = min(block_m_for(meta), 32 if R <= 32 else 64)
     n_tiles = max(1, meta.num_tiles(block_m))
     target = target_programs(device)
-    block_n = 128
+    block_n = 64
     while block_n > 32 and n_tiles * sum(cdiv(n, block_n) for n in slice_sizes) < target:
         block_n //= 2
     group = 1
     while group < 8 and n_tiles * sum(cdiv(n, block_n * group * 2) for n in slice_sizes) >= 2 * target:
         group *= 2
-    num_warps = 8 if block_m * block_n >= 64 * 128 else 4
-    cfg = ExpandConfig(block_m, block_n, group, num_warps, num_stages=2)
+    cfg = ExpandConfig(block_m, block_n, group, num_warps=4, num_stages=3 if group > 1 else 2)
     meta._cache[key] = cfg
     return cfg
 
@@ -137,7 +133,9 @@ def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dty
 _SLICE_TABLES: dict = {}
 
 
-def _slice_table(slice_sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int]:
+def _slice_table(slice_sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """(table, pad, offsets): table is [2, pad] int32 flat, slice sizes then offsets; one per
+    module shape and device, made once per process."""
     key = (slice_sizes, device)
     hit = _SLICE_TABLES.get(key)
     if hit is None:
@@ -170,21 +168,28 @@ def lora_expand_triton(
     n_tiles = meta.num_tiles(cfg.block_m)
     if n_tiles == 0 or R == 0:
         return
-    tab, sl_pad, offsets = _slice_table(slice_sizes, y.device)
-    vec = 16 // y.element_size()
-    y_vec = vec if (y.stride(1) == 1 and y.stride(0) % vec == 0 and y.data_ptr() % 16 == 0
-                    and all(o % vec == 0 for o in offsets)) else 1
-    chunk = cfg.block_n * cfg.group
-    n_units = sum(cdiv(n, chunk) for n in slice_sizes)
+    key = ("expand_launch", slice_sizes, cfg, y.device)
+    plan = meta._cache.get(key)
+    if plan is None:  # per step and module shape: slice table and work units
+        tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
+        plan = (tab, sl_pad, sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes))
+        meta._cache[key] = plan
+    tab, sl_pad, n_units = plan
+    sy, sb, sw = y.stride(), buf.stride(), lora_b.stride()
+    vec = 16 // y.element_size()  # 16-byte vectors of y: aligned base, rows and slices
+    y_vec = vec if (sy[1] == 1 and sy[0] % vec == 0 and y.data_ptr() % 16 == 0
+                    and all(n % vec == 0 for n in slice_sizes)) else 1
+    w_vec = 16 // lora_b.element_size()
+    w_vec = w_vec if (sw[2] == 1 and R % w_vec == 0) else 1
     _expand_kernel[(n_tiles * n_units,)](
         y, buf, lora_b, ranks if ranks is not None else tab, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         n_slices, R, n_units, cfg.group,
-        y.stride(0), y.stride(1), buf.stride(0), buf.stride(1),
-        lora_b.stride(0), lora_b.stride(1), lora_b.stride(2),
+        sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
         A_PAD=max(32, next_pow2(meta.num_slots)), SL_PAD=sl_pad,
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
-        PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, PREFETCH=cfg.prefetch,
+        PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
+        STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

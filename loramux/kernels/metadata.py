@@ -59,7 +59,8 @@ class LoRABatchMeta:
         return n
 
     def segments(self):
-        """Yield (slot, token_ids) per active slot; token_ids: [n] int64 view-free index tensor."""
+        """(slot, token_ids) per active slot; token_ids: [n] int64, a slice of the sorted ids.
+        Cached: the reference path calls it for every layer."""
         key = "segments"
         segs = self._cache.get(key)
         if segs is None:

@@ -155,12 +155,12 @@ def lora_shrink_triton(
     if n_tiles == 0 or NR == 0:
         return buf
     grid = (n_tiles * cdiv(NR, cfg.block_n), split_k)
+    sx, sa, ss, sb = x.stride(), lora_a.stride(), scales.stride(), buf.stride()
     _shrink_kernel[grid](
         x, lora_a, scales, ranks if ranks is not None else scales, buf,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         H, NR, R, k_per_split,
-        x.stride(0), x.stride(1), lora_a.stride(0), lora_a.stride(1), lora_a.stride(2),
-        scales.stride(0), scales.stride(1), buf.stride(0), buf.stride(1),
+        sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, A_PAD=max(32, next_pow2(meta.num_slots)),
         HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
         ATOMIC=atomic, PRECISION=dot_precision(x.dtype),

@@ -43,7 +43,7 @@ class AdapterBook:
             raise ValueError("the base model needs at least one served name")
         self.served_names = list(served_names)
         self._entries: dict[str, AdapterEntry] = {}  # public name -> entry
-        self._retiring: dict[str, str] = {}  # engine name -> public name, until the engine drops it
+        self._retiring: set[str] = set()  # engine names of adapters leaving the engine
         self._ids = itertools.count(1)
 
     @property
@@ -63,7 +63,7 @@ class AdapterBook:
         entry = self._entries.get(model)
         if entry is not None:
             return entry.request
-        if model in self._retiring:
+        if model in self._retiring:  # an on-demand entry would reuse that engine name
             raise APIError(404, f"the adapter {model!r} is being unloaded; it can be loaded again once "
                            "its running requests finish", param="model", code="model_not_found")
         request = self._new_request(model, model, "", param="model")
@@ -112,13 +112,13 @@ class AdapterBook:
         """Stop serving ``name``; the caller retires its engine adapter (``retire``)."""
         return self._entries.pop(name, None)
 
-    def retire(self, name: str, request: LoRARequest) -> None:
+    def retire(self, request: LoRARequest) -> None:
         """``request``'s adapter is on its way out of the engine: keep its engine name reserved."""
-        self._retiring[request.lora_name] = name
+        self._retiring.add(request.lora_name)
 
     def retired(self, request: LoRARequest) -> None:
         """The engine dropped ``request``'s adapter."""
-        self._retiring.pop(request.lora_name, None)
+        self._retiring.discard(request.lora_name)
 
     def get(self, name: str) -> AdapterEntry | None:
         return self._entries.get(name)

@@ -100,7 +100,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = get_state(request)
     _check_supported(body)
     max_tokens = body.max_tokens or state.default_max_tokens(None)
-    gen = _generation(state, "completions", body, completion_prompts(body), max_tokens)
+    gen = _generation(state, "completions", body, completion_prompts(body, state.vocab_size), max_tokens)
     return await run_generation(state, request, gen)
 
 

@@ -115,7 +115,7 @@ class AsyncEngine:
         self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Abort everything in flight and join the engine thread."""
+        """Stop the engine thread (waiting handlers get an error) and join it."""
         if self._thread is None:
             return
         self._stopping = True
@@ -138,15 +138,13 @@ class AsyncEngine:
     def submit(self, requests: Sequence[SubRequest]) -> RequestGroup:
         """Hand ``requests`` to the engine; read their outputs from the returned group.
 
-        The caller must ``release`` the group when done with it (``open`` does so), which aborts
-        whatever has not finished: a client that goes away frees its sequences.
+        The caller must ``release`` the group when done with it, which aborts whatever has not
+        finished: a client that goes away frees its sequences. Request ids must be unique.
         """
         if self.dead is not None:
             raise EngineDeadError(f"the engine stopped after an error: {self.dead}")
         group = RequestGroup(requests)
         for index, request in enumerate(group.requests):
-            if request.request_id in self._groups:
-                raise ValueError(f"request id {request.request_id!r} is already in use")
             self._groups[request.request_id] = (group, index)
         self._commands.put(lambda: self._add(group.requests))
         return group

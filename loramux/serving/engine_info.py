@@ -6,7 +6,7 @@ from typing import Any
 
 from loramux.serving.metrics import TierStats
 
-__all__ = ["engine_requests", "read_tiers"]
+__all__ = ["engine_requests", "read_tiers", "vocab_size"]
 
 
 def read_tiers(engine: Any) -> dict[str, TierStats]:
@@ -35,3 +35,13 @@ def engine_requests(engine: Any) -> int:
     """Requests the engine holds (``get_num_unfinished_requests``), or -1 if it does not say."""
     count = getattr(engine, "get_num_unfinished_requests", None)
     return count() if count is not None else -1
+
+
+def vocab_size(engine: Any) -> int | None:
+    """How many token ids the model embeds (``model.config``), or None if the engine does not say."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    if config is None:
+        return None
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text_config, "vocab_size", None)
+    return size if isinstance(size, int) else None

@@ -44,18 +44,32 @@ class Generation:
     prompt_of_choice: list[int] = field(default_factory=list)  # choice index -> prompt index
 
     @property
-    def object_name(self) -> str:
-        return "chat.completion" if self.endpoint == "chat" else "text_completion"
+    def response_id(self) -> str:
+        return self.requests[0].request_id.rsplit("-", 1)[0]  # build_requests numbers the choices
 
 
-def completion_prompts(request: CompletionRequest) -> list[Any]:
-    """The prompts of a completions request: strings or ``{"prompt_token_ids": [...]}``."""
+def completion_prompts(request: CompletionRequest, vocab_size: int | None) -> list[Any]:
+    """The prompts of a completions request: strings or ``{"prompt_token_ids": [...]}``.
+
+    :raises APIError: 400 for a token id outside the vocabulary (the model could not embed it).
+    """
     prompt = request.prompt
     if isinstance(prompt, str):
         return [prompt]
     if all(isinstance(item, int) for item in prompt):
-        return [{"prompt_token_ids": list(prompt)}]
-    return [item if isinstance(item, str) else {"prompt_token_ids": list(item)} for item in prompt]
+        prompt = [prompt]
+    prompts = []
+    for item in prompt:
+        if isinstance(item, str):
+            prompts.append(item)
+            continue
+        bad = next((t for t in item if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if bad is not None:
+            limit = f"0 to {vocab_size - 1}" if vocab_size is not None else "0 or more"
+            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary ({limit})", param="prompt",
+                           code="invalid_parameter")
+        prompts.append({"prompt_token_ids": list(item)})
+    return prompts
 
 
 def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None) -> Any:
@@ -150,14 +164,18 @@ async def run_generation(state: Any, http_request: Request, gen: Generation) -> 
     try:
         await _until_disconnected(http_request, group.changes())
         _raise_output_error(group)
-    except BaseException as error:
+    except ConnectionAbortedError as error:
         state.engine.release(group)
-        if isinstance(error, ConnectionAbortedError):
-            state.count_request(gen, "cancelled", group)
-            return Response(status_code=_CLIENT_CLOSED)
+        if gen.lora_request is not None:  # an on-demand name nobody waits for any more is dropped
+            state.book.settle(gen.model, gen.lora_request, error)
+        state.count_request(gen, "cancelled", group)
+        return Response(status_code=_CLIENT_CLOSED)
+    except asyncio.CancelledError:
+        state.engine.release(group)
+        raise
+    except Exception as error:
+        state.engine.release(group)
         _settle_adapter(state, gen, group, error)
-        if isinstance(error, asyncio.CancelledError):
-            raise
         state.count_request(gen, "error", group)
         return error_response(to_api_error(error))
     _settle_adapter(state, gen, group, None)
@@ -185,7 +203,7 @@ def _settle_adapter(state: Any, gen: Generation, group: RequestGroup, error: Bas
     The first request to settle a name found on demand counts the resolution and its latency.
     """
     if gen.lora_request is None:
-        return True
+        return
     if state.book.settle(gen.model, gen.lora_request, error):
         state.metrics.resolutions.labels(_resolution_outcome(error)).inc()
         if error is None and group.first_output_at is not None:
@@ -227,7 +245,8 @@ def _full_response(gen: Generation, group: RequestGroup) -> dict:
         else:
             choice["text"] = text
         choices.append(choice)
-    return {"id": gen.requests[0].request_id.rsplit("-", 1)[0], "object": gen.object_name,
+    object_name = "chat.completion" if gen.endpoint == "chat" else "text_completion"
+    return {"id": gen.response_id, "object": object_name,
             "created": int(time.time()), "model": gen.model, "choices": choices,
             "usage": _usage(gen, group)}
 
@@ -237,11 +256,17 @@ def _sse(payload: dict | str) -> str:
     return f"data: {data}\n\n"
 
 
+def _held_back(params: Any) -> int:
+    """Characters a stream keeps back while a request runs: the engine cuts its text at a stop
+    string once it is complete, so the start of a possible stop string must not be sent yet."""
+    return max((len(stop) for stop in getattr(params, "stop_strings", ())), default=1) - 1
+
+
 async def _stream(state: Any, gen: Generation, group: RequestGroup, started: float) -> AsyncIterator[str]:
-    """The SSE body: one chunk per choice per step (text deltas), then usage, then ``[DONE]``."""
-    response_id = gen.requests[0].request_id.rsplit("-", 1)[0]
-    created = int(time.time())
+    """The SSE body: one chunk per step with each choice's new text, then usage, then ``[DONE]``."""
+    response_id, created = gen.response_id, int(time.time())
     object_name = "chat.completion.chunk" if gen.endpoint == "chat" else "text_completion"
+    held_back = [_held_back(request.params) for request in gen.requests]
     sent = [0] * len(gen.requests)  # characters of each choice's text already sent
     done = [False] * len(gen.requests)
 
@@ -252,6 +277,16 @@ async def _stream(state: Any, gen: Generation, group: RequestGroup, started: flo
             body["usage"] = usage
         return _sse(body)
 
+    def choice(index: int, output: Any) -> dict | None:
+        text = output.outputs[0].text if output.outputs else ""
+        reason = _finish_reason(output)
+        end = len(text) if reason is not None else max(sent[index], len(text) - held_back[index])
+        delta, sent[index], done[index] = text[sent[index]:end], end, reason is not None
+        if not delta and reason is None:
+            return None
+        body = ({"delta": {"content": delta} if delta else {}} if gen.endpoint == "chat" else {"text": delta})
+        return {"index": index, **body, "logprobs": None, "finish_reason": reason}
+
     status = "cancelled"
     try:
         if gen.endpoint == "chat":  # OpenAI sends the role first, alone
@@ -259,22 +294,8 @@ async def _stream(state: Any, gen: Generation, group: RequestGroup, started: flo
                           "finish_reason": None} for i in range(len(gen.requests))])
         changed = list(range(len(gen.requests)))
         while True:
-            choices = []
-            for index in changed:
-                output = group.latest[index]
-                if output is None or done[index]:
-                    continue
-                text = output.outputs[0].text if output.outputs else ""
-                delta, sent[index] = text[sent[index]:], len(text)
-                reason = _finish_reason(output)
-                done[index] = reason is not None
-                if not delta and reason is None:
-                    continue
-                if gen.endpoint == "chat":
-                    body = {"delta": {"content": delta} if delta else {}}
-                else:
-                    body = {"text": delta}
-                choices.append({"index": index, **body, "logprobs": None, "finish_reason": reason})
+            choices = [choice(i, group.latest[i]) for i in changed if group.latest[i] is not None and not done[i]]
+            choices = [c for c in choices if c is not None]
             if choices:
                 yield chunk(choices)
             if all(done):
@@ -282,8 +303,7 @@ async def _stream(state: Any, gen: Generation, group: RequestGroup, started: flo
             changed = await group.changes()
             _raise_output_error(group)
         if gen.include_usage:
-            yield _sse({"id": response_id, "object": object_name, "created": created, "model": gen.model,
-                        "choices": [], "usage": _usage(gen, group)})
+            yield chunk([], _usage(gen, group))
         status = "ok"
         yield _sse("[DONE]")
     except Exception as error:  # mid-stream failure: an error event the openai client raises
@@ -294,4 +314,3 @@ async def _stream(state: Any, gen: Generation, group: RequestGroup, started: flo
         state.engine.release(group)
         seconds = time.monotonic() - started if status == "ok" else None
         state.count_request(gen, status, group, seconds=seconds)
-

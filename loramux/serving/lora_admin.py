@@ -96,7 +96,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
 
 async def _retire(state: ServerState, name: str, lora: LoRARequest) -> None:
     """Take ``lora`` out of the engine now, or once the requests running with it finish."""
-    state.book.retire(name, lora)
+    state.book.retire(lora)
     if await _try_remove(state, lora):
         return
     logger.info("Adapter %r is in use by running requests; it leaves the engine when they finish", name)

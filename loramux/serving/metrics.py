@@ -12,12 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 __all__ = ["CONTENT_TYPE", "Metrics", "TierStats"]
-
-disable_created_metrics()  # no *_created series: they double the output and nobody graphs them
 
 # A model label carries only names the server knows (base, registered or resolved adapters), so a
 # client naming random adapters cannot grow the number of series without bound.

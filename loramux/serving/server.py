@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import prometheus_client
 import uvicorn
 
 from loramux.serving.state import ServerConfig
@@ -82,16 +83,16 @@ def _describe(engine: Any, config: ServerConfig) -> None:
 def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; returns the exit status."""
     _configure_logging()
+    prometheus_client.disable_created_metrics()  # no *_created series: they double /metrics for nothing
     from loramux.engine.llm_engine import LLMEngine
     from loramux.resolvers.collect import RESOLVERS_ENV
     from loramux.serving.app import build_app
 
     if args.lora_resolver:  # where the resolver plugins read the order from, as --lora-resolvers
         os.environ[RESOLVERS_ENV] = ",".join(args.lora_resolver)
-    modules = list(args.lora_modules)
     embedded = args.model is None
-    if embedded and args.enable_lora:
-        modules = demo_adapters() + modules
+    modules = (demo_adapters() if embedded and args.enable_lora else []) + list(args.lora_modules)
+    modules = list({name: (name, path, base) for name, path, base in modules}.values())  # a later NAME wins
     max_loras = args.max_loras or (max(1, len(modules)) if embedded else 1)
     logger.info("Loading %s ...", args.model or "the embedded default model")
     engine = LLMEngine(

@@ -11,7 +11,7 @@ from fastapi import Request
 
 from loramux.serving.adapters import AdapterBook
 from loramux.serving.async_engine import AsyncEngine, RequestGroup
-from loramux.serving.engine_info import engine_requests, read_tiers
+from loramux.serving.engine_info import engine_requests, read_tiers, vocab_size
 from loramux.serving.errors import APIError
 from loramux.serving.generation import Generation
 from loramux.serving.metrics import UNKNOWN_MODEL, Metrics
@@ -54,6 +54,7 @@ class ServerState:
         if config.max_model_len is None:
             config.max_model_len = getattr(engine, "max_model_len", None)
         self.engine = AsyncEngine(engine)
+        self.vocab_size = vocab_size(engine)  # token-id prompts are checked against it
         self.book = AdapterBook(config.served_model_names)
         self.sampling_params_cls = sampling_params_cls
         self.metrics = Metrics(lambda: read_tiers(engine), lambda: self.engine.waiting,

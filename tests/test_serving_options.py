@@ -1,0 +1,46 @@
+"""The `loramux serve` flags: vLLM's names and forms, parsed without starting anything."""
+
+from __future__ import annotations
+
+import pytest
+
+from loramux.cli import build_parser
+
+
+def parse(*argv):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_defaults_listen_on_localhost_8000_with_lora_on():
+    args = parse()
+    assert (args.model, args.host, args.port) == (None, "127.0.0.1", 8000)
+    assert args.enable_lora and not args.allow_runtime_lora_updating and args.api_key is None
+    assert args.lora_modules == [] and args.max_loras is None and args.max_lora_rank == 16
+
+
+def test_vllm_style_flags():
+    args = parse("org/model", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "8",
+                 "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "s3://b/chat", "base_model_name": "org/model"}',
+                 "--lora-resolver", "filesystem", "s3", "--lora-resolver-dir", "/adapters",
+                 "--api-key", "k", "--allow-runtime-lora-updating", "--served-model-name", "m", "alias",
+                 "--no-enable-lora")
+    assert args.model == "org/model" and (args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (4, 64, 8)
+    assert args.lora_modules == [("sql", "/a/sql", None), ("chat", "s3://b/chat", "org/model")]
+    assert args.lora_resolver == ["filesystem", "s3"] and args.lora_resolver_dir == "/adapters"
+    assert args.api_key == "k" and args.allow_runtime_lora_updating and not args.enable_lora
+    assert args.served_model_name == ["m", "alias"]
+
+
+def test_environment_defaults(monkeypatch):
+    monkeypatch.setenv("LORAMUX_API_KEY", "from-env")
+    monkeypatch.setenv("LORAMUX_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    args = parse()
+    assert args.api_key == "from-env" and args.allow_runtime_lora_updating
+
+
+@pytest.mark.parametrize("spec", ["no-equals-sign", "=path", "name=", '{"name": "x"}', "{not json"])
+def test_bad_lora_modules_are_refused_with_the_form_to_use(spec, capsys):
+    with pytest.raises(SystemExit) as caught:
+        parse("--lora-modules", spec)
+    assert caught.value.code == 2
+    assert "--lora-modules" in capsys.readouterr().err
