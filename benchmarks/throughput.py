@@ -169,20 +169,34 @@ def peft_runs(args, model, prompts, rank: int, n: int, device) -> dict:
     input_ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(input_ids)
 
-    def timed(new_tokens: int) -> float:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StepClock(StoppingCriteria):  # called once per generated token: timestamps the steps
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            sync(device)
+            self.times.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def generate(new_tokens: int) -> tuple[float, list[float]]:
+        clock = StepClock()
         sync(device)
         t0 = time.perf_counter()
-        peft_model.generate(input_ids=input_ids, attention_mask=mask, adapter_names=names,
-                            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        peft_model.generate(input_ids=input_ids, attention_mask=mask, adapter_names=names, do_sample=False,
+                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                            stopping_criteria=StoppingCriteriaList([clock]))
         sync(device)
-        return time.perf_counter() - t0
+        steps = [b - a for a, b in zip(clock.times, clock.times[1:])]  # decode steps (the first is the prefill)
+        return time.perf_counter() - t0, steps
 
-    timed(2)  # warm-up
-    short, long = timed(1), timed(args.peft_tokens)
-    step = (long - short) / (args.peft_tokens - 1)
+    generate(2)  # warm-up
+    seconds, steps = generate(args.peft_tokens)
     return {"scenario": f"PEFT mixed batch, {n} adapters", "rank": rank, "adapters": n, "requests": len(prompts),
-            "generated_tokens": len(prompts) * args.peft_tokens, "seconds": long,
-            "tokens_per_s": len(prompts) * args.peft_tokens / long, "decode_step_ms": 1e3 * step}
+            "generated_tokens": len(prompts) * args.peft_tokens, "seconds": seconds,
+            "tokens_per_s": len(prompts) * args.peft_tokens / seconds,
+            "decode_step_ms": 1e3 * statistics.median(steps), "decode_steps_timed": len(steps)}
 
 
 def main() -> None:
@@ -197,7 +211,7 @@ def main() -> None:
     parser.add_argument("--adapters", default="1,8,32", help="distinct adapters per scenario")
     parser.add_argument("--ranks", default="16,64")
     parser.add_argument("--peft-adapters", type=int, default=32)
-    parser.add_argument("--peft-tokens", type=int, default=8 if cuda else 4)
+    parser.add_argument("--peft-tokens", type=int, default=16 if cuda else 6)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192 if cuda else 1024)
     parser.add_argument("--json", type=Path, default=Path("throughput.json"))
     parser.add_argument("--markdown", type=Path, default=None)

@@ -19,8 +19,9 @@ def test_defaults_listen_on_localhost_8000_with_lora_on():
 
 
 def test_vllm_style_flags():
+    chat = '{"name": "chat", "path": "s3://b/chat", "base_model_name": "org/model"}'
     args = parse("org/model", "--max-loras", "4", "--max-lora-rank", "64", "--max-cpu-loras", "8",
-                 "--lora-modules", "sql=/a/sql", '{"name": "chat", "path": "s3://b/chat", "base_model_name": "org/model"}',
+                 "--lora-modules", "sql=/a/sql", chat,
                  "--lora-resolver", "filesystem", "s3", "--lora-resolver-dir", "/adapters",
                  "--api-key", "k", "--allow-runtime-lora-updating", "--served-model-name", "m", "alias",
                  "--no-enable-lora")
