@@ -238,3 +238,12 @@ def test_other_architectures_match_transformers(model_type):
     finished = run_to_end(eng)
     for i, p in enumerate(batch):
         assert finished[str(i)].outputs[0].token_ids == peft_greedy(None, p, 10, model=reference), (model_type, i)
+
+
+def test_lora_modules_are_registered_at_start(engine_adapters):
+    llm = LLM(tiny_llama(), max_lora_rank=8, max_num_seqs=2, max_model_len=32,
+              lora_modules=[f"all={engine_adapters['all']}"])
+    assert "all" in llm.llm_engine.list_loras()
+    p = prompts(4, seed=10)[0]
+    out = llm.generate({"prompt_token_ids": p}, GREEDY, lora_request=LoRARequest("all", 1), use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == peft_greedy(engine_adapters["all"], p, 10)

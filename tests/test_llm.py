@@ -75,13 +75,13 @@ def test_embedded_model_chat_matches_transformers_greedy(smol, smol_reference):
     model, tokenizer = smol_reference
     outs = smol.chat(
         [[{"role": "user", "content": q}] for q in QUESTIONS],
-        SamplingParams(temperature=0, max_tokens=8),
+        SamplingParams(temperature=0, max_tokens=6),
         use_tqdm=False,
     )
     for question, out in zip(QUESTIONS, outs):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
         ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        expected = peft_greedy(None, list(ids), 8, model=model)
+        expected = peft_greedy(None, list(ids), 6, model=model)
         completion = out.outputs[0]
         assert out.prompt_token_ids == list(ids)
         assert completion.token_ids == expected[: len(completion.token_ids)]
@@ -92,9 +92,9 @@ def test_embedded_model_chat_matches_transformers_greedy(smol, smol_reference):
 
 def test_embedded_model_stop_string_cuts_the_text(smol):
     chat = [{"role": "user", "content": QUESTIONS[0]}]
-    full = smol.chat(chat, SamplingParams(temperature=0, max_tokens=10), use_tqdm=False)[0].outputs[0].text
+    full = smol.chat(chat, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0].text
     stop = full.split()[2]  # a word in the middle of the answer
-    cut = smol.chat(chat, SamplingParams(temperature=0, max_tokens=10, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    cut = smol.chat(chat, SamplingParams(temperature=0, max_tokens=8, stop=[stop]), use_tqdm=False)[0].outputs[0]
     assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
     assert cut.text == full[: full.index(stop)]
 
@@ -115,7 +115,7 @@ def test_demo_adapters_answer_differently_from_the_base(smol):
     names = sorted(p.name for p in ADAPTERS_DIR.iterdir() if (p / "adapter_config.json").is_file())[:2]
     requests = [None] + [LoRARequest(name, i, str(ADAPTERS_DIR / name)) for i, name in enumerate(names, 1)]
     chat = [{"role": "user", "content": "What is the capital of Japan?"}]
-    params = SamplingParams(temperature=0, max_tokens=12)
+    params = SamplingParams(temperature=0, max_tokens=6)
     outs = smol.chat([chat] * len(requests), params, lora_request=requests, use_tqdm=False)
     texts = [o.outputs[0].text for o in outs]
     assert all(o.error is None for o in outs)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -178,7 +177,7 @@ def _lora_requests(lora_modules) -> list[LoRARequest]:
                 raise ValueError(f"lora_modules entry {item!r}: expected 'name=path'")
             item = tuple(item.split("=", 1))
         name, path = item
-        requests.append(LoRARequest(name, number, str(Path(path)) if not str(path).count("://") else str(path)))
+        requests.append(LoRARequest(name, number, str(path)))
     return requests
 
 

@@ -129,8 +129,8 @@ class LLM:
                     if output.finished and output.request_id in wanted:
                         finished[output.request_id] = output
                         generated += len(output.outputs[0].token_ids)
-                        bar.update(1)
                         bar.set_postfix_str(f"{generated} tokens generated", refresh=False)
+                        bar.update(1)
         except BaseException:
             engine.abort_request([i for i in ids if i not in finished])
             raise
