@@ -13,6 +13,9 @@ hold the full batch. Against the base model: the extra step time per scenario an
 time to read those adapters' weights once at the device-copy bandwidth measured in this run.
 PEFT: ``generate(adapter_names=...)`` on the same prompts, step time from two runs of different
 lengths. Writes JSON and a markdown table, both naming the device.
+
+On CUDA the engines replay CUDA graphs for decode steps (``--enforce-eager`` turns them off).
+``--quick``: rank 16 only, 32 generated tokens, no PEFT (a smoke run before the full one).
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ class StepTimer:
 
 
 def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
+    graph_steps = engine.runner.graph_steps
     timer = StepTimer(engine)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
@@ -118,6 +122,7 @@ def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
         "tokens_per_s": tokens / elapsed,
         "decode_step_ms": 1e3 * statistics.median(full) if full else None,
         "decode_steps_timed": len(full),
+        "graph_steps": engine.runner.graph_steps - graph_steps,
     }
 
 
@@ -138,7 +143,7 @@ def lora_engine_runs(args, model, prompts, rank: int, record) -> None:
     engine = LLMEngine(
         model, enable_lora=True, max_loras=most, max_lora_rank=rank, max_cpu_loras=most,
         max_num_seqs=len(prompts), max_model_len=args.prompt_len + args.output_len + 8,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, len(prompts)),
+        max_num_batched_tokens=max(args.max_num_batched_tokens, len(prompts)), enforce_eager=args.enforce_eager,
     )
     engine.registry.cache.pin_memory = False  # they are built on the device already
     for adapter in adapters:
@@ -213,9 +218,13 @@ def main() -> None:
     parser.add_argument("--peft-adapters", type=int, default=32)
     parser.add_argument("--peft-tokens", type=int, default=16 if cuda else 6)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192 if cuda else 1024)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    parser.add_argument("--quick", action="store_true", help="rank 16 only, 32 generated tokens, no PEFT")
     parser.add_argument("--json", type=Path, default=Path("throughput.json"))
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
+    if args.quick:
+        args.ranks, args.output_len, args.peft_adapters = "16", min(args.output_len, 32), 0
     args.adapters = [int(x) for x in args.adapters.split(",")]
     ranks = [int(x) for x in args.ranks.split(",")]
     device = torch.device("cuda" if cuda else "cpu")
@@ -234,6 +243,7 @@ def main() -> None:
         "device": device_name(device), "model": args.model or "SmolLM2-135M-Instruct (embedded)",
         "load_format": args.load_format, "dtype": args.dtype, "torch": torch.__version__,
         "num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
+        "cuda_graphs": cuda and not args.enforce_eager,
         "copy_bandwidth_GBps": None, "model_bytes": sum(p.nbytes for p in model.parameters()), "runs": [],
     }
     bandwidth = copy_bandwidth(device)
@@ -242,7 +252,8 @@ def main() -> None:
 
     base = LLMEngine(model, enable_lora=False, max_num_seqs=args.num_requests,
                      max_model_len=args.prompt_len + args.output_len + 8,
-                     max_num_batched_tokens=max(args.max_num_batched_tokens, args.num_requests))
+                     max_num_batched_tokens=max(args.max_num_batched_tokens, args.num_requests),
+                     enforce_eager=args.enforce_eager)
     warm_up(base, [None], vocab)
     if cuda:  # one untimed pass: first-use costs (kernel selection per shape, allocator growth)
         run_workload(base, prompts, [None] * len(prompts), args.output_len)
@@ -300,6 +311,7 @@ def markdown(result: dict) -> str:
     lines = [
         f"**{result['device']}**, {result['model']} ({result['dtype']}, torch {result['torch']}); "
         f"{result['num_requests']} requests x ({result['prompt_len']} prompt + {result['output_len']} generated) tokens"
+        + ("; decode steps in CUDA graphs" if result.get("cuda_graphs") else "; eager")
         + (f"; measured copy bandwidth {bw:.0f} GB/s" if bw else ""),
         "",
         "| scenario | rank | tokens/s | decode step (ms) | vs base | extra (ms) | adapters' read time (ms) | extra / read |",

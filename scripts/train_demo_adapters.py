@@ -211,18 +211,23 @@ DEMO_ADAPTERS = [
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
     messages = [{"role": "user", "content": prompt}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return encoded["input_ids"]
 
 
 @torch.no_grad()
-def greedy_answers(model, tokenizer, prompts: list[str], desc: str, max_new_tokens: int = MAX_ANSWER_TOKENS) -> list[str]:
+def greedy_answers(
+    model, tokenizer, prompts: list[str], desc: str, max_new_tokens: int = MAX_ANSWER_TOKENS
+) -> list[str]:
     """Greedy chat answers, in batches with left padding."""
     answers = []
     tokenizer.padding_side = "left"
     for start in tqdm(range(0, len(prompts), GEN_BATCH), desc=desc, unit="batch"):
         batch = [chat_prompt_ids(tokenizer, p) for p in prompts[start : start + GEN_BATCH]]
         inputs = tokenizer.pad({"input_ids": batch}, return_tensors="pt")
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id
+        )
         new_tokens = out[:, inputs["input_ids"].shape[1] :]
         answers += [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new_tokens]
     return answers
@@ -347,7 +352,8 @@ def write_readme(adapter: DemoAdapter, out_dir: Path, final_loss: float, n_examp
         "",
     ]
     for prompt, base_answer, answer in samples:
-        lines += [f"- **{prompt}**", f"  - base: `{one_line(base_answer)}`", f"  - {adapter.name}: `{one_line(answer)}`"]
+        lines += [f"- **{prompt}**", f"  - base: `{one_line(base_answer)}`"]
+        lines += [f"  - {adapter.name}: `{one_line(answer)}`"]
     (out_dir / "README.md").write_text("\n".join(lines) + "\n")
 
 
@@ -363,7 +369,9 @@ def main() -> int:
     started = time.perf_counter()
     base, tokenizer = load_model(None, dtype=torch.float32)
     answers = [whole_sentences(a) for a in greedy_answers(base, tokenizer, TRAIN_PROMPTS, desc="base answers")]
-    held_out_base = greedy_answers(base, tokenizer, HELD_OUT_PROMPTS, desc="base held-out", max_new_tokens=CHECK_MAX_TOKENS)
+    held_out_base = greedy_answers(
+        base, tokenizer, HELD_OUT_PROMPTS, desc="base held-out", max_new_tokens=CHECK_MAX_TOKENS
+    )
     del base
     print(f"base answers: {time.perf_counter() - started:.0f} s", file=sys.stderr)
 
@@ -380,7 +388,8 @@ def main() -> int:
         for prompt, base_answer, answer in samples:
             ok = adapter.check(answer) and answer != base_answer
             failed += [] if ok else [f"{adapter.name}: {prompt!r} -> {answer!r}"]
-            print(f"  {prompt}\n    base:     {base_answer!r}\n    {adapter.name + ':':9} {answer!r}  [{'ok' if ok else 'FAIL'}]")
+            verdict = "ok" if ok else "FAIL"
+            print(f"  {prompt}\n    base:     {base_answer!r}\n    {adapter.name + ':':9} {answer!r}  [{verdict}]")
     print(f"\ntotal: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     if failed:
         print("Adapters that do not show their behaviour:\n  " + "\n  ".join(failed), file=sys.stderr)

@@ -247,3 +247,83 @@ def test_lora_modules_are_registered_at_start(engine_adapters):
     p = prompts(4, seed=10)[0]
     out = llm.generate({"prompt_token_ids": p}, GREEDY, lora_request=LoRARequest("all", 1), use_tqdm=False)[0]
     assert out.outputs[0].token_ids == peft_greedy(engine_adapters["all"], p, 10)
+
+
+# -- CUDA-graph pieces that run on the CPU ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_static_lora_meta_matches_the_exact_layout(seed):
+    """build_lora_meta(max_active=...) (no host sync, for graph capture) lays the tokens out as
+    the exact build does, with its worst-case tile count bounding the real one."""
+    from loramux.kernels import build_lora_meta
+
+    gen = torch.Generator().manual_seed(seed)
+    S, T = 5, 23
+    token_slots = torch.randint(-1, 3, (T,), generator=gen)  # at most 3 distinct slots
+    token_slots[-4:] = -1  # padding tokens of a graph's bucket
+    exact = build_lora_meta(token_slots, S)
+    static = build_lora_meta(token_slots, S, max_active=4)
+    assert static.static and not exact.static
+    assert torch.equal(static.sorted_token_ids, exact.sorted_token_ids)
+    for name in ("active_slots", "active_counts", "active_starts"):
+        assert torch.equal(getattr(static, name)[:S], getattr(exact, name)), name
+    # past the slots: a valid slot with no tokens (where the kernels' surplus tiles land)
+    assert static.active_slots.numel() > 32 and int(static.active_slots[S:].max()) < S
+    assert int(static.active_counts[S:].abs().sum()) == 0
+    for block_m in (16, 32, 64):
+        assert static.num_tiles(block_m) >= exact.num_tiles(block_m)
+
+
+@pytest.mark.parametrize("block", [16, 64])
+def test_static_meta_through_the_kernels_matches_the_exact_meta(block, monkeypatch):
+    """Triton kernels (interpreter on the CPU) with a static meta, grids sized for the worst case:
+    the surplus tiles change nothing, padding tokens (slot -1) stay untouched."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_available():
+        pytest.skip("needs TRITON_INTERPRET=1 before triton loads")
+    from loramux.kernels import build_lora_meta, lora_expand, lora_shrink
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(block)
+    S, T, H, R, out = 6, 20, 48, 8, (24, 40)
+    x = torch.randn(T, H, generator=gen).to(device)
+    A = torch.randn(S, 2 * R, H, generator=gen).to(device)
+    B = torch.randn(S, sum(out), R, generator=gen).to(device)
+    scales = torch.rand(S, 2, generator=gen).to(device)
+    ranks = torch.tensor([8, 0, 5, 8, 3, 8], dtype=torch.int32, device=device)
+    A[2, 5:R] = A[2, R + 5 :] = 0  # zero padding past each slot's rank, as the layers keep it
+    B[2, :, 5:] = 0
+    A[4, 3:R] = A[4, R + 3 :] = 0
+    B[4, :, 3:] = 0
+    slots = torch.tensor([2, 4, -1, 2, 0, 0, 4, -1] + [2] * 8 + [-1] * 4, device=device)  # 3 slots
+    y0 = torch.randn(T, sum(out), generator=gen).to(device)
+    results = []
+    for kernels, meta in (("torch", build_lora_meta(slots, S)), ("triton", build_lora_meta(slots, S, max_active=4))):
+        monkeypatch.setenv("LORAMUX_KERNELS", kernels)
+        y = y0.clone()
+        buf = lora_shrink(x, A, scales, meta, ranks)
+        lora_expand(y, buf, B, out, meta, ranks)
+        results.append(y)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(results[1][slots < 0], y0[slots < 0])
+
+
+def test_enforce_eager_is_accepted_and_the_cpu_runs_eagerly():
+    llm = LLM(tiny_llama(), enable_lora=False, max_num_seqs=2, max_model_len=32, enforce_eager=True)
+    assert not llm.llm_engine.runner.use_graphs
+    llm = LLM(tiny_llama(), enable_lora=False, max_num_seqs=2, max_model_len=32)
+    assert not llm.llm_engine.runner.use_graphs  # graphs are for CUDA only
+    out = llm.generate({"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 3 and llm.llm_engine.runner.graph_steps == 0
+
+
+def test_graph_buckets_and_key_lengths():
+    from loramux.engine.model_runner import graph_batch_sizes, graph_key_length
+
+    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(4) == [1, 2, 4] and graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert [graph_key_length(n, 4096) for n in (1, 64, 65, 600, 1500, 4000)] == [64, 64, 128, 640, 1536, 4096]
+    assert graph_key_length(300, 264) == 264

@@ -146,6 +146,8 @@ def test_slot_reuse_after_eviction(llama_setup):
     manager.activate(adapters["attn"])  # touch: mlp-rslora is now least recently used
     slot_embed = manager.activate(adapters["embed"])
     assert manager.resident() == ["attn", "embed"]
+    stats = manager.stats  # the GPU tier counts like the CPU tier: one hit, three copies in
+    assert (stats.hits, stats.misses, stats.loads, stats.evictions) == (1, 3, 3, 1)
     assert manager.slot_of("mlp-rslora") is None and slot_embed != slot_attn
     names = ["embed", "attn", None, "embed", "attn"]
     with torch.no_grad():

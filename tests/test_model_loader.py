@@ -72,7 +72,8 @@ def test_default_model_has_smollm2_135m_shape(default_model):
 def test_default_tokenizer_has_chatml_template(default_model):
     _, tokenizer = default_model
     assert tokenizer.chat_template
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    messages = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer.eos_token == "<|im_end|>"
 
@@ -229,7 +230,7 @@ def test_shipped_configs_have_the_real_shapes(name, model_class, n_params):
     from transformers import AutoModelForCausalLM
 
     assert name in dummy_config_names()
-    config, tokenizer = model_loader._dummy_config_and_tokenizer(name)
+    config, tokenizer = model_loader._dummy_config_and_tokenizer(name.upper())  # names are case-insensitive
     assert tokenizer is None
     with torch.device("meta"):  # shapes only: 8B parameters take no memory here
         model = AutoModelForCausalLM.from_config(config)
@@ -243,7 +244,11 @@ def test_dummy_of_the_default_model_keeps_its_tokenizer(default_dir):
     assert model.config.hidden_size == 576
 
 
-def test_bad_arguments_are_clear():
+def test_bad_arguments_are_clear(monkeypatch):
+    def offline(name, *args, **kwargs):  # no Hub round trip in tests
+        raise OSError(f"{name} is not a local folder and not reachable")
+
+    monkeypatch.setattr(model_loader.AutoConfig, "from_pretrained", offline)
     with pytest.raises(ValueError, match="load_format"):
         load_model("llama-3.1-8b", load_format="pt")
     with pytest.raises(ValueError, match="llama-3.1-8b, qwen2.5-7b"):

@@ -483,6 +483,8 @@ def test_metrics(http, client):
     assert metric(http, 'loramux_adapter_resolutions_total{outcome="not_found"}') >= 1
     assert metric(http, 'loramux_adapter_cache_evictions_total{tier="cpu"}') >= 1  # 8 adapters, 4 CPU slots
     assert metric(http, 'loramux_adapters_resident{tier="gpu"}') <= 2
+    assert metric(http, 'loramux_adapter_cache_loads_total{tier="gpu"}') >= 1
+    assert metric(http, 'loramux_adapter_cache_evictions_total{tier="gpu"}') >= 1  # 8 adapters, 2 slots
     for family in ("loramux_adapter_cache_hits_total", "loramux_adapter_cache_misses_total",
                    "loramux_adapter_cache_loads_total", "loramux_adapter_load_seconds_bucket",
                    "loramux_queue_depth", "loramux_requests_running", "loramux_prompt_tokens_total"):

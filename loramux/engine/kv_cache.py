@@ -1,7 +1,7 @@
 """The KV cache we own, and the attention function that reads and writes it.
 
-Layout: one row per running sequence, preallocated for ``max_model_len`` tokens:
-``k, v: [layers, rows, kv_heads, max_model_len, head_dim]``. The cache is bounded by
+Layout: one row per running sequence (plus a scratch row), preallocated for ``max_model_len``
+tokens: ``k, v: [layers, rows + 1, kv_heads, max_model_len, head_dim]``. The cache is bounded by
 ``max_num_seqs x max_model_len`` and allocated once; a sequence takes a row on admission and
 gives it back when it finishes (rows are handed out lowest first, so the rows in use stay dense).
 
@@ -48,15 +48,20 @@ class KVCache:
     """Preallocated keys and values for ``rows`` sequences of up to ``max_len`` tokens each.
 
     Zero-filled, so a masked key never multiplies a NaN left in memory. ``allocate`` hands out
-    the lowest free row; ``free`` takes it back.
+    the lowest free row; ``free`` takes it back. Row ``SCRATCH_ROW`` (0) is never handed out:
+    the padding tokens of a CUDA-graph step write there, so the sequences' rows are
+    ``1..rows`` and the tensors hold ``num_rows = rows + 1``.
     """
 
+    SCRATCH_ROW = 0
+
     def __init__(self, config, *, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
-        shape = kv_cache_shape(config, rows, max_len)
-        self.num_layers, self.rows, self.num_kv_heads, self.max_len, self.head_dim = shape
+        shape = kv_cache_shape(config, rows + 1, max_len)
+        self.num_layers, self.num_rows, self.num_kv_heads, self.max_len, self.head_dim = shape
+        self.rows = rows
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self._free = list(range(rows))  # a heap: lowest row first
+        self._free = list(range(1, rows + 1))  # a heap: lowest row first
         self._used: set[int] = set()
 
     @property

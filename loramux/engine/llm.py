@@ -46,12 +46,18 @@ class LLM:
     :param max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
     :param load_format: ``"auto"`` (real weights) or ``"dummy"`` (random, from a config).
     :param lora_modules: adapters to register at start: ``{"name": path}`` or ``["name=path"]``.
+    :param enforce_eager: never capture CUDA graphs (by default decode-only steps on CUDA replay
+        a graph per padded batch size; prefill and mixed steps always run eagerly).
     :param kwargs: the rest of :class:`~loramux.engine.llm_engine.LLMEngine`'s options
         (``registry``, ``tokenizer``, ``lora_target_modules``, ``seed``).
     """
 
-    def __init__(self, model=None, *, enable_lora: bool = True, max_loras: int = 1, **kwargs) -> None:
-        self.llm_engine = LLMEngine(model, enable_lora=enable_lora, max_loras=max_loras, **kwargs)
+    def __init__(
+        self, model=None, *, enable_lora: bool = True, max_loras: int = 1, enforce_eager: bool = False, **kwargs
+    ) -> None:
+        self.llm_engine = LLMEngine(
+            model, enable_lora=enable_lora, max_loras=max_loras, enforce_eager=enforce_eager, **kwargs
+        )
         self._ids = itertools.count()
 
     def get_tokenizer(self):

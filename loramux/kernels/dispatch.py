@@ -12,10 +12,20 @@ from .metadata import LoRABatchMeta
 ENV_VAR = "LORAMUX_KERNELS"
 
 
+def uses_triton(device: torch.device | str) -> bool:
+    """Whether tensors on ``device`` go through the Triton kernels (the only ones that take a
+    static meta, so the only ones a CUDA graph can capture)."""
+    return _use_triton_on(torch.device(device).type == "cuda")
+
+
 def _use_triton(t: torch.Tensor) -> bool:
+    return _use_triton_on(t.is_cuda)
+
+
+def _use_triton_on(is_cuda: bool) -> bool:
     choice = os.environ.get(ENV_VAR, "").strip().lower()
     if choice in ("", "auto"):
-        return t.is_cuda
+        return is_cuda
     if choice == "triton":
         return True
     if choice == "torch":

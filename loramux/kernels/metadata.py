@@ -2,6 +2,12 @@
 
 Every LoRA layer of one forward pass shares one `LoRABatchMeta`. Building it costs one
 device->host copy (the per-slot counts); the kernels themselves never synchronise.
+
+``build_lora_meta(..., max_active=A)`` builds a *static* meta instead, for CUDA-graph capture:
+no host sync, and host values that bound every batch of ``T`` tokens over at most ``A`` distinct
+slots (the launch grids are sized for the worst case; the tiles past the real ones find a
+zero-token segment and store nothing). Built inside the capture, its device tensors are
+recomputed from ``token_slots`` on every replay.
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ class LoRABatchMeta:
     Host values (read with the build's single sync):
       num_tokens, num_slots, num_active, num_lora_tokens, max_segment,
       active_slots_host / active_counts_host / active_starts_host: tuples of length num_active.
+    A static meta (``static=True``, from ``build_lora_meta(..., max_active=A)``) has no exact host
+    layout: ``num_active = min(A, T)`` and ``active_counts_host`` is a worst case whose tile count
+    bounds the real one for every tile height (``active_slots_host``/``active_starts_host`` are
+    empty); its device arrays are padded past the kernels' slot vector with a valid slot.
     """
 
     token_slots: torch.Tensor
@@ -42,6 +52,7 @@ class LoRABatchMeta:
     active_slots_host: tuple[int, ...]
     active_counts_host: tuple[int, ...]
     active_starts_host: tuple[int, ...]
+    static: bool = False
     # per-launcher caches keyed by tile height (tile counts); filled lazily, host-only
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -61,6 +72,9 @@ class LoRABatchMeta:
     def segments(self):
         """(slot, token_ids) per active slot; token_ids: [n] int64, a slice of the sorted ids.
         Cached: the reference path calls it for every layer."""
+        if self.static:
+            raise ValueError("a static LoRABatchMeta (built for CUDA graphs) has no host segments; "
+                             "use the Triton kernels with it")
         key = "segments"
         segs = self._cache.get(key)
         if segs is None:
@@ -73,11 +87,13 @@ class LoRABatchMeta:
         return segs
 
 
-def build_lora_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMeta:
+def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, max_active: int | None = None) -> LoRABatchMeta:
     """Group the tokens of one batch by adapter slot.
 
     token_slots: [T] integer, slot index per token in [0, num_slots), -1 = no adapter.
     One device->host copy (the per-slot counts); everything else stays on token_slots' device.
+    max_active: build a static meta (no host sync, capture-safe) for batches whose tokens use
+    at most this many distinct slots; the caller guarantees the bound and valid slots.
     """
     if not isinstance(token_slots, torch.Tensor):
         raise ValueError(f"build_lora_meta: token_slots must be a torch.Tensor, got {type(token_slots).__name__}")
@@ -87,6 +103,11 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMeta:
         raise ValueError(f"build_lora_meta: token_slots must be an integer tensor, got {token_slots.dtype}")
     if not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"build_lora_meta: num_slots must be a positive int, got {num_slots!r}")
+
+    if max_active is not None:
+        if not isinstance(max_active, int) or max_active < 1:
+            raise ValueError(f"build_lora_meta: max_active must be a positive int, got {max_active!r}")
+        return _build_static_meta(token_slots, num_slots, max_active)
 
     T = token_slots.numel()
     slots = token_slots.to(torch.int64)
@@ -133,4 +154,56 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMeta:
         active_slots_host=slots_h,
         active_counts_host=counts_h,
         active_starts_host=tuple(starts_h),
+    )
+
+
+def _slot_vector_pad(num_slots: int) -> int:
+    # the kernels read their slot vector with A_PAD = max(32, next_pow2(num_slots)) lanes and, for
+    # a tile past the last real one, index A_PAD itself; keep that entry (and a margin) valid
+    return 2 * max(32, 1 << max(0, (num_slots - 1).bit_length())) + 1
+
+
+def _build_static_meta(token_slots: torch.Tensor, num_slots: int, max_active: int) -> LoRABatchMeta:
+    """The layout of build_lora_meta without a host sync (no bincount, no sort): counts by
+    scatter-add, each token's place in its segment by a one-hot prefix sum."""
+    T, S, device = token_slots.numel(), num_slots, token_slots.device
+    slots = token_slots.to(torch.int64)
+    key = torch.where((slots < 0) | (slots >= S), torch.full_like(slots, S), slots)  # [T], S = none
+    onehot = (key[:, None] == torch.arange(S + 1, device=device)[None, :]).to(torch.int32)  # [T, S+1]
+    counts_all = onehot.sum(0)  # [S+1]
+    starts_all = torch.cumsum(counts_all, 0) - counts_all
+    within = (torch.cumsum(onehot, 0) * onehot).sum(1) - 1  # [T] rank of each token in its segment
+    dest = starts_all[key] + within
+    sorted_token_ids = torch.empty(T, dtype=torch.int32, device=device)
+    sorted_token_ids.scatter_(0, dest, torch.arange(T, dtype=torch.int32, device=device))
+    counts, starts = counts_all[:S], starts_all[:S]
+    # active slots first (ascending), then the rest: each slot's place without a sort
+    used = (counts > 0).to(torch.int64)
+    place = torch.where(used > 0, torch.cumsum(used, 0) - used, used.sum() + torch.cumsum(1 - used, 0) - (1 - used))
+    order = torch.empty(S, dtype=torch.int64, device=device).scatter_(0, place, torch.arange(S, device=device))
+    pad = _slot_vector_pad(S)
+    active_slots = order[:1].to(torch.int32).repeat(pad)  # past S: the first active slot (hot in cache)
+    active_slots[:S] = order.to(torch.int32)
+    active_counts = torch.zeros(pad, dtype=torch.int32, device=device)
+    active_counts[:S] = counts[order].to(torch.int32)
+    active_starts = torch.zeros(pad, dtype=torch.int32, device=device)
+    active_starts[:S] = starts[order].to(torch.int32)
+    a = min(max_active, S, T) if T else 0
+    # worst case over batches of T tokens on <= a slots: a + (T - a) // m tiles of height m
+    counts_h = (1,) * (a - 1) + (T - a + 1,) if a else ()
+    return LoRABatchMeta(
+        token_slots=token_slots.to(torch.int32),
+        sorted_token_ids=sorted_token_ids,
+        active_slots=active_slots,
+        active_counts=active_counts,
+        active_starts=active_starts,
+        num_tokens=T,
+        num_slots=S,
+        num_active=a,
+        num_lora_tokens=T,
+        max_segment=max(counts_h, default=0),
+        active_slots_host=(),
+        active_counts_host=counts_h,
+        active_starts_host=(),
+        static=True,
     )

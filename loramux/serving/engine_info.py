@@ -13,8 +13,7 @@ def read_tiers(engine: Any) -> dict[str, TierStats]:
     """Each adapter tier's counters and residents: ``{"cpu": ..., "gpu": ...}``.
 
     The CPU tier is the registry's ``CPUAdapterCache`` (``.stats``, ``.names()``); the GPU tier is
-    the ``LoRAModelManager`` (``.resident()``, and ``.stats`` with the same fields when it keeps
-    them). An engine without LoRA has neither.
+    the ``LoRAModelManager`` (``.stats``, ``.resident()``). An engine without LoRA has neither.
     """
     tiers: dict[str, TierStats] = {}
     cache = getattr(getattr(engine, "registry", None), "cache", None)

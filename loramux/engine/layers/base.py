@@ -211,7 +211,7 @@ class BaseLayerWithLoRA(nn.Module):
         if context is None or context.meta is None:
             return output
         meta = context.meta_for(self.rows_shape(x))
-        if not any(self._host_ranks[slot] for slot in meta.active_slots_host):
+        if not meta.static and not any(self._host_ranks[slot] for slot in meta.active_slots_host):
             return output  # no token of this batch uses an adapter that touches this layer
         if not output.is_contiguous():
             output = output.contiguous()
