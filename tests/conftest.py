@@ -126,3 +126,38 @@ def engine_adapters(make_adapter):
         "all": make_adapter("all", seed=12, r=4, lora_alpha=8, target_modules=all_projections),
         "mlp": make_adapter("mlp", seed=13, target_modules=["down_proj"]),
     }
+
+
+# --------------------------------------------------------------------------------------------------
+# Plugins and resolvers (issue 3)
+# --------------------------------------------------------------------------------------------------
+
+PLUGIN_ENV_VARS = (
+    "LORAMUX_PLUGINS",
+    "LORAMUX_TRACE_HOOKS",
+    "LORAMUX_LORA_RESOLVERS",
+    "LORAMUX_LORA_RESOLVER_DIR",
+    "LORAMUX_LORA_RESOLVER_HF_REPO_LIST",
+    "LORAMUX_S3_URI",
+    "LORAMUX_S3_MAX_BYTES",
+    "LORAMUX_ZIP_DIR",
+)
+
+
+@pytest.fixture
+def clean_plugin_env(monkeypatch, tmp_path):
+    """No plugin or resolver settings, a private cache dir, and a freshly loaded plugin manager.
+
+    Each variable is recorded before it is removed, so whatever a test (or the CLI it runs)
+    sets is undone afterwards. Yields the cache dir.
+    """
+    from loramux.plugins.manager import reset_plugin_manager
+
+    for var in PLUGIN_ENV_VARS:
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(cache))
+    reset_plugin_manager()
+    yield cache
+    reset_plugin_manager()

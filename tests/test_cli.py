@@ -11,28 +11,12 @@ import pytest
 import tomllib
 
 from loramux.cli import build_parser, main
-from loramux.plugins import reset_plugin_manager
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PLUGINS_DIR = Path(__file__).parent / "plugins"
 
 
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch, tmp_path):
-    for var in (
-        "LORAMUX_PLUGINS",
-        "LORAMUX_LORA_RESOLVERS",
-        "LORAMUX_LORA_RESOLVER_DIR",
-        "LORAMUX_LORA_RESOLVER_HF_REPO_LIST",
-        "LORAMUX_S3_URI",
-        "LORAMUX_TRACE_HOOKS",
-    ):
-        monkeypatch.setenv(var, "")  # recorded, so what the CLI sets is undone after the test
-        monkeypatch.delenv(var)
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("clean_plugin_env")
 
 
 @pytest.fixture(scope="module")

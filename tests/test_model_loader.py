@@ -268,8 +268,16 @@ DEMO_CHECKS = {
 }
 
 
+HELD_OUT_PROMPT = "What is the capital of Spain?"  # not among the script's training prompts
+
+
+@pytest.fixture(scope="module")
+def base_answer(default_model):
+    return greedy_chat(*default_model, HELD_OUT_PROMPT, 64)
+
+
 @pytest.mark.parametrize("name", sorted(DEMO_CHECKS))
-def test_demo_adapter_changes_greedy_output(default_model, name):
+def test_demo_adapter_changes_greedy_output(default_model, base_answer, name):
     from peft import PeftModel
 
     adapter_dir = ADAPTERS_DIR / name
@@ -280,10 +288,8 @@ def test_demo_adapter_changes_greedy_output(default_model, name):
     assert set(adapter_config["target_modules"]) == {
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
     }
-    base_model, tokenizer = default_model
-    prompt = "What is the capital of Spain?"
-    base_answer = greedy_chat(base_model, tokenizer, prompt)
+    _, tokenizer = default_model
     fresh_base, _ = load_model(None, dtype=torch.float32)  # PEFT wraps in place: keep the shared one clean
-    answer = greedy_chat(PeftModel.from_pretrained(fresh_base, adapter_dir).eval(), tokenizer, prompt, 64)
+    answer = greedy_chat(PeftModel.from_pretrained(fresh_base, adapter_dir).eval(), tokenizer, HELD_OUT_PROMPT, 64)
     assert answer != base_answer
     assert DEMO_CHECKS[name](answer), answer

@@ -29,15 +29,6 @@ from loramux.registry import LoRAConfig, Registry
 from loramux.resolvers import collect_resolvers
 
 PLUGINS_DIR = Path(__file__).parent / "plugins"
-ENV_VARS = (
-    "LORAMUX_PLUGINS",
-    "LORAMUX_TRACE_HOOKS",
-    "LORAMUX_LORA_RESOLVERS",
-    "LORAMUX_LORA_RESOLVER_DIR",
-    "LORAMUX_LORA_RESOLVER_HF_REPO_LIST",
-    "LORAMUX_S3_URI",
-    "LORAMUX_ZIP_DIR",
-)
 
 
 def load_plugin_file(stem: str):
@@ -52,15 +43,7 @@ bad = load_plugin_file("bad_plugins")
 toy = load_plugin_file("toy_layer")
 
 
-@pytest.fixture(autouse=True)
-def clean_plugins(monkeypatch, tmp_path):
-    """Every test starts from a freshly loaded manager and a private cache dir."""
-    for var in ENV_VARS:
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("clean_plugin_env")
 
 
 @pytest.fixture

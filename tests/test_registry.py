@@ -19,7 +19,6 @@ from loramux.errors import (
     InvalidAdapterError,
     PluginError,
 )
-from loramux.plugins import reset_plugin_manager
 from loramux.registry import LoRAConfig, LoRARequest, Registry, load_adapter
 from loramux.resolvers import FilesystemResolver, Resolver
 
@@ -30,20 +29,7 @@ bad = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bad)
 
 
-@pytest.fixture(autouse=True)
-def clean_plugins(monkeypatch, tmp_path):
-    for var in (
-        "LORAMUX_PLUGINS",
-        "LORAMUX_LORA_RESOLVERS",
-        "LORAMUX_LORA_RESOLVER_DIR",
-        "LORAMUX_LORA_RESOLVER_HF_REPO_LIST",
-        "LORAMUX_S3_URI",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("clean_plugin_env")
 
 
 @pytest.fixture(scope="module")

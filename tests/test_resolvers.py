@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loramux.errors import InvalidAdapterError, PluginError
-from loramux.plugins import get_plugin_manager, plugin_errors, register_plugin, reset_plugin_manager
+from loramux.plugins import get_plugin_manager, plugin_errors, register_plugin
 from loramux.registry import Registry, load_adapter
 from loramux.resolvers import (
     FilesystemResolver,
@@ -31,20 +31,7 @@ bad = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bad)
 
 
-@pytest.fixture(autouse=True)
-def clean_plugins(monkeypatch, tmp_path):
-    for var in (
-        "LORAMUX_PLUGINS",
-        "LORAMUX_LORA_RESOLVERS",
-        "LORAMUX_LORA_RESOLVER_DIR",
-        "LORAMUX_LORA_RESOLVER_HF_REPO_LIST",
-        "LORAMUX_S3_URI",
-    ):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
-    reset_plugin_manager()
-    yield
-    reset_plugin_manager()
+pytestmark = pytest.mark.usefixtures("clean_plugin_env")
 
 
 @pytest.fixture

@@ -20,7 +20,6 @@ from urllib.parse import unquote
 import pytest
 
 from loramux.errors import AdapterDownloadError, AdapterNotFoundError, InvalidAdapterError
-from loramux.plugins import reset_plugin_manager
 from loramux.registry import LoRARequest, Registry, load_adapter
 from loramux.resolvers import HuggingFaceResolver, collect_resolvers
 
@@ -115,31 +114,21 @@ def make_handler(hub: Hub):
 
 
 @pytest.fixture
-def hub(monkeypatch, tmp_path):
+def hub(monkeypatch, clean_plugin_env):
     state = Hub()
     server = ThreadingHTTPServer(("127.0.0.1", 0), make_handler(state))
     thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
-    for var in (
-        "HF_TOKEN",
-        "HF_HUB_OFFLINE",
-        "LORAMUX_PLUGINS",
-        "LORAMUX_LORA_RESOLVERS",
-        "LORAMUX_LORA_RESOLVER_DIR",
-        "LORAMUX_S3_URI",
-    ):
+    for var in ("HF_TOKEN", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "5")
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
-    reset_plugin_manager()
     try:
         yield state
     finally:
         server.shutdown()
         server.server_close()
-        reset_plugin_manager()
 
 
 @pytest.fixture

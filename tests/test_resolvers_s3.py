@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from loramux.errors import AdapterDownloadError, AdapterNotFoundError, InvalidAdapterError
-from loramux.plugins import list_plugins, plugin_errors, reset_plugin_manager
+from loramux.plugins import list_plugins, plugin_errors
 from loramux.registry import LoRARequest, Registry, load_adapter
 from loramux.resolvers import collect_resolvers
 
@@ -46,16 +46,11 @@ def moto_endpoint():
 
 
 @pytest.fixture
-def s3(moto_endpoint, monkeypatch, tmp_path):
+def s3(moto_endpoint, monkeypatch, clean_plugin_env):
     """A fresh bucket on the moto server, and the environment pointing at it."""
     import boto3
 
     for var in (
-        "LORAMUX_PLUGINS",
-        "LORAMUX_LORA_RESOLVERS",
-        "LORAMUX_LORA_RESOLVER_DIR",
-        "LORAMUX_S3_URI",
-        "LORAMUX_S3_MAX_BYTES",
         "AWS_PROFILE",
         "AWS_SESSION_TOKEN",
     ):
@@ -65,13 +60,10 @@ def s3(moto_endpoint, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # failures here are final; don't wait on retries
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
     client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
     bucket = f"adapters-{uuid.uuid4().hex[:12]}"
     client.create_bucket(Bucket=bucket)
-    reset_plugin_manager()
-    yield Bucket(client, bucket, tmp_path / "cache" / "adapters" / "s3" / bucket)
-    reset_plugin_manager()
+    yield Bucket(client, bucket, clean_plugin_env / "adapters" / "s3" / bucket)
 
 
 class Bucket:
