@@ -36,9 +36,10 @@ from transformers import (
 )
 from transformers.initialization import no_init_weights
 
+from loramux.resolvers.cache import cache_dir  # one cache dir for adapters and models
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
-    "cache_dir",
     "default_model_path",
     "dummy_config_names",
     "load_model",
@@ -73,11 +74,6 @@ _DUMMY_INIT_SEED = 0
 
 DType = torch.dtype | Literal["auto", "float32", "float16", "bfloat16"]
 Tokenizer = PreTrainedTokenizerBase
-
-
-def cache_dir() -> Path:
-    """The loramux cache dir: ``$LORAMUX_CACHE_DIR``, else ``~/.cache/loramux``."""
-    return Path(os.environ.get("LORAMUX_CACHE_DIR") or Path.home() / ".cache" / "loramux")
 
 
 # --------------------------------------------------------------------------------------------------
