@@ -32,8 +32,44 @@ LLAMA = {  # name: (in, out)
 }
 
 
-def scenarios():
-    """(name, token_slots list) in the order the throughput script runs them."""
+VARIANTS = {  # temporary source patches of the kernels, to bisect under compute-sanitizer
+    "base": [],
+    "noevenk": [("shrink.py", "EVEN_K=H % cfg.block_k == 0", "EVEN_K=False")],
+    "expand_nopipe": [("expand.py", "for j in tl.range(0, n_blocks, num_stages=STAGES):", "for j in range(0, n_blocks):")],
+    "shrink_stages1": [("shrink.py", "num_warps=cfg.num_warps, num_stages=cfg.num_stages,", "num_warps=cfg.num_warps, num_stages=1,")],
+}
+
+
+def load_variant(name: str):
+    """Copies of loramux.kernels with VARIANTS[name] applied, imported as a separate package."""
+    global shrink_mod, expand_mod, build_lora_meta, reference
+    if name == "base":
+        return
+    import importlib
+    import shutil
+    import tempfile
+
+    root = tempfile.mkdtemp()
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "loramux", "kernels")
+    pkg = f"lmxk_{name}"
+    shutil.copytree(src, os.path.join(root, pkg), ignore=shutil.ignore_patterns("__pycache__"))
+    for fname, old, new in VARIANTS[name]:
+        path = os.path.join(root, pkg, fname)
+        text = open(path).read()
+        assert old in text, (fname, old)
+        open(path, "w").write(text.replace(old, new))
+    sys.path.insert(0, root)
+    shrink_mod = importlib.import_module(f"{pkg}.shrink")
+    expand_mod = importlib.import_module(f"{pkg}.expand")
+    build_lora_meta = importlib.import_module(f"{pkg}.metadata").build_lora_meta
+    reference = importlib.import_module(f"{pkg}.reference")
+
+
+def scenarios(last_slot: bool = False):
+    """(name, token_slots list) in the order the throughput script runs them; last_slot maps
+    adapter i to slot S-1-i (the slot at the end of the stacked weights)."""
+    if last_slot:
+        return [(f"{n}-last", [s if s < 0 else S - 1 - s for s in sl]) for n, sl in scenarios()]
     out = []
     # warm-up: 33 requests of 4 tokens (None, then one per adapter), then one decode step
     out.append(("warmup-prefill", [-1] * 4 + [s for s in range(S) for _ in range(4)]))
@@ -67,16 +103,13 @@ def engine_main(argv) -> None:
         cfg = shrink_mod.shrink_config(meta, a.shape[1], x.shape[1], x.dtype, x.device)
         print(f"[{count[0]}] shrink x={desc(x)} a={desc(a)} T={meta.num_tokens} act={meta.num_active} "
               f"maxseg={meta.max_segment} {cfg}", flush=True)
-        out = shrink0(x, a, scales, meta, ranks)
-        torch.cuda.synchronize()
-        return out
+        return shrink0(x, a, scales, meta, ranks)  # run with CUDA_LAUNCH_BLOCKING=1
 
     def expand(y, buf, b, sizes, meta, ranks=None):
         count[0] += 1
         cfg = expand_mod.expand_config(meta, tuple(sizes), b.shape[2], y.dtype, y.device)
         print(f"[{count[0]}] expand y={desc(y)} buf={desc(buf)} b={desc(b)} {cfg}", flush=True)
         expand0(y, buf, b, sizes, meta, ranks)
-        torch.cuda.synchronize()
 
     base.lora_shrink, base.lora_expand = shrink, expand
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +128,12 @@ def main() -> None:
     ap.add_argument("--cpu-scale", type=int, default=0, help="divide H/out by this, interpreter")
     ap.add_argument("--only", default="", help="comma list of scenario names")
     ap.add_argument("--layers", default=",".join(LLAMA))
+    ap.add_argument("--variant", default="base", choices=list(VARIANTS))
+    ap.add_argument("--last-slot", action="store_true")
+    ap.add_argument("--no-check", action="store_true", help="skip the reference (compute-sanitizer)")
     args = ap.parse_args()
+    load_variant(args.variant)
+    print(f"variant {args.variant}: {shrink_mod.__name__}, {expand_mod.__name__}", flush=True)
     cpu = args.cpu_scale > 0
     dev = "cpu" if cpu else "cuda"
     dtype = torch.float16 if cpu else torch.bfloat16
@@ -114,7 +152,7 @@ def main() -> None:
             weights[name] = (A.to(dev), B.to(dev))
         scales = torch.full((S, 1), 2.0, device=dev)
         ranks = torch.full((S,), R, dtype=torch.int32, device=dev)
-        for sc_name, slots in scenarios():
+        for sc_name, slots in scenarios(args.last_slot):
             if args.only and sc_name not in args.only.split(","):
                 continue
             token_slots = torch.tensor(slots, dtype=torch.int64, device=dev)
@@ -144,6 +182,9 @@ def main() -> None:
                 if not cpu:
                     torch.cuda.synchronize()
                 dt = time.perf_counter() - t0
+                if args.no_check:
+                    print(f"  ran ({dt * 1e3:.1f} ms)", flush=True)
+                    continue
                 # reference in float32 (float64 on the CPU) on the launch's device
                 ref_dt = torch.float64 if cpu else torch.float32
                 m_ref = build_lora_meta(token_slots.cpu(), S) if cpu else meta
