@@ -188,6 +188,18 @@ def test_abort_and_duplicate_ids():
     assert eng.kv_cache.num_free == eng.kv_cache.rows  # every row came back
 
 
+@pytest.mark.parametrize("bad_id", [-1, 128, 99999])  # tiny_llama's vocabulary is 0..127
+def test_token_ids_outside_the_vocabulary_are_refused_up_front(bad_id):
+    eng = engine(enable_lora=False)
+    (good,) = prompts(5, seed=8)
+    eng.add_request("good", {"prompt_token_ids": good}, GREEDY)
+    with pytest.raises(ValueError, match=f"token id {bad_id} is outside the vocabulary \\(0 to 127\\)"):
+        eng.add_request("bad", {"prompt_token_ids": [5, bad_id]}, GREEDY)
+    finished = run_to_end(eng)  # the engine and the other request are unharmed
+    assert set(finished) == {"good"}
+    assert finished["good"].outputs[0].token_ids == peft_greedy(None, good, 10)
+
+
 def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy():
     eng = engine(enable_lora=False)
     p = {"prompt_token_ids": prompts(6, seed=7)[0]}
@@ -327,3 +339,21 @@ def test_graph_buckets_and_key_lengths():
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
     assert [graph_key_length(n, 4096) for n in (1, 64, 65, 600, 1500, 4000)] == [64, 64, 128, 640, 1536, 4096]
     assert graph_key_length(300, 264) == 264
+
+
+def test_a_hanging_adapter_load_does_not_keep_the_process_alive():
+    import subprocess
+    import sys
+
+    script = """
+import threading, types
+from loramux.engine.adapter_loader import AdapterLoader
+from loramux.registry import LoRARequest
+loader = AdapterLoader(lambda request: threading.Event().wait())  # a resolver that never answers
+request = LoRARequest("stuck", 1)
+loader.submit(types.SimpleNamespace(lora_name="stuck", lora_request=request))
+loader.shutdown()
+print("exiting")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == "exiting", result.stderr

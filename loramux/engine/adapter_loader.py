@@ -8,8 +8,9 @@ a `LoRAError` naming the adapter, handed to exactly the requests that asked for 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from loramux.engine.sequence import Sequence
 from loramux.errors import LoRAError
@@ -30,7 +31,9 @@ class AdapterLoader:
 
     def __init__(self, load: Callable[[LoRARequest], LoRAAdapter], *, max_workers: int = 4) -> None:
         self._load = load
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="loramux-adapter")
+        # Daemon threads, not a ThreadPoolExecutor: its workers are joined at interpreter exit,
+        # so one resolver hanging forever would keep a stopped server from exiting.
+        self._workers = threading.BoundedSemaphore(max_workers)
         self._loads: dict[str, Future[LoRAAdapter]] = {}
         self._waiters: dict[str, list[Sequence]] = {}
 
@@ -43,7 +46,11 @@ class AdapterLoader:
         name = seq.lora_name
         assert name is not None, "a request without an adapter needs no load"
         if name not in self._loads:
-            self._loads[name] = self._pool.submit(_guarded, self._load, seq.lora_request)
+            future: Future[LoRAAdapter] = Future()
+            threading.Thread(
+                target=self._run, args=(future, seq.lora_request), name=f"loramux-load-{name}", daemon=True
+            ).start()
+            self._loads[name] = future
             self._waiters[name] = []
         self._waiters[name].append(seq)
 
@@ -68,8 +75,21 @@ class AdapterLoader:
                 results.append((seq, adapter, error))
         return results
 
+    def _run(self, future: Future[LoRAAdapter], request: LoRARequest) -> None:
+        with self._workers:  # at most max_workers loads at once; the rest queue here
+            if not future.set_running_or_notify_cancel():  # shut down meanwhile
+                return
+            try:
+                future.set_result(_guarded(self._load, request))
+            except BaseException as error:  # every waiter must hear of it, whatever it is
+                future.set_exception(error)
+
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Forget pending loads; their threads finish (or hang) on their own, as daemons."""
+        for future in self._loads.values():
+            future.cancel()
+        self._loads.clear()
+        self._waiters.clear()
 
 
 def _guarded(load: Callable[[LoRARequest], LoRAAdapter], request: LoRARequest) -> LoRAAdapter:

@@ -53,6 +53,7 @@ class LLMEngine:
         self.tokenizer = setup.tokenizer
         self.model_name = setup.model_name
         self.max_model_len = setup.max_model_len
+        self.vocab_size = setup.model.get_input_embeddings().weight.shape[0]  # [V, H], LoRA-wrapped or not
         self.lora_manager = setup.lora_manager
         self.registry = setup.registry
         self.eos_token_ids = setup.eos_token_ids
@@ -95,13 +96,20 @@ class LLMEngine:
     ) -> None:
         """Queue a request; it joins the batch at the next step (after its adapter loads).
 
-        :raises ValueError: a duplicate ``request_id``, an empty or too long prompt, a text
-            prompt without a tokenizer, or an adapter with LoRA disabled.
+        :raises ValueError: a duplicate ``request_id``, an empty or too long prompt, a token id
+            outside the vocabulary, a text prompt without a tokenizer, or an adapter with LoRA
+            disabled.
         """
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:  # caught here: inside step() it would fail the whole batch
+            raise ValueError(
+                f"request {request_id!r}: token id {bad} is outside the vocabulary "
+                f"(0 to {self.vocab_size - 1})"
+            )
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(token_ids)} tokens; max_model_len="
