@@ -479,3 +479,179 @@ def test_gpu_cuda_graph_replay_matches_eager():
     g.replay()
     torch.cuda.synchronize()
     assert rel_err(y.float() - y0.float(), y_eager.float() - y0.float()) < 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# regression: the launches of benchmarks/throughput.py at rank 64 (Llama-3.1-8B shapes, 32 slots)
+#
+# That run once died with "an illegal memory access" at rank 64 (rank 16 passed). These tests pin
+# the exact launch set it makes: the H200 heuristic's configs at R=64 (64-row tiles, 64-wide rank
+# blocks, split-K with atomics, expand groups of 8 with 3 stages), the `ranks` tensor, a 32-slot
+# table, and the adapter in the *last* slot, whose weights end the stacked buffers, so any read
+# past a slot's rows or past a buffer would leave it. On the CPU every tensor sits inside a
+# NaN-poisoned margin: an out-of-bounds read that reaches a result shows up as NaN, an
+# out-of-bounds write as a changed margin.
+
+THROUGHPUT_S = 32
+
+
+def throughput_slots(scenario: str, T_prefill: int = 8192) -> list[int]:
+    """token_slots of one step of the throughput run, adapters mapped from the last slot down."""
+    last = THROUGHPUT_S - 1
+    if scenario == "warmup":  # 33 requests x 4 tokens: no adapter, then one per adapter
+        return [-1] * 4 + [last - s for s in range(THROUGHPUT_S) for _ in range(4)]
+    n, kind = scenario.split("-")
+    n = int(n)
+    per_request = [last - (i % n) for i in range(64)]
+    if kind == "decode":
+        return per_request
+    per_tok = T_prefill // 64
+    return [s for s in per_request for _ in range(per_tok)]
+
+
+def guarded(t: torch.Tensor, margin: int = 4096) -> tuple[torch.Tensor, torch.Tensor]:
+    """(view, whole): t copied into the middle of a NaN-filled buffer `margin` elements wider on
+    each side; `whole` keeps the margins for the out-of-bounds-write check."""
+    whole = torch.full((t.numel() + 2 * margin,), float("nan"), dtype=t.dtype, device=t.device)
+    view = whole[margin : margin + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view, whole
+
+
+def margins_intact(whole: torch.Tensor, n: int, margin: int = 4096) -> bool:
+    return bool(torch.isnan(whole[:margin]).all() and torch.isnan(whole[margin + n :]).all())
+
+
+def run_throughput_launch(slots, H, N, R, dtype, device, seed, shrink_cfg=None, expand_cfg=None, guard=False):
+    """One shrink + expand as a LinearWithLoRA of the throughput run makes it; returns the errors
+    against the reference (shrink, expand)."""
+    from loramux.kernels.expand import lora_expand_triton
+    from loramux.kernels.shrink import lora_shrink_triton
+
+    S, T = THROUGHPUT_S, len(slots)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=gen).to(device=device, dtype=dtype)
+    A = (torch.randn(S, R, H, generator=gen) / H**0.5).to(device=device, dtype=dtype)
+    B = (torch.randn(S, N, R, generator=gen) / R**0.5).to(device=device, dtype=dtype)
+    y0 = torch.randn(T, N, generator=gen).to(device=device, dtype=dtype)
+    scales = torch.full((S, 1), 2.0, device=device)
+    ranks = torch.full((S,), R, dtype=torch.int32, device=device)
+    token_slots = torch.tensor(slots, dtype=torch.int32, device=device)
+    meta = build_lora_meta(token_slots, S)
+    if guard:
+        (x_, xw), (A_, Aw), (B_, Bw), (y, yw) = guarded(x), guarded(A), guarded(B), guarded(y0)
+    else:
+        x_, A_, B_, y = x, A, B, y0.clone()
+    buf = lora_shrink_triton(x_, A_, scales, meta, ranks, config=shrink_cfg)
+    lora_expand_triton(y, buf, B_, (N,), meta, ranks, config=expand_cfg)
+    if guard:
+        for name, whole, t in (("x", xw, x), ("A", Aw, A), ("B", Bw, B), ("y", yw, y0)):
+            assert margins_intact(whole, t.numel()), f"a kernel wrote outside {name}"
+    ref_dtype = torch.float32 if device != "cpu" else torch.float64
+    buf_ref = reference.lora_shrink_ref(x.to(ref_dtype), A.to(ref_dtype), scales.to(ref_dtype) if device == "cpu"
+                                        else scales, meta, ranks)
+    y_ref = y0.to(ref_dtype)
+    reference.lora_expand_ref(y_ref, buf.to(ref_dtype), B.to(ref_dtype), (N,), meta, ranks)
+    act = token_slots >= 0
+    assert torch.isfinite(buf[act]).all() and torch.isfinite(y).all(), "NaN: a read past a buffer reached a result"
+    def err(out, ref):  # rel_err on the tensors' own device (the GPU shapes are ~1 GB in float64)
+        return ((out - ref).norm() / ref.norm()).item()
+
+    e_shrink = err(buf[act].to(ref_dtype), buf_ref[act])
+    e_expand = err((y.to(ref_dtype) - y0.to(ref_dtype))[act], (y_ref - y0.to(ref_dtype))[act])
+    return e_shrink, e_expand
+
+
+# (scenario, shrink config, expand config): what shrink_config/expand_config choose on an H200 at
+# R=64 for the throughput launches (tests/test_kernels.py::test_h200_heuristic_configs_at_r64 pins them)
+R64_LAUNCHES = [
+    ("1-prefill", (64, 64, 64, 2, 4, 4), (64, 64, 8, 4, 3)),
+    ("32-prefill", (64, 64, 64, 2, 4, 4), (64, 64, 2, 4, 3)),
+    ("1-decode", (64, 16, 128, 16, 4, 4), (64, 32, 1, 4, 2)),
+    ("32-decode", (16, 16, 128, 2, 4, 4), (16, 64, 2, 4, 3)),
+    ("warmup", (16, 16, 128, 2, 4, 4), (16, 64, 8, 4, 3)),
+]
+
+
+def test_h200_heuristic_configs_at_r64(monkeypatch):
+    """The launch shapes the H200 heuristic picks for the rank-64 throughput run (132 SMs)."""
+    from loramux.kernels import expand, shrink
+    from loramux.kernels.expand import ExpandConfig
+    from loramux.kernels.shrink import ShrinkConfig
+
+    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
+    monkeypatch.setattr(expand, "target_programs", lambda device: 264)
+    want = {  # (scenario, H, N): (shrink, expand)
+        ("1-prefill", 4096, 14336): R64_LAUNCHES[0][1:],
+        ("32-prefill", 4096, 1024): R64_LAUNCHES[1][1:],
+        ("1-decode", 4096, 4096): R64_LAUNCHES[2][1:],
+        ("32-decode", 4096, 4096): R64_LAUNCHES[3][1:],
+        ("warmup", 4096, 14336): R64_LAUNCHES[4][1:],
+    }
+    for (scenario, H, N), (s_cfg, e_cfg) in want.items():
+        meta = build_lora_meta(torch.tensor(throughput_slots(scenario)), THROUGHPUT_S)
+        dev = torch.device("cpu")
+        assert shrink.shrink_config(meta, 64, H, torch.bfloat16, dev) == ShrinkConfig(*s_cfg), scenario
+        assert expand.expand_config(meta, (N,), 64, torch.bfloat16, dev) == ExpandConfig(*e_cfg), scenario
+
+
+@needs_interpreter
+@pytest.mark.parametrize("scenario, s_cfg, e_cfg", R64_LAUNCHES, ids=[c[0] for c in R64_LAUNCHES])
+def test_triton_interpreter_throughput_r64_launches(scenario, s_cfg, e_cfg):
+    """The rank-64 throughput launch shapes, forced at small sizes, last slot, poisoned margins."""
+    from loramux.kernels.expand import ExpandConfig
+    from loramux.kernels.shrink import ShrinkConfig
+
+    T_prefill = 192  # 3 tokens per request: 64-row tiles, partial last tiles
+    slots = throughput_slots(scenario, T_prefill)
+    H = 2 * s_cfg[2]  # two K blocks: split-K with atomics where the config splits
+    N = e_cfg[1] * e_cfg[2] + 8 * 3  # a full group of blocks, then a partial chunk (16-byte multiple)
+    e_s, e_e = run_throughput_launch(slots, H, N, 64, torch.float16, "cpu", 31,
+                                     ShrinkConfig(*s_cfg), ExpandConfig(*e_cfg), guard=True)
+    assert e_s < 1e-2 and e_e < 1e-2, (e_s, e_e)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("rank", [64, 16])
+@pytest.mark.parametrize("scenario", ["warmup", "1-prefill", "32-prefill", "1-decode", "32-decode"])
+def test_gpu_throughput_launches_llama8b(scenario, rank):
+    """Every distinct launch benchmarks/throughput.py makes on Llama-3.1-8B (q/o: 4096->4096,
+    k/v: 4096->1024, gate/up: 4096->14336, down: 14336->4096), 32 slots, bf16, the `ranks` tensor,
+    adapters from the last slot down, with the heuristic's launch shapes; synchronised after each
+    so a fault names its launch."""
+    for i, (H, N) in enumerate([(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]):
+        e_s, e_e = run_throughput_launch(throughput_slots(scenario), H, N, rank, torch.bfloat16, "cuda", 40 + i)
+        torch.cuda.synchronize()
+        assert e_s < 1e-2 and e_e < 2e-2, (H, N, e_s, e_e)
+
+
+@needs_interpreter
+def test_triton_interpreter_grid_past_the_last_tile():
+    """A grid sized from a bound rather than from the batch (a CUDA graph's static meta) has tiles
+    past the last real one; they must store nothing and read nothing past the slot vectors, which
+    here are exactly num_slots long (no padding)."""
+    import dataclasses
+
+    from loramux.kernels.expand import ExpandConfig, lora_expand_triton
+    from loramux.kernels.shrink import ShrinkConfig, lora_shrink_triton
+
+    case = Case(40, 64, 4, 16, (24, 16), "partly_empty", True)
+    x, A, B, scales, ranks, slots = make_inputs(case, torch.float32, "cpu", 9)
+    meta = build_lora_meta(slots, case.S)
+    assert meta.active_slots.numel() == case.S
+    # host counts of a worse batch: 3 more 16-row tiles than this one has
+    big = dataclasses.replace(meta, _cache={},
+                              active_counts_host=meta.active_counts_host[:-1] + (meta.active_counts_host[-1] + 48,))
+    assert big.num_tiles(16) == meta.num_tiles(16) + 3
+    buf = lora_shrink_triton(x, A, scales, big, ranks, config=ShrinkConfig(16, 16, 32, 2, 4, 2))
+    y0 = torch.randn(case.T, sum(case.slice_sizes))
+    y = y0.clone()
+    lora_expand_triton(y, buf, B, case.slice_sizes, big, ranks, config=ExpandConfig(16, 16, 2, 4, 2, cast_buf=False))
+    buf_ref = reference.lora_shrink_ref(x.double(), A.double(), scales.double(), meta, ranks)
+    y_ref = y0.double()
+    reference.lora_expand_ref(y_ref, buf_ref, B.double(), case.slice_sizes, meta, ranks)
+    act = slots >= 0
+    assert rel_err(buf[act], buf_ref[act]) < 1e-5
+    assert torch.equal(y[~act], y0[~act])
+    assert rel_err(y - y0, y_ref - y0.double()) < 1e-5

@@ -53,6 +53,7 @@ def _expand_kernel(
     if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
         off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
     n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
+    n_blocks = tl.where(count > m0, n_blocks, 0)  # a tile past the batch's last one: no loads
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count

@@ -45,7 +45,8 @@ def _shrink_kernel(
     if HAS_RANKS:
         rank = tl.load(ranks_ptr + slot)
         n_mask = n_mask & ((offs_n % R) < rank)
-    n_live = tl.max(n_mask.to(tl.int32), 0) > 0  # whole block past the slot's rank: no loads
+    # whole block past the slot's rank, or a tile past the batch's last one: no loads
+    n_live = (tl.max(n_mask.to(tl.int32), 0) > 0) & (count > m0)
 
     slot64 = slot.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

@@ -19,6 +19,11 @@ def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
 
     Each active slot's segment is cut into ceil(count / BLOCK_M) tiles; tiles are numbered slot
     after slot. Found with one vector load and a prefix sum, so no per-tile-size table is needed.
+
+    A tile past the last real one (a grid sized from a bound, as for a CUDA graph, rather than
+    from this batch's counts) finds `a` = A_PAD, past the end of the slot vectors: it gets count 0
+    and slot/start 0 without reading them (`a < num_active` masks the loads), and the callers skip
+    its work (`count <= m0`). The vectors need no padding past num_active entries.
     """
     a_idx = tl.arange(0, A_PAD)
     cnt = tl.load(counts_ptr + a_idx, mask=a_idx < num_active, other=0)  # [A_PAD]
@@ -28,8 +33,9 @@ def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
     sel = a_idx == a
     first_tile = tl.sum(tl.where(sel, cum - ntile, 0), 0)
     count = tl.sum(tl.where(sel, cnt, 0), 0)
-    slot = tl.load(slots_ptr + a)
-    start = tl.load(starts_ptr + a)
+    real = a < num_active
+    slot = tl.load(slots_ptr + a, mask=real, other=0)
+    start = tl.load(starts_ptr + a, mask=real, other=0)
     return slot, start, count, (pid_m - first_tile) * BLOCK_M
 
 
