@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 
 from loramux.cli import build_parser, main
 
@@ -198,6 +197,8 @@ def test_subcommands_are_registered_in_the_parser():
 
 
 def test_the_console_script_is_main():
-    project = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    assert project["project"]["scripts"]["loramux"] == "loramux.cli:main"
+    from importlib.metadata import entry_points
+
+    (script,) = [ep for ep in entry_points(group="console_scripts") if ep.name == "loramux"]
+    assert script.value == "loramux.cli:main"
     assert sys.modules["loramux.cli"].main is main
