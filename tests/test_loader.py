@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import save_peft_adapter, tiny_llama
+from conftest import tiny_llama
 from peft import LoraConfig, get_peft_model
 from safetensors.torch import load_file, save_file
 

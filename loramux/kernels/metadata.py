@@ -136,7 +136,7 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, max_active: in
     slots_h = tuple(s for s, _ in act)
     counts_h = tuple(c for _, c in act)
     starts_h, acc = [], 0
-    for s, c in enumerate(counts_host[:num_slots]):
+    for c in counts_host[:num_slots]:
         if c > 0:
             starts_h.append(acc)
         acc += c
