@@ -3,7 +3,7 @@
 The ``LLMEngine``'s requests are driven by one thread, the engine thread: it alone calls
 ``add_request``, ``abort_request`` and ``step``. Handlers hand it requests and aborts through a
 command queue and never wait on the engine themselves; the engine thread hands each step's outputs
-back to the event loop with one ``call_soon_threadsafe`` per step. (Adapter operations such as
+back to the event loop, coalesced so that at most one delivery waits on the loop. (Adapter operations such as
 ``add_lora``, which block while an adapter loads and which the engine allows from any thread, run
 in worker threads instead, so they never hold up the step loop.)
 
@@ -101,6 +101,8 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._groups: dict[str, tuple[RequestGroup, int]] = {}  # request id -> (group, index); loop only
+        self._pending: dict[str, Any] = {}  # request id -> latest output not yet on the loop
+        self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -196,7 +198,7 @@ class AsyncEngine:
                 self._to_loop(self._fail_all, EngineDeadError(f"the engine stopped after an error: {error!r}"))
                 return
             if outputs:
-                self._to_loop(self._deliver, outputs)
+                self._publish(outputs)
             elif time.monotonic() - started < _IDLE_STEP_WAIT_S:
                 if not self._run_commands(block=True, timeout=_IDLE_STEP_WAIT_S):
                     return
@@ -238,9 +240,25 @@ class AsyncEngine:
             except RuntimeError:  # the loop closed in between: nobody is listening any more
                 pass
 
+    def _publish(self, outputs: list[Any]) -> None:
+        """Hand a step's outputs to the loop, coalesced: at most one delivery is ever queued.
+
+        An engine that steps faster than the loop drains would otherwise queue callbacks without
+        bound, delaying everything else on the loop (a client's disconnect among them). Outputs
+        are cumulative, so keeping only each request's latest loses nothing.
+        """
+        with self._pending_lock:
+            schedule = not self._pending
+            for output in outputs:
+                self._pending[output.request_id] = output
+        if schedule:
+            self._to_loop(self._deliver_pending)
+
     # -- delivery (event loop) ------------------------------------------------------------------
 
-    def _deliver(self, outputs: list[Any]) -> None:
+    def _deliver_pending(self) -> None:
+        with self._pending_lock:
+            outputs, self._pending = list(self._pending.values()), {}
         for output in outputs:
             entry = self._groups.get(output.request_id)
             if entry is not None:  # None: released (client gone) while this step ran

@@ -154,6 +154,22 @@ def _resolution_outcome(error: BaseException | None) -> str:
     return "error"
 
 
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes its stream when the response ends, however it ends.
+
+    When a client disconnects while Starlette is sending, Starlette cancels the sending task and
+    leaves the stream's generator suspended; its ``finally`` (which aborts the engine request)
+    would then run only when the garbage collector finalizes it. Closing it here makes the abort
+    prompt and certain.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
 async def run_generation(state: Any, http_request: Request, gen: Generation) -> Response:
     """Submit ``gen`` to the engine and answer it, as JSON or as a stream of events."""
     started = time.monotonic()
@@ -181,8 +197,8 @@ async def run_generation(state: Any, http_request: Request, gen: Generation) -> 
     _settle_adapter(state, gen, group, None)
 
     if gen.stream:
-        return StreamingResponse(_stream(state, gen, group, started), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return _ClosingStreamingResponse(_stream(state, gen, group, started), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         await _until_disconnected(http_request, _all_outputs(group))
     except ConnectionAbortedError:
