@@ -161,3 +161,23 @@ def clean_plugin_env(monkeypatch, tmp_path):
     reset_plugin_manager()
     yield cache
     reset_plugin_manager()
+
+
+@pytest.fixture
+def registered():
+    """Factory: ``registered(plugin, name) -> name`` registers a plugin in-process for one test;
+    it is unregistered in ``finally``."""
+    from loramux.plugins.manager import get_plugin_manager, register_plugin
+
+    names = []
+
+    def register(plugin, name: str) -> str:
+        names.append(register_plugin(plugin, name=name))
+        return name
+
+    try:
+        yield register
+    finally:
+        for name in names:
+            if get_plugin_manager().get_plugin(name) is not None:
+                get_plugin_manager().unregister(name=name)

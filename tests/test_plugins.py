@@ -64,23 +64,6 @@ def installed(tmp_path, monkeypatch):
     return install
 
 
-@pytest.fixture
-def registered():
-    """Factory: register a plugin in-process for one test; unregistered in ``finally``."""
-    names = []
-
-    def register(plugin, name: str) -> str:
-        names.append(register_plugin(plugin, name=name))
-        return name
-
-    try:
-        yield register
-    finally:
-        for name in names:
-            if get_plugin_manager().get_plugin(name) is not None:
-                get_plugin_manager().unregister(name=name)
-
-
 def loaded_names() -> set[str]:
     return {name for name, plugin in get_plugin_manager().list_name_plugin() if plugin is not None}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loramux.errors import InvalidAdapterError, PluginError
-from loramux.plugins import get_plugin_manager, plugin_errors, register_plugin
+from loramux.plugins import plugin_errors
 from loramux.registry import Registry, load_adapter
 from loramux.resolvers import (
     FilesystemResolver,
@@ -32,21 +32,6 @@ _spec.loader.exec_module(bad)
 
 
 pytestmark = pytest.mark.usefixtures("clean_plugin_env")
-
-
-@pytest.fixture
-def registered():
-    names = []
-
-    def register(plugin, name):
-        names.append(register_plugin(plugin, name=name))
-
-    try:
-        yield register
-    finally:
-        for name in names:
-            if get_plugin_manager().get_plugin(name) is not None:
-                get_plugin_manager().unregister(name=name)
 
 
 @pytest.fixture(scope="module")
