@@ -1,14 +1,11 @@
-"""The scheduler alone: token budget, KV rows, at most max_loras adapters per step, no starvation."""
+"""The scheduler alone: token budget, KV blocks, preemption, at most max_loras adapters per step, no starvation."""
 
 from __future__ import annotations
 
 import itertools
 
-from conftest import TINY_LLAMA
-from transformers import LlamaConfig
-
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.kv_cache import KVCache
+from loramux.engine.block_manager import BlockManager
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.errors import CacheFullError
@@ -28,9 +25,9 @@ def seq(name: str | None = None, prompt_len: int = 4, max_tokens: int = 3) -> Se
     )
 
 
-def scheduler(rows: int = 4, budget: int = 64, max_loras: int = 1, **kwargs) -> Scheduler:
-    kv = KVCache(LlamaConfig(**TINY_LLAMA), rows=rows, max_len=32, dtype=__import__("torch").float32, device="cpu")
-    return Scheduler(kv, max_num_seqs=rows, max_num_batched_tokens=budget, max_loras=max_loras, **kwargs)
+def scheduler(rows: int = 4, budget: int = 64, max_loras: int = 1, blocks: int = 64, **kwargs) -> Scheduler:
+    manager = BlockManager(blocks + 1, 8)  # block 0 is the scratch block
+    return Scheduler(manager, max_num_seqs=rows, max_num_batched_tokens=budget, max_loras=max_loras, **kwargs)
 
 
 def advance(s: Scheduler) -> list[Sequence]:
@@ -55,7 +52,7 @@ def test_decodes_first_then_chunked_prefill_within_the_budget():
     a.num_computed, b.num_computed = 6, 2
     a.output_token_ids.append(1)
     assert [(q, n) for q, n in s.schedule().chunks] == [(a, 1), (b, 4), (c, 2)]
-    assert s.kv.num_free == 0
+    assert len(s.running) == 3
 
 
 def test_at_most_max_loras_adapters_per_step():
@@ -98,7 +95,7 @@ def test_a_failed_activation_fails_only_that_request():
     advance(s)
     assert broken.finish_reason == "error" and s.failed == [broken]
     assert ok.is_finished and released == ["fine"] and not s.adapter_refs
-    assert s.kv.num_free == 4
+    assert s.blocks.num_free_blocks == 64  # every block came back
 
 
 def test_pinned_adapters_hold_slots_and_skip_the_queue():

@@ -1,17 +1,21 @@
-"""Everything an engine is built from: the model, tokenizer, KV cache, LoRA manager and registry.
+"""Everything an engine is built from: the model, tokenizer, LoRA manager, registry and sizes.
 
 Sizing defaults (each argument overrides its own):
 
-============================  ======================  ======================
-argument                      CUDA                    CPU
-============================  ======================  ======================
-``max_num_seqs``              64                      16
-``max_model_len``             min(model's, 4096)      min(model's, 2048)
-``max_num_batched_tokens``    4096                    1024
-============================  ======================  ======================
+============================  ==========================  ======================
+argument                      CUDA                        CPU
+============================  ==========================  ======================
+``max_num_seqs``              64                          16
+``max_model_len``             min(model's, 4096)          min(model's, 2048)
+``max_num_batched_tokens``    4096                        1024
+KV blocks                     ``gpu_memory_utilization``  ``CPU_KV_CACHE_BYTES``
+============================  ==========================  ======================
 
-The KV cache is ``max_num_seqs x max_model_len`` tokens, allocated once; on CUDA an engine whose
-cache does not fit in free memory fails at start with the sizes to lower.
+The KV cache is a pool of blocks of ``block_size`` tokens (`PagedKVCache`), so ``max_model_len``
+does not multiply memory: on CUDA the blocks take what ``gpu_memory_utilization`` of the device
+leaves after the weights, the LoRA slots and the largest step's activations (measured by running
+it once); on CPU a fixed budget, capped at what ``max_num_seqs`` sequences of ``max_model_len``
+can use. ``num_gpu_blocks_override`` sets the number on any device.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.engine.kv_cache import KVCache, kv_cache_shape
+from loramux.engine.siblings import fuse_siblings
 from loramux.registry import LoRAConfig, LoRARequest
 
 __all__ = ["EngineSetup", "build_engine_setup"]
@@ -38,7 +42,10 @@ class EngineSetup:
     max_model_len: int
     max_num_batched_tokens: int
     max_loras: int
-    kv_cache: KVCache
+    block_size: int
+    gpu_memory_utilization: float
+    num_gpu_blocks_override: int | None
+    enable_prefix_caching: bool
     eos_token_ids: frozenset[int]
     lora_manager: object | None
     registry: object | None
@@ -67,6 +74,11 @@ def build_engine_setup(
     lora_target_modules: list[str] | str | None = None,
     seed: int | None = 0,
     max_loading_workers: int = 4,
+    block_size: int = 16,
+    gpu_memory_utilization: float = 0.9,
+    num_gpu_blocks_override: int | None = None,
+    enable_prefix_caching: bool = True,
+    fuse_projections: bool = True,
 ) -> EngineSetup:
     if isinstance(model, torch.nn.Module):  # an already loaded Hugging Face model
         hf_model = model.eval()
@@ -90,9 +102,14 @@ def build_engine_setup(
             f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} "
             "(every running sequence decodes one token per step)"
         )
-    kv_dtype = next(hf_model.parameters()).dtype
-    _check_kv_fits(text_config, max_num_seqs, max_model_len, kv_dtype, device)
-    kv_cache = KVCache(text_config, rows=max_num_seqs, max_len=max_model_len, dtype=kv_dtype, device=device)
+    if not isinstance(block_size, int) or block_size < 8 or block_size & (block_size - 1):
+        raise ValueError(f"block_size: got {block_size!r}; allowed: a power of two >= 8 (default 16)")
+    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization: got {gpu_memory_utilization!r}; allowed: a number in (0, 1]")
+    if num_gpu_blocks_override is not None:
+        _positive("num_gpu_blocks_override", num_gpu_blocks_override)
+    if fuse_projections:
+        fuse_siblings(hf_model)  # before LoRA wraps the layers: one wrapper per fused group
 
     lora_manager = registry_obj = None
     requests: list[LoRARequest] = []
@@ -116,7 +133,10 @@ def build_engine_setup(
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
         max_loras=max_loras if enable_lora else 0,
-        kv_cache=kv_cache,
+        block_size=block_size,
+        gpu_memory_utilization=float(gpu_memory_utilization),
+        num_gpu_blocks_override=num_gpu_blocks_override,
+        enable_prefix_caching=bool(enable_prefix_caching),
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         lora_manager=lora_manager,
         registry=registry_obj,
@@ -134,20 +154,6 @@ def _positive(name: str, value: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}: got {value!r}; allowed: an int >= 1")
     return value
-
-
-def _check_kv_fits(config, rows: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
-    layers, _, kv_heads, _, head_dim = kv_cache_shape(config, rows, max_len)
-    nbytes = 2 * layers * rows * kv_heads * max_len * head_dim * dtype.itemsize
-    if device.type != "cuda":
-        return
-    free, _ = torch.cuda.mem_get_info(device)
-    if nbytes > 0.9 * free:
-        raise ValueError(
-            f"the KV cache for max_num_seqs={rows} x max_model_len={max_len} needs "
-            f"{nbytes / 2**30:.1f} GiB but {free / 2**30:.1f} GiB are free on {device}; "
-            "lower max_num_seqs or max_model_len."
-        )
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:
@@ -187,3 +193,34 @@ def _make_registry(lora_config: LoRAConfig, model_name: str, validate):
     # validation before caching: an adapter that does not fit never takes a CPU-tier entry
     return Registry(lora_config, base_model_name=model_name, validate=validate)
 
+
+
+#: the CPU engine's KV budget (a modest fixed amount; tests and the embedded model need far less)
+CPU_KV_CACHE_BYTES = 512 * 2**20
+
+
+def num_kv_blocks(setup: EngineSetup, profile_peak_bytes) -> int:
+    """How many KV blocks to allocate (see the module docstring). ``profile_peak_bytes()`` runs
+    the largest step once and returns its activation bytes (CUDA only)."""
+    from loramux.engine.kv_cache import PagedKVCache
+
+    config = setup.model.config.get_text_config()
+    dtype = next(setup.model.parameters()).dtype
+    block_bytes = PagedKVCache.block_bytes(config, setup.block_size, dtype)
+    per_seq = -(-setup.max_model_len // setup.block_size)
+    if setup.num_gpu_blocks_override is not None:
+        num_blocks = setup.num_gpu_blocks_override
+    elif setup.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(setup.device)
+        peak = profile_peak_bytes()
+        budget = setup.gpu_memory_utilization * total - (total - free) - peak
+        num_blocks = int(budget // block_bytes)
+    else:
+        num_blocks = min(CPU_KV_CACHE_BYTES // block_bytes, setup.max_num_seqs * per_seq + 1)
+    if num_blocks < per_seq + 1:
+        raise ValueError(
+            f"the KV cache has room for {num_blocks} blocks of {setup.block_size} tokens, but one sequence "
+            f"of max_model_len={setup.max_model_len} needs {per_seq} (plus one scratch block); lower "
+            "max_model_len, or raise gpu_memory_utilization / num_gpu_blocks_override."
+        )
+    return num_blocks

@@ -14,7 +14,9 @@ for its load while the others keep decoding; a failed load finishes only that re
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import logging
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -22,8 +24,9 @@ from collections.abc import Mapping
 import torch
 
 from loramux.engine.adapter_loader import AdapterLoader
+from loramux.engine.block_manager import BlockManager
 from loramux.engine.detokenizer import IncrementalDetokenizer
-from loramux.engine.engine_setup import EngineSetup, build_engine_setup
+from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
 from loramux.engine.model_runner import ModelRunner
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import Sampler
@@ -34,6 +37,8 @@ from loramux.errors import LoRAError
 from loramux.registry import LoRAAdapter, LoRARequest
 
 __all__ = ["LLMEngine", "PromptType"]
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} (optionally with "prompt")
 
@@ -46,7 +51,7 @@ class LLMEngine:
     from any thread; ``step`` from one thread at a time.
     """
 
-    def __init__(self, model=None, *, enforce_eager: bool = False, **kwargs) -> None:
+    def __init__(self, model=None, *, enforce_eager: bool = False, compilation: bool = True, **kwargs) -> None:
         setup: EngineSetup = build_engine_setup(model, **kwargs)
         self.setup = setup
         self.model = setup.model
@@ -57,23 +62,36 @@ class LLMEngine:
         self.lora_manager = setup.lora_manager
         self.registry = setup.registry
         self.eos_token_ids = setup.eos_token_ids
-        self.kv_cache = setup.kv_cache
+        self.runner = ModelRunner(
+            setup.model,
+            sampler=Sampler(setup.device, setup.seed),
+            lora_manager=setup.lora_manager,
+            block_size=setup.block_size,
+            max_num_batched_tokens=setup.max_num_batched_tokens,
+            max_num_seqs=setup.max_num_seqs,
+            max_model_len=setup.max_model_len,
+            enforce_eager=enforce_eager,
+            compilation=compilation,
+        )
+        num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
+        self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
+        self.runner.capture_graphs()  # every decode graph, now: none is captured while serving
+        self.block_manager = BlockManager(
+            num_blocks, setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
+        )
+        tokens = (num_blocks - 1) * setup.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); %.1f concurrent requests of "
+            "max_model_len=%d", num_blocks, setup.block_size, tokens, self.kv_cache.nbytes / 2**30,
+            tokens / setup.max_model_len, setup.max_model_len,
+        )
         self.scheduler = Scheduler(
-            setup.kv_cache,
+            self.block_manager,
             max_num_seqs=setup.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
             max_loras=setup.max_loras,
             on_adapter_start=self._activate,
             on_adapter_end=lambda name: self.lora_manager.unpin(name),
-        )
-        self.runner = ModelRunner(
-            setup.model,
-            setup.kv_cache,
-            sampler=Sampler(setup.device, setup.seed),
-            lora_manager=setup.lora_manager,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            max_num_seqs=setup.max_num_seqs,
-            enforce_eager=enforce_eager,
         )
         self.loader = AdapterLoader(self._load_adapter, max_workers=setup.max_loading_workers)
         self._lock = threading.Lock()  # guards the inbox and the request table
@@ -189,6 +207,7 @@ class LLMEngine:
                     touched[seq.request_id] = seq
                 else:
                     seq.adapter = adapter
+                    seq.cache_salt = adapter_identity(adapter)
                     self.scheduler.add(seq)
             batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
@@ -240,6 +259,7 @@ class LLMEngine:
         """Resolve, load and validate (a worker thread, or the caller of ``add_lora``)."""
         adapter = self.registry.get(request)
         self.lora_manager.validate(adapter)
+        adapter_identity(adapter)  # hashed here, beside the step loop
         return adapter
 
     def _activate(self, seq: Sequence) -> None:
@@ -316,3 +336,19 @@ class LLMEngine:
     def close(self) -> None:
         self.loader.shutdown()
         self.runner.release_graphs()
+
+
+def adapter_identity(adapter: LoRAAdapter) -> str:
+    """A digest of the adapter's weights and scalings: its identity in prefix-cache hashes, so a
+    reload under the same name never reuses the old weights' KV blocks. Cached on the adapter."""
+    digest = getattr(adapter, "_identity", None)
+    if digest is None:
+        h = hashlib.blake2b(digest_size=16)
+        for name in sorted(adapter.modules):
+            weights = adapter.modules[name]
+            h.update(f"{name}:{weights.scaling!r}:{weights.is_embedding}".encode())
+            for tensor in (weights.lora_a, weights.lora_b):
+                h.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        digest = h.hexdigest()
+        object.__setattr__(adapter, "_identity", digest)  # a frozen dataclass
+    return digest

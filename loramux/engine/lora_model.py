@@ -83,7 +83,9 @@ def patch_model(
             raise ValueError(f"{name!r} is already a LoRA layer: this model was patched before")
     wrapped: dict[str, BaseLayerWithLoRA] = {}
     for name, module in modules:
-        if not name or not _matches(name, target_modules):
+        # a fused layer stands for the modules it declares (``loramux_slices``)
+        names = [n for n, _ in getattr(module, "loramux_slices", ())] or [name]
+        if not name or not any(_matches(n, target_modules) for n in names):
             continue
         if any(parent in wrapped for parent in _ancestors(name)):
             continue  # inside a layer a plugin wrapped whole
@@ -173,7 +175,7 @@ class LoRAModelManager:
         """
         for module_name, weights in adapter.modules.items():
             target = self._targets.get(module_name)
-            if target is None:
+            if target is None or not _matches(module_name, self.target_modules):
                 raise self._not_wrapped_error(adapter, module_name)
             layer, index = target
             if weights.rank > layer.max_lora_rank:

@@ -1,305 +1,234 @@
 """Run one scheduled step: build its inputs once, one forward for every sequence, sample.
 
-Per step the host builds plain lists (token ids, positions, cache rows, adapter slots, logits
-rows), copies them to the device in a single transfer through a reusable pinned buffer, sets the
-adapter mapping once for all LoRA layers, runs the model once with every token packed into one
-row, and reads the sampled tokens back: one host sync for the tokens, plus the one the LoRA
-metadata needs when a step uses adapters. Nothing inside the forward waits for the host.
+Per step the host builds plain lists (token ids, positions, cache slots, block tables, sequence
+lengths, query offsets, adapter slots, logits rows), copies them to the device in one transfer
+through a reusable pinned buffer, sets the adapter mapping once for all LoRA layers, runs the
+model once with every token packed into one row, and reads the sampled tokens back.
 
-On CUDA, decode-only steps replay CUDA graphs (unless ``enforce_eager``): the host cost of an
-eager Hugging Face forward (thousands of launches, ~180 us per LoRA projection) is paid once per
-graph, at capture. A graph is keyed by ``(B, R, L, A)``: the batch padded to a bucket ``B``
-(1, 2, 4, 8, then multiples of 16, and ``max_num_seqs``), the cache rows ``[0, R)`` and keys
-``[0, L)`` the decode attention reads (both rounded up, so a run sees a handful of shapes), and
-``A``, a power-of-two bound on the distinct adapters in the batch (0: no adapter, the base
-model's graph). Its inputs live in one static tensor, filled by a single copy before replay;
-padding tokens write their K/V into the cache's scratch row and use no adapter. The LoRA
-metadata is a static meta built inside the graph (no host sync; launch grids sized for ``B``
-tokens over ``A`` slots), so the replay recomputes it from the slots of the step. Graphs are
-captured lazily, the first time a key is met (one eager warm-up forward, then the capture), and
-share one memory pool. Prefill and mixed steps stay eager.
+On CUDA the forward is compiled with ``torch.compile`` (elementwise chains of the modeling code
+fuse; attention and LoRA are custom ops the compiled graph calls), and decode-only steps replay a
+CUDA graph captured at start for each padded batch size (`DecodeGraphs`). ``enforce_eager=True``
+runs everything eagerly; ``compilation=False`` keeps the graphs without compiling. CPU is eager.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import time
 
 import torch
 
-from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, AttentionBatch, KVCache
-from loramux.kernels.dispatch import uses_triton
+from loramux.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from loramux.engine.forward_context import AttentionMetadata, forward_context
+from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
 from loramux.engine.sampler import Sampler
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
+from loramux.kernels.dispatch import uses_triton
 
-__all__ = ["ModelRunner"]
+__all__ = ["ModelRunner", "graph_batch_sizes"]
 
-ROW_ALIGN = 8
-LEN_ALIGN = 64
-
-
-def _round_up(value: int, multiple: int, limit: int) -> int:
-    return min(-(-value // multiple) * multiple, limit)
+logger = logging.getLogger(__name__)
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes decode graphs are captured for: 1, 2, 4, 8, 16, 32, 48, ..."""
-    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max_num_seqs}
-    return sorted(sizes)
-
-
-def graph_key_length(length: int, limit: int) -> int:
-    """Keys a decode graph attends over: ``length`` rounded up to 64, or to 1/8 of its power of
-    two above 512 (at most 12.5% of extra keys, ~8 lengths per doubling)."""
-    return _round_up(length, max(LEN_ALIGN, _next_pow2(length) // 8), limit)
-
-
-class _DecodeGraph:
-    """One captured decode step: its static inputs and the logits it leaves behind."""
-
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: torch.Tensor, logits: torch.Tensor) -> None:
-        self.graph = graph
-        self.inputs = inputs  # [4B + R] int64: ids, positions, rows, slots (per token), positions per row
-        self.logits = logits  # [B, V]
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 class ModelRunner:
-    """Owns the model's forward: ``runner.run(batch, slot_of) -> [(sequence, new token)]``.
+    """Owns the model's forward and the KV cache: ``runner.run(batch) -> [(sequence, new token)]``.
 
     :param model: a Hugging Face causal LM; its attention is switched to ``"loramux"``.
-    :param kv_cache: the cache the attention reads and writes.
     :param lora_manager: a ``LoRAModelManager`` (``set_mapping``), or None without LoRA.
+    :param block_size: tokens per KV block.
     :param max_num_batched_tokens: the most tokens one step holds (sizes the pinned buffer).
-    :param enforce_eager: never use CUDA graphs (they are used for decode-only steps on CUDA).
+    :param max_model_len: the longest sequence (sizes the block tables).
+    :param enforce_eager: no compile, no CUDA graphs.
+    :param compilation: compile the forward on CUDA (graphs are captured either way).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_cache: KVCache,
         *,
         sampler: Sampler,
         lora_manager=None,
+        block_size: int,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        max_model_len: int,
         enforce_eager: bool = False,
+        compilation: bool = True,
     ) -> None:
         self.model = model
-        self.kv = kv_cache
         self.sampler = sampler
         self.lora_manager = lora_manager
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_blocks = _cdiv(max_model_len, block_size)
         self.device = next(model.parameters()).device
+        self.kv: PagedKVCache | None = None
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        capacity = 4 * max_num_batched_tokens + 4 * max_num_seqs + 2 * kv_cache.num_rows
-        self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        self._copied = None  # a CUDA event after the last copy out of _host
-        # CUDA graphs for decode-only steps; the torch reference kernels cannot take a static meta
-        self.use_graphs = (
-            not enforce_eager
-            and self.device.type == "cuda"
-            and (lora_manager is None or uses_triton(self.device))
+        cuda = self.device.type == "cuda"
+        # the torch reference LoRA kernels cannot take a static meta, so no graphs with them
+        self.use_graphs = not enforce_eager and cuda and (lora_manager is None or uses_triton(self.device))
+        self.compiled = not enforce_eager and cuda and compilation
+        capacity = 5 * max_num_batched_tokens + 3 * max_num_seqs + 2 + max_num_seqs * self.max_blocks
+        self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
+        self._forward = self._compile(self._model_forward) if self.compiled else self._model_forward
+        self.graphs: DecodeGraphs | None = None
+
+    # -- set-up ---------------------------------------------------------------------------------
+
+    def _model_forward(self, ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        """ids, positions: [T]; logits_indices: [N] -> logits [N, V]."""
+        out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                         logits_to_keep=logits_indices)
+        return out.logits[0]
+
+    def _compile(self, forward):
+        compiled = torch.compile(forward, dynamic=None)
+
+        def run(ids, positions, logits_indices):
+            # one compiled graph for every token count (sizes 0 and 1 get their own, as dynamo does)
+            for tensor in (ids, positions, logits_indices):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            return compiled(ids, positions, logits_indices)
+
+        return run
+
+    def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
+        config = self.model.config.get_text_config()
+        dtype = next(self.model.parameters()).dtype
+        self.kv = PagedKVCache(config, num_blocks=num_blocks, block_size=self.block_size, dtype=dtype, device=self.device)
+        return self.kv
+
+    @torch.inference_mode()
+    def profile_peak_bytes(self) -> int:
+        """Activation memory of the largest step (``max_num_batched_tokens`` tokens of prefill),
+        measured by running it once over a scratch cache (CUDA only; it also compiles)."""
+        assert self.device.type == "cuda"
+        T = self.max_num_batched_tokens
+        self.allocate_kv_cache(_cdiv(T, self.block_size) + 1)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        seq_blocks = list(range(1, _cdiv(T, self.block_size) + 1))
+        self._forward_packed(
+            ids=[0] * T, positions=list(range(T)),
+            slots=[seq_blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(T)],
+            tables=[seq_blocks], seq_lens=[T], query_start=[0, T], lora_slots=None, logits=[T - 1], logit_slots=None,
         )
-        self.graph_batch_sizes = graph_batch_sizes(max_num_seqs)
-        self._graphs: dict[tuple[int, int, int, int], _DecodeGraph] = {}
-        self._pool = None
-        self.graph_steps = 0  # decode steps served by a graph replay (tests and benchmarks read it)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        self.kv = None
+        torch.cuda.empty_cache()
+        return peak
+
+    def capture_graphs(self) -> None:
+        """Capture every decode graph now (CUDA, unless eager); no graph is captured later."""
+        if not self.use_graphs:
+            return
+        assert self.kv is not None, "allocate the KV cache before capturing graphs"
+        started = time.perf_counter()
+        self.graphs = DecodeGraphs(self, graph_batch_sizes(self.max_num_seqs))
+        self.graphs.capture_all()
+        logger.info("captured %d decode graphs in %.1f s", self.graphs.num_graphs, time.perf_counter() - started)
+
+    def release_graphs(self) -> None:
+        self.graphs = None
+
+    @property
+    def graph_steps(self) -> int:
+        return self.graphs.steps if self.graphs is not None else 0
 
     @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        return self.graphs.num_graphs if self.graphs is not None else 0
 
-    def release_graphs(self) -> None:
-        """Drop every captured graph (and, with the last of them, their memory pool)."""
-        self._graphs.clear()
-        self._pool = None
+    # -- one step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, slot_of: Callable[[str], int | None]) -> list[tuple[Sequence, int]]:
-        """Compute the scheduled tokens and sample for every sequence whose last token was among them."""
-        if (
-            self.use_graphs
-            and batch.chunks
-            and len(batch.chunks) <= self.graph_batch_sizes[-1]
-            and all(n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in batch.chunks)
-        ):
-            return self._run_decode_graph([seq for seq, _ in batch.chunks], slot_of)
-        # single-token chunks (decodes) first: the attention batches them together
-        chunks = [c for c in batch.chunks if c[1] == 1] + [c for c in batch.chunks if c[1] > 1]
-        ids, positions, rows, slots = [], [], [], []
-        decode_rows, decode_pos = [], {}
-        prefills = []
-        logit_index, logit_slots, sampled = [], [], []
-        for seq, n in chunks:
-            start = seq.num_computed
-            first = len(ids)
+    def run(self, batch: ScheduledBatch, slot_of) -> list[tuple[Sequence, int]]:
+        """Compute the scheduled tokens and sample for every sequence whose last token was among them.
+
+        ``slot_of(name) -> slot`` gives each adapter's GPU slot.
+        """
+        if self.graphs is not None and self.graphs.fits(batch):
+            seqs = [seq for seq, _ in batch.chunks]
+            slots = [-1 if s.lora_name is None else slot_of(s.lora_name) for s in seqs]
+            logits = self.graphs.replay(seqs, slots)
+            return self._sample(seqs, logits[: len(seqs)])
+        ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
+        lora_slots, logits, logit_slots, sampled = [], [], [], []
+        bs = self.block_size
+        for seq, n in batch.chunks:
+            start, end = seq.num_computed, seq.num_computed + n
             slot = -1 if seq.lora_name is None else slot_of(seq.lora_name)
-            ids.extend(seq.token_at(p) for p in range(start, start + n))
-            positions.extend(range(start, start + n))
-            rows.extend([seq.kv_row] * n)
-            slots.extend([slot] * n)
-            if n == 1:
-                decode_rows.append(seq.kv_row)
-                decode_pos[seq.kv_row] = start
-            else:
-                prefills.append((first, n, seq.kv_row, start))
-            if start + n == seq.num_tokens:  # the chunk reaches the last token: sample after it
-                logit_index.append(first + n - 1)
+            table = seq.block_table
+            ids.extend(seq.tokens(start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            tables.append(table)
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + n)
+            lora_slots.extend([slot] * n)
+            if end == seq.num_tokens:  # the chunk reaches the last token: sample after it
+                logits.append(len(ids) - 1)
                 logit_slots.append(slot)
                 sampled.append(seq)
-        # round the decode attention's shape up ([R rows, L keys]), so a run sees a handful of
-        # shapes instead of a new one every step (kernel selection and plan caches key on shape)
-        pad_rows = _round_up(max(decode_rows, default=-1) + 1, ROW_ALIGN, self.kv.num_rows) if decode_rows else 0
-        pad_len = _round_up(max(decode_pos.values(), default=0) + 1, LEN_ALIGN, self.kv.max_len)
-        pos_by_row = [decode_pos.get(r, 0) for r in range(pad_rows)]
-        fields = (ids, positions, rows, slots, decode_rows, pos_by_row, logit_index, logit_slots)
-        device_fields = self._to_device(fields)
-        t_ids, t_pos, t_rows, t_slots, t_dec_rows, t_dec_pos, t_logit_index, t_logit_slots = device_fields
-
-        attention = AttentionBatch(
-            kv=self.kv,
-            write_rows=t_rows,
-            write_positions=t_pos,
-            num_decode=len(decode_rows),
-            decode_rows=t_dec_rows,
-            decode_positions=t_dec_pos,
-            decode_pad_rows=pad_rows,
-            decode_max_len=pad_len,
-            prefills=prefills,
+        uses_lora = any(s >= 0 for s in lora_slots)
+        out = self._forward_packed(
+            ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens, query_start=query_start,
+            lora_slots=lora_slots if uses_lora else None, logits=logits, logit_slots=logit_slots if uses_lora else None,
         )
-        if self.lora_manager is not None:
-            uses_lora = any(s >= 0 for s in slots)
-            self.lora_manager.set_mapping(t_slots if uses_lora else None, t_logit_slots if uses_lora else None)
-        out = self.model(
-            input_ids=t_ids[None],
-            position_ids=t_pos[None],
-            use_cache=False,
-            logits_to_keep=t_logit_index,
-            loramux_batch=attention,
-        )
-        if not sampled:
-            return []
-        logits = out.logits[0]  # [B, V]
-        tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
-        return list(zip(sampled, tokens.tolist()))
+        return self._sample(sampled, out) if sampled else []
 
-    # -- CUDA graphs for decode-only steps ---------------------------------------------------------
-
-    def _run_decode_graph(self, seqs: list[Sequence], slot_of) -> list[tuple[Sequence, int]]:
-        n = len(seqs)
-        B = next(b for b in self.graph_batch_sizes if b >= n)
-        slots = [-1 if s.lora_name is None else slot_of(s.lora_name) for s in seqs]
-        active = sorted({s for s in slots if s >= 0}) if self.lora_manager is not None else []
-        A = min(_next_pow2(len(active)), self.lora_manager.context.num_slots) if active else 0
-        rows = [s.kv_row for s in seqs]
-        positions = [s.num_computed for s in seqs]
-        R = _round_up(max(rows) + 1, ROW_ALIGN, self.kv.num_rows)
-        L = graph_key_length(max(positions) + 1, self.kv.max_len)
-        pad = B - n
-        pos_by_row = [0] * R
-        for row, pos in zip(rows, positions):
-            pos_by_row[row] = pos
-        flat = (
-            [s.token_at(p) for s, p in zip(seqs, positions)] + [0] * pad
-            + positions + [0] * pad
-            + rows + [KVCache.SCRATCH_ROW] * pad
-            + slots + [-1] * pad
-            + pos_by_row
-        )
-        if active:
-            self.lora_manager.mark_used(active)
-        key = (B, R, L, A)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._graphs[key] = self._capture(B, R, L, A, flat)  # leaves this step's logits
-        else:
-            self._load(graph.inputs, flat)
-            graph.graph.replay()
-        self.graph_steps += 1
-        tokens = self.sampler(graph.logits[:n], [s.params for s in seqs], [s.generator for s in seqs])
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
+        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
         return list(zip(seqs, tokens.tolist()))
 
-    def _capture(self, B: int, R: int, L: int, A: int, flat: list[int]) -> _DecodeGraph:
-        inputs = torch.zeros(4 * B + R, dtype=torch.int64, device=self.device)
-        self._load(inputs, flat)
-        ids, positions, rows, slots, pos_by_row = inputs.split([B, B, B, B, R])
-        attention = AttentionBatch(
-            kv=self.kv,
-            write_rows=rows,
-            write_positions=positions,
-            num_decode=B,
-            decode_rows=rows,
-            decode_positions=pos_by_row,
-            decode_pad_rows=R,
-            decode_max_len=L,
-            prefills=[],
+    def _forward_packed(self, *, ids, positions, slots, tables, seq_lens, query_start, lora_slots, logits,
+                        logit_slots) -> torch.Tensor:
+        """One eager (or compiled, dynamic-shape) forward over the packed step; logits [N, V]."""
+        width = max(len(t) for t in tables)
+        flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
+        fields = [ids, positions, slots, seq_lens, query_start, logits, flat_tables]
+        if lora_slots is not None:
+            fields += [lora_slots, logit_slots]
+        device_fields = self.to_device(fields)
+        t_ids, t_pos, t_slots, t_lens, t_qsl, t_logits, t_tables = device_fields[:7]
+        if self.lora_manager is not None:
+            if lora_slots is None:
+                self.lora_manager.set_mapping(None)
+            else:
+                self.lora_manager.set_mapping(device_fields[7], device_fields[8])
+        metadata = AttentionMetadata(
+            k_cache=self.kv.k, v_cache=self.kv.v, slot_mapping=t_slots,
+            block_tables=t_tables.view(len(tables), width), seq_lens=t_lens, query_start_loc=t_qsl,
         )
+        with forward_context(metadata):
+            return self._forward(t_ids, t_pos, t_logits)
 
-        def forward() -> torch.Tensor:
-            attention._per_step.clear()  # masks and scratch are made by (and inside) this forward
-            if self.lora_manager is not None:
-                self.lora_manager.set_mapping(slots if A else None, max_active=A or None)
-            out = self.model(
-                input_ids=ids[None],
-                position_ids=positions[None],
-                use_cache=False,
-                logits_to_keep=0,
-                loramux_batch=attention,
-            )
-            return out.logits[0]  # [B, V]
-
-        # warm up outside the capture: kernel compilation and lazily made tables; it writes the
-        # same keys and values the capture's replay writes
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            forward()
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = forward()
-        except Exception as exc:
-            raise RuntimeError(
-                f"capturing a CUDA graph of the decode step failed ({type(exc).__name__}: {exc}); "
-                "pass enforce_eager=True to run without graphs"
-            ) from exc
-        finally:
-            attention._per_step.clear()
-        graph.replay()
-        return _DecodeGraph(graph, inputs, logits)
-
-    def _load(self, target: torch.Tensor, flat: list[int]) -> None:
-        """Copy ``flat`` into the static tensor ``target`` through the pinned buffer (one transfer)."""
-        target.copy_(self._stage(flat), non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-
-    def _stage(self, flat: list[int]) -> torch.Tensor:
+    def to_device(self, fields: list[list[int]], out: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Copy int lists to the device in one transfer through the pinned buffer; views per field.
+        ``out``: a device int32 tensor to copy into (a graph's static inputs) instead of a new one."""
+        sizes = [len(f) for f in fields]
+        total = sum(sizes)
         if self._copied is not None:
-            self._copied.synchronize()  # the last step's copy has left the buffer (it always has by now)
-        host = self._host[: len(flat)]
-        host.copy_(torch.tensor(flat, dtype=torch.int64))
-        return host
-
-    # -- eager steps ----------------------------------------------------------------------------
-
-    def _to_device(self, fields: tuple[list[int], ...]) -> list[torch.Tensor]:
-        flat = [v for f in fields for v in f]
-        host = self._stage(flat)
-        if self.device.type == "cuda":
+            self._copied.synchronize()  # the last copy has left the buffer (it always has by now)
+        host = self._host[:total]
+        host.copy_(torch.tensor([v for f in fields for v in f], dtype=torch.int32))
+        if out is not None:
+            device = out[:total]
+            device.copy_(host, non_blocking=True)
+        elif self.device.type == "cuda":
             device = host.to(self.device, non_blocking=True)
-            self._copied = torch.cuda.Event()
-            self._copied.record()
         else:
             device = host.clone()
-        out, offset = [], 0
-        for f in fields:
-            out.append(device[offset : offset + len(f)])
-            offset += len(f)
-        return out
+        if self.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return list(device.split(sizes))

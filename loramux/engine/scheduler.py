@@ -3,7 +3,14 @@
 Every step mixes decodes and prefill chunks in one forward, within ``max_num_batched_tokens``:
 first one token for each running sequence that is decoding, then the next chunk of each running
 sequence still prefilling, then new sequences from the queue, first come first served, each
-taking a KV row and the rest of the token budget (a long prompt is prefilled over several steps).
+taking the KV blocks of its whole prompt (less what the prefix cache already holds) and the rest
+of the token budget (a long prompt is prefilled over several steps).
+
+KV blocks: admission is by free blocks, not by rows. When a decoding sequence needs a new block
+and none is free, the newest running sequence is preempted: its blocks are freed and it goes back
+to the front of the queue with the tokens it has; on readmission it is prefilled again
+(recompute; the prefix cache usually still holds its blocks), so its output is unchanged and
+nothing is lost or sent twice.
 
 Adapters: a step holds at most ``max_loras`` distinct adapters, counting the ones the user pinned
 to the GPU. A queued request whose adapter would exceed that waits, and from then on no request
@@ -21,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loramux.engine.kv_cache import KVCache
+from loramux.engine.block_manager import BlockManager
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import CacheFullError, LoRAError
 
@@ -53,7 +60,7 @@ class Scheduler:
 
     def __init__(
         self,
-        kv_cache: KVCache,
+        block_manager: BlockManager,
         *,
         max_num_seqs: int,
         max_num_batched_tokens: int,
@@ -62,7 +69,7 @@ class Scheduler:
         on_adapter_end: Callable[[str], None] = lambda name: None,
     ) -> None:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence must fit one decode token"
-        self.kv = kv_cache
+        self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_loras = max_loras
@@ -73,6 +80,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.adapter_refs: Counter[str] = Counter()  # running sequences per adapter
         self.failed: list[Sequence] = []  # failed at admission; the engine reports them
+        self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------
 
@@ -91,8 +99,16 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.max_num_batched_tokens
         decodes, prefills = [], []
-        for seq in self.running:  # decodes first: every running decode advances each step
-            if seq.num_uncomputed == 1:
+        for seq in list(self.running):  # decodes first: every running decode advances each step
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed != 1:
+                continue  # preempted in this loop, or still prefilling
+            while not self.blocks.can_append(seq):
+                victim = self.running[-1]  # the newest; maybe seq itself
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.may_append(seq)
                 decodes.append((seq, 1))
                 budget -= 1
         for seq in self.running:
@@ -110,7 +126,7 @@ class Scheduler:
         admitted, blocked = [], False
         in_use = self.loras_in_use()
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs or not self.kv.can_allocate():
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or not self.blocks.can_allocate(seq):
                 break  # capacity is first come first served
             name = seq.lora_name
             if name is not None:
@@ -130,12 +146,21 @@ class Scheduler:
                     continue
                 in_use.add(name)
             self.waiting.remove(seq)
-            seq.kv_row = self.kv.allocate()
+            self.blocks.allocate(seq)
+            seq.num_computed = seq.num_cached_tokens  # the prefix cache holds these tokens' K/V
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             admitted.append(seq)
             budget -= min(seq.num_uncomputed, budget)
         return admitted
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free ``seq``'s blocks and queue it again; it is recomputed when readmitted."""
+        self._release(seq)
+        seq.num_computed = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(seq)
 
     def _start(self, seq: Sequence) -> bool:
         name = seq.lora_name
@@ -157,12 +182,14 @@ class Scheduler:
     # -- after a step --------------------------------------------------------------------------
 
     def finish(self, seq: Sequence) -> None:
-        """Release what ``seq`` holds (its row, its adapter reference); it is already finished."""
+        """Release what ``seq`` holds (its blocks, its adapter reference); it is already finished."""
         if seq in self.waiting:
             self.waiting.remove(seq)
-        if seq.kv_row is not None:
-            self.kv.free(seq.kv_row)
-            seq.kv_row = None
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.block_table:
+            self.blocks.deallocate(seq)
         if seq in self.running:
             self.running.remove(seq)
             name = seq.lora_name

@@ -19,7 +19,7 @@ __all__ = ["Sequence", "SequenceStatus"]
 class SequenceStatus(enum.Enum):
     LOADING_ADAPTER = "loading_adapter"  # its adapter is being resolved and loaded beside the loop
     WAITING = "waiting"  # ready, queued for admission
-    RUNNING = "running"  # owns a KV row; prefilling or decoding
+    RUNNING = "running"  # owns KV blocks; prefilling or decoding
     FINISHED = "finished"
 
 
@@ -29,7 +29,10 @@ class Sequence:
 
     ``num_computed`` counts the tokens whose keys and values are in the cache. A step computes
     the next ``num_tokens - num_computed`` tokens (or a chunk of them); when it reaches the last
-    token, the step samples a new one. A decode is just a chunk of one token.
+    token, the step samples a new one. A decode is just a chunk of one token. ``block_table``
+    lists the KV blocks it holds (`BlockManager`); ``num_cached_tokens`` of them came from the
+    prefix cache. ``cache_salt`` is the adapter's identity in prefix-cache hashes (its content
+    digest; None for the base model).
     """
 
     request_id: str
@@ -41,7 +44,10 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    kv_row: int | None = None
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0
+    cache_salt: str | None = None
+    num_preemptions: int = 0
     adapter: LoRAAdapter | None = None  # held from load to admission, so a CPU eviction can't lose it
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
@@ -68,6 +74,19 @@ class Sequence:
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)``, prompt and output alike."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def block_tokens(self, index: int, block_size: int) -> list[int]:
+        """The token ids of block ``index`` (the last one may be partial)."""
+        return self.tokens(index * block_size, min((index + 1) * block_size, self.num_tokens))
 
     @property
     def is_finished(self) -> bool:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from loramux.engine.layers.context import LoRAContext
+from loramux.engine.layers.lora_op import register_layer
 from loramux.kernels import LoRABatchMeta, lora_expand, lora_shrink
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
@@ -86,6 +87,7 @@ class BaseLayerWithLoRA(nn.Module):
         self.register_buffer("lora_ranks", torch.zeros(S, dtype=torch.int32, device=device), persistent=False)
         self._host_ranks = [0] * S  # lora_ranks on the host: skip layers no active slot touches
         self.lora_context: LoRAContext | None = None  # set by the model manager
+        self.layer_id = register_layer(self)  # how the apply_lora op finds this layer
 
     # -- the wrapped layer -------------------------------------------------------------------
 
@@ -207,14 +209,21 @@ class BaseLayerWithLoRA(nn.Module):
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         output = self.base_layer(x, *args, **kwargs)
-        context = self.lora_context
-        if context is None or context.meta is None:
+        if self.lora_context is None:
             return output
-        meta = context.meta_for(self.rows_shape(x))
+        output = output.contiguous()
+        # one opaque op: torch.compile traces no per-step Python state, and a CUDA graph captured
+        # without adapters launches nothing here (see `add_lora_delta`)
+        torch.ops.loramux.apply_lora(output, x, self.layer_id)
+        return output
+
+    def add_lora_delta(self, x: torch.Tensor, output: torch.Tensor) -> None:
+        """``output += delta`` in place, for the mapping the `LoRAContext` holds now."""
+        meta = self.lora_context.meta_for(self.rows_shape(x))
+        if meta is None:
+            return
         if not meta.static and not any(self._host_ranks[slot] for slot in meta.active_slots_host):
-            return output  # no token of this batch uses an adapter that touches this layer
-        if not output.is_contiguous():
-            output = output.contiguous()
+            return  # no token of this batch uses an adapter that touches this layer
         y = output.view(-1, self.out_features)  # [T, out], shares memory with output
         if y.dtype != self.lora_b_stacked.dtype:  # e.g. autocast: add in the slot dtype
             delta_y = y.to(self.lora_b_stacked.dtype)
@@ -222,7 +231,6 @@ class BaseLayerWithLoRA(nn.Module):
             y.copy_(delta_y)
         else:
             self.apply_lora(x, y, meta)
-        return output
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
         """``y [T, out] += delta``, in place, for activations ``x [..., in_features]``."""

@@ -21,15 +21,22 @@ __all__ = ["LinearWithLoRA", "Conv1DWithLoRA"]
 
 
 class LinearWithLoRA(BaseLayerWithLoRA):
-    """`nn.Linear` (weight ``[out, in]``) with one LoRA per slot."""
+    """`nn.Linear` (weight ``[out, in]``) with one LoRA per slot.
+
+    A fused layer that declares ``loramux_slices`` (``((module_name, width), ...)``, as
+    :func:`loramux.engine.siblings.fuse_siblings` does) gets one slice per original module, so
+    adapters trained on the separate projections fill its slices.
+    """
 
     def __init__(self, base_layer: nn.Linear, module_name: str, lora_config: LoRAConfig) -> None:
+        slices = getattr(base_layer, "loramux_slices", None) or ((module_name, base_layer.out_features),)
         super().__init__(
             base_layer,
             module_name,
             lora_config,
             in_features=base_layer.in_features,
-            output_sizes=(base_layer.out_features,),
+            output_sizes=tuple(size for _, size in slices),
+            slice_names=tuple(name for name, _ in slices),
         )
 
 

@@ -1,0 +1,142 @@
+"""Decode steps as CUDA graphs, every one captured at start, none while serving.
+
+One graph per padded batch size ``B`` (1, 2, 4, 8, then steps of 16 up to ``max_num_seqs``), and
+with LoRA enabled a second one per size for batches that use adapters (the base graph launches
+no LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step). The
+graphs' inputs are the step's token ids, positions, cache slots, sequence lengths, adapter slots
+and block tables, in one static device buffer filled by a single copy before each replay; padding
+rows write no K/V (slot -1), read no keys (length 0) and use no adapter. The LoRA kernel metadata
+is built inside the graph from the adapter slots (no host sync; launch grids independent of the
+adapter mix), so one graph serves any mix of adapters and base rows. Graphs share one memory pool.
+
+Captures run in ``thread_local`` error mode and only before the engine serves: loader threads
+(pinning host memory is a CUDA call) cannot invalidate a capture, and no capture ever meets a
+running load.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from loramux.engine.forward_context import AttentionMetadata, forward_context
+
+if TYPE_CHECKING:
+    from loramux.engine.model_runner import ModelRunner
+    from loramux.engine.scheduler import ScheduledBatch
+    from loramux.engine.sequence import Sequence
+
+__all__ = ["DecodeGraphs", "graph_batch_sizes"]
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """The padded batch sizes decode graphs are captured for: 1, 2, 4, 8, 16, 32, 48, ..."""
+    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max_num_seqs}
+    return sorted(sizes)
+
+
+class DecodeGraphs:
+    """The decode graphs of one runner: ``capture_all()`` once, then ``replay(seqs, slots)``."""
+
+    def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
+        self.runner = runner
+        self.sizes = sizes
+        S, device = sizes[-1], runner.device
+        self.static = torch.zeros(5 * S + S * runner.max_blocks, dtype=torch.int32, device=device)
+        self.query_start = torch.arange(S + 1, dtype=torch.int32, device=device)  # one token per row
+        self.logits_rows = torch.arange(S, dtype=torch.int32, device=device)
+        self.variants = (False, True) if runner.lora_manager is not None else (False,)
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.steps = 0  # decode steps served by a replay (tests and benchmarks read it)
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def fits(self, batch: ScheduledBatch) -> bool:
+        """A decode-only step no larger than the largest graph."""
+        return 0 < len(batch.chunks) <= self.sizes[-1] and all(
+            n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in batch.chunks
+        )
+
+    def _views(self, B: int) -> tuple[torch.Tensor, ...]:
+        """ids, positions, cache slots, lengths, adapter slots ([B] each), block tables [B, max_blocks]."""
+        maxb = self.runner.max_blocks
+        ids, pos, slots, lens, lora, tables = self.static[: 5 * B + B * maxb].split([B] * 5 + [B * maxb])
+        return ids, pos, slots, lens, lora, tables.view(B, maxb)
+
+    def _fields(self, seqs: list[Sequence], lora_slots: list[int], B: int) -> list[list[int]]:
+        bs, maxb, pad = self.runner.block_size, self.runner.max_blocks, B - len(seqs)
+        positions = [s.num_computed for s in seqs]
+        return [
+            [s.token_at(p) for s, p in zip(seqs, positions)] + [0] * pad,
+            positions + [0] * pad,
+            [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)] + [-1] * pad,
+            [p + 1 for p in positions] + [0] * pad,
+            list(lora_slots) + [-1] * pad,
+            [b for s in seqs for b in s.block_table + [0] * (maxb - len(s.block_table))] + [0] * (pad * maxb),
+        ]
+
+    def replay(self, seqs: list[Sequence], lora_slots: list[int]) -> torch.Tensor:
+        """Run the step of ``seqs`` (all decoding); returns logits ``[B, V]`` (rows past len(seqs): padding)."""
+        B = next(b for b in self.sizes if b >= len(seqs))
+        active = sorted({s for s in lora_slots if s >= 0})
+        self.runner.to_device(self._fields(seqs, lora_slots, B), out=self.static)
+        if active:
+            self.runner.lora_manager.mark_used(active)
+        graph, logits = self._graphs[(B, bool(active))]
+        graph.replay()
+        self.steps += 1
+        return logits
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        keys = [(B, lora) for B in reversed(self.sizes) for lora in self.variants]  # largest first: pool reuse
+        for B, lora in tqdm(keys, desc="Capturing decode graphs", unit="graph", leave=False):
+            self._graphs[(B, lora)] = self._capture(B, lora)
+
+    def _capture(self, B: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        runner = self.runner
+        ids, pos, slots, lens, lora_slots, tables = self._views(B)
+        runner.to_device(self._fields([], [], B), out=self.static)  # all padding
+        metadata = AttentionMetadata(
+            k_cache=runner.kv.k, v_cache=runner.kv.v, slot_mapping=slots, block_tables=tables,
+            seq_lens=lens, query_start_loc=self.query_start[: B + 1],
+        )
+        manager = runner.lora_manager
+
+        def forward() -> torch.Tensor:
+            if manager is not None:  # the kernel metadata is built inside the graph from the slots
+                if lora:
+                    manager.set_mapping(lora_slots, max_active=manager.context.num_slots)
+                else:
+                    manager.set_mapping(None)
+            with forward_context(metadata):
+                return runner._forward(ids, pos, self.logits_rows[:B])
+
+        # warm up outside the capture (compilation, autotuning, lazily made tables)
+        stream = torch.cuda.Stream(runner.device)
+        stream.wait_stream(torch.cuda.current_stream(runner.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(runner.device).wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: CUDA calls other threads make (a loader pinning memory) cannot invalidate it
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                logits = forward()
+        except Exception as exc:
+            raise RuntimeError(
+                f"capturing the decode graph for batch size {B} failed ({type(exc).__name__}: {exc}); "
+                "pass enforce_eager=True to run without graphs"
+            ) from exc
+        finally:
+            if manager is not None:
+                manager.set_mapping(None)
+        return graph, logits
