@@ -42,6 +42,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     kv_row: int | None = None
+    block_table: list[int] = field(default_factory=list)  # paged KV blocks (see block_manager.py)
+    num_cached_tokens: int = 0  # leading tokens found in the prefix cache at allocation
+    cache_salt: str | bytes | None = None  # the adapter's content digest; None for the base model
     adapter: LoRAAdapter | None = None  # held from load to admission, so a CPU eviction can't lose it
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
@@ -68,6 +71,16 @@ class Sequence:
     def token_at(self, position: int) -> int:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    def block_token_ids(self, index: int, block_size: int) -> list[int]:
+        """The token ids of KV block ``index`` (prompt and output tokens alike)."""
+        start, end = index * block_size, min((index + 1) * block_size, self.num_tokens)
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n:end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
     @property
     def is_finished(self) -> bool:
