@@ -98,12 +98,30 @@ def test_different_adapters_never_share(salts):
     assert same.num_cached_tokens == 2 * BS and same.block_table[:2] == b.block_table[:2]
 
 
-def test_hash_collision_is_a_miss_not_a_wrong_hit():
+def test_the_key_covers_prefix_tokens_and_adapter():
+    tokens = [1, 2, 3, 4]
+    keys = {hash_block(parent, tokens, salt) for parent in (None, 0, 1) for salt in (None, "a", b"a", "b")}
+    assert len(keys) == 12 and hash_block(None, tokens, "a") == hash_block(None, (1, 2, 3, 4), "a")
+    assert hash_block(None, [1, 2, 3, 5], "a") != hash_block(None, tokens, "a")
+
+
+@pytest.mark.parametrize("field_, value", [("token_ids", (7, 7, 7, 7)), ("parent_hash", 12345),
+                                           ("cache_salt", "other")])
+def test_a_hash_collision_is_a_miss_not_a_wrong_hit(field_, value):
+    bm = BlockManager(8, BS)
+    a = admit(bm, FakeSeq(list(range(3 * BS))))
+    setattr(bm.blocks[a.block_table[1]], field_, value)  # as if another block had the same key
+    assert admit(bm, FakeSeq(list(range(3 * BS)))).num_cached_tokens == BS
+
+
+def test_a_recomputed_duplicate_replaces_the_cached_copy():
     bm = BlockManager(8, BS)
     a = admit(bm, FakeSeq(list(range(2 * BS))))
-    block = bm.blocks[a.block_table[0]]
-    block.token_ids = (7, 7, 7, 7)  # as if other tokens had hashed to the same key
-    assert admit(bm, FakeSeq(list(range(2 * BS)))).num_cached_tokens == 0
+    b = admit(bm, FakeSeq(list(range(2 * BS))))  # recomputes a's last block into a new block
+    assert bm.hash_to_block_id[bm.blocks[b.block_table[1]].hash] == b.block_table[1]
+    stale = a.block_table[1]
+    bm.deallocate(a)  # a's copy is a stale duplicate now: first in line for reuse
+    assert next(iter(bm.free_block_ids)) == stale
 
 
 def test_a_freed_cached_block_is_revived_by_a_hit():

@@ -198,7 +198,8 @@ class BlockManager:
                 self.used_block_ids.remove(block_id)
                 assert block_id not in self.free_block_ids, f"block {block_id} freed twice"
                 self.free_block_ids[block_id] = None
-                if block.hash is None:  # nothing worth keeping: reuse it before any cached block
+                if self.hash_to_block_id.get(block.hash) != block_id:  # uncached, or a duplicate:
+                    # nothing worth keeping, so reuse it before any cached block
                     self.free_block_ids.move_to_end(block_id, last=False)
         seq.block_table.clear()
         seq.num_cached_tokens = 0
