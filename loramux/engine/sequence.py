@@ -44,9 +44,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0
-    cache_salt: str | None = None
+    block_table: list[int] = field(default_factory=list)  # paged KV blocks (see block_manager.py)
+    num_cached_tokens: int = 0  # leading tokens found in the prefix cache at allocation
+    cache_salt: str | bytes | None = None  # the adapter's content digest; None for the base model
     num_preemptions: int = 0
     adapter: LoRAAdapter | None = None  # held from load to admission, so a CPU eviction can't lose it
     detokenizer: IncrementalDetokenizer | None = None
@@ -84,8 +84,8 @@ class Sequence:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
-    def block_tokens(self, index: int, block_size: int) -> list[int]:
-        """The token ids of block ``index`` (the last one may be partial)."""
+    def block_token_ids(self, index: int, block_size: int) -> list[int]:
+        """The token ids of KV block ``index`` (the last one may be partial)."""
         return self.tokens(index * block_size, min((index + 1) * block_size, self.num_tokens))
 
     @property
