@@ -96,3 +96,101 @@ def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES) 
     if y.dtype != lora_b.dtype:
         _fail(op, f"y is {y.dtype} but lora_b is {lora_b.dtype}; store adapter weights in the activation dtype")
     return n_slices, R
+
+
+# --- paged attention and the KV write (issue 12) ------------------------------------------------
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _shape(t) -> tuple:
+    return tuple(getattr(t, "shape", ()))
+
+
+def _check_cache(op, k_cache, v_cache, device, dtypes) -> tuple[int, int, int, int]:
+    """Returns (num_blocks, block_size, Hkv, D). Caches: [num_blocks, block_size, Hkv, D]."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(c, torch.Tensor) or c.dim() != 4:
+            _fail(op, f"{name} must be a 4-D tensor [num_blocks, block_size, num_kv_heads, head_dim], "
+                      f"got shape {_shape(c)}")
+        if c.device != device:
+            _fail(op, f"{name} is on {c.device} but the tokens are on {device}; put every tensor on one device")
+        if c.dtype not in dtypes:
+            _fail(op, f"{name} has dtype {c.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        _fail(op, f"k_cache is {k_cache.dtype} {_shape(k_cache)} but v_cache is {v_cache.dtype} {_shape(v_cache)}; "
+                  "allocate both with one shape and dtype")
+    num_blocks, block_size, hkv, d = k_cache.shape
+    if block_size < 1 or block_size & (block_size - 1):
+        _fail(op, f"block_size (k_cache.shape[1]) is {block_size}; it must be a power of two (e.g. 16)")
+    if hkv < 1 or d < 1:
+        _fail(op, f"k_cache has {hkv} kv heads of dim {d}; both must be positive")
+    return num_blocks, block_size, hkv, d
+
+
+def check_write_kv(key, value, k_cache, v_cache, slot_mapping, dtypes=FLOAT_DTYPES) -> int:
+    """Returns T. key/value: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]; slot_mapping: [T]."""
+    op = "write_kv"
+    for name, t in (("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            _fail(op, f"{name} must be a 3-D tensor [T, num_kv_heads, head_dim], got shape {_shape(t)}")
+    device = key.device
+    _, _, hkv, d = _check_cache(op, k_cache, v_cache, device, dtypes)
+    if key.shape != value.shape:
+        _fail(op, f"key is {_shape(key)} but value is {_shape(value)}; they must match")
+    if key.shape[1:] != (hkv, d):
+        _fail(op, f"key is [T, {key.shape[1]}, {key.shape[2]}] but the cache holds {hkv} kv heads of dim {d}")
+    if value.device != device:
+        _fail(op, f"value is on {value.device} but key is on {device}")
+    if key.dtype != k_cache.dtype or value.dtype != k_cache.dtype:
+        _fail(op, f"key/value are {key.dtype}/{value.dtype} but the cache is {k_cache.dtype}; "
+                  "cast them to the cache dtype")
+    T = key.shape[0]
+    if (not isinstance(slot_mapping, torch.Tensor) or slot_mapping.shape != (T,)
+            or slot_mapping.dtype not in INDEX_DTYPES):
+        _fail(op, f"slot_mapping must be an int32/int64 tensor of shape [{T}], got "
+                  f"{getattr(slot_mapping, 'dtype', type(slot_mapping).__name__)} {_shape(slot_mapping)}")
+    if slot_mapping.device != device:
+        _fail(op, f"slot_mapping is on {slot_mapping.device} but key is on {device}")
+    return T
+
+
+def check_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                          sliding_window, softcap, out, dtypes=FLOAT_DTYPES) -> tuple[int, int, int, int, int]:
+    """Returns (T, B, H, Hkv, D). q: [T, H, D]; block_tables: [B, max_blocks]; seq_lens: [B];
+    query_start_loc: [B + 1]; out: None or [T, H, D] in q's dtype."""
+    op = "paged_attention"
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        _fail(op, f"q must be a 3-D tensor [T, num_heads, head_dim], got shape {_shape(q)}")
+    device = q.device
+    _, _, hkv, d = _check_cache(op, k_cache, v_cache, device, dtypes)
+    if q.dtype != k_cache.dtype:
+        _fail(op, f"q is {q.dtype} but the cache is {k_cache.dtype}; use one dtype for q and the KV cache")
+    T, H, dq = q.shape
+    if dq != d:
+        _fail(op, f"head_dim mismatch: q is [T, H, {dq}] but the cache holds head_dim {d}")
+    if H % hkv:
+        _fail(op, f"num_heads {H} is not a multiple of num_kv_heads {hkv} (GQA needs H = G * Hkv)")
+    if not isinstance(block_tables, torch.Tensor) or block_tables.dim() != 2 or block_tables.dtype not in INDEX_DTYPES:
+        _fail(op, f"block_tables must be a 2-D int32 tensor [B, max_blocks], got "
+                  f"{getattr(block_tables, 'dtype', type(block_tables).__name__)} {_shape(block_tables)}")
+    B = block_tables.shape[0]
+    for name, t, n in (("seq_lens", seq_lens, B), ("query_start_loc", query_start_loc, B + 1)):
+        if not isinstance(t, torch.Tensor) or t.shape != (n,) or t.dtype not in INDEX_DTYPES:
+            _fail(op, f"{name} must be an int32 tensor of shape [{n}] (block_tables has B={B} rows), got "
+                      f"{getattr(t, 'dtype', type(t).__name__)} {_shape(t)}")
+    for name, t in (("block_tables", block_tables), ("seq_lens", seq_lens), ("query_start_loc", query_start_loc)):
+        if t.device != device:
+            _fail(op, f"{name} is on {t.device} but q is on {device}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale > 0:
+        _fail(op, f"scale must be a positive float (usually head_dim ** -0.5), got {scale!r}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        _fail(op, f"sliding_window must be None or an int >= 1, got {sliding_window!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0):
+        _fail(op, f"softcap must be None or a positive float, got {softcap!r}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype or out.device != device:
+            _fail(op, f"out must be a {q.dtype} tensor of shape {_shape(q)} on {device}, got "
+                      f"{getattr(out, 'dtype', type(out).__name__)} {_shape(out)} on {getattr(out, 'device', None)}")
+    return T, B, H, hkv, d

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from . import reference
+from . import attention_reference, reference
 from .metadata import LoRABatchMeta
 
 ENV_VAR = "LORAMUX_KERNELS"
@@ -77,3 +77,56 @@ def lora_expand(
         lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks)
         return
     reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks)
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store a step's keys/values in the paged cache, in place: for every t with slot_mapping[t] >= 0,
+    k_cache[slot // block_size, slot % block_size] = key[t] (and v_cache from value).
+
+    key/value: [T, Hkv, D] in the cache's dtype; k_cache/v_cache: [num_blocks, block_size, Hkv, D]
+    (fp16/bf16/fp32, block_size a power of two); slot_mapping: [T] int64 or int32, -1 = padding (not
+    written). No host sync on the Triton path.
+    """
+    if _use_triton(key):
+        from .paged_attention import write_kv_triton
+
+        write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        return
+    attention_reference.write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention over a paged KV cache for a mixed batch of decode tokens and prefill chunks.
+
+    q: [T, H, D]; sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]] (int32 [B+1],
+    starting at 0), at positions seq_lens[b] - n_b .. seq_lens[b] - 1, where seq_lens ([B] int32)
+    counts the tokens in the cache after this step's `write_kv`; each sees keys 0 .. its own position,
+    found through block_tables ([B, max_blocks] int32; entries past a sequence's blocks may hold any
+    valid id). H must be a multiple of Hkv (GQA). sliding_window: a key is visible when
+    q_pos - k_pos < sliding_window; softcap: scores become tanh(s / softcap) * softcap. A sequence
+    with seq_len 0 gets zeros. Softmax in float32, output [T, H, D] in q's dtype (written into
+    `out` when given). The Triton path launches a grid sized from shapes only: no host sync, so it
+    can be captured in a CUDA graph.
+    """
+    if _use_triton(q):
+        from .paged_attention import paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale,
+                                      sliding_window=sliding_window, softcap=softcap, out=out)
+    return attention_reference.paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                                   scale=scale, sliding_window=sliding_window, softcap=softcap,
+                                                   out=out)
