@@ -120,6 +120,8 @@ class Scheduler:
             n = min(seq.num_uncomputed, budget)
             prefills.append((seq, n))
             budget -= n
+        for seq, n in prefills:  # blocks this step fills become hittable (decodes: in may_append)
+            self.blocks.cache_full_blocks(seq, seq.num_computed + n)
         return ScheduledBatch(decodes + prefills)
 
     def _admit(self, budget: int) -> list[Sequence]:

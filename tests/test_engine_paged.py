@@ -1,0 +1,136 @@
+"""The paged engine on CPU: preemption, prefix caching keyed by adapter content, fused sibling
+projections, and a churn trace with many more adapters than tiers (issue 10, item 1)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from conftest import peft_greedy, tiny_llama, tiny_model
+
+from loramux import LoRARequest, SamplingParams
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.siblings import SiblingSlice, fuse_siblings
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def run(engine: LLMEngine, requests, max_steps: int = 2000) -> dict[str, list[int]]:
+    """Add ``(id, prompt, lora_request)`` and step to the end; the generated tokens per id."""
+    for request_id, prompt, lora in requests:
+        engine.add_request(request_id, {"prompt_token_ids": prompt}, GREEDY, lora)
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                finished[out.request_id] = out.outputs[0].token_ids
+    assert not engine.has_unfinished_requests()
+    return finished
+
+
+def mixed_requests(adapters, n: int, seed: int, lengths=(3, 40)):
+    rng = random.Random(seed)
+    names = [None, *adapters]
+    out = []
+    for i in range(n):
+        name = names[i % len(names)]
+        prompt = [rng.randrange(3, 128) for _ in range(rng.randint(*lengths))]
+        lora = None if name is None else LoRARequest(name, names.index(name), str(adapters[name]))
+        out.append((f"r{i}", prompt, lora))
+    return out
+
+
+def engine(**kwargs) -> LLMEngine:
+    options = dict(max_loras=2, max_lora_rank=8, max_num_seqs=6, max_model_len=64, max_num_batched_tokens=32)
+    options.update(kwargs)
+    return LLMEngine(tiny_llama(), **options)
+
+
+def test_forced_preemption_gives_the_same_greedy_tokens(engine_adapters):
+    requests = mixed_requests(engine_adapters, 10, seed=1)
+    roomy = run(engine(), requests)
+    # 12 usable blocks of 16 tokens for 6 sequences of up to 52 tokens: decodes run out of blocks
+    tight = engine(num_gpu_blocks_override=13, enable_prefix_caching=False)
+    assert run(tight, requests) == roomy
+    assert tight.scheduler.num_preemptions > 0
+    assert tight.block_manager.num_free_blocks == 12  # nothing leaked
+
+
+def test_prefix_cache_hits_give_the_same_tokens_as_misses(engine_adapters):
+    system = [(7 * i) % 120 + 3 for i in range(40)]  # a shared 40-token "system prompt"
+    requests = [(f"r{i}", system + [10 + i, 20 + i], lora) for i, lora in enumerate(
+        [None, None, LoRARequest("attn", 1, str(engine_adapters["attn"])), None,
+         LoRARequest("attn", 1, str(engine_adapters["attn"]))]
+    )]
+    cached = engine(max_num_seqs=1)  # one at a time, so later requests find the earlier blocks
+    uncached = engine(max_num_seqs=1, enable_prefix_caching=False)
+    assert run(cached, requests) == run(uncached, requests)
+    stats = cached.block_manager.stats
+    # base r1 and r3 hit base r0's two full blocks; adapter r4 hits r2's, never the base blocks
+    assert stats.hits == 4 * 32 and uncached.block_manager.stats.hits == 0
+    expected = peft_greedy(engine_adapters["attn"], requests[4][1], 12)
+    assert run(cached, [("again", requests[4][1], requests[4][2])])["again"][: len(expected)] == expected
+
+
+def test_a_reloaded_adapter_never_reuses_the_old_weights_blocks(make_adapter):
+    old, new = make_adapter("v1", seed=21), make_adapter("v2", seed=22)
+    prompt = [(5 * i) % 120 + 3 for i in range(40)]
+    eng = engine(max_num_seqs=1)
+    first = run(eng, [("a", prompt, LoRARequest("same", 1, str(old)))])["a"]
+    eng.remove_lora("same")
+    hits = eng.block_manager.stats.hits
+    second = run(eng, [("b", prompt, LoRARequest("same", 2, str(new)))])["b"]
+    assert eng.block_manager.stats.hits == hits  # same name, other content: no block reused
+    assert first == peft_greedy(old, prompt, 12)[: len(first)] or first[:4] == peft_greedy(old, prompt, 4)
+    expected = peft_greedy(new, prompt, 12)
+    assert second[: len(expected)] == expected
+
+
+def test_churn_with_many_more_adapters_than_tiers(make_adapter):
+    """12 adapters over 2 GPU slots and 3 CPU entries, arrivals over many steps (new batch
+    shapes while loads run): every request completes with the tokens of a roomy engine."""
+    adapters = {f"c{i}": make_adapter(f"c{i}", seed=100 + i) for i in range(12)}
+    requests = mixed_requests(adapters, 30, seed=3, lengths=(2, 20))
+    roomy = run(engine(max_loras=12, max_cpu_loras=12, max_num_seqs=8), requests)
+    eng = engine(max_loras=2, max_cpu_loras=3, max_num_seqs=5)
+    finished, pending = {}, list(requests)
+    rng = random.Random(4)
+    for _ in range(3000):
+        for _ in range(rng.randint(0, 2)):  # arrivals over time
+            if pending:
+                request_id, prompt, lora = pending.pop(0)
+                eng.add_request(request_id, {"prompt_token_ids": prompt}, GREEDY, lora)
+        for out in eng.step():
+            if out.finished:
+                assert out.error is None, out.error
+                finished[out.request_id] = out.outputs[0].token_ids
+        if not pending and not eng.has_unfinished_requests():
+            break
+    assert finished == roomy
+    assert eng.registry.cache.stats.evictions > 0 and eng.lora_manager.stats.evictions > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma"])
+def test_fused_siblings_equal_the_separate_projections(arch):
+    model = tiny_model(arch)
+    ids = torch.randint(3, 128, (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+        fused = fuse_siblings(model)
+        assert len(fused) == 2 * model.config.num_hidden_layers  # q/k/v and gate/up per layer
+        attn = model.model.layers[0].self_attn
+        assert isinstance(attn.k_proj, SiblingSlice) and attn.k_proj.weight.shape == (attn.k_proj.out_features, 32)
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_siblings_are_left_alone_when_they_cannot_fuse():
+    model = tiny_model("llama")
+    attn = model.model.layers[0].self_attn
+    attn.k_proj = torch.nn.Linear(32, 16, bias=True)  # the others have no bias
+    names = fuse_siblings(model)
+    assert "model.layers.0.self_attn.q_proj.siblings.fused" not in names
+    assert isinstance(attn.q_proj, torch.nn.Linear) and isinstance(model.model.layers[0].mlp.up_proj, SiblingSlice)
