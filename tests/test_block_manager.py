@@ -258,7 +258,8 @@ def test_random_workload_never_leaks_and_never_reads_a_wrong_block():
 
     def check(seq, stop):  # the cache holds what this sequence would have computed itself
         for p in range(stop):
-            assert kv.get((seq.block_table[p // BS], p % BS)) == (seq.cache_salt, tuple(seq.token_ids[:p + 1]))
+            expected = (seq.cache_salt, tuple(seq.token_ids[:p + 1]))
+            assert kv.get((seq.block_table[p // BS], p % BS)) == expected
 
     while finished < 300:
         if len(waiting) < 3:

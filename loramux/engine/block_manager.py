@@ -3,7 +3,8 @@ blocks sequences with the same prefix (and the same adapter) share.
 
 Modelled on nano-vllm's ``block_manager.py``: a plain class, a queue of free blocks, reference
 counts for the blocks running sequences use, ``can_allocate / allocate / deallocate /
-can_append / may_append``, and asserts on its invariants. It holds no tensors.
+can_append / may_append``, and asserts on its invariants. It holds no tensors and is not
+thread-safe: the scheduler owns it.
 
 **The sequence protocol** (duck-typed; `loramux.engine.sequence.Sequence` implements it):
 
@@ -230,6 +231,7 @@ class BlockManager:
             return
         assert num_tokens <= seq.num_tokens, f"cache_full_blocks: {num_tokens} > {seq.num_tokens} tokens"
         table, num_full = seq.block_table, num_tokens // self.block_size
+        assert num_full <= len(table), f"cache_full_blocks: {num_full} full blocks, {len(table)} allocated"
         start = num_full  # registered blocks form a prefix of the table: find where it ends
         while start > 0 and self.blocks[table[start - 1]].hash is None:
             start -= 1
