@@ -71,7 +71,7 @@ def test_prefix_cache_hits_give_the_same_tokens_as_misses(engine_adapters):
     assert run(cached, requests) == run(uncached, requests)
     stats = cached.block_manager.stats
     # base r1 and r3 hit base r0's two full blocks; adapter r4 hits r2's, never the base blocks
-    assert stats.hits == 4 * 32 and uncached.block_manager.stats.hits == 0
+    assert stats.hits == 3 * 32 and uncached.block_manager.stats.hits == 0
     expected = peft_greedy(engine_adapters["attn"], requests[4][1], 12)
     assert run(cached, [("again", requests[4][1], requests[4][2])])["again"][: len(expected)] == expected
 
@@ -85,9 +85,9 @@ def test_a_reloaded_adapter_never_reuses_the_old_weights_blocks(make_adapter):
     hits = eng.block_manager.stats.hits
     second = run(eng, [("b", prompt, LoRARequest("same", 2, str(new)))])["b"]
     assert eng.block_manager.stats.hits == hits  # same name, other content: no block reused
-    assert first == peft_greedy(old, prompt, 12)[: len(first)] or first[:4] == peft_greedy(old, prompt, 4)
-    expected = peft_greedy(new, prompt, 12)
-    assert second[: len(expected)] == expected
+    for tokens, path in ((first, old), (second, new)):
+        expected = peft_greedy(path, prompt, 12)  # stops at EOS; the engine ignores it here
+        assert tokens[: len(expected)] == expected
 
 
 def test_churn_with_many_more_adapters_than_tiers(make_adapter):

@@ -14,8 +14,8 @@ KV blocks                     ``gpu_memory_utilization``  ``CPU_KV_CACHE_BYTES``
 The KV cache is a pool of blocks of ``block_size`` tokens (`PagedKVCache`), so ``max_model_len``
 does not multiply memory: on CUDA the blocks take what ``gpu_memory_utilization`` of the device
 leaves after the weights, the LoRA slots and the largest step's activations (measured by running
-it once); on CPU a fixed budget, capped at what ``max_num_seqs`` sequences of ``max_model_len``
-can use. ``num_gpu_blocks_override`` sets the number on any device.
+it once); on CPU a fixed budget, capped at four times what ``max_num_seqs`` sequences of
+``max_model_len`` can use at once. ``num_gpu_blocks_override`` sets the number on any device.
 """
 
 from __future__ import annotations
@@ -216,7 +216,8 @@ def num_kv_blocks(setup: EngineSetup, profile_peak_bytes) -> int:
         budget = setup.gpu_memory_utilization * total - (total - free) - peak
         num_blocks = int(budget // block_bytes)
     else:
-        num_blocks = min(CPU_KV_CACHE_BYTES // block_bytes, setup.max_num_seqs * per_seq + 1)
+        # capped at 4x what max_num_seqs sequences can hold at once: room for the prefix cache
+        num_blocks = min(CPU_KV_CACHE_BYTES // block_bytes, 4 * setup.max_num_seqs * per_seq + 1)
     if num_blocks < per_seq + 1:
         raise ValueError(
             f"the KV cache has room for {num_blocks} blocks of {setup.block_size} tokens, but one sequence "
