@@ -1,21 +1,20 @@
-"""Offline throughput of the engine: base model, 1, 8 and 32 distinct adapters, and PEFT's own
-mixed-batch generation on the same prompts (issue 6).
+"""The engine against its floor (issues 12 and 13): decode step, tokens/s, prefill, TTFT, startup,
+concurrency, with and without adapters, and PEFT's own mixed-batch generation.
 
-    PYTHONPATH=. python benchmarks/throughput.py                       # CPU: the embedded model
+    PYTHONPATH=. python benchmarks/throughput.py                      # CPU: the embedded model, small
     PYTHONPATH=. python benchmarks/throughput.py --model llama-3.1-8b --load-format dummy   # GPU
 
 Every request has the same random prompt length and generates exactly ``--output-len`` tokens
-(``ignore_eos``), all submitted at once (``max_num_seqs`` = the number of requests, so every
-decode step holds the whole batch). Adapters are random, on every attention and MLP projection,
-and are loaded before the clock starts (one warm-up request each), so the numbers are the steady
-state. Per scenario: tokens/s over the whole run, and the median time of the decode steps that
-hold the full batch. Against the base model: the extra step time per scenario and, on CUDA, the
-time to read those adapters' weights once at the device-copy bandwidth measured in this run.
-PEFT: ``generate(adapter_names=...)`` on the same prompts, step time from two runs of different
-lengths. Writes JSON and a markdown table, both naming the device.
-
-On CUDA the engines replay CUDA graphs for decode steps (``--enforce-eager`` turns them off).
-``--quick``: rank 16 only, 32 generated tokens, no PEFT (a smoke run before the full one).
+(``ignore_eos``), all submitted at once (``max_num_seqs`` = the number of requests, so every decode
+step holds the whole batch). Per scenario: tokens/s over the whole run and the median time of the
+decode steps that hold the full batch. The floor of a decode step is the bytes it must read
+(weights, the active adapters, the KV in use at the median step) over the device-copy bandwidth
+measured in this run. Adapters are random, on all seven projections or on q/v only, put in the CPU
+tier and warmed into GPU slots before the clock starts. Also: prefill tokens/s (8 x 1024-token
+prompts), time to first token of one 128-token request (base, resident adapter, cold adapter from
+disk), the engine's start-up (load, profile + compile, graph capture; ``--startup`` measures a first
+and a second start in fresh processes), and how many 1k-token requests run at once at
+``max_model_len=32768`` (``--concurrency``). Writes JSON and a markdown table naming the device.
 """
 
 from __future__ import annotations
@@ -25,7 +24,9 @@ import gc
 import json
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -38,7 +39,8 @@ from loramux.engine.llm_engine import LLMEngine  # noqa: E402
 from loramux.engine.model_loader import load_model  # noqa: E402
 from loramux.registry import LoRAAdapter, LoRAModuleWeights  # noqa: E402
 
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QV = ("q_proj", "v_proj")
 
 
 def device_name(device: torch.device) -> str:
@@ -70,42 +72,72 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * src.nbytes / min(times)
 
 
-def random_adapter(model, name: str, rank: int, seed: int) -> LoRAAdapter:
-    """A random LoRA of ``rank`` on every projection, in the model's dtype and device."""
-    device = next(model.parameters()).device
+def projection_shapes(config) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection of a Llama-style config."""
+    c = config.get_text_config()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv, h, i = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim, c.hidden_size, c.intermediate_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+
+def random_adapter(config, name: str, rank: int, targets, seed: int, device, dtype) -> LoRAAdapter:
+    """A random LoRA of ``rank`` on ``targets`` of every layer."""
     generator = torch.Generator(device=device).manual_seed(seed)
+    shapes = projection_shapes(config)
     modules = {}
-    for module_name, module in model.named_modules():
-        if module_name.rsplit(".", 1)[-1] in PROJECTIONS and isinstance(module, torch.nn.Linear):
-            like = dict(device=device, dtype=module.weight.dtype, generator=generator)
-            a = torch.randn(rank, module.in_features, **like) / module.in_features**0.5
-            b = torch.randn(module.out_features, rank, **like) * 0.01
-            modules[module_name] = LoRAModuleWeights(a, b, 2.0)
-    return LoRAAdapter(name=name, path=Path("."), modules=modules, lora_alpha=2 * rank, target_modules=list(PROJECTIONS))
+    for layer in range(config.get_text_config().num_hidden_layers):
+        for proj in targets:
+            fan_in, fan_out = shapes[proj]
+            parent = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            like = dict(device=device, dtype=dtype, generator=generator)
+            a = torch.randn(rank, fan_in, **like) / fan_in**0.5
+            b = torch.randn(fan_out, rank, **like) * 0.01
+            modules[f"model.layers.{layer}.{parent}.{proj}"] = LoRAModuleWeights(a, b, 2.0)
+    return LoRAAdapter(name=name, path=Path("."), modules=modules, lora_alpha=2 * rank, target_modules=list(targets))
+
+
+def save_peft_files(adapter: LoRAAdapter, rank: int, directory: Path) -> Path:
+    """Write ``adapter`` as PEFT saves one (adapter_config.json + adapter_model.safetensors)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for module, w in adapter.modules.items():
+        tensors[f"base_model.model.{module}.lora_A.weight"] = w.lora_a.cpu().contiguous()
+        tensors[f"base_model.model.{module}.lora_B.weight"] = w.lora_b.cpu().contiguous()
+    save_file(tensors, directory / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": adapter.target_modules,
+              "task_type": "CAUSAL_LM"}
+    (directory / "adapter_config.json").write_text(json.dumps(config))
+    return directory
 
 
 class StepTimer:
     """Wraps the engine's model runner: wall time of every forward, and the batch it held."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.records: list[tuple[int, int, float]] = []  # (sequences, tokens, seconds)
+        self.records: list[tuple[int, int, float, int]] = []  # (sequences, tokens, seconds, kv tokens)
+        self.engine = engine
         run = engine.runner.run
 
         def timed(batch, slot_of):
+            kv_tokens = sum(seq.num_computed + n for seq, n in batch.chunks)
             t0 = time.perf_counter()
             out = run(batch, slot_of)  # returns after the sampled tokens reach the host
-            self.records.append((len(batch), batch.num_tokens, time.perf_counter() - t0))
+            self.records.append((len(batch), batch.num_tokens, time.perf_counter() - t0, kv_tokens))
             return out
 
         engine.runner.run = timed
 
+    def stop(self) -> None:
+        del self.engine.runner.run  # the class's method again
 
 def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
-    graph_steps = engine.runner.graph_steps
     timer = StepTimer(engine)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
-        engine.add_request(f"w{i}", {"prompt_token_ids": prompt}, params, lora)
+        engine.add_request(f"w{time.monotonic_ns()}-{i}", {"prompt_token_ids": prompt}, params, lora)
     sync(engine.setup.device)
     t0 = time.perf_counter()
     tokens = 0
@@ -114,20 +146,24 @@ def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
             if out.finished:
                 tokens += len(out.outputs[0].token_ids)
     elapsed = time.perf_counter() - t0
-    full = [t for seqs, n, t in timer.records if seqs == len(prompts) and n == len(prompts)]
-    return {
-        "requests": len(prompts),
-        "generated_tokens": tokens,
-        "seconds": elapsed,
-        "tokens_per_s": tokens / elapsed,
-        "decode_step_ms": 1e3 * statistics.median(full) if full else None,
-        "decode_steps_timed": len(full),
-        "graph_steps": engine.runner.graph_steps - graph_steps,
-    }
+    timer.stop()
+    full = sorted((t, kv) for seqs, n, t, kv in timer.records if seqs == len(prompts) and n == len(prompts))
+    median = full[len(full) // 2] if full else (None, None)
+    return {"requests": len(prompts), "generated_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+            "decode_step_ms": median[0] and 1e3 * median[0], "decode_kv_tokens": median[1], "decode_steps_timed": len(full)}
+
+
+def time_to_first_token(engine: LLMEngine, prompt, lora) -> float:
+    engine.add_request(f"ttft{time.monotonic_ns()}", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), lora)
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if any(out.outputs[0].token_ids for out in engine.step()):
+            break
+    return time.perf_counter() - t0
 
 
 def warm_up(engine: LLMEngine, loras, vocab: int) -> None:
-    """Compile kernels and put every adapter in the CPU tier (and a GPU slot) before timing."""
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     for i, lora in enumerate(dict.fromkeys(loras)):
         engine.add_request(f"warm{i}", {"prompt_token_ids": [1 + i % (vocab - 1)] * 4}, params, lora)
@@ -135,166 +171,230 @@ def warm_up(engine: LLMEngine, loras, vocab: int) -> None:
         engine.step()
 
 
-def lora_engine_runs(args, model, prompts, rank: int, record) -> None:
-    """Base, then 1 / 8 / 32 adapters through one LoRA engine; ``record(run, adapters_used)`` each."""
-    most = max(args.adapters)
-    # built from the model before the engine wraps its layers
-    adapters = [random_adapter(model, f"r{rank}-{i}", rank, seed=1000 * rank + i) for i in range(most)]
-    engine = LLMEngine(
-        model, enable_lora=True, max_loras=most, max_lora_rank=rank, max_cpu_loras=most,
-        max_num_seqs=len(prompts), max_model_len=args.prompt_len + args.output_len + 8,
-        max_num_batched_tokens=max(args.max_num_batched_tokens, len(prompts)), enforce_eager=args.enforce_eager,
-    )
-    engine.registry.cache.pin_memory = False  # they are built on the device already
-    for adapter in adapters:
-        engine.registry.cache.put(adapter.name, adapter)
-    requests = [LoRARequest(a.name, i + 1) for i, a in enumerate(adapters)]
-    warm_up(engine, [None] + requests, model.config.get_text_config().vocab_size)
-    for n in [0, *args.adapters]:
-        loras = [requests[i % n] if n else None for i in range(len(prompts))]
-        scenario = "base via LoRA engine" if n == 0 else f"{n} adapter{'s' if n > 1 else ''}"
-        run = {"scenario": scenario, "rank": rank, "adapters": n, **run_workload(engine, prompts, loras, args.output_len)}
-        record(run, adapters[:n])
-        print(f"  rank {rank}, {scenario}: {run['tokens_per_s']:.1f} tok/s, step {run['decode_step_ms']} ms", flush=True)
+def close(engine: LLMEngine) -> None:
     engine.close()
+    engine.kv_cache = engine.runner.kv = None
+    gc.collect()
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
-@torch.inference_mode()
-def peft_runs(args, model, prompts, rank: int, n: int, device) -> dict:
+def engine_options(args, **extra) -> dict:
+    options = dict(max_num_seqs=args.num_requests, max_model_len=args.prompt_len + args.output_len + 8,
+                   max_num_batched_tokens=max(args.max_num_batched_tokens, args.num_requests),
+                   enforce_eager=args.enforce_eager, compilation=not args.no_compile)
+    options.update(extra)
+    return options
+
+
+def base_runs(args, model, prompts, record, result) -> None:
+    vocab = model.config.get_text_config().vocab_size
+    t0 = time.perf_counter()
+    extra = dict(max_num_seqs=max(args.num_requests, 256), max_model_len=32768) if args.concurrency else {}
+    engine = LLMEngine(model, enable_lora=False, **engine_options(args, **extra))
+    result["startup"]["base_engine_init_s"] = time.perf_counter() - t0
+    result["num_gpu_blocks"] = engine.kv_cache.num_blocks
+    warm_up(engine, [None], vocab)
+    run_workload(engine, prompts, [None] * len(prompts), min(args.output_len, 16))  # first-use costs
+    record({"scenario": "base (LoRA disabled)", "rank": 0, "adapters": 0,
+            **run_workload(engine, prompts, [None] * len(prompts), args.output_len)}, [])
+    long = torch.randint(1, vocab, (8, 1024), generator=torch.Generator().manual_seed(1)).tolist()
+    t0 = time.perf_counter()
+    run_workload(engine, long, [None] * 8, 1)
+    result["prefill_tokens_per_s"] = 8 * 1024 / (time.perf_counter() - t0)
+    result["ttft_ms"] = {"base": 1e3 * time_to_first_token(engine, prompts[0], None)}
+    if args.concurrency:  # 1k-token requests at max_model_len=32768: how many run at once
+        reqs = torch.randint(1, vocab, (256, 1000), generator=torch.Generator().manual_seed(2)).tolist()
+        most = 0
+        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+        for i, p in enumerate(reqs):
+            engine.add_request(f"c{i}", {"prompt_token_ids": p}, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+            most = max(most, sum(1 for s in engine.scheduler.running if s.num_uncomputed <= 1))
+        result["concurrent_1k_requests_at_32k"] = most
+        result["kv_blocks_tokens"] = (engine.kv_cache.num_blocks - 1) * engine.kv_cache.block_size
+    close(engine)
+
+
+def lora_runs(args, model, prompts, rank: int, record, result) -> None:
+    """Base, then 1 / 8 / 32 adapters (all seven projections; q/v only at the first rank)."""
+    config, vocab = model.config, model.config.get_text_config().vocab_size
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    most = max(args.adapters)
+    sets = {"all 7": ALL_SEVEN} | ({"q/v": QV} if rank == args.ranks[0] else {})
+    adapters = {label: [random_adapter(config, f"r{rank}-{label}-{i}", rank, targets, 1000 * rank + i, device, dtype)
+                        for i in range(most)] for label, targets in sets.items()}
+    engine = LLMEngine(model, enable_lora=True, max_loras=most, max_lora_rank=rank,
+                       max_cpu_loras=most * len(sets) + 1, **engine_options(args))
+    engine.registry.cache.pin_memory = False  # they are built on the device already
+    requests = {}
+    for label, group in adapters.items():
+        requests[label] = []
+        for adapter in group:
+            engine.registry.cache.put(adapter.name, adapter)
+            requests[label].append(LoRARequest(adapter.name, len(engine.registry.cache.names())))
+    warm_up(engine, [None], vocab)
+    record({"scenario": "base via LoRA engine", "rank": rank, "adapters": 0,
+            **run_workload(engine, prompts, [None] * len(prompts), args.output_len)}, [])
+    for label, group in requests.items():
+        for n in args.adapters if label == "all 7" else (1, most):
+            loras = [group[i % n] for i in range(len(prompts))]
+            warm_up(engine, group[:n], vocab)  # into GPU slots before the clock starts
+            run = {"scenario": f"{n} adapter{'s' if n > 1 else ''} ({label})", "rank": rank, "adapters": n,
+                   **run_workload(engine, prompts, loras, args.output_len)}
+            record(run, adapters[label][:n])
+    if rank == args.ranks[0]:
+        result["ttft_ms"]["resident adapter"] = 1e3 * time_to_first_token(engine, prompts[1], requests["all 7"][0])
+        with tempfile.TemporaryDirectory() as tmp:
+            cold = random_adapter(config, "cold", rank, ALL_SEVEN, 7, "cpu", dtype)
+            path = save_peft_files(cold, rank, Path(tmp) / "cold")
+            result["cold_adapter_bytes"] = cold.nbytes
+            result["ttft_ms"]["cold adapter (disk)"] = 1e3 * time_to_first_token(
+                engine, prompts[2], LoRARequest("cold", 10_000, str(path)))
+    close(engine)
+
+
+def peft_run(args, model, prompts, rank: int, n: int, device) -> dict:
     """PEFT's mixed batch: ``generate(adapter_names=...)`` with ``n`` random adapters."""
     from peft import LoraConfig, get_peft_model
 
-    config = dict(r=rank, lora_alpha=2 * rank, target_modules=list(PROJECTIONS), init_lora_weights=False)
-    # adapters in the model dtype, as loramux keeps them (PEFT would upcast them to float32)
+    config = dict(r=rank, lora_alpha=2 * rank, target_modules=list(ALL_SEVEN), init_lora_weights=False)
     peft_model = get_peft_model(model, LoraConfig(**config), adapter_name="p0", autocast_adapter_dtype=False)
     for i in range(1, n):
         peft_model.add_adapter(f"p{i}", LoraConfig(**config))
     peft_model.to(device).eval()
     names = [f"p{i % n}" for i in range(len(prompts))]
     input_ids = torch.tensor(prompts, device=device)
-    mask = torch.ones_like(input_ids)
 
-    from transformers import StoppingCriteria, StoppingCriteriaList
-
-    class StepClock(StoppingCriteria):  # called once per generated token: timestamps the steps
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def __call__(self, input_ids, scores, **kwargs):
-            sync(device)
-            self.times.append(time.perf_counter())
-            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def generate(new_tokens: int) -> tuple[float, list[float]]:
-        clock = StepClock()
+    def generate(new_tokens: int) -> float:
         sync(device)
         t0 = time.perf_counter()
-        peft_model.generate(input_ids=input_ids, attention_mask=mask, adapter_names=names, do_sample=False,
-                            max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                            stopping_criteria=StoppingCriteriaList([clock]))
+        with torch.inference_mode():
+            peft_model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), adapter_names=names,
+                                do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens)
         sync(device)
-        steps = [b - a for a, b in zip(clock.times, clock.times[1:])]  # decode steps (the first is the prefill)
-        return time.perf_counter() - t0, steps
+        return time.perf_counter() - t0
 
     generate(2)  # warm-up
-    seconds, steps = generate(args.peft_tokens)
+    short, long = generate(2), generate(2 + args.peft_tokens)
+    step = (long - short) / args.peft_tokens
     return {"scenario": f"PEFT mixed batch, {n} adapters", "rank": rank, "adapters": n, "requests": len(prompts),
-            "generated_tokens": len(prompts) * args.peft_tokens, "seconds": seconds,
-            "tokens_per_s": len(prompts) * args.peft_tokens / seconds,
-            "decode_step_ms": 1e3 * statistics.median(steps), "decode_steps_timed": len(steps)}
+            "generated_tokens": len(prompts) * args.peft_tokens, "seconds": long,
+            "tokens_per_s": len(prompts) / step, "decode_step_ms": 1e3 * step}
+
+
+def startup(args) -> dict:
+    """A first and a second start of an engine, each in a fresh process (the compile cache on disk)."""
+    script = (
+        "import time, torch, sys; sys.path.insert(0, '.'); t0 = time.perf_counter();"
+        "from loramux.engine.model_loader import load_model; from loramux.engine.llm_engine import LLMEngine;"
+        f"m = load_model({args.model!r}, dtype={args.dtype!r}, device='cuda', load_format={args.load_format!r})[0];"
+        "torch.cuda.synchronize(); t1 = time.perf_counter();"
+        f"e = LLMEngine(m, enable_lora=True, max_loras=8, max_lora_rank=16, max_num_seqs={args.num_requests});"
+        "torch.cuda.synchronize(); t2 = time.perf_counter(); print('STARTUP', t1 - t0, t2 - t1)"
+    )
+    times = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("STARTUP")), None)
+        if line is None:
+            return {"error": out.stderr[-2000:]}
+        load, init = map(float, line.split()[1:])
+        times.append({"load_s": load, "engine_init_s": init, "total_s": load + init})
+    return {"first": times[0], "second": times[1]}
 
 
 def main() -> None:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="llama-3.1-8b" if cuda else None, help="default: 8B dummy on CUDA, the embedded model on CPU")
+    parser.add_argument("--model", default="llama-3.1-8b" if cuda else None)
     parser.add_argument("--load-format", default="dummy" if cuda else "auto")
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     parser.add_argument("--num-requests", type=int, default=64 if cuda else 16)
     parser.add_argument("--prompt-len", type=int, default=128 if cuda else 32)
     parser.add_argument("--output-len", type=int, default=128 if cuda else 16)
-    parser.add_argument("--adapters", default="1,8,32", help="distinct adapters per scenario")
+    parser.add_argument("--adapters", default="1,8,32")
     parser.add_argument("--ranks", default="16,64")
-    parser.add_argument("--peft-adapters", type=int, default=32)
-    parser.add_argument("--peft-tokens", type=int, default=16 if cuda else 6)
+    parser.add_argument("--peft-adapters", type=int, default=32 if cuda else 0)
+    parser.add_argument("--peft-tokens", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192 if cuda else 1024)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    parser.add_argument("--quick", action="store_true", help="rank 16 only, 32 generated tokens, no PEFT")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile")
+    parser.add_argument("--concurrency", action="store_true", help="1k-token requests at max_model_len=32768")
+    parser.add_argument("--startup", action="store_true", help="first and second start in fresh processes")
+    parser.add_argument("--only", choices=["base", "lora", "all"], default="all")
     parser.add_argument("--json", type=Path, default=Path("throughput.json"))
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
-    if args.quick:
-        args.ranks, args.output_len, args.peft_adapters = "16", min(args.output_len, 32), 0
     args.adapters = [int(x) for x in args.adapters.split(",")]
-    ranks = [int(x) for x in args.ranks.split(",")]
+    args.ranks = [int(x) for x in args.ranks.split(",")]
     device = torch.device("cuda" if cuda else "cpu")
-
-    def fresh_model():
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
-        return load_model(args.model, dtype=args.dtype, device=device, load_format=args.load_format)[0]
-
-    model = fresh_model()
-    vocab = model.config.get_text_config().vocab_size
-    generator = torch.Generator().manual_seed(0)
-    prompts = torch.randint(1, vocab, (args.num_requests, args.prompt_len), generator=generator).tolist()
-    result = {
-        "device": device_name(device), "model": args.model or "SmolLM2-135M-Instruct (embedded)",
-        "load_format": args.load_format, "dtype": args.dtype, "torch": torch.__version__,
-        "num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
-        "cuda_graphs": cuda and not args.enforce_eager,
-        "copy_bandwidth_GBps": None, "model_bytes": sum(p.nbytes for p in model.parameters()), "runs": [],
-    }
+    t0 = time.perf_counter()
+    model = load_model(args.model, dtype=args.dtype, device=device, load_format=args.load_format)[0]
+    sync(device)
     bandwidth = copy_bandwidth(device)
-    result["copy_bandwidth_GBps"] = bandwidth and bandwidth / 1e9
-    print(f"{result['device']}: {result['model']} ({args.dtype})", flush=True)
-
-    base = LLMEngine(model, enable_lora=False, max_num_seqs=args.num_requests,
-                     max_model_len=args.prompt_len + args.output_len + 8,
-                     max_num_batched_tokens=max(args.max_num_batched_tokens, args.num_requests),
-                     enforce_eager=args.enforce_eager)
-    warm_up(base, [None], vocab)
-    if cuda:  # one untimed pass: first-use costs (kernel selection per shape, allocator growth)
-        run_workload(base, prompts, [None] * len(prompts), args.output_len)
-    base_run = {"scenario": "base (LoRA disabled)", "rank": 0, "adapters": 0,
-                **run_workload(base, prompts, [None] * len(prompts), args.output_len)}
-    result["runs"].append(base_run)
-    save(args, result)
-    print(f"  base: {base_run['tokens_per_s']:.1f} tok/s, step {base_run['decode_step_ms']} ms", flush=True)
-    base.close()
-    del base
+    result = {"device": device_name(device), "model": args.model or "SmolLM2-135M-Instruct (embedded)",
+              "dtype": args.dtype, "torch": torch.__version__, "num_requests": args.num_requests,
+              "prompt_len": args.prompt_len, "output_len": args.output_len,
+              "mode": "eager" if args.enforce_eager or not cuda else ("graphs" if args.no_compile else "compiled + graphs"),
+              "copy_bandwidth_GBps": bandwidth and bandwidth / 1e9, "model_bytes": sum(p.nbytes for p in model.parameters()),
+              "startup": {"load_s": time.perf_counter() - t0}, "ttft_ms": {}, "runs": []}
+    layers, kv_heads, head_dim = _geometry(model)
+    kv_bytes_per_token = 2 * layers * kv_heads * head_dim * model.dtype.itemsize
+    print(f"{result['device']}: {result['model']} ({args.dtype}), {result['mode']}", flush=True)
 
     def record(run: dict, used: list[LoRAAdapter]) -> None:
         run["adapter_bytes"] = sum(a.nbytes for a in used)
-        if base_run["decode_step_ms"] and run["decode_step_ms"]:
-            run["extra_step_ms"] = run["decode_step_ms"] - base_run["decode_step_ms"]
-            run["step_vs_base"] = run["decode_step_ms"] / base_run["decode_step_ms"]
-        if bandwidth and used and "extra_step_ms" in run:
-            run["adapter_read_ms"] = 1e3 * run["adapter_bytes"] / bandwidth
-            run["extra_vs_read"] = run["extra_step_ms"] / run["adapter_read_ms"]
+        if bandwidth and run.get("decode_step_ms"):
+            floor_bytes = result["model_bytes"] + run["adapter_bytes"] + run["decode_kv_tokens"] * kv_bytes_per_token
+            run["floor_ms"] = 1e3 * floor_bytes / bandwidth
+            run["vs_floor"] = run["decode_step_ms"] / run["floor_ms"]
+        base = result["runs"][0] if result["runs"] else None  # LoRA disabled
+        if base and base.get("decode_step_ms") and run.get("decode_step_ms"):
+            run["step_vs_base"] = run["decode_step_ms"] / base["decode_step_ms"]
+            run["tokens_vs_base"] = run["tokens_per_s"] / base["tokens_per_s"]
         result["runs"].append(run)
+        print(f"  {run['scenario']} (rank {run['rank']}): {run['tokens_per_s']:.1f} tok/s, step "
+              f"{run.get('decode_step_ms') or 0:.2f} ms, x{run.get('vs_floor', 0):.2f} floor", flush=True)
         save(args, result)
 
-    # PEFT right after the first rank, so a failure in a later stage keeps its comparison
-    stages = ranks[:1] + (["peft"] if args.peft_adapters else []) + ranks[1:]
-    for index, stage in enumerate(stages):
-        if index:
-            del model
-            model = fresh_model()
-        if stage == "peft":
-            peft = peft_runs(args, model, prompts, ranks[0], args.peft_adapters, device)
-            ours = next((r for r in result["runs"] if r["rank"] == ranks[0] and r["adapters"] == args.peft_adapters), None)
-            if ours:
-                peft["loramux_speedup_step"] = peft["decode_step_ms"] / ours["decode_step_ms"]
-                peft["loramux_speedup_tokens_per_s"] = ours["tokens_per_s"] / peft["tokens_per_s"]
-            result["runs"].append(peft)
-            save(args, result)
-            print(f"  PEFT: {peft['tokens_per_s']:.1f} tok/s, step {peft['decode_step_ms']:.1f} ms", flush=True)
-            continue
-
-        lora_engine_runs(args, model, prompts, stage, record)
+    prompts = _prompts(model, args)
+    if args.only in ("base", "all"):
+        base_runs(args, model, prompts, record, result)
+    if args.only in ("lora", "all"):
+        for index, rank in enumerate(args.ranks):
+            if index or args.only == "all":  # a fresh, unwrapped model for each LoRA engine
+                del model
+                gc.collect()
+                model = load_model(args.model, dtype=args.dtype, device=device, load_format=args.load_format)[0]
+            lora_runs(args, model, prompts, rank, record, result)
+    if args.peft_adapters:
+        del model
+        gc.collect()
+        model = load_model(args.model, dtype=args.dtype, device=device, load_format=args.load_format)[0]
+        peft = peft_run(args, model, prompts, args.ranks[0], args.peft_adapters, device)
+        ours = next((r for r in result["runs"] if r["rank"] == args.ranks[0] and r["adapters"] == args.peft_adapters), None)
+        if ours:
+            peft["loramux_speedup_step"] = peft["decode_step_ms"] / ours["decode_step_ms"]
+        result["runs"].append(peft)
+        save(args, result)
+    if args.startup and cuda:
+        del model
+        gc.collect()
+        torch.cuda.empty_cache()
+        result["startup"]["fresh_processes"] = startup(args)
     print(save(args, result))
+
+
+def _prompts(model, args) -> list[list[int]]:
+    vocab = model.config.get_text_config().vocab_size
+    return torch.randint(1, vocab, (args.num_requests, args.prompt_len), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def _geometry(model) -> tuple[int, int, int]:
+    from loramux.engine.kv_cache import kv_cache_geometry
+
+    return kv_cache_geometry(model.config)
 
 
 def save(args, result: dict) -> str:
@@ -308,27 +408,28 @@ def save(args, result: dict) -> str:
 
 def markdown(result: dict) -> str:
     bw = result["copy_bandwidth_GBps"]
+    fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
     lines = [
-        f"**{result['device']}**, {result['model']} ({result['dtype']}, torch {result['torch']}); "
-        f"{result['num_requests']} requests x ({result['prompt_len']} prompt + {result['output_len']} generated) tokens"
-        + ("; decode steps in CUDA graphs" if result.get("cuda_graphs") else "; eager")
-        + (f"; measured copy bandwidth {bw:.0f} GB/s" if bw else ""),
+        f"**{result['device']}**, {result['model']} ({result['dtype']}, torch {result['torch']}), {result['mode']}; "
+        f"{result['num_requests']} requests x ({result['prompt_len']} prompt + {result['output_len']} generated) "
+        f"tokens" + (f"; measured copy bandwidth {bw:.0f} GB/s" if bw else ""),
         "",
-        "| scenario | rank | tokens/s | decode step (ms) | vs base | extra (ms) | adapters' read time (ms) | extra / read |",
+        "| scenario | rank | tokens/s | vs base | decode step (ms) | vs base | floor (ms) | step / floor |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    fmt = lambda v, f="{:.2f}": "" if v is None else f.format(v)  # noqa: E731
     for r in result["runs"]:
         lines.append(
-            f"| {r['scenario']} | {r['rank'] or ''} | {r['tokens_per_s']:.1f} | {fmt(r['decode_step_ms'])} | "
-            f"{fmt(r.get('step_vs_base'), '{:.3f}x')} | {fmt(r.get('extra_step_ms'))} | "
-            f"{fmt(r.get('adapter_read_ms'))} | {fmt(r.get('extra_vs_read'))} |"
+            f"| {r['scenario']} | {r['rank'] or ''} | {r['tokens_per_s']:.1f} | {fmt(r.get('tokens_vs_base'), '{:.3f}x')} | "
+            f"{fmt(r.get('decode_step_ms'))} | {fmt(r.get('step_vs_base'), '{:.3f}x')} | {fmt(r.get('floor_ms'))} | "
+            f"{fmt(r.get('vs_floor'), '{:.2f}x')} |"
         )
+    extras = {k: result.get(k) for k in ("prefill_tokens_per_s", "ttft_ms", "startup", "num_gpu_blocks",
+                                        "concurrent_1k_requests_at_32k", "kv_blocks_tokens", "cold_adapter_bytes")}
+    lines += ["", "```", json.dumps({k: v for k, v in extras.items() if v is not None}, indent=1), "```"]
     peft = next((r for r in result["runs"] if r["scenario"].startswith("PEFT")), None)
     if peft and "loramux_speedup_step" in peft:
         lines += ["", f"loramux vs PEFT's mixed batch at {peft['adapters']} adapters (rank {peft['rank']}): "
-                  f"{peft['loramux_speedup_step']:.1f}x faster per decode step, "
-                  f"{peft['loramux_speedup_tokens_per_s']:.1f}x the tokens/s."]
+                  f"{peft['loramux_speedup_step']:.1f}x faster per decode step."]
     return "\n".join(lines) + "\n"
 
 

@@ -59,12 +59,12 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters):
     for eager in (True, False):
         llm = LLM(tiny_llama().cuda(), max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64,
                   max_num_batched_tokens=16, enforce_eager=eager)
-        runs[eager] = _greedy(llm, prompts, requests)
         runner = llm.llm_engine.runner
-        assert runner.use_graphs is not eager
-        if not eager:
-            assert runner.graph_steps > 10 and runner.num_graphs >= 2
-            assert any(key[3] > 0 for key in runner._graphs)  # (B, R, L, A): graphs with adapters
+        captured = runner.num_graphs
+        runs[eager] = _greedy(llm, prompts, requests)
+        assert runner.use_graphs is not eager and runner.compiled is not eager
+        if not eager:  # (1, 2, 4) x (base, LoRA), all captured at start, none while serving
+            assert captured == 6 and runner.num_graphs == captured and runner.graph_steps > 10
     assert runs[False] == runs[True]
     for name, prompt, tokens in zip(names, prompts, runs[False]):
         path = None if name is None else engine_adapters[name]
@@ -82,10 +82,51 @@ def test_decode_graphs_bf16_base_and_lora_match_eager(engine_adapters):
                   max_model_len=48, enforce_eager=eager)
         runs[eager] = (_greedy(llm, prompts, None, 20), _greedy(llm, prompts, request, 20))
         if not eager:
-            assert llm.llm_engine.runner.graph_steps >= 30
+            assert llm.llm_engine.runner.graph_steps >= 30 and llm.llm_engine.runner.num_graphs == 2 * 6
     # bf16: the graph's LoRA launch shapes (sized for the worst case) sum in another order, which
     # may flip a near-tie late in a sequence; the float32 test above asserts exact equality
     for graph, eager in zip(runs[False], runs[True]):
         same = [g == e for g, e in zip(graph, eager)]
         assert all(g[:4] == e[:4] for g, e in zip(graph, eager))
         assert sum(same) >= 0.9 * len(same), same
+
+
+def test_churn_with_graphs_loads_running_and_new_shapes_equals_eager(make_adapter):
+    """Issue 10's crash: many more adapters than CPU tier and slots, loads on background threads
+    (pinning host memory) while new batch shapes appear. Every request completes, with the eager
+    engine's tokens, and no graph is captured after start."""
+    import random
+
+    adapters = {f"c{i}": make_adapter(f"c{i}", seed=200 + i) for i in range(24)}
+    rng = random.Random(5)
+    trace = []
+    for i in range(60):
+        name = rng.choice([None, *adapters]) if i % 5 else None
+        lora = None if name is None else LoRARequest(name, int(name[1:]) + 1, str(adapters[name]))
+        trace.append((f"r{i}", [rng.randrange(3, 128) for _ in range(rng.randint(2, 30))], lora, rng.randint(0, 3)))
+    runs = {}
+    for eager in (True, False):
+        engine = LLM(tiny_llama().cuda(), max_loras=4, max_lora_rank=8, max_cpu_loras=6, max_num_seqs=12,
+                     max_model_len=64, enforce_eager=eager, compilation=False).llm_engine
+        captured = engine.runner.num_graphs
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        pending, finished = list(trace), {}
+        for _ in range(5000):
+            if pending:  # 0-3 arrivals per step: batch sizes keep changing while loads run
+                for _ in range(pending[0][3]):
+                    if pending:
+                        request_id, prompt, lora, _ = pending.pop(0)
+                        engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora)
+                if pending and pending[0][3] == 0:
+                    request_id, prompt, lora, _ = pending.pop(0)
+                    engine.add_request(request_id, {"prompt_token_ids": prompt}, params, lora)
+            for out in engine.step():
+                if out.finished:
+                    assert out.error is None, out.error
+                    finished[out.request_id] = out.outputs[0].token_ids
+            if not pending and not engine.has_unfinished_requests():
+                break
+        assert len(finished) == len(trace)
+        assert engine.runner.num_graphs == captured
+        runs[eager] = finished
+    assert runs[False] == runs[True]
