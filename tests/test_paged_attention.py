@@ -411,6 +411,31 @@ def _gpu_cases():
 @pytest.mark.gpu
 @needs_cuda
 class TestGPU:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+    def test_small_cases_every_dtype_and_config(self, dtype):
+        """The interpreter's matrix on the GPU, bfloat16 included (the interpreter gets it wrong)."""
+        from loramux.kernels.paged_attention import paged_attention_triton
+
+        for case in CASES:
+            batch = make_batch(case, dtype, "cuda", seed=len(case.name) + 1)
+            want = reference_of(batch, case, case.D**-0.5)
+            for config in (None, split_config(case), wide_config(case)):
+                out = paged_attention_triton(*batch.args(), scale=case.D**-0.5, sliding_window=case.sliding_window,
+                                             softcap=case.softcap, config=config)
+                err = rel_err(out, want)
+                assert err < TOL[dtype], f"{case} {config}: rel err {err:.2e}"
+
+    def test_write_kv_on_gpu(self):
+        k_cache = torch.randn(6, 16, 8, 128, device="cuda", dtype=torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        k_want, v_want = k_cache.clone(), v_cache.clone()
+        slots = torch.tensor([95, -1, 0, 17, 16, -1], device="cuda")
+        key = torch.randn(6, 8, 128, device="cuda", dtype=torch.bfloat16)
+        value = torch.randn_like(key)
+        write_kv(key, value, k_cache, v_cache, slots.to(torch.int32))
+        attention_reference.write_kv_ref(key, value, k_want, v_want, slots)
+        assert torch.equal(k_cache, k_want) and torch.equal(v_cache, v_want)
+
     @pytest.mark.parametrize("case", _gpu_cases(), ids=str)
     def test_bf16_matches_reference(self, case, monkeypatch):
         monkeypatch.delenv("LORAMUX_KERNELS", raising=False)  # default dispatch must pick Triton
@@ -428,7 +453,7 @@ class TestGPU:
         torch.cuda.set_sync_debug_mode("error")
         try:
             paged_attention(*batch.args(), scale=0.1)
-            write_kv(batch.q[:, :8], batch.q[:, 8:16], batch.k_cache, batch.v_cache,
+            write_kv(batch.q[:, : case.Hkv], batch.q[:, case.Hkv : 2 * case.Hkv], batch.k_cache, batch.v_cache,
                      torch.arange(batch.q.shape[0], device="cuda"))
         finally:
             torch.cuda.set_sync_debug_mode("default")
