@@ -61,10 +61,7 @@ def copy_bandwidth(device) -> float:
     a = torch.empty(512 * 2**20, dtype=torch.bfloat16, device=device).normal_()
     b = torch.empty_like(a)
     us = bench(lambda: b.copy_(a), device)
-    gbps = 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e9
-    del a, b
-    torch.cuda.empty_cache()
-    return gbps
+    return 2 * a.numel() * a.element_size() / (us * 1e-6) / 1e9  # a and b are freed on return
 
 
 def make_case(B, ctx, n_q, shapes, dtype, device, seed=0):
@@ -237,6 +234,8 @@ def main(argv=None):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float16
     shapes = (SMOKE["H"], SMOKE["HKV"], SMOKE["D"], SMOKE["BLOCK"]) if smoke else (H, HKV, D, BLOCK)
     copy_gbps = copy_bandwidth(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     meta = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (Triton interpreter)",
                 torch=torch.__version__, triton=triton.__version__, dtype=str(dtype), copy_GBps=copy_gbps,
                 H=shapes[0], HKV=shapes[1], D=shapes[2], BLOCK=shapes[3])
