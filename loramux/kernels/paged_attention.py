@@ -23,7 +23,8 @@ Algorithm (one kernel, FlashAttention-2 style online softmax in float32)
     sequence from one vector load of qsl (count of block starts <= its index) and returns at once
     if its block holds no query. It then walks BLOCK_N-key tiles from the window's first key to
     its last query's position, each key's block looked up in the block table (any block size /
-    tile size ratio), masking the causal diagonal, the window and the sequence end.
+    tile size ratio). Tiles whose keys every query of the block sees run without score masks;
+    the rest (the causal diagonal, the sequence end, any sliding window) run masked.
 
     Split-KV (flash-decoding): when the grid is too small to fill the GPU (few long sequences),
     num_splits > 1 programs share a query block's key range (each at least MIN_KEYS_PER_SPLIT
