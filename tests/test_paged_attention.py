@@ -146,6 +146,7 @@ CASES = [
     Case("window", ((30, 1), (26, 7), (4, 4)), sliding_window=5),
     Case("softcap", ((14, 1), (11, 6)), softcap=1.5),
     Case("window-softcap-gqa3", ((19, 1), (21, 5)), H=6, Hkv=2, sliding_window=9, softcap=3.0),
+    Case("d256-softcap", ((10, 1), (7, 3)), H=2, Hkv=1, D=256, softcap=2.0),  # Gemma-2's head dim
 ]
 
 
@@ -169,7 +170,12 @@ def test_reference_is_the_cpu_path_and_zeroes_padding(monkeypatch):
     monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
     case = CASES[1]
     batch = make_batch(case, torch.float32, seed=3)
-    out = paged_attention(*batch.args(), scale=0.25)
+    T = batch.q.shape[0]
+    q = torch.cat([batch.q, torch.randn(2, case.H, case.D)])  # 2 trailing rows no sequence owns
+    out = torch.full_like(q, float("nan"))
+    assert paged_attention(q, *batch.args()[1:], scale=0.25, out=out) is out
+    assert torch.isnan(out[T:]).all()
+    out = out[:T]
     assert rel_err(out, dense_attention(batch, 0.25)) < 1e-6
     pad = [b for b, (L, _) in enumerate(case.seqs) if L == 0]
     qsl = batch.query_start_loc.tolist()
@@ -254,6 +260,20 @@ def test_triton_dispatch_and_strided_query(monkeypatch):
     qkv[:, : case.H] = batch.q
     out = paged_attention(qkv[:, : case.H], *batch.args()[1:], scale=0.2)
     assert rel_err(out, reference_of(batch, case, 0.2)) < 1e-2
+
+
+@needs_interpreter
+def test_triton_int64_metadata_and_head_dim_limit():
+    from loramux.kernels.paged_attention import paged_attention_triton
+
+    case = Case("int64", ((11, 1), (9, 3)))
+    batch = make_batch(case, torch.float32, seed=6)
+    q, kc, vc, bt, sl, qsl = batch.args()
+    out = paged_attention_triton(q, kc, vc, bt.long(), sl.long(), qsl.long(), scale=0.25)
+    assert rel_err(out, reference_of(batch, case, 0.25)) < 1e-5
+    big = torch.zeros(2, 8, 1, 272)
+    with pytest.raises(ValueError, match="head_dim 272"):
+        paged_attention_triton(torch.zeros(4, 1, 272), big, big, bt, sl, qsl, scale=0.25)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,6 +425,8 @@ def _gpu_cases():
         llama_case("mixed", [(L, 1) for L in ctx[:48]] + [(512, 512), (1500, 300), (0, 1), (2048, 64)]),
         llama_case("split-kv-b2", [(8192, 1), (5000, 1)]),
         llama_case("window-softcap", [(L, 1) for L in ctx[:16]] + [(900, 200)], sliding_window=256, softcap=50.0),
+        Case("gemma2-d256", tuple((L, 1) for L in ctx[:32]) + ((700, 120),), H=16, Hkv=8, D=256, block_size=16,
+             sliding_window=512, softcap=50.0),
     ]
 
 
