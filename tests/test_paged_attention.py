@@ -195,14 +195,14 @@ def test_reference_rejects_a_table_too_short_for_seq_len():
 
 
 def split_config(case: Case):
-    from loramux.kernels.paged_attention import AttentionConfig
+    from loramux.kernels.attention import AttentionConfig
 
     # three programs per query block, 16 keys each at least: the merge path on tiny sequences
     return AttentionConfig(max(16, case.H // case.Hkv), 16, 3, 4, 2, split_min_keys=16)
 
 
 def wide_config(case: Case):
-    from loramux.kernels.paged_attention import AttentionConfig
+    from loramux.kernels.attention import AttentionConfig
 
     return AttentionConfig(64, 32, 1, 4, 2)  # prefill-style: many queries per program
 
@@ -211,7 +211,7 @@ def wide_config(case: Case):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_triton_interpreter_matches_reference(case, dtype):
-    from loramux.kernels.paged_attention import paged_attention_triton
+    from loramux.kernels.attention import paged_attention_triton
 
     batch = make_batch(case, dtype, seed=len(case.name) + 1)
     scale = case.D**-0.5
@@ -230,7 +230,7 @@ def test_triton_interpreter_matches_reference(case, dtype):
 def test_triton_out_argument_and_padding_rows(split):
     """out= is written in place and returned; padding sequences (seq_len 0) get exact zeros; rows
     past query_start_loc[B] are not written."""
-    from loramux.kernels.paged_attention import paged_attention_triton
+    from loramux.kernels.attention import paged_attention_triton
 
     case = CASES[1]
     batch = make_batch(case, torch.float32, seed=9)
@@ -263,8 +263,34 @@ def test_triton_dispatch_and_strided_query(monkeypatch):
 
 
 @needs_interpreter
+def test_triton_launch_depends_on_shapes_only(monkeypatch):
+    """Two batches with the same shapes but different lengths, query splits and tables launch the
+    same grid with the same arguments except the tensors' data (CUDA-graph replay relies on it)."""
+    from loramux.kernels import attention as pa
+
+    launches = []
+    real = pa._paged_attention_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launches.append((grid, [a for a in args if not isinstance(a, torch.Tensor)], kwargs))
+                return real[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(pa, "_paged_attention_kernel", Recorder())
+    a = make_batch(Case("a", ((9, 1), (20, 6), (3, 3))), seed=1)
+    b = make_batch(Case("b", ((30, 5), (1, 1), (0, 4))), seed=2)
+    b.k_cache, b.v_cache = a.k_cache, a.v_cache  # same cache tensors, other tables
+    b.block_tables = b.block_tables[:, : a.block_tables.shape[1]] % a.k_cache.shape[0]
+    for batch in (a, b):
+        pa.paged_attention_triton(*batch.args(), scale=0.3)
+    assert len(launches) == 2 and launches[0] == launches[1]
+
+
+@needs_interpreter
 def test_triton_int64_metadata_and_head_dim_limit():
-    from loramux.kernels.paged_attention import paged_attention_triton
+    from loramux.kernels.attention import paged_attention_triton
 
     case = Case("int64", ((11, 1), (9, 3)))
     batch = make_batch(case, torch.float32, seed=6)
@@ -274,6 +300,18 @@ def test_triton_int64_metadata_and_head_dim_limit():
     big = torch.zeros(2, 8, 1, 272)
     with pytest.raises(ValueError, match="head_dim 272"):
         paged_attention_triton(torch.zeros(4, 1, 272), big, big, bt, sl, qsl, scale=0.25)
+
+
+def test_importing_the_kernel_module_keeps_the_public_functions():
+    """A submodule named like a function of the package would replace it on first import."""
+    import importlib
+
+    import loramux.kernels as kernels
+
+    importlib.import_module("loramux.kernels.attention")
+    importlib.import_module("loramux.kernels.attention_reference")
+    assert kernels.paged_attention is paged_attention and callable(kernels.paged_attention)
+    assert kernels.write_kv is write_kv and callable(kernels.write_kv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,7 +474,7 @@ class TestGPU:
     @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
     def test_small_cases_every_dtype_and_config(self, dtype):
         """The interpreter's matrix on the GPU, bfloat16 included (the interpreter gets it wrong)."""
-        from loramux.kernels.paged_attention import paged_attention_triton
+        from loramux.kernels.attention import paged_attention_triton
 
         for case in CASES:
             batch = make_batch(case, dtype, "cuda", seed=len(case.name) + 1)
