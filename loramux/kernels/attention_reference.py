@@ -1,6 +1,6 @@
 """Pure-torch paged attention and KV write: the CPU engine path and the oracle of the Triton kernels.
 
-Same contract as `loramux.kernels.paged_attention` / `write_kv` (see paged_attention.py for the
+Same contract as `loramux.kernels.paged_attention` / `write_kv` (see attention.py for the
 cache layout). One SDPA call per sequence: its keys are gathered through its block table, and the
 G = H / Hkv query heads of a kv head are stacked along the query axis ([Hkv, G*n, D]), so K/V are
 never repeated. Scores and softmax in float32 (float64 for float64 input, the tests' oracle);

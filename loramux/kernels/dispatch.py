@@ -90,7 +90,7 @@ def write_kv(
     written). No host sync on the Triton path.
     """
     if _use_triton(key):
-        from .paged_attention import write_kv_triton
+        from .attention import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
         return
@@ -123,7 +123,7 @@ def paged_attention(
     can be captured in a CUDA graph.
     """
     if _use_triton(q):
-        from .paged_attention import paged_attention_triton
+        from .attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale=scale,
                                       sliding_window=sliding_window, softcap=softcap, out=out)

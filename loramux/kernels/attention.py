@@ -23,7 +23,8 @@ Algorithm (one kernel, FlashAttention-2 style online softmax in float32)
     sequence from one vector load of qsl (count of block starts <= its index) and returns at once
     if its block holds no query. It then walks BLOCK_N-key tiles from the window's first key to
     its last query's position, each key's block looked up in the block table (any block size /
-    tile size ratio), masking the causal diagonal, the window and the sequence end.
+    tile size ratio). Tiles whose keys every query of the block sees run without score masks;
+    the rest (the causal diagonal, the sequence end, any sliding window) run masked.
 
     Split-KV (flash-decoding): when the grid is too small to fill the GPU (few long sequences),
     num_splits > 1 programs share a query block's key range (each at least MIN_KEYS_PER_SPLIT
@@ -110,6 +111,51 @@ def _tanh(x):
     return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
 
 
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, tile_lo, tile_hi, table_row, k_ptr, v_ptr, kv_end, max_blocks, num_blocks,
+    q_pos, row_valid, offs_d, d_mask, score_scale, softcap_log2, window,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_tn,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+    USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Online softmax over key tiles [tile_lo, tile_hi) (k_ptr/v_ptr already at the kv head).
+    MASKED: apply the causal, window and row masks (else every key is visible to every row)."""
+    for tile in range(tile_lo, tile_hi):
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        block_idx = offs_n // BLOCK_SIZE
+        key_in = offs_n < kv_end
+        blk = tl.load(table_row + block_idx * stride_tn, mask=key_in & (block_idx < max_blocks), other=0)
+        key_in = key_in & (blk >= 0) & (blk < num_blocks)  # a bad block id is never read
+        blk = blk.to(tl.int64)
+        in_block = offs_n % BLOCK_SIZE
+        k = tl.load(k_ptr + (blk * stride_kb + in_block * stride_ks)[None, :] + offs_d[:, None] * stride_kd,
+                    mask=key_in[None, :] & d_mask[:, None], other=0.0)  # [D, BN]
+        s = tl.dot(q, k, input_precision=PRECISION)  # [BM, BN] float32
+        if USE_SOFTCAP:
+            s = _tanh(s * score_scale) * softcap_log2
+        else:
+            s = s * score_scale  # scores in log2 units from here on
+        if MASKED:
+            visible = row_valid[:, None] & key_in[None, :] & (offs_n[None, :] <= q_pos[:, None])
+            if USE_WINDOW:
+                visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = m_new
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + (blk * stride_vb + in_block * stride_vs)[:, None] + offs_d[None, :] * stride_vd,
+                    mask=key_in[:, None] & d_mask[None, :], other=0.0)  # [BN, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["num_seqs", "max_blocks", "num_blocks", "window"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
@@ -173,34 +219,20 @@ def _paged_attention_kernel(
     table_row = tables_ptr + b.to(tl.int64) * stride_tb
     kv_off = kv_head.to(tl.int64) * stride_kh
     vv_off = kv_head.to(tl.int64) * stride_vh
-    for tile in range(tile_begin, tile_end):
-        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        block_idx = offs_n // BLOCK_SIZE
-        key_in = offs_n < kv_end
-        blk = tl.load(table_row + block_idx * stride_tn, mask=key_in & (block_idx < max_blocks), other=0)
-        key_in = key_in & (blk >= 0) & (blk < num_blocks)  # a bad block id is never read
-        blk = blk.to(tl.int64)
-        in_block = offs_n % BLOCK_SIZE
-        k = tl.load(k_ptr + (blk * stride_kb + in_block * stride_ks + kv_off)[None, :] + offs_d[:, None] * stride_kd,
-                    mask=key_in[None, :] & d_mask[:, None], other=0.0)  # [D, BN]
-        s = tl.dot(q, k, input_precision=PRECISION)  # [BM, BN] float32
-        if USE_SOFTCAP:
-            s = _tanh(s * score_scale) * softcap_log2
-        else:
-            s = s * score_scale
-        visible = row_valid[:, None] & key_in[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if USE_WINDOW:
-            visible = visible & (q_pos[:, None] - offs_n[None, :] < window)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no NaN
-        p = tl.exp2(s - m_safe[:, None])  # scores are in log2 units
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + (blk * stride_vb + in_block * stride_vs + vv_off)[:, None] + offs_d[None, :] * stride_vd,
-                    mask=key_in[:, None] & d_mask[None, :], other=0.0)  # [BN, D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    # tiles below full_end hold only keys every query of the block sees: no score masks there
+    full_end = tile_begin
+    if not USE_WINDOW:
+        full_end = tl.minimum(tl.maximum(context + q_lo + 1, 0) // BLOCK_N, tile_end)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, tile_begin, full_end, table_row, k_ptr + kv_off, v_ptr + vv_off, kv_end, max_blocks,
+        num_blocks, q_pos, row_valid, offs_d, d_mask, score_scale, softcap_log2, window,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_tn,
+        BLOCK_SIZE, BLOCK_N, False, USE_WINDOW, USE_SOFTCAP, PRECISION)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, tl.maximum(full_end, tile_begin), tile_end, table_row, k_ptr + kv_off, v_ptr + vv_off,
+        kv_end, max_blocks, num_blocks, q_pos, row_valid, offs_d, d_mask, score_scale, softcap_log2, window,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, stride_tn,
+        BLOCK_SIZE, BLOCK_N, True, USE_WINDOW, USE_SOFTCAP, PRECISION)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_safe[:, None]  # rows without keys: 0
