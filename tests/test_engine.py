@@ -333,9 +333,9 @@ def test_enforce_eager_is_accepted_and_the_cpu_runs_eagerly():
 def test_graph_batch_sizes():
     from loramux.engine.model_runner import graph_batch_sizes
 
-    assert graph_batch_sizes(64) == [1, 2, 4, 8, 16, 32, 48, 64]
-    assert graph_batch_sizes(4) == [1, 2, 4] and graph_batch_sizes(1) == [1]
-    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(64) == [2, 4, 8, 16, 32, 48, 64]
+    assert graph_batch_sizes(4) == [2, 4] and graph_batch_sizes(1) == [2]
+    assert graph_batch_sizes(40) == [2, 4, 8, 16, 32, 40]
 
 
 def test_a_hanging_adapter_load_does_not_keep_the_process_alive():

@@ -33,11 +33,15 @@ def test_mixed_batch_on_cuda_matches_the_cpu_oracle(engine_adapters):
 
 
 def test_seeded_sampling_on_cuda_is_reproducible():
+    """A seeded request draws from its own generator: the same tokens whatever its neighbour
+    samples. (Same batch size: kernels may sum in another order for another size.)"""
     llm = LLM(tiny_llama().cuda(), enable_lora=False, max_num_seqs=4, max_model_len=32)
     params = SamplingParams(temperature=0.9, top_p=0.8, top_k=30, max_tokens=8, seed=7, ignore_eos=True)
     prompt = {"prompt_token_ids": [4, 8, 15, 16, 23, 42]}
-    first = llm.generate([prompt, prompt], [params, SamplingParams(max_tokens=8)], use_tqdm=False)[0]
-    second = llm.generate(prompt, params, use_tqdm=False)[0]
+    other = {"prompt_token_ids": [9, 9, 9]}
+    first = llm.generate([prompt, other], [params, SamplingParams(max_tokens=8)], use_tqdm=False)[0]
+    second = llm.generate([prompt, other], [params, SamplingParams(temperature=0.5, max_tokens=8, seed=1)],
+                          use_tqdm=False)[0]
     assert first.outputs[0].token_ids == second.outputs[0].token_ids
 
 
@@ -63,8 +67,8 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters):
         captured = runner.num_graphs
         runs[eager] = _greedy(llm, prompts, requests)
         assert runner.use_graphs is not eager and runner.compiled is not eager
-        if not eager:  # (1, 2, 4) x (base, LoRA), all captured at start, none while serving
-            assert captured == 6 and runner.num_graphs == captured and runner.graph_steps > 10
+        if not eager:  # (2, 4) x (base, LoRA), all captured at start, none while serving
+            assert captured == 4 and runner.num_graphs == captured and runner.graph_steps > 10
     assert runs[False] == runs[True]
     for name, prompt, tokens in zip(names, prompts, runs[False]):
         path = None if name is None else engine_adapters[name]
@@ -82,7 +86,7 @@ def test_decode_graphs_bf16_base_and_lora_match_eager(engine_adapters):
                   max_model_len=48, enforce_eager=eager)
         runs[eager] = (_greedy(llm, prompts, None, 20), _greedy(llm, prompts, request, 20))
         if not eager:
-            assert llm.llm_engine.runner.graph_steps >= 30 and llm.llm_engine.runner.num_graphs == 2 * 6
+            assert llm.llm_engine.runner.graph_steps >= 30 and llm.llm_engine.runner.num_graphs == 2 * 5
     # bf16: the graph's LoRA launch shapes (sized for the worst case) sum in another order, which
     # may flip a near-tie late in a sequence; the float32 test above asserts exact equality
     for graph, eager in zip(runs[False], runs[True]):

@@ -1,6 +1,6 @@
 """Decode steps as CUDA graphs, every one captured at start, none while serving.
 
-One graph per padded batch size ``B`` (1, 2, 4, 8, then steps of 16 up to ``max_num_seqs``), and
+One graph per padded batch size ``B`` (2, 4, 8, then steps of 16 up to ``max_num_seqs``), and
 with LoRA enabled a second one per size for batches that use adapters (the base graph launches
 no LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step). The
 graphs' inputs are the step's token ids, positions, cache slots, sequence lengths, adapter slots
@@ -32,8 +32,9 @@ __all__ = ["DecodeGraphs", "graph_batch_sizes"]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes decode graphs are captured for: 1, 2, 4, 8, 16, 32, 48, ..."""
-    sizes = {b for b in (1, 2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max_num_seqs}
+    """The padded batch sizes decode graphs are captured for: 2, 4, 8, 16, 32, 48, ... (a batch of
+    one runs as two rows: size-1 dims would need a compiled graph of their own)."""
+    sizes = {b for b in (2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max(2, max_num_seqs)}
     return sorted(sizes)
 
 

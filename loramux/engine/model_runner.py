@@ -89,10 +89,13 @@ class ModelRunner:
         return out.logits[0]
 
     def _compile(self, forward):
+        # each runner's forward is its own dynamo cache entry (guards on the model); leave room
+        # for a process that builds several engines (tests, benchmarks)
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         compiled = torch.compile(forward, dynamic=None)
 
         def run(ids, positions, logits_indices):
-            # one compiled graph for every token count (sizes 0 and 1 get their own, as dynamo does)
+            # one compiled graph for every token count >= 2 (the callers never pass fewer)
             for tensor in (ids, positions, logits_indices):
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)
             return compiled(ids, positions, logits_indices)
@@ -184,7 +187,7 @@ class ModelRunner:
             ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens, query_start=query_start,
             lora_slots=lora_slots if uses_lora else None, logits=logits, logit_slots=logit_slots if uses_lora else None,
         )
-        return self._sample(sampled, out) if sampled else []
+        return self._sample(sampled, out[: len(sampled)]) if sampled else []
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
         tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
@@ -193,6 +196,15 @@ class ModelRunner:
     def _forward_packed(self, *, ids, positions, slots, tables, seq_lens, query_start, lora_slots, logits,
                         logit_slots) -> torch.Tensor:
         """One eager (or compiled, dynamic-shape) forward over the packed step; logits [N, V]."""
+        # at least 2 tokens and 2 logits rows: size-1 dims would get a compiled graph of their own
+        # (dynamo specialises them), which would compile while serving; padding costs nothing
+        if len(ids) < 2:
+            ids, positions, slots = ids + [0], positions + [0], slots + [-1]  # writes nothing
+            lora_slots = lora_slots + [-1] if lora_slots is not None else None
+        if len(logits) < 2:  # repeat the one row (or take row 0 of a step that samples nothing)
+            pad = 2 - len(logits)
+            logits = logits + (logits[-1:] or [0]) * pad
+            logit_slots = logit_slots + (logit_slots[-1:] or [-1]) * pad if logit_slots is not None else None
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
         fields = [ids, positions, slots, seq_lens, query_start, logits, flat_tables]
