@@ -241,7 +241,7 @@ class ModelRunner:
         def forward() -> torch.Tensor:
             attention._per_step.clear()  # masks and scratch are made by (and inside) this forward
             if self.lora_manager is not None:
-                self.lora_manager.set_mapping(slots if A else None, max_active=A or None)
+                self.lora_manager.set_mapping(slots if A else None, static=bool(A))
             out = self.model(
                 input_ids=ids[None],
                 position_ids=positions[None],

@@ -3,12 +3,15 @@
     meta = build_lora_meta(token_slots, num_slots)           # once per forward, shared by layers
     buf = lora_shrink(x, lora_a, scales, meta, ranks)         # [T, n_slices*R] float32
     lora_expand(y, buf, lora_b, slice_sizes, meta, ranks)     # y += B(buf), in place
+    lora_apply(y, x, lora_a, lora_b, scales, ranks, slice_sizes, meta)   # both in one call
 
+For CUDA graphs: ``build_lora_meta(token_slots, num_slots, static=True)`` (no host sync; launch
+grids from T and num_slots only, so one captured graph replays for any mix of adapters).
 Triton on CUDA tensors, the torch reference elsewhere; LORAMUX_KERNELS=triton|torch forces one.
 """
 
 from . import reference
-from .dispatch import lora_expand, lora_shrink
+from .dispatch import lora_apply, lora_expand, lora_shrink
 from .metadata import LoRABatchMeta, build_lora_meta
 
-__all__ = ["LoRABatchMeta", "build_lora_meta", "lora_shrink", "lora_expand", "reference"]
+__all__ = ["LoRABatchMeta", "build_lora_meta", "lora_shrink", "lora_expand", "lora_apply", "reference"]
