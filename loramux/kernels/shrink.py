@@ -221,7 +221,7 @@ def shrink_launch(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     cfg = config or shrink_config(meta, NR, H, dtype, device)
     n_tiles = meta.num_tiles(cfg.block_m)
     k_chunks = cdiv(max(H, 1), cfg.block_k)
-    k_per_split = cdiv(k_chunks, max(1, cfg.split_k)) * cfg.block_k
+    k_per_split = cdiv(k_chunks, max(1, min(cfg.split_k, MAX_SPLIT_K))) * cfg.block_k
     split_k = cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
     if n_tiles * cdiv(NR, cfg.block_n) > LOCK_TABLE_SIZE:  # more counters than the table: no split
         split_k, k_per_split = 1, k_chunks * cfg.block_k
