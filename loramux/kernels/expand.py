@@ -134,23 +134,22 @@ def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dty
         meta._cache[key] = cfg
         return cfg
     block_m = min(block_m_for(meta), 32 if R <= 32 else 64)
-    cfg = _expand_shape(block_m, max(1, meta.num_tiles(block_m)), slice_sizes, device)
+    cfg = _expand_shape(block_m, max(1, meta.num_tiles(block_m)), slice_sizes, target_programs(device))
     meta._cache[key] = cfg
     return cfg
 
 
-@functools.lru_cache(maxsize=1024)
 def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
                          device: torch.device) -> ExpandConfig:
     """Launch shape for a static meta, from T and the module's shape only: the column split is
     sized for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that needs the most
     programs per tile; a mixed batch fills more tiles of the same grid."""
     block_m = min(static_block_m(num_tokens), 32 if R <= 32 else 64)
-    return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, device)
+    return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, target_programs(device))
 
 
-def _expand_shape(block_m: int, n_tiles: int, slice_sizes: tuple[int, ...], device: torch.device) -> ExpandConfig:
-    target = target_programs(device)
+@functools.lru_cache(maxsize=1024)
+def _expand_shape(block_m: int, n_tiles: int, slice_sizes: tuple[int, ...], target: int) -> ExpandConfig:
     block_n = 64
     while block_n > 32 and n_tiles * sum(cdiv(n, block_n) for n in slice_sizes) < target:
         block_n //= 2

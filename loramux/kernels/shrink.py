@@ -172,7 +172,6 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     return cfg
 
 
-@functools.lru_cache(maxsize=1024)
 def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, device: torch.device) -> ShrinkConfig:
     """Launch shape for a static meta: a function of T and the module's shape only.
 
@@ -181,7 +180,11 @@ def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, d
     most. Many adapters then fill the same grid with more real tiles, each reading its own
     adapter's weights: more programs, each as short as in the one-adapter case.
     """
-    target = target_programs(device)
+    return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, target: int) -> ShrinkConfig:
     block_m = static_block_m(num_tokens)
     np2 = min(max(16, next_pow2(NR)), 256)
     if num_tokens <= 256:  # decode: the weights dominate whatever the mix
