@@ -12,7 +12,7 @@ local shims, and pass it with --vllm-ops. The script only loads it from there.
 Timing as in benchmarks/kernels.py (its Timer): CUDA-graph replay, cold L2 (a 256 MiB buffer is
 read before every run), median of 25. Each side gets its own layout: ours takes A [S, n*R, H] and
 writes buf [T, n*R] float32; vLLM takes one [S, R, H] / [S, N_i, R] weight per slice and writes
-[n, T, R] float32 (its shrink zeroes the output itself; so does ours for split-K). vLLM runs its
+[n, T, R] float32 (its shrink zeroes the output itself; ours needs no zeroing). vLLM runs its
 default configs (no tuned-config folder) and its default metadata (`meta_args(T,
 specialize_active_lora=False)`: a grid over max_loras + 1 adapters) and, as a second column, the
 specialized metadata (grid over the active adapters only); the speedup is against the faster of

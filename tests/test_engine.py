@@ -265,7 +265,7 @@ def test_lora_modules_are_registered_at_start(engine_adapters):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_static_lora_meta_matches_the_exact_layout(seed):
-    """build_lora_meta(max_active=...) (no host sync, for graph capture) lays the tokens out as
+    """build_lora_meta(static=True) (no host sync, for graph capture) lays the tokens out as
     the exact build does, with its worst-case tile count bounding the real one."""
     from loramux.kernels import build_lora_meta
 
@@ -274,7 +274,7 @@ def test_static_lora_meta_matches_the_exact_layout(seed):
     token_slots = torch.randint(-1, 3, (T,), generator=gen)  # at most 3 distinct slots
     token_slots[-4:] = -1  # padding tokens of a graph's bucket
     exact = build_lora_meta(token_slots, S)
-    static = build_lora_meta(token_slots, S, max_active=4)
+    static = build_lora_meta(token_slots, S, static=True)
     assert static.static and not exact.static
     assert torch.equal(static.sorted_token_ids, exact.sorted_token_ids)
     for name in ("active_slots", "active_counts", "active_starts"):
@@ -311,7 +311,7 @@ def test_static_meta_through_the_kernels_matches_the_exact_meta(block, monkeypat
     slots = torch.tensor([2, 4, -1, 2, 0, 0, 4, -1] + [2] * 8 + [-1] * 4, device=device)  # 3 slots
     y0 = torch.randn(T, sum(out), generator=gen).to(device)
     results = []
-    for kernels, meta in (("torch", build_lora_meta(slots, S)), ("triton", build_lora_meta(slots, S, max_active=4))):
+    for kernels, meta in (("torch", build_lora_meta(slots, S)), ("triton", build_lora_meta(slots, S, static=True))):
         monkeypatch.setenv("LORAMUX_KERNELS", kernels)
         y = y0.clone()
         buf = lora_shrink(x, A, scales, meta, ranks)

@@ -655,3 +655,260 @@ def test_triton_interpreter_grid_past_the_last_tile():
     assert rel_err(buf[act], buf_ref[act]) < 1e-5
     assert torch.equal(y[~act], y0[~act])
     assert rel_err(y - y0, y_ref - y0.double()) < 1e-5
+
+
+# ---------------------------------------------------------------------------------------------
+# static meta (CUDA graphs, issue 13): grids from T and S only, no zeroing, any mapping
+
+
+def static_slots(mapping: str, T: int, S: int, ranks: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """token_slots [T] of the mappings a captured decode graph must replay correctly."""
+    if mapping == "all_base":
+        return torch.full((T,), -1, dtype=torch.int32)
+    if mapping == "one_slot":
+        return torch.full((T,), S - 1, dtype=torch.int32)
+    if mapping == "all_different":  # every token its own slot (T <= S)
+        return torch.randperm(S, generator=gen)[:T].to(torch.int32)
+    if mapping == "rank0_and_base":  # slots whose adapter has rank 0 here, mixed with base rows
+        zero = torch.nonzero(ranks == 0).flatten()
+        slots = zero[torch.randint(0, zero.numel(), (T,), generator=gen)]
+        slots[torch.rand(T, generator=gen) < 0.4] = -1
+        return slots.to(torch.int32)
+    slots = torch.randint(0, S, (T,), generator=gen, dtype=torch.int32)  # "mixed": base rows too
+    slots[torch.rand(T, generator=gen) < 0.3] = -1
+    return slots
+
+
+STATIC_MAPPINGS = ("all_base", "one_slot", "all_different", "rank0_and_base", "mixed")
+
+
+def per_slice_rank_inputs(T, H, S, R, sizes, dtype, seed):
+    """A packed module whose adapters have a different rank per slice (zero-padded, as set_lora
+    stores them; `ranks` is the largest per slot), two slots of rank 0 for the whole module."""
+    gen = torch.Generator().manual_seed(seed)
+    n, N = len(sizes), sum(sizes)
+    slice_ranks = torch.randint(0, R + 1, (S, n), generator=gen)
+    slice_ranks[:2] = 0
+    x = torch.randn(T, H, generator=gen)
+    A = torch.randn(S, n * R, H, generator=gen) / H**0.5
+    B = torch.randn(S, N, R, generator=gen) / R**0.5
+    offs = [0]
+    for size in sizes:
+        offs.append(offs[-1] + size)
+    for s in range(S):
+        for i in range(n):
+            r = int(slice_ranks[s, i])
+            A[s, i * R + r : (i + 1) * R] = 0
+            B[s, offs[i] : offs[i + 1], r:] = 0
+    scales = torch.rand(S, n, generator=gen) + 0.5
+    ranks = slice_ranks.max(1).values.to(torch.int32)
+    return x.to(dtype), A.to(dtype), B.to(dtype), scales, ranks, gen
+
+
+def static_launches(meta, H, R, sizes, dtype, device=torch.device("cpu")):
+    from loramux.kernels.expand import expand_launch
+    from loramux.kernels.shrink import shrink_launch
+
+    return shrink_launch(meta, len(sizes) * R, H, dtype, device), expand_launch(meta, tuple(sizes), R, dtype, device)
+
+
+def test_static_meta_rejects_a_non_bool_static():
+    with pytest.raises(ValueError, match="static must be a bool"):
+        build_lora_meta(torch.tensor([0, 1]), 4, static=4)
+
+
+@pytest.mark.parametrize("T", [1, 8, 64, 256])
+def test_static_launch_grid_depends_only_on_tokens_and_slots(T, monkeypatch):
+    """Same T, S and module: the same launches (config and grid) for every mapping, at 8B shapes
+    and the H100's program target (132 SMs); an exact meta's grid follows its mapping."""
+    from loramux.kernels import expand, shrink
+
+    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
+    monkeypatch.setattr(expand, "target_programs", lambda device: 264)
+    S, R, gen = 32, 16, torch.Generator().manual_seed(T)
+    ranks = torch.tensor([0, 0] + [R] * (S - 2), dtype=torch.int32)
+    for H, sizes in [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]:
+        launches = set()
+        for mapping in STATIC_MAPPINGS:
+            if mapping == "all_different" and T > S:
+                continue
+            meta = build_lora_meta(static_slots(mapping, T, S, ranks, gen), S, static=True)
+            launches.add(static_launches(meta, H, R, sizes, torch.bfloat16))
+        assert len(launches) == 1, launches
+        (s_launch, (e_cfg, e_grid, _)), = launches
+        assert s_launch.grid[0] >= 1 and e_grid[0] >= 1
+    one = build_lora_meta(torch.zeros(T, dtype=torch.int32), S)
+    many = build_lora_meta(torch.arange(T, dtype=torch.int32) % S, S)
+    if T > 1:
+        assert static_launches(one, 4096, R, (4096,), torch.bfloat16) != \
+            static_launches(many, 4096, R, (4096,), torch.bfloat16)
+
+
+def test_static_split_k_is_sized_for_the_one_adapter_batch(monkeypatch):
+    """Decode at 64 tokens, 32 slots, q/k/v r16: 16-row tiles, K split 16 ways (each program two
+    128-wide K steps), grid = 34 tiles (the bound: 31 one-token slots + 33 tokens) x 3 x 16."""
+    from loramux.kernels import shrink
+
+    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
+    meta = build_lora_meta(torch.full((64,), -1), 32, static=True)
+    launch = shrink.shrink_launch(meta, 48, 4096, torch.bfloat16, torch.device("cpu"))
+    assert (launch.config.block_m, launch.config.block_n, launch.split_k, launch.n_tiles) == (16, 16, 16, 34)
+    assert launch.grid == (34 * 3 * 16,)
+
+
+def run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, monkeypatch=None, poison=False):
+    """lora_apply (Triton, static meta) into a copy of y0; with `poison`, buf and the split-K
+    scratch are handed out NaN-filled (nothing may rely on them being zero)."""
+    from loramux.kernels import lora_apply, shrink
+
+    if poison:
+        monkeypatch.setattr(shrink, "_scratch", lambda *shape, device: torch.full(shape, float("nan"), device=device))
+    try:
+        meta = build_lora_meta(slots, S, static=True)
+        y = y0.clone()
+        lora_apply(y, x, A, B, scales, ranks, sizes, meta)
+    finally:
+        if poison:
+            monkeypatch.undo()
+            monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    return y, meta
+
+
+def check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, dtype):
+    meta64 = build_lora_meta(slots, A.shape[0])
+    y_ref = y0.double()
+    buf = reference.lora_shrink_ref(x.double(), A.double(), scales.double(), meta64, ranks)
+    reference.lora_expand_ref(y_ref, buf, B.double(), sizes, meta64, ranks)
+    untouched = (slots < 0) | (ranks[slots.clamp(min=0).long()] == 0)
+    assert torch.equal(bits(y[untouched]), bits(y0[untouched])), "a base or rank-0 row changed"
+    delta, delta_ref = (y.double() - y0.double())[~untouched], (y_ref - y0.double())[~untouched]
+    assert rel_err(delta, delta_ref) < TOL[dtype], rel_err(delta, delta_ref)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("mapping", STATIC_MAPPINGS)
+def test_triton_interpreter_static_meta_matches_reference(mapping, dtype, monkeypatch):
+    """Static meta through lora_apply: any mapping (all base, one slot, every token its own slot,
+    rank-0 slots, a mix) of a 3-slice module with a different rank per slice, split-K on."""
+    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    T, H, S, R, sizes = 10, 520, 12, 8, (16, 8, 24)
+    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, dtype, seed=len(mapping))
+    slots = static_slots(mapping, T, S, ranks, gen)
+    y0 = torch.randn(T, sum(sizes), generator=gen).to(dtype)
+    y, meta = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S)
+    assert static_launches(meta, H, R, sizes, dtype)[0].split_k > 1  # the counter path runs
+    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, dtype)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mapping", ["one_slot", "mixed"])
+def test_triton_interpreter_static_meta_more_tokens_than_slots(mapping, monkeypatch):
+    """40 tokens on 2 slots: one slot's 40 tokens need 3 tiles of 16, the grid's bound holds them."""
+    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    T, H, S, R, sizes = 40, 24, 2, 4, (8,)
+    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=5)
+    ranks[1], A[1], B[1] = R, torch.randn(R, H), torch.randn(sizes[0], R)  # slot 1 (one_slot) has rank R
+    slots = static_slots(mapping, T, S, ranks, gen)
+    y0 = torch.randn(T, sum(sizes), generator=gen)
+    y, _ = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S)
+    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
+
+
+@needs_interpreter
+def test_triton_interpreter_no_zeroing_needed(monkeypatch):
+    """buf and the split-K scratch NaN-filled, run twice: both results equal the reference, and the
+    split-K counter table is left all zero (no launch needs a memset before it)."""
+    from loramux.kernels import shrink
+
+    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    T, H, S, R, sizes = 9, 520, 6, 8, (16, 8)
+    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=3)
+    slots = static_slots("mixed", T, S, ranks, gen)
+    y0 = torch.randn(T, sum(sizes), generator=gen)
+    for _ in range(2):
+        y, meta = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, monkeypatch, poison=True)
+        check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
+    assert static_launches(meta, H, R, sizes, torch.float32)[0].split_k > 1
+    assert int(shrink._LOCK_TABLES[torch.device("cpu")].abs().sum()) == 0
+    # the shrink alone, exact meta, forced 3-way split into a NaN-filled out: every row with an
+    # adapter written once, zeros past the rank
+    meta = build_lora_meta(slots, S)
+    out = torch.full((T, len(sizes) * R), float("nan"))
+    shrink.lora_shrink_triton(x, A, scales, meta, ranks, config=shrink.ShrinkConfig(16, 16, 64, 3, 4, 2), out=out)
+    ref = reference.lora_shrink_ref(x.double(), A.double(), scales.double(), meta, ranks)
+    assert rel_err(out[slots >= 0], ref[slots >= 0]) < 1e-5
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("mapping", STATIC_MAPPINGS)
+def test_gpu_static_meta_llama8b_matches_reference(mapping, monkeypatch):
+    """bf16, Llama-3.1-8B's q/k/v, gate/up and down at 64 decode tokens over 32 slots."""
+    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+    T, S, R = 64, 32, 16
+    for H, sizes in [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]:
+        x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=H)
+        slots = static_slots(mapping, T, S, ranks, gen) if mapping != "all_different" else \
+            torch.randperm(S, generator=gen).repeat(2).to(torch.int32)
+        to = lambda t: t.to("cuda", torch.bfloat16)  # noqa: E731
+        y0 = torch.randn(T, sum(sizes), generator=gen)
+        y, _ = run_static_apply(to(x), to(A), to(B), scales.cuda(), ranks.cuda(), sizes, slots.cuda(), to(y0), S)
+        check_static_against_reference(to(x).cpu(), to(A).cpu(), to(B).cpu(), scales, ranks, sizes, slots,
+                                       to(y0).cpu(), y.cpu(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_gpu_graph_captured_with_all_base_rows_replays_any_mix(pdl, monkeypatch):
+    """One CUDA graph captured with every row base (-1), replayed with 1 adapter and with 32
+    adapters over its 64 tokens: the reference's results each time (3 projections of a layer).
+    `pdl`: the kernels launched with programmatic dependent launch (LORAMUX_TRITON_PDL=1)."""
+    from loramux.kernels import lora_apply
+
+    monkeypatch.setenv("LORAMUX_TRITON_PDL", "1" if pdl else "0")
+
+    T, S, R = 64, 32, 16
+    modules = [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]
+    weights = []
+    for H, sizes in modules:
+        x, A, B, scales, ranks, _ = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=H + 1)
+        ranks[:2] = R  # every slot holds an adapter here
+        A[:2].normal_(std=H**-0.5)
+        B[:2].normal_(std=R**-0.5)
+        weights.append(tuple(t.cuda() for t in (x.bfloat16(), A.bfloat16(), B.bfloat16(), scales, ranks)))
+    slots = torch.full((T,), -1, dtype=torch.int32, device="cuda")
+    ys0 = [torch.randn(T, sum(sizes), device="cuda").bfloat16() for _, sizes in modules]
+    ys = [y.clone() for y in ys0]
+
+    def step():
+        meta = build_lora_meta(slots, S, static=True)  # rebuilt from `slots` on every replay
+        for (x, A, B, scales, ranks), y, (_, sizes) in zip(weights, ys, modules):
+            lora_apply(y, x, A, B, scales, ranks, sizes, meta)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up: compile, make the split-K counter table
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for mapping in (torch.full((T,), 7), torch.arange(T) % S, -torch.ones(T)):
+        slots.copy_(mapping.to(torch.int32))
+        for y, y0 in zip(ys, ys0):
+            y.copy_(y0)
+        graph.replay()
+        torch.cuda.synchronize()
+        meta64 = build_lora_meta(slots.cpu(), S)
+        for (x, A, B, scales, ranks), y, y0, (_, sizes) in zip(weights, ys, ys0, modules):
+            y_ref = y0.double().cpu()
+            buf = reference.lora_shrink_ref(x.double().cpu(), A.double().cpu(), scales.double().cpu(), meta64,
+                                            ranks.cpu())
+            reference.lora_expand_ref(y_ref, buf, B.double().cpu(), sizes, meta64, ranks.cpu())
+            base_rows = (slots < 0).cpu()
+            assert torch.equal(bits(y.cpu()[base_rows]), bits(y0.cpu()[base_rows])), "a base row changed"
+            if not base_rows.all():
+                err = rel_err(y.double().cpu() - y0.double().cpu(), y_ref - y0.double().cpu())
+                assert err < 2e-2, (mapping[:4].tolist(), sizes, err)

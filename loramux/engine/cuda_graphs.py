@@ -112,7 +112,7 @@ class DecodeGraphs:
         def forward() -> torch.Tensor:
             if manager is not None:  # the kernel metadata is built inside the graph from the slots
                 if lora:
-                    manager.set_mapping(lora_slots, max_active=manager.context.num_slots)
+                    manager.set_mapping(lora_slots, static=True)
                 else:
                     manager.set_mapping(None)
             with forward_context(metadata):

@@ -354,7 +354,7 @@ class LoRAModelManager:
         token_slots: torch.Tensor | None,
         logits_slots: torch.Tensor | None = None,
         *,
-        max_active: int | None = None,
+        static: bool = False,
     ) -> None:
         """State the slot of every token of the next forward (``[T]``, -1 = base model).
 
@@ -363,9 +363,10 @@ class LoRAModelManager:
         ``T`` tokens (not needed for Hugging Face's ``logits_to_keep`` on a ``[B, S]`` batch).
         ``None`` runs the base model for every token. Builds the kernel metadata once.
 
-        ``max_active`` (CUDA-graph capture): build a static meta, without a host sync, for
-        batches over at most that many distinct slots. The slots are then not checked here; the
-        caller states the slots each replay uses with :meth:`mark_used`.
+        ``static`` (CUDA-graph capture): build a static meta, without a host sync, whose launch
+        grids hold any mapping of this many tokens (any mix of adapters and base rows). The slots
+        are then not checked here; the caller states the slots each replay uses with
+        :meth:`mark_used`.
         """
         if token_slots is None:
             self.context.set(None)
@@ -373,8 +374,8 @@ class LoRAModelManager:
         token_slots = torch.as_tensor(token_slots).to(self.device, non_blocking=True)
         if logits_slots is not None:
             logits_slots = torch.as_tensor(logits_slots).to(self.device, non_blocking=True)
-        self.context.set(token_slots, logits_slots, max_active=max_active)
-        if max_active is not None:
+        self.context.set(token_slots, logits_slots, static=static)
+        if static:
             return
         try:
             self.mark_used(self.context.meta.active_slots_host)

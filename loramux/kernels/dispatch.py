@@ -45,7 +45,8 @@ def lora_shrink(
     x: [T, H] fp16/bf16/fp32; lora_a: [S, n_slices*R, H] (x's dtype; slice i = rows i*R:(i+1)*R);
     scales: [S, n_slices] float32; ranks: optional [S] int32, true rank per slot (rows past it
     must be zero padding; they are skipped). Returns buf: [T, n_slices*R] float32, zeros past a
-    slot's rank; rows of slot -1 tokens are unspecified.
+    slot's rank; rows of slot -1 tokens are unspecified. One kernel, no memset before it, no host
+    sync (with a static meta it can be captured in a CUDA graph).
     """
     if _use_triton(x):
         from .shrink import lora_shrink_triton
@@ -130,3 +131,26 @@ def paged_attention(
     return attention_reference.paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                                    scale=scale, sliding_window=sliding_window, softcap=softcap,
                                                    out=out)
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    lora_b: torch.Tensor,
+    scales: torch.Tensor,
+    ranks: torch.Tensor | None,
+    slice_sizes: tuple[int, ...],
+    meta: LoRABatchMeta,
+) -> None:
+    """``y += B[slot](A[slot](x)) * scale[slot]`` for every token and slice, in place: `lora_shrink`
+    then `lora_expand`, the float32 intermediate made and dropped inside.
+
+    x: [T, H]; y: [T, sum(slice_sizes)] (any strides); lora_a: [S, n_slices*R, H];
+    lora_b: [S, sum(slice_sizes), R]; scales: [S, n_slices] float32; ranks: [S] int32 or None.
+    Two kernels on CUDA (nothing else: no memset, no host sync), so a step captured with a static
+    meta replays it for any mapping. Rows of slot -1 tokens, and of slots whose rank is 0, are
+    left exactly as they were.
+    """
+    buf = lora_shrink(x, lora_a, scales, meta, ranks)  # [T, n_slices*R] float32
+    lora_expand(y, buf, lora_b, slice_sizes, meta, ranks)

@@ -5,11 +5,16 @@ Grid: tiles x column chunks. A tile is up to BLOCK_M tokens of one slot's segmen
 `group` blocks of BLOCK_N columns inside one slice. A program loads its buf tile once (the whole
 rank), then walks its chunk block by block with the next blocks' y and B already in flight
 (async copies, `num_stages` deep), so y streams through at memory speed. Rows of tokens without
-an adapter are never touched.
+an adapter are never touched, nor are rows of a slot whose rank is 0 for this module.
+
+The grid is linear and tile-major. For a static meta its shape comes from T and the module's
+shape only (`static_expand_config`), so one CUDA graph serves every mapping: the programs of
+tiles past the batch's last one exit after one round of loads.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +23,8 @@ import triton.language as tl
 
 from .checks import check_expand
 from .metadata import LoRABatchMeta
-from .tiles import block_m_for, cdiv, dot_precision, next_pow2, segment_tile, target_programs
+from .tiles import (block_m_for, cdiv, dot_precision, launch_options, next_pow2, segment_tile, static_block_m,
+                    target_programs)
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
@@ -31,12 +37,22 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
-    W_VEC: tl.constexpr, STAGES: tl.constexpr,
+    W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid // n_units
     unit = pid % n_units
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # buf comes from the shrink just before
+        tl.extra.cuda.gdc_launch_dependents()
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
+    if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
+        return
+    rank = R
+    if HAS_RANKS:
+        rank = tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
+        if rank <= 0:  # the slot's adapter does not touch this module: y stays bit-exact
+            return
 
     # slice table: [2, SL_PAD] int32 = (sizes, offsets); find this unit's slice and chunk
     chunk = BLOCK_N * group
@@ -53,14 +69,10 @@ def _expand_kernel(
     if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
         off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
     n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
-    n_blocks = tl.where(count > m0, n_blocks, 0)  # a tile past the batch's last one: no loads
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
-    rank = R
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
     offs_r = tl.arange(0, BLOCK_R)
     # buf: [T, n_slices*R] f32, slice i at columns i*R; loaded once, reused for every block
     hb = tl.load(buf_ptr + tok[:, None] * stride_bm + (i * R + offs_r)[None, :] * stride_bk,
@@ -117,18 +129,34 @@ def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dty
     cfg = meta._cache.get(key)
     if cfg is not None:
         return cfg
+    if meta.static:
+        cfg = static_expand_config(meta.num_tokens, slice_sizes, R, dtype, device)
+        meta._cache[key] = cfg
+        return cfg
     block_m = min(block_m_for(meta), 32 if R <= 32 else 64)
-    n_tiles = max(1, meta.num_tiles(block_m))
-    target = target_programs(device)
+    cfg = _expand_shape(block_m, max(1, meta.num_tiles(block_m)), slice_sizes, target_programs(device))
+    meta._cache[key] = cfg
+    return cfg
+
+
+def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
+                         device: torch.device) -> ExpandConfig:
+    """Launch shape for a static meta, from T and the module's shape only: the column split is
+    sized for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that needs the most
+    programs per tile; a mixed batch fills more tiles of the same grid."""
+    block_m = min(static_block_m(num_tokens), 32 if R <= 32 else 64)
+    return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, target_programs(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _expand_shape(block_m: int, n_tiles: int, slice_sizes: tuple[int, ...], target: int) -> ExpandConfig:
     block_n = 64
     while block_n > 32 and n_tiles * sum(cdiv(n, block_n) for n in slice_sizes) < target:
         block_n //= 2
     group = 1
     while group < 8 and n_tiles * sum(cdiv(n, block_n * group * 2) for n in slice_sizes) >= 2 * target:
         group *= 2
-    cfg = ExpandConfig(block_m, block_n, group, num_warps=4, num_stages=3 if group > 1 else 2)
-    meta._cache[key] = cfg
-    return cfg
+    return ExpandConfig(block_m, block_n, group, num_warps=4, num_stages=3 if group > 1 else 2)
 
 
 _SLICE_TABLES: dict = {}
@@ -152,6 +180,20 @@ def _slice_table(slice_sizes: tuple[int, ...], device: torch.device) -> tuple[to
     return hit
 
 
+def expand_launch(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
+                  device: torch.device, config: ExpandConfig | None = None) -> tuple[ExpandConfig, tuple[int], int]:
+    """(config, grid, work units per tile) of the launch `lora_expand_triton` makes. For a static
+    meta it depends on (T, S, slice sizes, R, dtype, device) only: tests compare it across mappings."""
+    cfg = config or expand_config(meta, slice_sizes, R, dtype, device)
+    key = ("expand_launch", slice_sizes, cfg)
+    hit = meta._cache.get(key)
+    if hit is None:  # per step and module shape
+        n_units = sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes)
+        hit = (cfg, (meta.num_tiles(cfg.block_m) * n_units,), n_units)
+        meta._cache[key] = hit
+    return hit
+
+
 def lora_expand_triton(
     y: torch.Tensor,
     buf: torch.Tensor,
@@ -165,24 +207,20 @@ def lora_expand_triton(
     heuristic launch shape (tests and benchmarks)."""
     slice_sizes = tuple(slice_sizes)
     n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks)
-    cfg = config or expand_config(meta, slice_sizes, R, y.dtype, y.device)
-    n_tiles = meta.num_tiles(cfg.block_m)
-    if n_tiles == 0 or R == 0:
+    if R == 0:
         return
-    key = ("expand_launch", slice_sizes, cfg, y.device)
-    plan = meta._cache.get(key)
-    if plan is None:  # per step and module shape: slice table and work units
-        tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
-        plan = (tab, sl_pad, sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes))
-        meta._cache[key] = plan
-    tab, sl_pad, n_units = plan
+    cfg, grid, n_units = expand_launch(meta, slice_sizes, R, y.dtype, y.device, config)
+    if grid[0] == 0:
+        return
+    tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
     sy, sb, sw = y.stride(), buf.stride(), lora_b.stride()
     vec = 16 // y.element_size()  # 16-byte vectors of y: aligned base, rows and slices
     y_vec = vec if (sy[1] == 1 and sy[0] % vec == 0 and y.data_ptr() % 16 == 0
                     and all(n % vec == 0 for n in slice_sizes)) else 1
     w_vec = 16 // lora_b.element_size()
     w_vec = w_vec if (sw[2] == 1 and R % w_vec == 0) else 1
-    _expand_kernel[(n_tiles * n_units,)](
+    pdl = launch_options(y.device)
+    _expand_kernel[grid](
         y, buf, lora_b, ranks if ranks is not None else tab, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         n_slices, R, n_units, cfg.group,
@@ -191,6 +229,6 @@ def lora_expand_triton(
         A_PAD=max(32, next_pow2(meta.num_slots)), SL_PAD=sl_pad,
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
-        STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        STAGES=cfg.num_stages, USE_PDL=bool(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )

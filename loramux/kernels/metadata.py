@@ -3,10 +3,13 @@
 Every LoRA layer of one forward pass shares one `LoRABatchMeta`. Building it costs one
 device->host copy (the per-slot counts); the kernels themselves never synchronise.
 
-``build_lora_meta(..., max_active=A)`` builds a *static* meta instead, for CUDA-graph capture:
-no host sync, and host values that bound every batch of ``T`` tokens over at most ``A`` distinct
-slots (the launch grids are sized for the worst case; the tiles past the real ones find a
-zero-token segment and store nothing). Built inside the capture, its device tensors are
+``build_lora_meta(..., static=True)`` builds a *static* meta instead, for CUDA-graph capture: no
+host sync, and host values that depend only on ``T`` and the number of slots ``S``, never on which
+slots the tokens use. Its host layout is the worst case over every mapping of ``T`` tokens to at
+most ``min(S, T)`` distinct slots, so the launch grids the kernels size from it hold every real
+tile of any mapping; the tiles past the real ones find a zero-token segment and exit at once.
+One graph captured with it therefore replays correctly for any mix of adapters and base rows
+(all -1, one slot, every token its own slot). Built inside the capture, its device tensors are
 recomputed from ``token_slots`` on every replay.
 """
 
@@ -33,10 +36,11 @@ class LoRABatchMeta:
     Host values (read with the build's single sync):
       num_tokens, num_slots, num_active, num_lora_tokens, max_segment,
       active_slots_host / active_counts_host / active_starts_host: tuples of length num_active.
-    A static meta (``static=True``, from ``build_lora_meta(..., max_active=A)``) has no exact host
-    layout: ``num_active = min(A, T)`` and ``active_counts_host`` is a worst case whose tile count
+    A static meta (``build_lora_meta(..., static=True)``) has no exact host layout: ``num_active =
+    min(S, T)``, ``max_segment = T`` and ``active_counts_host`` is a worst case whose tile count
     bounds the real one for every tile height (``active_slots_host``/``active_starts_host`` are
     empty); its device arrays are padded past the kernels' slot vector with a valid slot.
+    Everything on its host side is a function of (T, S) alone.
     """
 
     token_slots: torch.Tensor
@@ -69,12 +73,24 @@ class LoRABatchMeta:
             self._cache[key] = n
         return n
 
+    def exact(self) -> "LoRABatchMeta":
+        """This meta with its exact host layout: itself, or for a static meta the meta
+        ``build_lora_meta`` builds from the same ``token_slots`` (one host sync; cached). The torch
+        reference reads it, so it takes a static meta too (never inside a graph capture)."""
+        if not self.static:
+            return self
+        exact = self._cache.get("exact")
+        if exact is None:
+            exact = build_lora_meta(self.token_slots, self.num_slots)
+            self._cache["exact"] = exact
+        return exact
+
     def segments(self):
         """(slot, token_ids) per active slot; token_ids: [n] int64, a slice of the sorted ids.
-        Cached: the reference path calls it for every layer."""
+        Cached: the reference path calls it for every layer. A static meta answers with the
+        segments of its exact layout (one host sync)."""
         if self.static:
-            raise ValueError("a static LoRABatchMeta (built for CUDA graphs) has no host segments; "
-                             "use the Triton kernels with it")
+            return self.exact().segments()
         key = "segments"
         segs = self._cache.get(key)
         if segs is None:
@@ -87,13 +103,13 @@ class LoRABatchMeta:
         return segs
 
 
-def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, max_active: int | None = None) -> LoRABatchMeta:
+def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, static: bool = False) -> LoRABatchMeta:
     """Group the tokens of one batch by adapter slot.
 
     token_slots: [T] integer, slot index per token in [0, num_slots), -1 = no adapter.
     One device->host copy (the per-slot counts); everything else stays on token_slots' device.
-    max_active: build a static meta (no host sync, capture-safe) for batches whose tokens use
-    at most this many distinct slots; the caller guarantees the bound and valid slots.
+    static: build a static meta instead (no host sync, capture-safe; launch grids that depend
+    only on T and num_slots). Its slots are not checked: one outside [0, num_slots) counts as -1.
     """
     if not isinstance(token_slots, torch.Tensor):
         raise ValueError(f"build_lora_meta: token_slots must be a torch.Tensor, got {type(token_slots).__name__}")
@@ -104,10 +120,11 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, max_active: in
     if not isinstance(num_slots, int) or num_slots < 1:
         raise ValueError(f"build_lora_meta: num_slots must be a positive int, got {num_slots!r}")
 
-    if max_active is not None:
-        if not isinstance(max_active, int) or max_active < 1:
-            raise ValueError(f"build_lora_meta: max_active must be a positive int, got {max_active!r}")
-        return _build_static_meta(token_slots, num_slots, max_active)
+    if not isinstance(static, bool):
+        raise ValueError(f"build_lora_meta: static must be a bool, got {static!r} (max_active=A was replaced "
+                         "by static=True, whose grids hold any number of distinct slots)")
+    if static:
+        return _build_static_meta(token_slots, num_slots)
 
     T = token_slots.numel()
     slots = token_slots.to(torch.int64)
@@ -163,7 +180,7 @@ def _slot_vector_pad(num_slots: int) -> int:
     return 2 * max(32, 1 << max(0, (num_slots - 1).bit_length())) + 1
 
 
-def _build_static_meta(token_slots: torch.Tensor, num_slots: int, max_active: int) -> LoRABatchMeta:
+def _build_static_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMeta:
     """The layout of build_lora_meta without a host sync (no bincount, no sort): counts by
     scatter-add, each token's place in its segment by a one-hot prefix sum."""
     T, S, device = token_slots.numel(), num_slots, token_slots.device
@@ -188,8 +205,9 @@ def _build_static_meta(token_slots: torch.Tensor, num_slots: int, max_active: in
     active_counts[:S] = counts[order].to(torch.int32)
     active_starts = torch.zeros(pad, dtype=torch.int32, device=device)
     active_starts[:S] = starts[order].to(torch.int32)
-    a = min(max_active, S, T) if T else 0
-    # worst case over batches of T tokens on <= a slots: a + (T - a) // m tiles of height m
+    a = min(S, T)
+    # worst case over batches of T tokens on <= a slots: a - 1 + ceil((T - a + 1) / m) tiles of
+    # height m (every other split of T into a segments has at most as many tiles)
     counts_h = (1,) * (a - 1) + (T - a + 1,) if a else ()
     return LoRABatchMeta(
         token_slots=token_slots.to(torch.int32),
@@ -201,7 +219,7 @@ def _build_static_meta(token_slots: torch.Tensor, num_slots: int, max_active: in
         num_slots=S,
         num_active=a,
         num_lora_tokens=T,
-        max_segment=max(counts_h, default=0),
+        max_segment=T,
         active_slots_host=(),
         active_counts_host=counts_h,
         active_starts_host=(),

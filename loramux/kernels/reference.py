@@ -3,6 +3,9 @@ B(A(x)) * scaling). The CPU path in production and the oracle in tests (it also 
 
 On the CPU the products run in float32 (float64 for float64 input), its fast path; on a GPU they run
 in the weights' dtype with float32 accumulation, as PEFT does.
+
+A static meta (``build_lora_meta(..., static=True)``) is accepted too: the reference reads its
+exact layout (``meta.exact()``, one host sync), so it is the oracle for the graph path as well.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def _mm_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def _slot_ranks(ranks: torch.Tensor | None, meta: LoRABatchMeta, R: int) -> list[int]:
+    meta = meta.exact()
     if ranks is None:
         return [R] * meta.num_active
     key = ("ref_ranks", ranks.data_ptr(), ranks._version, R)
@@ -48,6 +52,7 @@ def lora_shrink_ref(
     Returns buf: [T, n_slices*R] float32 (float64 for float64 x); rows of slot -1 tokens are 0.
     """
     n_slices, R = check_shrink(x, lora_a, scales, meta, ranks, dtypes=REF_DTYPES)
+    meta = meta.exact()
     T, H = x.shape
     acc = _acc_dtype(x)
     mm = _mm_dtype(x)
@@ -87,6 +92,7 @@ def lora_expand_ref(
     """
     slice_sizes = tuple(slice_sizes) if isinstance(slice_sizes, list) else slice_sizes
     n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=REF_DTYPES)
+    meta = meta.exact()
     if meta.num_active == 0 or R == 0:
         return
     acc = _acc_dtype(y)

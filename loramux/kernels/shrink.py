@@ -1,14 +1,30 @@
 """Multi-LoRA shrink (Triton): buf = (x @ A[slot].T) * scale for every slice of a packed module in
 one launch, so x is read once.
 
-Grid: (tiles x rank blocks, split_k). A tile is up to BLOCK_M tokens of one slot's segment; a rank
-block is BLOCK_N columns of the n_slices*R stacked ranks. Decode shapes have few tiles, so the K
-(hidden) dimension is split across programs that add into a zeroed buf with float32 atomics; the
-split count falls smoothly as tokens grow (no fixed token threshold, so no cliff).
+Grid (linear, tile-major): tiles x rank blocks x split_k. A tile is up to BLOCK_M tokens of one
+slot's segment; a rank block is BLOCK_N columns of the n_slices*R stacked ranks. Decode shapes
+have few tiles, so the K (hidden) dimension is split across SPLIT_K programs.
+
+Split-K without a zeroed buffer: each split stores its float32 partial product in a scratch
+tensor [SPLIT_K, T, NR] (torch.empty, never cleared), then bumps a per-(tile, rank block) counter
+in a device-wide table with one acquire-release atomic; the program that finds the count at
+SPLIT_K - 1 is the last, sums the partials in split order (deterministic) and stores buf, then
+puts the counter back to 0. The table is zeroed once when made and every launch leaves it zero,
+so no launch needs a memset before it (one node less per projection in a CUDA graph). buf's
+rows of tokens with an adapter are stored by exactly one program, zeros past a slot's rank.
+Launches of the same device share the table: do not run two split-K shrinks at once on
+different streams.
+
+Launch shape: from this batch's tiles (`shrink_config`, exact meta), or, for a static meta, from
+T, S and the module's shape alone (`static_shrink_config`), so the grid is the same for every
+mapping of T tokens: one CUDA graph serves any mix of adapters. The split count there is sized
+for the one-adapter case (the fewest real tiles), which wants the most parallelism in K; a
+mixed batch gets more real tiles from the same grid.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -17,42 +33,62 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import block_m_for, cdiv, dot_precision, next_pow2, segment_tile, target_programs
+from .tiles import (block_m_for, cdiv, dot_precision, launch_options, next_pow2, segment_tile, static_block_m,
+                    target_programs)
+
+#: Most K splits of one launch (the last program's reduction loop is unrolled this far).
+MAX_SPLIT_K = 32
+#: Counters in a device's split-K table: (tile, rank block) pairs of one launch. Split-K launches
+#: have a small grid (fewer tiles x blocks than the GPU has programs), far below this.
+LOCK_TABLE_SIZE = 1 << 15
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
-@triton.jit(do_not_specialize=["num_active", "k_per_split"])
+@triton.jit(do_not_specialize=["num_active", "k_per_split", "T"])
 def _shrink_kernel(
-    x_ptr, a_ptr, scales_ptr, ranks_ptr, buf_ptr,
+    x_ptr, a_ptr, scales_ptr, ranks_ptr, buf_ptr, part_ptr, lock_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
-    H, NR, R, k_per_split,
+    T, H, NR, R, k_per_split,
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn, stride_bm, stride_bn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_PAD: tl.constexpr,
-    HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, ATOMIC: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
     n_blocks = tl.cdiv(NR, BLOCK_N)
-    pid_m = pid // n_blocks
-    pid_n = pid % n_blocks
+    per_tile = n_blocks * SPLIT_K
+    pid_m = pid // per_tile  # tile-major: programs with work come first
+    pid_n = (pid % per_tile) // SPLIT_K
+    pid_k = pid % SPLIT_K
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()  # x (and the meta) come from earlier kernels
+        tl.extra.cuda.gdc_launch_dependents()
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
+    if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
+        return
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < NR
+    n_in = offs_n < NR
+    n_mask = n_in
     if HAS_RANKS:
         rank = tl.load(ranks_ptr + slot)
         n_mask = n_mask & ((offs_n % R) < rank)
-    # whole block past the slot's rank, or a tile past the batch's last one: no loads
-    n_live = (tl.max(n_mask.to(tl.int32), 0) > 0) & (count > m0)
+    out_mask = m_mask[:, None] & n_in[None, :]
+    buf_ptrs = buf_ptr + tok[:, None] * stride_bm + offs_n[None, :] * stride_bn
+    if tl.max(n_mask.to(tl.int32), 0) == 0:
+        # the whole block is past the slot's rank (every split sees the same): split 0 stores the
+        # zeros, nobody touches the counter
+        if pid_k == 0:
+            tl.store(buf_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=out_mask)
+        return
 
     slot64 = slot.to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per_split, H)
-    k_hi = tl.where(n_live, k_hi, k_lo)
     offs_k = tl.arange(0, BLOCK_K)
     # x: [T, H] gathered rows; A[slot]: [NR, H]
     x_ptrs = x_ptr + tok[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
@@ -69,15 +105,24 @@ def _shrink_kernel(
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
 
-    sc = tl.load(scales_ptr + slot64 * stride_ss + (offs_n // R) * stride_sn, mask=offs_n < NR, other=0.0)
-    acc = acc * sc[None, :]
-    out_ptrs = buf_ptr + tok[:, None] * stride_bm + offs_n[None, :] * stride_bn
-    out_mask = m_mask[:, None] & (offs_n < NR)[None, :]
-    if ATOMIC:
-        # buf was zeroed: columns past the slot's rank need no atomics
-        tl.atomic_add(out_ptrs, acc, mask=m_mask[:, None] & n_mask[None, :], sem="relaxed")
+    sc = tl.load(scales_ptr + slot64 * stride_ss + (offs_n // R) * stride_sn, mask=n_in, other=0.0)
+    acc = acc * sc[None, :]  # columns past the rank are exact zeros (A masked)
+    if SPLIT_K == 1:
+        tl.store(buf_ptrs, acc, mask=out_mask)
     else:
-        tl.store(out_ptrs, acc, mask=out_mask)  # columns past the rank get exact zeros
+        # partials: [SPLIT_K, T, NR] float32, contiguous; rows of this tile's tokens only
+        part_off = tok[:, None] * NR + offs_n[None, :]
+        tl.store(part_ptr + pid_k * T * NR + part_off, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the release below
+        lock = lock_ptr + pid_m * n_blocks + pid_n
+        arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:  # the last split of this (tile, block): reduce, in split order
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                # .cg: read from L2, where the other programs' partials are (never a stale L1 line)
+                total += tl.load(part_ptr + s * T * NR + part_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            tl.store(buf_ptrs, total, mask=out_mask)
+            tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # leave the table zero for the next launch
 
 
 @dataclass(frozen=True)
@@ -91,7 +136,8 @@ class ShrinkConfig:
 
 
 def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device) -> ShrinkConfig:
-    """Heuristic launch shape, cached on the meta (every layer of a step reuses it).
+    """Heuristic launch shape, cached on the meta (every layer of a step reuses it); a static meta
+    gets `static_shrink_config`.
 
     Weights dominate the bytes (decode: few tokens per slot): narrow rank blocks spread the
     weights over programs. Activations dominate (prefill): 64-wide rank blocks, whose programs
@@ -101,6 +147,10 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     key = ("shrink", NR, H, dtype, device)
     cfg = meta._cache.get(key)
     if cfg is not None:
+        return cfg
+    if meta.static:
+        cfg = static_shrink_config(meta.num_tokens, NR, H, dtype, device)
+        meta._cache[key] = cfg
         return cfg
     target = target_programs(device)
     block_m = block_m_for(meta)
@@ -115,13 +165,94 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     if dtype == torch.float32:
         block_k //= 2
     base = n_tiles * cdiv(NR, block_n)
-    split_k = 1
-    if base < target:  # each split keeps >= 2 K-steps
-        split_k = max(1, min(target // base, cdiv(H, block_k) // 2))
+    split_k = _split_for(base, target, H, block_k)
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
     cfg = ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, num_stages)
     meta._cache[key] = cfg
     return cfg
+
+
+def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, device: torch.device) -> ShrinkConfig:
+    """Launch shape for a static meta: a function of T and the module's shape only.
+
+    The grid holds the worst-case tile count (T tokens over min(S, T) slots); its split count is
+    chosen for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that needs K split
+    most. Many adapters then fill the same grid with more real tiles, each reading its own
+    adapter's weights: more programs, each as short as in the one-adapter case.
+    """
+    return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device))
+
+
+@functools.lru_cache(maxsize=1024)
+def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, target: int) -> ShrinkConfig:
+    block_m = static_block_m(num_tokens)
+    np2 = min(max(16, next_pow2(NR)), 256)
+    if num_tokens <= 256:  # decode: the weights dominate whatever the mix
+        block_n, block_k = 16, 128
+    else:
+        block_n, block_k = min(np2, 64), 64
+    if dtype == torch.float32:
+        block_k //= 2
+    one_adapter_tiles = max(1, cdiv(num_tokens, block_m))
+    split_k = _split_for(one_adapter_tiles * cdiv(NR, block_n), target, H, block_k)
+    num_warps = 8 if block_m * block_n >= 64 * 128 else 4
+    return ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, 4)
+
+
+def _split_for(programs: int, target: int, H: int, block_k: int) -> int:
+    """K splits that bring `programs` up to `target`, each split keeping >= 2 K-steps."""
+    if programs >= target:
+        return 1
+    return max(1, min(target // programs, cdiv(H, block_k) // 2, MAX_SPLIT_K))
+
+
+@dataclass(frozen=True)
+class ShrinkLaunch:
+    """What one shrink launch runs: its shape, its grid and the K range of each split."""
+
+    config: ShrinkConfig
+    grid: tuple[int]
+    n_tiles: int  # tiles in the grid (for a static meta: the bound over every mapping)
+    split_k: int  # splits that cover K (<= config.split_k: empty splits are dropped)
+    k_per_split: int
+
+
+def shrink_launch(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device,
+                  config: ShrinkConfig | None = None) -> ShrinkLaunch:
+    """The launch `lora_shrink_triton` makes for this meta and module shape. For a static meta
+    it depends on (T, S, NR, H, dtype, device) only: tests compare it across mappings."""
+    cfg = config or shrink_config(meta, NR, H, dtype, device)
+    n_tiles = meta.num_tiles(cfg.block_m)
+    k_chunks = cdiv(max(H, 1), cfg.block_k)
+    k_per_split = cdiv(k_chunks, max(1, min(cfg.split_k, MAX_SPLIT_K))) * cfg.block_k
+    split_k = cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
+    if n_tiles * cdiv(NR, cfg.block_n) > LOCK_TABLE_SIZE:  # more counters than the table: no split
+        split_k, k_per_split = 1, k_chunks * cfg.block_k
+    grid = (n_tiles * cdiv(NR, cfg.block_n) * split_k,)
+    return ShrinkLaunch(cfg, grid, n_tiles, split_k, k_per_split)
+
+
+def _scratch(*shape: int, device: torch.device) -> torch.Tensor:
+    """Uninitialised float32 scratch (its own function so tests can hand out poisoned memory)."""
+    return torch.empty(shape, dtype=torch.float32, device=device)
+
+
+_LOCK_TABLES: dict = {}
+
+
+def _lock_table(device: torch.device) -> torch.Tensor:
+    """The device's split-K counters: zeroed once here, left zero by every launch."""
+    table = _LOCK_TABLES.get(device)
+    if table is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "lora_shrink: the split-K counter table of this device is made on the first launch, and "
+                "this first launch is inside a CUDA graph capture; run the step once before capturing "
+                "(a warm-up also compiles the kernels)"
+            )
+        table = torch.zeros(LOCK_TABLE_SIZE, dtype=torch.int32, device=device)
+        _LOCK_TABLES[device] = table
+    return table
 
 
 def lora_shrink_triton(
@@ -134,37 +265,39 @@ def lora_shrink_triton(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton shrink; same contract as `loramux.kernels.lora_shrink`. `config` overrides the
-    heuristic launch shape (tests and benchmarks); `out` ([T, n_slices*R] float32) receives buf."""
+    heuristic launch shape (tests and benchmarks); `out` ([T, n_slices*R] float32) receives buf.
+    Neither buf nor any scratch is zeroed: every launch is a single kernel."""
     n_slices, R = check_shrink(x, lora_a, scales, meta, ranks)
     T, H = x.shape
     NR = n_slices * R
-    cfg = config or shrink_config(meta, NR, H, x.dtype, x.device)
-    n_tiles = meta.num_tiles(cfg.block_m)
-    k_chunks = cdiv(max(H, 1), cfg.block_k)
-    k_per_split = cdiv(k_chunks, cfg.split_k) * cfg.block_k
-    split_k = cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
-    atomic = split_k > 1
     if out is None:
-        buf = (torch.zeros if atomic else torch.empty)(T, NR, dtype=torch.float32, device=x.device)  # [T, NR]
+        buf = _scratch(T, NR, device=x.device)  # [T, NR]
     else:
         if out.shape != (T, NR) or out.dtype != torch.float32 or out.device != x.device:
             raise ValueError(f"lora_shrink: out must be a float32 [{T}, {NR}] tensor on {x.device}, "
                              f"got {out.dtype} {tuple(out.shape)} on {out.device}")
         buf = out
-        if atomic:
-            buf.zero_()
-    if n_tiles == 0 or NR == 0:
+    if NR == 0 or T == 0:
         return buf
-    grid = (n_tiles * cdiv(NR, cfg.block_n), split_k)
+    launch = shrink_launch(meta, NR, H, x.dtype, x.device, config)
+    if launch.n_tiles == 0:
+        return buf
+    cfg = launch.config
+    if launch.split_k > 1:
+        parts = _scratch(launch.split_k, T, NR, device=x.device)  # [SPLIT, T, NR], never cleared
+        locks = _lock_table(x.device)
+    else:
+        parts = locks = buf  # unused
     sx, sa, ss, sb = x.stride(), lora_a.stride(), scales.stride(), buf.stride()
-    _shrink_kernel[grid](
-        x, lora_a, scales, ranks if ranks is not None else scales, buf,
+    pdl = launch_options(x.device)
+    _shrink_kernel[launch.grid](
+        x, lora_a, scales, ranks if ranks is not None else scales, buf, parts, locks,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
-        H, NR, R, k_per_split,
+        T, H, NR, R, launch.k_per_split,
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, A_PAD=max(32, next_pow2(meta.num_slots)),
-        HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
-        ATOMIC=atomic, PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
+        A_PAD=max(32, next_pow2(meta.num_slots)), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
+        PRECISION=dot_precision(x.dtype), USE_PDL=bool(pdl),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
     )
     return buf

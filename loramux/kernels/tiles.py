@@ -1,4 +1,15 @@
-"""Shared Triton helpers and launch heuristics for the segmented (SGMV) kernels."""
+"""Shared Triton helpers and launch heuristics for the segmented (SGMV) kernels.
+
+Launch grids are linear and tile-major: program ``pid`` serves tile ``pid // per_tile``. Tiles
+are numbered slot after slot (active slots first), so the programs with work have the lowest
+ids and are dispatched first; the programs of a grid sized from a bound (a static meta) that
+find no tile exit after one round of loads, while the real ones run.
+
+Programmatic dependent launch (PDL) is off by default; ``LORAMUX_TRITON_PDL=1`` turns it on (for
+measuring it: benchmarks/lora_decode.py --pdl). Each kernel then waits for its predecessor
+(``gdc_wait``) before its first load and lets its successor launch at once, so the launch and
+the prologue overlap the previous kernel's tail.
+"""
 
 from __future__ import annotations
 
@@ -20,22 +31,25 @@ def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
     Each active slot's segment is cut into ceil(count / BLOCK_M) tiles; tiles are numbered slot
     after slot. Found with one vector load and a prefix sum, so no per-tile-size table is needed.
 
+    The three slot vectors are loaded side by side (one round trip, not two dependent ones).
     A tile past the last real one (a grid sized from a bound, as for a CUDA graph, rather than
     from this batch's counts) finds `a` = A_PAD, past the end of the slot vectors: it gets count 0
-    and slot/start 0 without reading them (`a < num_active` masks the loads), and the callers skip
-    its work (`count <= m0`). The vectors need no padding past num_active entries.
+    and slot/start 0, and the callers exit (`count <= m0`). Loads are masked by num_active, so the
+    vectors need no padding past num_active entries.
     """
     a_idx = tl.arange(0, A_PAD)
-    cnt = tl.load(counts_ptr + a_idx, mask=a_idx < num_active, other=0)  # [A_PAD]
+    real = a_idx < num_active
+    cnt = tl.load(counts_ptr + a_idx, mask=real, other=0)  # [A_PAD]
+    sts = tl.load(starts_ptr + a_idx, mask=real, other=0)
+    sls = tl.load(slots_ptr + a_idx, mask=real, other=0)
     ntile = (cnt + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(ntile, 0)  # inclusive
     a = tl.sum((cum <= pid_m).to(tl.int32), 0)
     sel = a_idx == a
     first_tile = tl.sum(tl.where(sel, cum - ntile, 0), 0)
     count = tl.sum(tl.where(sel, cnt, 0), 0)
-    real = a < num_active
-    slot = tl.load(slots_ptr + a, mask=real, other=0)
-    start = tl.load(starts_ptr + a, mask=real, other=0)
+    slot = tl.sum(tl.where(sel, sls, 0), 0)
+    start = tl.sum(tl.where(sel, sts, 0), 0)
     return slot, start, count, (pid_m - first_tile) * BLOCK_M
 
 
@@ -64,6 +78,34 @@ def target_programs(device: torch.device) -> int:
     if device.type != "cuda" or interpreting():
         return 4
     return 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch: only where asked for (LORAMUX_TRITON_PDL=1), on CUDA
+    devices of compute capability 9.0 or later, never under the interpreter."""
+    if os.environ.get("LORAMUX_TRITON_PDL", "0") in ("", "0") or device.type != "cuda" or interpreting():
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def launch_options(device: torch.device) -> dict:
+    """Extra launch kwargs (``launch_pdl`` only when PDL is on, so Triton versions without it work)."""
+    return {"launch_pdl": True} if pdl_enabled(device) else {}
+
+
+def static_block_m(num_tokens: int) -> int:
+    """Tile height of a static meta: from T alone (the one-adapter case has segments of T tokens,
+    the many-adapter case segments of a few; 16-row tiles serve both at decode)."""
+    if num_tokens <= 128:
+        return 16
+    if num_tokens <= 1024:
+        return 32
+    return 64
 
 
 def block_m_for(meta: LoRABatchMeta) -> int:

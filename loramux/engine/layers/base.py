@@ -22,8 +22,12 @@ import torch
 from torch import nn
 
 from loramux.engine.layers.context import LoRAContext
+<<<<<<< HEAD
 from loramux.engine.layers.lora_op import register_layer
 from loramux.kernels import LoRABatchMeta, lora_expand, lora_shrink
+=======
+from loramux.kernels import LoRABatchMeta, lora_apply
+>>>>>>> wt-lorakern
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
 __all__ = ["BaseLayerWithLoRA"]
@@ -235,8 +239,8 @@ class BaseLayerWithLoRA(nn.Module):
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
         """``y [T, out] += delta``, in place, for activations ``x [..., in_features]``."""
         x = x.reshape(-1, self.in_features).to(self.lora_a_stacked.dtype)  # [T, in]
-        buf = lora_shrink(x, self.lora_a_stacked, self.lora_scales, meta, self.lora_ranks)  # [T, n*R] f32
-        lora_expand(y, buf, self.lora_b_stacked, self.output_sizes, meta, self.lora_ranks)
+        lora_apply(y, x, self.lora_a_stacked, self.lora_b_stacked, self.lora_scales, self.lora_ranks,
+                   self.output_sizes, meta)
 
 
 def _async(source: torch.Tensor, target: torch.Tensor) -> bool:

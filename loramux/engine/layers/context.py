@@ -38,13 +38,14 @@ class LoRAContext:
         token_slots: torch.Tensor | None,
         logits_slots: torch.Tensor | None = None,
         *,
-        max_active: int | None = None,
+        static: bool = False,
     ) -> None:
         """Build the metadata for the next forward; ``None`` means no adapter for any token.
 
-        ``max_active``: a static meta for CUDA-graph capture (no host sync; at most that many
-        distinct slots), see `build_lora_meta`. Layers then launch their kernels whatever the slots'
-        ranks, since the graph replays with other adapters than those present at capture.
+        ``static``: a static meta for CUDA-graph capture (no host sync; launch grids from the
+        token count and the number of slots only, so the graph replays for any mix of adapters),
+        see `build_lora_meta`. Layers then launch their kernels whatever the slots' ranks, since
+        the graph replays with other adapters than those present at capture.
         """
         self._derived = {}
         self._logits_meta = None
@@ -52,9 +53,9 @@ class LoRAContext:
             self.token_slots = self.meta = None
             return
         self.token_slots = token_slots
-        self.meta = build_lora_meta(token_slots, self.num_slots, max_active=max_active)
+        self.meta = build_lora_meta(token_slots, self.num_slots, static=static)
         if logits_slots is not None:
-            self._logits_meta = build_lora_meta(logits_slots, self.num_slots, max_active=max_active)
+            self._logits_meta = build_lora_meta(logits_slots, self.num_slots, static=static)
 
     def meta_for(self, rows_shape: tuple[int, ...]) -> LoRABatchMeta | None:
         """The metadata for a layer input whose leading (non-feature) dims are ``rows_shape``."""
@@ -84,7 +85,6 @@ class LoRAContext:
                 "per row of the logits when the model computes them on a subset of tokens"
             )
         # token_slots: [B, S] -> the last `keep` positions of every row, as HF's logits_to_keep
-        max_active = min(self.meta.num_active, self.num_slots) if self.meta.static else None
         return build_lora_meta(
-            self.token_slots.reshape(batch, -1)[:, -keep:].reshape(-1), self.num_slots, max_active=max_active
+            self.token_slots.reshape(batch, -1)[:, -keep:].reshape(-1), self.num_slots, static=self.meta.static
         )

@@ -1,0 +1,196 @@
+"""Multi-LoRA expand (Triton): y[:, slice_i] += buf[:, slice_i ranks] @ B[slot, slice_i].T for every
+slice of a packed module in one launch.
+
+Grid: tiles x column chunks. A tile is up to BLOCK_M tokens of one slot's segment; a chunk is
+`group` blocks of BLOCK_N columns inside one slice. A program loads its buf tile once (the whole
+rank), then walks its chunk block by block with the next blocks' y and B already in flight
+(async copies, `num_stages` deep), so y streams through at memory speed. Rows of tokens without
+an adapter are never touched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import check_expand
+from .metadata import LoRABatchMeta
+from .tiles import block_m_for, cdiv, dot_precision, next_pow2, segment_tile, target_programs
+
+
+# token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
+@triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group"])
+def _expand_kernel(
+    y_ptr, buf_ptr, b_ptr, ranks_ptr, slice_tab_ptr,
+    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
+    n_slices, R, n_units, group,
+    stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
+    HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
+    W_VEC: tl.constexpr, STAGES: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_m = pid // n_units
+    unit = pid % n_units
+    slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
+
+    # slice table: [2, SL_PAD] int32 = (sizes, offsets); find this unit's slice and chunk
+    chunk = BLOCK_N * group
+    s_idx = tl.arange(0, SL_PAD)
+    sizes = tl.load(slice_tab_ptr + s_idx, mask=s_idx < n_slices, other=0)
+    offsets = tl.load(slice_tab_ptr + SL_PAD + s_idx, mask=s_idx < n_slices, other=0)
+    n_chunks = (sizes + chunk - 1) // chunk
+    cum = tl.cumsum(n_chunks, 0)
+    i = tl.sum((cum <= unit).to(tl.int32), 0)
+    sel = s_idx == i
+    c0 = (unit - tl.sum(tl.where(sel, cum - n_chunks, 0), 0)) * chunk  # first column in the slice
+    n_i = tl.sum(tl.where(sel, sizes, 0), 0)
+    off_i = tl.sum(tl.where(sel, offsets, 0), 0)
+    if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
+        off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
+    n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
+    n_blocks = tl.where(count > m0, n_blocks, 0)  # a tile past the batch's last one: no loads
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+    rank = R
+    if HAS_RANKS:
+        rank = tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
+    offs_r = tl.arange(0, BLOCK_R)
+    # buf: [T, n_slices*R] f32, slice i at columns i*R; loaded once, reused for every block
+    hb = tl.load(buf_ptr + tok[:, None] * stride_bm + (i * R + offs_r)[None, :] * stride_bk,
+                 mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)  # [BM, BR]
+    if W_VEC > 1:
+        # B's columns past a slot's rank are zero padding, so reading whole 16-byte vectors is
+        # exact; a mask the compiler can prove vector-uniform lets it pipeline B's loads
+        rank = ((rank + W_VEC - 1) // W_VEC) * W_VEC
+    r_mask = offs_r < rank
+    if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
+        hb = hb.to(b_ptr.dtype.element_ty)
+
+    n_end = tl.minimum(n_i, c0 + chunk)  # this program's columns: [c0, n_end) of slice i
+    if Y_VEC > 1:  # a no-op that proves the column mask uniform per vector, so y's loads pipeline
+        n_end = (n_end // Y_VEC) * Y_VEC
+    n_loc = c0 + tl.arange(0, BLOCK_N)  # [BN] columns of this block within the slice
+    # B[slot]: [N, R]; y: [T, N] gathered rows
+    w_ptrs = (b_ptr + slot.to(tl.int64) * stride_ws + (off_i + n_loc)[:, None] * stride_wn
+              + offs_r[None, :] * stride_wk)
+    y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
+    # an explicit pipeline depth makes the compiler stream y (not only B) through shared memory
+    # with async copies, several blocks ahead
+    for j in tl.range(0, n_blocks, num_stages=STAGES):
+        n_mask = n_loc < n_end
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BN, BR]
+        if CAST_BUF:
+            acc = tl.dot(hb, tl.trans(w))
+        else:
+            acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
+        yt = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BM, BN]
+        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+        n_loc += BLOCK_N
+        w_ptrs += BLOCK_N * stride_wn
+        y_ptrs += BLOCK_N * stride_yn
+
+
+@dataclass(frozen=True)
+class ExpandConfig:
+    block_m: int
+    block_n: int
+    group: int  # column blocks per program
+    num_warps: int
+    num_stages: int
+    cast_buf: bool = True  # 16-bit y: buf rounded to the weights' dtype for the product (PEFT does)
+
+
+def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
+                  device: torch.device) -> ExpandConfig:
+    """Heuristic launch shape, cached on the meta. 64-column blocks; shorter tiles for small ranks
+    (buf rows are cheap) and taller ones for large ranks (fewer re-reads of B from L2); several
+    blocks per program once the grid is more than twice the GPU (prefill), one otherwise (decode)."""
+    key = ("expand", slice_sizes, R, dtype, device)
+    cfg = meta._cache.get(key)
+    if cfg is not None:
+        return cfg
+    block_m = min(block_m_for(meta), 32 if R <= 32 else 64)
+    n_tiles = max(1, meta.num_tiles(block_m))
+    target = target_programs(device)
+    block_n = 64
+    while block_n > 32 and n_tiles * sum(cdiv(n, block_n) for n in slice_sizes) < target:
+        block_n //= 2
+    group = 1
+    while group < 8 and n_tiles * sum(cdiv(n, block_n * group * 2) for n in slice_sizes) >= 2 * target:
+        group *= 2
+    cfg = ExpandConfig(block_m, block_n, group, num_warps=4, num_stages=3 if group > 1 else 2)
+    meta._cache[key] = cfg
+    return cfg
+
+
+_SLICE_TABLES: dict = {}
+
+
+def _slice_table(slice_sizes: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, int, tuple[int, ...]]:
+    """(table, pad, offsets): table is [2, pad] int32 flat, slice sizes then offsets; one per
+    module shape and device, made once per process."""
+    key = (slice_sizes, device)
+    hit = _SLICE_TABLES.get(key)
+    if hit is None:
+        pad = max(2, next_pow2(len(slice_sizes)))
+        offs = [0]
+        for n in slice_sizes[:-1]:
+            offs.append(offs[-1] + n)
+        tab = [0] * (2 * pad)
+        tab[: len(slice_sizes)] = slice_sizes
+        tab[pad : pad + len(slice_sizes)] = offs
+        hit = (torch.tensor(tab, dtype=torch.int32, device=device), pad, tuple(offs))  # tab: [2, pad] flat
+        _SLICE_TABLES[key] = hit
+    return hit
+
+
+def lora_expand_triton(
+    y: torch.Tensor,
+    buf: torch.Tensor,
+    lora_b: torch.Tensor,
+    slice_sizes: tuple[int, ...],
+    meta: LoRABatchMeta,
+    ranks: torch.Tensor | None = None,
+    config: ExpandConfig | None = None,
+) -> None:
+    """Triton expand; same contract as `loramux.kernels.lora_expand`. `config` overrides the
+    heuristic launch shape (tests and benchmarks)."""
+    slice_sizes = tuple(slice_sizes)
+    n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks)
+    cfg = config or expand_config(meta, slice_sizes, R, y.dtype, y.device)
+    n_tiles = meta.num_tiles(cfg.block_m)
+    if n_tiles == 0 or R == 0:
+        return
+    key = ("expand_launch", slice_sizes, cfg, y.device)
+    plan = meta._cache.get(key)
+    if plan is None:  # per step and module shape: slice table and work units
+        tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
+        plan = (tab, sl_pad, sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes))
+        meta._cache[key] = plan
+    tab, sl_pad, n_units = plan
+    sy, sb, sw = y.stride(), buf.stride(), lora_b.stride()
+    vec = 16 // y.element_size()  # 16-byte vectors of y: aligned base, rows and slices
+    y_vec = vec if (sy[1] == 1 and sy[0] % vec == 0 and y.data_ptr() % 16 == 0
+                    and all(n % vec == 0 for n in slice_sizes)) else 1
+    w_vec = 16 // lora_b.element_size()
+    w_vec = w_vec if (sw[2] == 1 and R % w_vec == 0) else 1
+    _expand_kernel[(n_tiles * n_units,)](
+        y, buf, lora_b, ranks if ranks is not None else tab, tab,
+        meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
+        n_slices, R, n_units, cfg.group,
+        sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2],
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
+        A_PAD=max(32, next_pow2(meta.num_slots)), SL_PAD=sl_pad,
+        HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
+        PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,209 @@
+"""Per-step LoRA batch metadata: tokens grouped into segments by slot, built once per forward.
+
+Every LoRA layer of one forward pass shares one `LoRABatchMeta`. Building it costs one
+device->host copy (the per-slot counts); the kernels themselves never synchronise.
+
+``build_lora_meta(..., max_active=A)`` builds a *static* meta instead, for CUDA-graph capture:
+no host sync, and host values that bound every batch of ``T`` tokens over at most ``A`` distinct
+slots (the launch grids are sized for the worst case; the tiles past the real ones find a
+zero-token segment and store nothing). Built inside the capture, its device tensors are
+recomputed from ``token_slots`` on every replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["LoRABatchMeta", "build_lora_meta"]
+
+
+@dataclass(frozen=True, eq=False)
+class LoRABatchMeta:
+    """Tokens of one batch segmented by adapter slot (Punica's SGMV layout).
+
+    Device tensors (on the device of `token_slots`):
+      token_slots:       [T] int32, slot per token, -1 = no adapter
+      sorted_token_ids:  [T] int32, token indices grouped by slot (ascending slot, stable);
+                         the `num_lora_tokens` tokens with a slot come first, -1 tokens last
+      active_slots:      [S] int32, slots with at least one token first (ascending), then the rest
+      active_counts:     [S] int32, tokens of each entry of `active_slots` (0 past `num_active`)
+      active_starts:     [S] int32, offset of each active slot's segment in `sorted_token_ids`
+    Host values (read with the build's single sync):
+      num_tokens, num_slots, num_active, num_lora_tokens, max_segment,
+      active_slots_host / active_counts_host / active_starts_host: tuples of length num_active.
+    A static meta (``static=True``, from ``build_lora_meta(..., max_active=A)``) has no exact host
+    layout: ``num_active = min(A, T)`` and ``active_counts_host`` is a worst case whose tile count
+    bounds the real one for every tile height (``active_slots_host``/``active_starts_host`` are
+    empty); its device arrays are padded past the kernels' slot vector with a valid slot.
+    """
+
+    token_slots: torch.Tensor
+    sorted_token_ids: torch.Tensor
+    active_slots: torch.Tensor
+    active_counts: torch.Tensor
+    active_starts: torch.Tensor
+    num_tokens: int
+    num_slots: int
+    num_active: int
+    num_lora_tokens: int
+    max_segment: int
+    active_slots_host: tuple[int, ...]
+    active_counts_host: tuple[int, ...]
+    active_starts_host: tuple[int, ...]
+    static: bool = False
+    # per-launcher caches keyed by tile height (tile counts); filled lazily, host-only
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.token_slots.device
+
+    def num_tiles(self, block_m: int) -> int:
+        """Number of [block_m]-token tiles when every slot's segment is tiled separately."""
+        key = ("tiles", block_m)
+        n = self._cache.get(key)
+        if n is None:
+            n = sum((c + block_m - 1) // block_m for c in self.active_counts_host)
+            self._cache[key] = n
+        return n
+
+    def segments(self):
+        """(slot, token_ids) per active slot; token_ids: [n] int64, a slice of the sorted ids.
+        Cached: the reference path calls it for every layer."""
+        if self.static:
+            raise ValueError("a static LoRABatchMeta (built for CUDA graphs) has no host segments; "
+                             "use the Triton kernels with it")
+        key = "segments"
+        segs = self._cache.get(key)
+        if segs is None:
+            ids = self.sorted_token_ids.long()
+            segs = tuple(
+                (s, ids[st : st + c])
+                for s, st, c in zip(self.active_slots_host, self.active_starts_host, self.active_counts_host)
+            )
+            self._cache[key] = segs
+        return segs
+
+
+def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, max_active: int | None = None) -> LoRABatchMeta:
+    """Group the tokens of one batch by adapter slot.
+
+    token_slots: [T] integer, slot index per token in [0, num_slots), -1 = no adapter.
+    One device->host copy (the per-slot counts); everything else stays on token_slots' device.
+    max_active: build a static meta (no host sync, capture-safe) for batches whose tokens use
+    at most this many distinct slots; the caller guarantees the bound and valid slots.
+    """
+    if not isinstance(token_slots, torch.Tensor):
+        raise ValueError(f"build_lora_meta: token_slots must be a torch.Tensor, got {type(token_slots).__name__}")
+    if token_slots.dim() != 1:
+        raise ValueError(f"build_lora_meta: token_slots must be 1-D [T], got shape {tuple(token_slots.shape)}")
+    if token_slots.dtype.is_floating_point or token_slots.dtype.is_complex or token_slots.dtype == torch.bool:
+        raise ValueError(f"build_lora_meta: token_slots must be an integer tensor, got {token_slots.dtype}")
+    if not isinstance(num_slots, int) or num_slots < 1:
+        raise ValueError(f"build_lora_meta: num_slots must be a positive int, got {num_slots!r}")
+
+    if max_active is not None:
+        if not isinstance(max_active, int) or max_active < 1:
+            raise ValueError(f"build_lora_meta: max_active must be a positive int, got {max_active!r}")
+        return _build_static_meta(token_slots, num_slots, max_active)
+
+    T = token_slots.numel()
+    slots = token_slots.to(torch.int64)
+    # key: [T], -1 -> num_slots so that tokens without an adapter sort last
+    key = torch.where(slots < 0, torch.full_like(slots, num_slots), slots)
+    # counts: [S + 2]; the last bin catches out-of-range slots so they can be reported
+    bad = (slots < -1) | (slots >= num_slots)
+    key_checked = torch.where(bad, torch.full_like(slots, num_slots + 1), key)
+    counts_all = torch.bincount(key_checked, minlength=num_slots + 2)
+    sorted_token_ids = torch.argsort(key, stable=True).to(torch.int32)
+    counts = counts_all[:num_slots]
+    starts = torch.cumsum(counts, 0) - counts
+    # active slots first, ascending (stable sort on "is empty")
+    order = torch.argsort((counts == 0).to(torch.int8), stable=True)
+    active_slots = order.to(torch.int32)
+    active_counts = counts[order].to(torch.int32)
+    active_starts = starts[order].to(torch.int32)
+
+    counts_host = counts_all.tolist()  # the one host sync
+    if counts_host[num_slots + 1]:
+        raise ValueError(
+            f"build_lora_meta: {counts_host[num_slots + 1]} token slot(s) outside [-1, {num_slots}); "
+            f"token_slots must hold -1 or a slot index below num_slots={num_slots}"
+        )
+    act = [(s, c) for s, c in enumerate(counts_host[:num_slots]) if c > 0]
+    slots_h = tuple(s for s, _ in act)
+    counts_h = tuple(c for _, c in act)
+    starts_h, acc = [], 0
+    for c in counts_host[:num_slots]:
+        if c > 0:
+            starts_h.append(acc)
+        acc += c
+    return LoRABatchMeta(
+        token_slots=token_slots.to(torch.int32),
+        sorted_token_ids=sorted_token_ids,
+        active_slots=active_slots,
+        active_counts=active_counts,
+        active_starts=active_starts,
+        num_tokens=T,
+        num_slots=num_slots,
+        num_active=len(act),
+        num_lora_tokens=sum(counts_h),
+        max_segment=max(counts_h, default=0),
+        active_slots_host=slots_h,
+        active_counts_host=counts_h,
+        active_starts_host=tuple(starts_h),
+    )
+
+
+def _slot_vector_pad(num_slots: int) -> int:
+    # the kernels read their slot vector with A_PAD = max(32, next_pow2(num_slots)) lanes and, for
+    # a tile past the last real one, index A_PAD itself; keep that entry (and a margin) valid
+    return 2 * max(32, 1 << max(0, (num_slots - 1).bit_length())) + 1
+
+
+def _build_static_meta(token_slots: torch.Tensor, num_slots: int, max_active: int) -> LoRABatchMeta:
+    """The layout of build_lora_meta without a host sync (no bincount, no sort): counts by
+    scatter-add, each token's place in its segment by a one-hot prefix sum."""
+    T, S, device = token_slots.numel(), num_slots, token_slots.device
+    slots = token_slots.to(torch.int64)
+    key = torch.where((slots < 0) | (slots >= S), torch.full_like(slots, S), slots)  # [T], S = none
+    onehot = (key[:, None] == torch.arange(S + 1, device=device)[None, :]).to(torch.int32)  # [T, S+1]
+    counts_all = onehot.sum(0)  # [S+1]
+    starts_all = torch.cumsum(counts_all, 0) - counts_all
+    within = (torch.cumsum(onehot, 0) * onehot).sum(1) - 1  # [T] rank of each token in its segment
+    dest = starts_all[key] + within
+    sorted_token_ids = torch.empty(T, dtype=torch.int32, device=device)
+    sorted_token_ids.scatter_(0, dest, torch.arange(T, dtype=torch.int32, device=device))
+    counts, starts = counts_all[:S], starts_all[:S]
+    # active slots first (ascending), then the rest: each slot's place without a sort
+    used = (counts > 0).to(torch.int64)
+    place = torch.where(used > 0, torch.cumsum(used, 0) - used, used.sum() + torch.cumsum(1 - used, 0) - (1 - used))
+    order = torch.empty(S, dtype=torch.int64, device=device).scatter_(0, place, torch.arange(S, device=device))
+    pad = _slot_vector_pad(S)
+    active_slots = order[:1].to(torch.int32).repeat(pad)  # past S: the first active slot (hot in cache)
+    active_slots[:S] = order.to(torch.int32)
+    active_counts = torch.zeros(pad, dtype=torch.int32, device=device)
+    active_counts[:S] = counts[order].to(torch.int32)
+    active_starts = torch.zeros(pad, dtype=torch.int32, device=device)
+    active_starts[:S] = starts[order].to(torch.int32)
+    a = min(max_active, S, T) if T else 0
+    # worst case over batches of T tokens on <= a slots: a + (T - a) // m tiles of height m
+    counts_h = (1,) * (a - 1) + (T - a + 1,) if a else ()
+    return LoRABatchMeta(
+        token_slots=token_slots.to(torch.int32),
+        sorted_token_ids=sorted_token_ids,
+        active_slots=active_slots,
+        active_counts=active_counts,
+        active_starts=active_starts,
+        num_tokens=T,
+        num_slots=S,
+        num_active=a,
+        num_lora_tokens=T,
+        max_segment=max(counts_h, default=0),
+        active_slots_host=(),
+        active_counts_host=counts_h,
+        active_starts_host=(),
+        static=True,
+    )

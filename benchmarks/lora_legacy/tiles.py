@@ -1,0 +1,81 @@
+"""Shared Triton helpers and launch heuristics for the segmented (SGMV) kernels."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .metadata import LoRABatchMeta
+
+
+@triton.jit
+def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
+                 BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
+    """Map tile index pid_m to (slot, segment start, segment length, first row in segment).
+
+    Each active slot's segment is cut into ceil(count / BLOCK_M) tiles; tiles are numbered slot
+    after slot. Found with one vector load and a prefix sum, so no per-tile-size table is needed.
+
+    A tile past the last real one (a grid sized from a bound, as for a CUDA graph, rather than
+    from this batch's counts) finds `a` = A_PAD, past the end of the slot vectors: it gets count 0
+    and slot/start 0 without reading them (`a < num_active` masks the loads), and the callers skip
+    its work (`count <= m0`). The vectors need no padding past num_active entries.
+    """
+    a_idx = tl.arange(0, A_PAD)
+    cnt = tl.load(counts_ptr + a_idx, mask=a_idx < num_active, other=0)  # [A_PAD]
+    ntile = (cnt + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(ntile, 0)  # inclusive
+    a = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    sel = a_idx == a
+    first_tile = tl.sum(tl.where(sel, cum - ntile, 0), 0)
+    count = tl.sum(tl.where(sel, cnt, 0), 0)
+    real = a < num_active
+    slot = tl.load(slots_ptr + a, mask=real, other=0)
+    start = tl.load(starts_ptr + a, mask=real, other=0)
+    return slot, start, count, (pid_m - first_tile) * BLOCK_M
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a JIT wrapper: ~2 us a call on the host
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def target_programs(device: torch.device) -> int:
+    """Programs that keep every multiprocessor busy (two per SM); tiny under the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return 4
+    return 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def block_m_for(meta: LoRABatchMeta) -> int:
+    """Tile height from the longest segment: decode segments are short, prefill ones long."""
+    m = meta.max_segment
+    if m <= 16:
+        return 16
+    if m <= 32:
+        return 32
+    return 64
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: full-precision products (tf32 would land near 3e-4); 16-bit: ignored
+    return "ieee" if dtype == torch.float32 else "tf32"
