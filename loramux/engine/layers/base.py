@@ -22,12 +22,8 @@ import torch
 from torch import nn
 
 from loramux.engine.layers.context import LoRAContext
-<<<<<<< HEAD
 from loramux.engine.layers.lora_op import register_layer
-from loramux.kernels import LoRABatchMeta, lora_expand, lora_shrink
-=======
 from loramux.kernels import LoRABatchMeta, lora_apply
->>>>>>> wt-lorakern
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
 __all__ = ["BaseLayerWithLoRA"]
