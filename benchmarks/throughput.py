@@ -189,7 +189,9 @@ def engine_options(args, **extra) -> dict:
 def base_runs(args, model, prompts, record, result) -> None:
     vocab = model.config.get_text_config().vocab_size
     t0 = time.perf_counter()
-    extra = dict(max_num_seqs=max(args.num_requests, 256), max_model_len=32768) if args.concurrency else {}
+    extra = dict(max_model_len=max(args.prompt_len + args.output_len, args.prefill_len) + 8)
+    if args.concurrency:
+        extra = dict(max_num_seqs=max(args.num_requests, 256), max_model_len=32768)
     engine = LLMEngine(model, enable_lora=False, **engine_options(args, **extra))
     result["startup"]["base_engine_init_s"] = time.perf_counter() - t0
     result["num_gpu_blocks"] = engine.kv_cache.num_blocks
@@ -197,10 +199,10 @@ def base_runs(args, model, prompts, record, result) -> None:
     run_workload(engine, prompts, [None] * len(prompts), min(args.output_len, 16))  # first-use costs
     record({"scenario": "base (LoRA disabled)", "rank": 0, "adapters": 0,
             **run_workload(engine, prompts, [None] * len(prompts), args.output_len)}, [])
-    long = torch.randint(1, vocab, (8, 1024), generator=torch.Generator().manual_seed(1)).tolist()
+    long = torch.randint(1, vocab, (8, args.prefill_len), generator=torch.Generator().manual_seed(1)).tolist()
     t0 = time.perf_counter()
     run_workload(engine, long, [None] * 8, 1)
-    result["prefill_tokens_per_s"] = 8 * 1024 / (time.perf_counter() - t0)
+    result["prefill_tokens_per_s"] = 8 * args.prefill_len / (time.perf_counter() - t0)
     result["ttft_ms"] = {"base": 1e3 * time_to_first_token(engine, prompts[0], None)}
     if args.concurrency:  # 1k-token requests at max_model_len=32768: how many run at once
         reqs = torch.randint(1, vocab, (256, 1000), generator=torch.Generator().manual_seed(2)).tolist()
@@ -313,6 +315,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64 if cuda else 16)
     parser.add_argument("--prompt-len", type=int, default=128 if cuda else 32)
     parser.add_argument("--output-len", type=int, default=128 if cuda else 16)
+    parser.add_argument("--prefill-len", type=int, default=1024, help="prompt length of the prefill test (8 requests)")
     parser.add_argument("--adapters", default="1,8,32")
     parser.add_argument("--ranks", default="16,64")
     parser.add_argument("--peft-adapters", type=int, default=32 if cuda else 0)

@@ -92,15 +92,9 @@ class ModelRunner:
         # each runner's forward is its own dynamo cache entry (guards on the model); leave room
         # for a process that builds several engines (tests, benchmarks)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        compiled = torch.compile(forward, dynamic=None)
-
-        def run(ids, positions, logits_indices):
-            # one compiled graph for every token count >= 2 (the callers never pass fewer)
-            for tensor in (ids, positions, logits_indices):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            return compiled(ids, positions, logits_indices)
-
-        return run
+        # dynamic from the first call: one compiled graph for every token count >= 2 (the callers
+        # never pass fewer), so nothing compiles after start
+        return torch.compile(forward, dynamic=True)
 
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         config = self.model.config.get_text_config()

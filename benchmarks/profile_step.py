@@ -1,0 +1,90 @@
+"""Where a step's time goes: torch.profiler over decode steps (graph replays) and one prefill step,
+kernels grouped by name, for the base model and one adapter (GPU; 8B dummy by default).
+
+    PYTHONPATH=. TORCH_LOGS=recompiles python benchmarks/profile_step.py --out prof.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.throughput import ALL_SEVEN, random_adapter  # noqa: E402
+from loramux import LoRARequest, SamplingParams  # noqa: E402
+from loramux.engine.llm_engine import LLMEngine  # noqa: E402
+from loramux.engine.model_loader import load_model  # noqa: E402
+
+
+def kernel_table(prof, steps: int, top: int = 25) -> str:
+    """Device time per kernel name (per step), largest first."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals[event.name[:90]]
+            entry[0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            entry[1] += 1
+    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    total = sum(v[0] for v in totals.values())
+    lines = [f"device time per step: {total / steps / 1e3:.3f} ms over {sum(v[1] for v in totals.values()) // steps} kernels"]
+    for name, (us, n) in rows[:top]:
+        lines.append(f"{us / steps:9.1f} us  {n // steps:5d}x  {name}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--out", type=Path, default=Path("profile.txt"))
+    args = parser.parse_args()
+    model = load_model(args.model, dtype="bfloat16", device="cuda", load_format="dummy")[0]
+    adapter = random_adapter(model.config, "a", 16, ALL_SEVEN, 1, "cuda", torch.bfloat16)
+    t0 = time.perf_counter()
+    engine = LLMEngine(model, enable_lora=True, max_loras=8, max_lora_rank=16, max_num_seqs=args.batch,
+                       max_model_len=1100, max_num_batched_tokens=8192)
+    report = [f"engine init {time.perf_counter() - t0:.1f} s, {engine.runner.num_graphs} graphs"]
+    engine.registry.cache.pin_memory = False
+    engine.registry.cache.put("a", adapter)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(1, vocab, (args.batch, 128), generator=torch.Generator().manual_seed(0)).tolist()
+    for label, lora in (("base", None), ("1 adapter", LoRARequest("a", 1))):
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            engine.add_request(f"{label}{i}", {"prompt_token_ids": p}, params, lora)
+        for _ in range(20):  # prefill, then decode steps
+            engine.step()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            torch.cuda.synchronize()
+        report += ["", f"== decode, batch {args.batch}, {label}", kernel_table(prof, 5)]
+        while engine.has_unfinished_requests():
+            engine.step()
+        # one prefill step of 8 x 1024 tokens (a first round warms its kernels up)
+        long = torch.randint(1, vocab, (8, 1024), generator=torch.Generator().manual_seed(1)).tolist()
+        for round_ in range(2):
+            for i, p in enumerate(long):
+                engine.add_request(f"{label}-p{round_}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1), lora)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                while engine.has_unfinished_requests():
+                    engine.step()
+                torch.cuda.synchronize()
+            wall = 1e3 * (time.perf_counter() - t0)
+        report += ["", f"== prefill 8 x 1024, {label}: wall {wall:.1f} ms", kernel_table(prof, 1)]
+    text = "\n".join(report)
+    args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
