@@ -4,7 +4,8 @@ One graph per padded batch size ``B`` (2, 4, 8, then steps of 16 up to ``max_num
 with LoRA enabled a second one per size for batches that use adapters (the base graph launches
 no LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step). The
 graphs' inputs are the step's token ids, positions, cache slots, sequence lengths, adapter slots
-and block tables, in one static device buffer filled by a single copy before each replay; padding
+and block tables, in static device tensors filled before each replay (one transfer; the tables'
+used columns only, so a long ``max_model_len`` costs nothing per step); padding
 rows write no K/V (slot -1), read no keys (length 0) and use no adapter. The LoRA kernel metadata
 is built inside the graph from the adapter slots (no host sync; launch grids independent of the
 adapter mix), so one graph serves any mix of adapters and base rows. Graphs share one memory pool.
@@ -45,7 +46,10 @@ class DecodeGraphs:
         self.runner = runner
         self.sizes = sizes
         S, device = sizes[-1], runner.device
-        self.static = torch.zeros(5 * S + S * runner.max_blocks, dtype=torch.int32, device=device)
+        # per row: token ids, positions, cache slots, lengths, adapter slots; each graph reads the
+        # first B columns (views at the same offsets whatever B: nothing for dynamo to specialise on)
+        self.fields = torch.zeros(5, S, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(S, runner.max_blocks, dtype=torch.int32, device=device)
         self.query_start = torch.arange(S + 1, dtype=torch.int32, device=device)  # one token per row
         self.logits_rows = torch.arange(S, dtype=torch.int32, device=device)
         self.variants = (False, True) if runner.lora_manager is not None else (False,)
@@ -63,29 +67,30 @@ class DecodeGraphs:
             n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in batch.chunks
         )
 
-    def _views(self, B: int) -> tuple[torch.Tensor, ...]:
-        """ids, positions, cache slots, lengths, adapter slots ([B] each), block tables [B, max_blocks]."""
-        maxb = self.runner.max_blocks
-        ids, pos, slots, lens, lora, tables = self.static[: 5 * B + B * maxb].split([B] * 5 + [B * maxb])
-        return ids, pos, slots, lens, lora, tables.view(B, maxb)
-
-    def _fields(self, seqs: list[Sequence], lora_slots: list[int], B: int) -> list[list[int]]:
-        bs, maxb, pad = self.runner.block_size, self.runner.max_blocks, B - len(seqs)
+    def _load(self, seqs: list[Sequence], lora_slots: list[int], B: int) -> None:
+        """Fill the static inputs for ``seqs`` padded to ``B`` rows: one copy of the fields, one of
+        the block tables' used columns (the kernels read no column past a row's length)."""
+        S, bs, pad = self.sizes[-1], self.runner.block_size, self.sizes[-1] - len(seqs)
         positions = [s.num_computed for s in seqs]
-        return [
+        width = max((len(s.block_table) for s in seqs), default=1)
+        fields = [
             [s.token_at(p) for s, p in zip(seqs, positions)] + [0] * pad,
             positions + [0] * pad,
             [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)] + [-1] * pad,
             [p + 1 for p in positions] + [0] * pad,
             list(lora_slots) + [-1] * pad,
-            [b for s in seqs for b in s.block_table + [0] * (maxb - len(s.block_table))] + [0] * (pad * maxb),
+            [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+            + [0] * ((B - len(seqs)) * width),
         ]
+        flat, tables = self.runner.to_device([[v for f in fields[:5] for v in f], fields[5]])
+        self.fields.copy_(flat.view(5, S))
+        self.tables[:B, :width].copy_(tables.view(B, width))
 
     def replay(self, seqs: list[Sequence], lora_slots: list[int]) -> torch.Tensor:
         """Run the step of ``seqs`` (all decoding); returns logits ``[B, V]`` (rows past len(seqs): padding)."""
         B = next(b for b in self.sizes if b >= len(seqs))
         active = sorted({s for s in lora_slots if s >= 0})
-        self.runner.to_device(self._fields(seqs, lora_slots, B), out=self.static)
+        self._load(seqs, lora_slots, B)
         if active:
             self.runner.lora_manager.mark_used(active)
         graph, logits = self._graphs[(B, bool(active))]
@@ -101,10 +106,10 @@ class DecodeGraphs:
 
     def _capture(self, B: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         runner = self.runner
-        ids, pos, slots, lens, lora_slots, tables = self._views(B)
-        runner.to_device(self._fields([], [], B), out=self.static)  # all padding
+        self._load([], [], B)  # all padding
+        ids, pos, slots, lens, lora_slots = self.fields[:, :B]
         metadata = AttentionMetadata(
-            k_cache=runner.kv.k, v_cache=runner.kv.v, slot_mapping=slots, block_tables=tables,
+            k_cache=runner.kv.k, v_cache=runner.kv.v, slot_mapping=slots, block_tables=self.tables[:B],
             seq_lens=lens, query_start_loc=self.query_start[: B + 1],
         )
         manager = runner.lora_manager

@@ -92,9 +92,20 @@ class ModelRunner:
         # each runner's forward is its own dynamo cache entry (guards on the model); leave room
         # for a process that builds several engines (tests, benchmarks)
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        # dynamic from the first call: one compiled graph for every token count >= 2 (the callers
-        # never pass fewer), so nothing compiles after start
-        return torch.compile(forward, dynamic=True)
+        import torch.fx.experimental._config as fx_config
+
+        # token counts are unrelated sizes: no guard equating them because they were once equal
+        fx_config.use_duck_shape = False
+        compiled = torch.compile(forward)
+
+        def run(ids, positions, logits_indices):
+            # one compiled graph for every token count >= 2 (the callers never pass fewer), so
+            # nothing compiles after start
+            for tensor in (ids, positions, logits_indices):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            return compiled(ids, positions, logits_indices)
+
+        return run
 
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         config = self.model.config.get_text_config()
@@ -124,6 +135,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
+    @torch.inference_mode()  # the static inputs are inference tensors, as every step's inputs are
     def capture_graphs(self) -> None:
         """Capture every decode graph now (CUDA, unless eager); no graph is captured later."""
         if not self.use_graphs:
@@ -218,19 +230,15 @@ class ModelRunner:
         with forward_context(metadata):
             return self._forward(t_ids, t_pos, t_logits)
 
-    def to_device(self, fields: list[list[int]], out: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """Copy int lists to the device in one transfer through the pinned buffer; views per field.
-        ``out``: a device int32 tensor to copy into (a graph's static inputs) instead of a new one."""
+    def to_device(self, fields: list[list[int]]) -> list[torch.Tensor]:
+        """Copy int lists to the device in one transfer through the pinned buffer; views per field."""
         sizes = [len(f) for f in fields]
         total = sum(sizes)
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has left the buffer (it always has by now)
         host = self._host[:total]
         host.copy_(torch.tensor([v for f in fields for v in f], dtype=torch.int32))
-        if out is not None:
-            device = out[:total]
-            device.copy_(host, non_blocking=True)
-        elif self.device.type == "cuda":
+        if self.device.type == "cuda":
             device = host.to(self.device, non_blocking=True)
         else:
             device = host.clone()
