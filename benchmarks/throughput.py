@@ -145,9 +145,8 @@ def lora_engine_runs(args, model, prompts, rank: int, record) -> None:
         max_num_seqs=len(prompts), max_model_len=args.prompt_len + args.output_len + 8,
         max_num_batched_tokens=max(args.max_num_batched_tokens, len(prompts)), enforce_eager=args.enforce_eager,
     )
-    engine.registry.cache.pin_memory = False  # they are built on the device already
-    for adapter in adapters:
-        engine.registry.cache.put(adapter.name, adapter)
+    for adapter in adapters:  # built on the device already: bound as they are, not pinned
+        engine.registry.bind(adapter)
     requests = [LoRARequest(a.name, i + 1) for i, a in enumerate(adapters)]
     warm_up(engine, [None] + requests, model.config.get_text_config().vocab_size)
     for n in [0, *args.adapters]:
