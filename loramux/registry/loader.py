@@ -320,10 +320,25 @@ def load_adapter_with_digest(
             path=config_file,
             fix=f"Raise max_lora_rank (--max-lora-rank) to at least {adapter.rank}.",
         )
-    if cast_to is not None:
+    if cast_to is not None or _held_bytes(adapter) > _WASTE_FACTOR * adapter.nbytes + 4096:
+        # a cast copies anyway; and a file that also holds tensors loramux skips (PEFT saves the
+        # base embedding beside an embedding LoRA) must not keep its whole read buffer alive
         adapter = adapter.pack(cast_to, pin_memory=pin_memory)
     digest = combine_digest(config_digest(peft_config, cast_to), weights_digest)
     return adapter, digest
+
+
+_WASTE_FACTOR = 1.25
+
+
+def _held_bytes(adapter: LoRAAdapter) -> int:
+    """Bytes of host memory the adapter's tensors keep alive (their distinct storages)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for w in adapter.modules.values()
+        for t in (w.lora_a, w.lora_b)
+    }
+    return sum(storages.values())
 
 
 def _check_finite(modules: dict[str, LoRAModuleWeights], name: str, weights_file: Path) -> None:
