@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = ["HASH_CHUNK_BYTES", "all_finite", "parse_safetensors", "read_and_hash", "read_pickle"]
@@ -139,7 +140,7 @@ _EXPONENT_MASKS: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.float32: (torch.int32, 0x7F800000),
     torch.float64: (torch.int64, 0x7FF0000000000000),
 }
-_CHECK_ELEMENTS = 1 << 20  # per step: the temporary stays in cache and is reused
+_CHECK_ELEMENTS = 1 << 18  # per step: the scratch buffer stays in cache
 
 
 def all_finite(tensors: list[torch.Tensor]) -> bool:
@@ -154,11 +155,14 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
             if not torch.isfinite(span).all():
                 return False
             continue
-        bits = span.view(mask[0])
-        for start in range(0, bits.numel(), _CHECK_ELEMENTS):
+        # numpy, not torch: one thread, SIMD, no intra-op thread pool to wake (which, on a busy
+        # host, made this check 10-100x slower); max, not any(): an int reduction is vectorized
+        bits = span.view(mask[0]).numpy()
+        scratch = np.empty(min(bits.size, _CHECK_ELEMENTS), dtype=bits.dtype)
+        for start in range(0, bits.size, _CHECK_ELEMENTS):
             chunk = bits[start : start + _CHECK_ELEMENTS]
-            # max, not eq().any(): a reduction over ints is vectorized, a bool any() is not
-            if int((chunk & mask[1]).max()) == mask[1]:
+            masked = np.bitwise_and(chunk, mask[1], out=scratch[: chunk.size])
+            if int(masked.max()) == mask[1]:
                 return False
     return True
 
@@ -183,5 +187,5 @@ def _spans(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             )
         else:
             spans.append(tensor)
-    spans.extend(t for t in tensors if not t.is_contiguous())
+    spans.extend(t.contiguous().reshape(-1) for t in tensors if not t.is_contiguous())  # rare: a copy
     return spans
