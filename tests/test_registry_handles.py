@@ -183,10 +183,22 @@ def test_bind_serves_an_adapter_from_memory_and_holds_it(adapters, root):
     assert registry.cache.handle_ids() == [handle.id, again.handle.id] and alpha.id not in registry.cache
     with pytest.raises(CacheFullError, match="full of adapters in use"):
         registry.bind(built, name="third")
-    assert registry.list() == ["alpha", "copy", "in-memory"]  # the refused bind changed nothing
+    assert registry.list() == ["copy", "in-memory"]  # the refused bind changed nothing
     assert registry.unregister("in-memory") and handle.id not in registry.cache
     with pytest.raises(AdapterNotFoundError):
         registry.get("in-memory")
+
+
+def test_names_found_by_resolvers_are_listed_while_resident_and_forgotten_under_churn(root):
+    registry = registry_for(root, config=LoRAConfig(max_loras=1))
+    alpha = registry.get("alpha").handle
+    registry.get("beta")  # evicts alpha
+    assert registry.list() == ["beta"] and "alpha" not in registry
+    assert registry.get("alpha").handle is alpha  # still bound: same content, same handle
+    for i in range(4 * 1 + 1024 + 1):  # more names than the map keeps for a 1-adapter tier
+        registry._bindings[f"ghost{i}"] = type(registry._bindings["alpha"])()
+    registry.get("beta")  # a new binding: the map is pruned of names nothing holds
+    assert len(registry._bindings) == 1 and registry.list() == ["beta"]
 
 
 def test_a_load_finished_after_an_unload_binds_nothing(root):

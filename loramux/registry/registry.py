@@ -182,13 +182,21 @@ class Registry:
             return binding.handle if binding is not None else None
 
     def list(self) -> list[str]:
-        """Names registered or bound, sorted."""
+        """Names served now, sorted: registered ones (loaded or not), and those found by the
+        resolvers whose adapter is in the CPU tier."""
         with self._lock:
-            return sorted(self._bindings)
+            bindings = list(self._bindings.items())
+        return sorted(name for name, binding in bindings if self._listed(binding))
 
     def __contains__(self, name: object) -> bool:
         with self._lock:
-            return name in self._bindings
+            binding = self._bindings.get(name)
+        return binding is not None and self._listed(binding)
+
+    def _listed(self, binding: _Binding) -> bool:
+        if binding.source is not None or binding.held:
+            return True
+        return binding.handle is not None and binding.handle.id in self.cache
 
     # -- adapters ------------------------------------------------------------------------------
 
@@ -336,8 +344,23 @@ class Registry:
                 stale = self._unbind_handle(current) if current.handle != handle else None
             if current is not None:
                 current.handle = handle
+            self._forget_evicted()
         self._retire(stale)
         return adapter
+
+    def _forget_evicted(self) -> None:
+        """Bound the name map under churn (under the lock): past a few times the CPU tier's size,
+        drop names that only a resolver found and whose adapter left the tier. Kept until then,
+        such a name read again keeps its handle when its content is unchanged."""
+        if len(self._bindings) <= 4 * self.cache.max_loras + 1024:
+            return
+        resident = set(self.cache.handle_ids())
+        for name in [
+            name
+            for name, b in self._bindings.items()
+            if b.source is None and not b.held and (b.handle is None or b.handle.id not in resident)
+        ]:
+            del self._bindings[name]
 
     def _unbind_handle(self, binding: _Binding) -> AdapterHandle | None:
         """Detach ``binding``'s handle (under the lock); the caller retires it after."""
