@@ -50,8 +50,7 @@ def main() -> None:
     engine = LLMEngine(model, enable_lora=True, max_loras=8, max_lora_rank=16, max_num_seqs=args.batch,
                        max_model_len=1100, max_num_batched_tokens=8192)
     report = [f"engine init {time.perf_counter() - t0:.1f} s, {engine.runner.num_graphs} graphs"]
-    engine.registry.cache.pin_memory = False
-    engine.registry.cache.put("a", adapter)
+    engine.registry.bind(adapter)
     vocab = model.config.vocab_size
     prompts = torch.randint(1, vocab, (args.batch, 128), generator=torch.Generator().manual_seed(0)).tolist()
     for label, lora in (("base", None), ("1 adapter", LoRARequest("a", 1))):

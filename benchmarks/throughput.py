@@ -228,13 +228,12 @@ def lora_runs(args, model, prompts, rank: int, record, result) -> None:
                         for i in range(most)] for label, targets in sets.items()}
     engine = LLMEngine(model, enable_lora=True, max_loras=most, max_lora_rank=rank,
                        max_cpu_loras=most * len(sets) + 1, **engine_options(args))
-    engine.registry.cache.pin_memory = False  # they are built on the device already
     requests = {}
     for label, group in adapters.items():
         requests[label] = []
         for adapter in group:
-            engine.registry.cache.put(adapter.name, adapter)
-            requests[label].append(LoRARequest(adapter.name, len(engine.registry.cache.names())))
+            engine.registry.bind(adapter)  # built on the device already: served as it is
+            requests[label].append(LoRARequest(adapter.name, len(requests[label]) + 1))
     warm_up(engine, [None], vocab)
     record({"scenario": "base via LoRA engine", "rank": rank, "adapters": 0,
             **run_workload(engine, prompts, [None] * len(prompts), args.output_len)}, [])

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
-__all__ = ["add_resolver_arguments", "apply_resolver_arguments", "build_parser", "main"]
+__all__ = ["add_resolver_arguments", "build_parser", "main", "resolver_settings"]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -40,12 +39,14 @@ def add_resolver_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def apply_resolver_arguments(args: argparse.Namespace) -> None:
-    """Put the resolver options where the resolver plugins read them: the environment."""
-    if getattr(args, "lora_resolver_dir", None):
-        os.environ["LORAMUX_LORA_RESOLVER_DIR"] = str(Path(args.lora_resolver_dir).expanduser())
-    if getattr(args, "lora_resolvers", None):
-        os.environ["LORAMUX_LORA_RESOLVERS"] = args.lora_resolvers
+def resolver_settings(args: argparse.Namespace):
+    """The resolver options as a :class:`~loramux.resolvers.ResolverSettings`, each option not
+    given defaulting to its environment variable (read here, once; nothing is written back).
+    ``serve``'s vLLM-style ``--lora-resolver A B`` is the same as ``--lora-resolvers A,B``."""
+    from loramux.resolvers.settings import ResolverSettings
+
+    order = getattr(args, "lora_resolvers", None) or getattr(args, "lora_resolver", None) or None
+    return ResolverSettings.from_env(order=order, directory=getattr(args, "lora_resolver_dir", None))
 
 
 # -------------------------------------------------------------------------------------------------
@@ -186,11 +187,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from loramux.errors import LoRAError
     from loramux.registry import LoRAConfig, Registry, load_adapter
 
-    apply_resolver_arguments(args)
     request = _request_for(args.adapter)
     report: dict = {"name": request.lora_name, "source": request.lora_path or None}
     try:
-        registry = Registry(base_model_name=args.model)
+        registry = Registry(base_model_name=args.model, resolver_settings=resolver_settings(args))
         location = registry.locate(request)
         report.update(resolver=location.resolver, path=str(location.path))
         config = LoRAConfig(max_lora_rank=args.max_lora_rank) if args.max_lora_rank else None
@@ -263,8 +263,7 @@ def _print_report(report: dict, as_json: bool) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from loramux.serving.server import serve
 
-    apply_resolver_arguments(args)
-    return serve(args)
+    return serve(args, resolver_settings(args))
 
 
 if __name__ == "__main__":

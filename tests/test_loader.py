@@ -234,3 +234,38 @@ def test_good_adapter_still_loads_after_bad_ones(make_adapter, adapter_copy):
     with pytest.raises(InvalidAdapterError):
         load_adapter(adapter_copy)
     assert load_adapter(make_adapter()).rank == 8
+
+
+def test_pack_puts_every_tensor_in_one_buffer_cast_on_the_copy(make_adapter):
+    adapter = load_adapter(make_adapter("packed"))
+    packed = adapter.pack(torch.float16)
+    tensors = [t for w in packed.modules.values() for t in (w.lora_a, w.lora_b)]
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    assert all(t.dtype == torch.float16 and t.data_ptr() % 64 == 0 for t in tensors)
+    for name, weights in adapter.modules.items():
+        assert torch.equal(packed.modules[name].lora_a, weights.lora_a.half())
+        assert packed.modules[name].scaling == weights.scaling
+    assert not packed.is_pinned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs CUDA")
+def test_weights_are_read_straight_into_page_locked_memory(make_adapter):
+    path = make_adapter("pinned")
+    adapter = load_adapter(path, pin_memory=True)
+    assert adapter.is_pinned
+    storages = {t.untyped_storage().data_ptr() for w in adapter.modules.values() for t in (w.lora_a, w.lora_b)}
+    assert len(storages) == 1  # views of the one read buffer: no copy after the read
+    cast = load_adapter(path, LoRAConfig(lora_dtype="float16"), pin_memory=True)
+    assert cast.is_pinned and next(iter(cast.modules.values())).lora_a.dtype == torch.float16
+
+
+def test_skipped_tensors_do_not_keep_the_read_buffer_alive(tmp_path):
+    # PEFT saves the base embedding (base_layer.weight) beside an embedding LoRA; loramux skips it
+    peft_model, _ = peft_modules(tiny_llama(), r=2, target_modules=["embed_tokens", "q_proj"])
+    peft_model.save_pretrained(tmp_path / "with-base")
+    file_bytes = (tmp_path / "with-base" / "adapter_model.safetensors").stat().st_size
+    adapter = load_adapter(tmp_path / "with-base")
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for w in adapter.modules.values() for t in (w.lora_a, w.lora_b)}
+    assert sum(held.values()) <= 1.25 * adapter.nbytes + 4096 < file_bytes

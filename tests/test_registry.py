@@ -15,6 +15,7 @@ import torch
 
 from loramux.errors import (
     AdapterNotFoundError,
+    CacheFullError,
     IncompatibleAdapterError,
     InvalidAdapterError,
     PluginError,
@@ -336,11 +337,13 @@ def test_bad_resolver_order_is_refused_at_construction(root):
 
 def test_pin_keeps_an_adapter_resident(root):
     registry = Registry(LoRAConfig(max_loras=1), resolvers=[FilesystemResolver(root)])
-    registry.get("alpha", pin=True)
-    assert registry.cache.is_pinned("alpha")
-    registry.cache.unpin("alpha")
-    registry.get("beta")
-    assert registry.list() == ["beta"]
+    alpha = registry.get("alpha", pin=True).handle
+    assert registry.cache.is_pinned(alpha.id)
+    with pytest.raises(CacheFullError, match="full of adapters in use"):
+        registry.get("beta")
+    registry.cache.unpin(alpha.id)
+    beta = registry.get("beta").handle
+    assert registry.cache.handle_ids() == [beta.id]
 
 
 def test_registering_a_path_for_a_name_a_resolver_found_drops_the_stale_copy(root, adapters):

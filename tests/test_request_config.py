@@ -1,12 +1,14 @@
 """LoRARequest and LoRAConfig: valid values pass, each invalid one names its field and the rule."""
 
 import dataclasses
+import os
 
 import pytest
 import torch
 
 import loramux
 from loramux import LoRAConfig, LoRARequest
+from loramux.registry import default_cpu_lora_bytes
 
 
 def test_request_is_immutable_and_equal_by_id():
@@ -63,6 +65,20 @@ def test_config_defaults():
     assert LoRAConfig(lora_dtype="float16").torch_dtype is torch.float16
 
 
+def test_the_cpu_tier_has_a_byte_budget_by_default_from_host_memory():
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert LoRAConfig().max_cpu_lora_bytes == default_cpu_lora_bytes() == int(total * 0.10)
+    assert LoRAConfig(max_cpu_lora_bytes=123).max_cpu_lora_bytes == 123
+
+
+def test_the_default_byte_budget_without_sysconf(monkeypatch):
+    def unknown(name):
+        raise ValueError(f"unrecognized configuration name {name!r}")
+
+    monkeypatch.setattr(os, "sysconf", unknown)
+    assert default_cpu_lora_bytes() == 4 << 30
+
+
 @pytest.mark.parametrize(
     "kwargs, field, allowed",
     [
@@ -74,7 +90,8 @@ def test_config_defaults():
         (dict(max_loras=4, max_cpu_loras=2), "max_cpu_loras", ">= max_loras"),
         (dict(lora_dtype="int8"), "lora_dtype", "float16"),
         (dict(lora_dtype=torch.int8), "lora_dtype", "torch.bfloat16"),
-        (dict(max_cpu_bytes=0), "max_cpu_bytes", "an int >= 1"),
+        (dict(max_cpu_lora_bytes=0), "max_cpu_lora_bytes", "an int >= 1"),
+        (dict(max_cpu_lora_bytes=1.5e9), "max_cpu_lora_bytes", "an int >= 1"),
     ],
 )
 def test_config_errors_name_field_value_and_rule(kwargs, field, allowed):

@@ -16,6 +16,7 @@ from loramux.registry import Registry, load_adapter
 from loramux.resolvers import (
     FilesystemResolver,
     HuggingFaceResolver,
+    ResolverSettings,
     adapters_cache_dir,
     atomic_directory,
     cache_dir,
@@ -190,13 +191,18 @@ def test_default_order_is_filesystem_then_plugins_then_the_hub(tree, monkeypatch
     assert names.index("third-party") < names.index("huggingface")
 
 
-def test_order_resolvers_by_argument_and_by_environment(monkeypatch):
+def test_order_resolvers_by_argument_and_the_environment_only_as_default(monkeypatch):
     a, b, c = (bad.NamedResolver(name) for name in "abc")
     assert order_resolvers([a, b, c]) == [a, b, c]
     assert order_resolvers([a, b, c], "c, a") == [c, a]
     assert order_resolvers([a, b, c], ["b"]) == [b]
     monkeypatch.setenv("LORAMUX_LORA_RESOLVERS", "b,a")
-    assert order_resolvers([a, b, c]) == [b, a]
+    assert order_resolvers([a, b, c]) == [a, b, c]  # reads no environment itself
+    assert ResolverSettings.from_env().order == ("b", "a")  # the default, read at the border
+    assert ResolverSettings.from_env(order="c").order == ("c",)  # an argument wins
+    registry = Registry(resolvers=[a, b, c])
+    assert registry.name_resolvers == [b, a]
+    assert Registry(resolvers=[a, b, c], resolver_order="c").name_resolvers == [c]
     with pytest.raises(
         ValueError, match=r"'nope', which no plugin registered; registered resolvers: a, b, c"
     ):

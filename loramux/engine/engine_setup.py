@@ -49,6 +49,7 @@ class EngineSetup:
     eos_token_ids: frozenset[int]
     lora_manager: object | None
     registry: object | None
+    registry_validates: bool  # the registry runs lora_manager.validate itself (one we built)
     lora_modules: list[LoRARequest]
     seed: int | None
     max_loading_workers: int
@@ -61,6 +62,7 @@ def build_engine_setup(
     max_loras: int = 1,
     max_lora_rank: int = 16,
     max_cpu_loras: int | None = None,
+    max_cpu_lora_bytes: int | None = None,
     lora_dtype: str | torch.dtype = "auto",
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
@@ -70,6 +72,7 @@ def build_engine_setup(
     load_format: str = "auto",
     lora_modules: Mapping[str, str] | Iterable[LoRARequest | str] | None = None,
     registry=None,
+    resolver_settings=None,
     tokenizer=None,
     lora_target_modules: list[str] | str | None = None,
     seed: int | None = 0,
@@ -117,10 +120,13 @@ def build_engine_setup(
         from loramux.engine.lora_model import LoRAModelManager
 
         lora_config = LoRAConfig(
-            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras, lora_dtype=lora_dtype
+            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
+            max_cpu_lora_bytes=max_cpu_lora_bytes, lora_dtype=lora_dtype,
         )
         lora_manager = LoRAModelManager(hf_model, lora_config, target_modules=lora_target_modules)
-        registry_obj = registry if registry is not None else _make_registry(lora_config, name, lora_manager.validate)
+        registry_obj = registry if registry is not None else _make_registry(
+            lora_config, name, lora_manager.validate, resolver_settings
+        )
         requests = _lora_requests(lora_modules)
     elif lora_modules:
         raise ValueError("lora_modules were given but enable_lora=False")
@@ -140,6 +146,7 @@ def build_engine_setup(
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         lora_manager=lora_manager,
         registry=registry_obj,
+        registry_validates=enable_lora and registry is None,
         lora_modules=requests,
         seed=seed,
         max_loading_workers=max_loading_workers,
@@ -187,11 +194,13 @@ def _lora_requests(lora_modules) -> list[LoRARequest]:
     return requests
 
 
-def _make_registry(lora_config: LoRAConfig, model_name: str, validate):
+def _make_registry(lora_config: LoRAConfig, model_name: str, validate, resolver_settings):
     from loramux.registry import Registry
 
     # validation before caching: an adapter that does not fit never takes a CPU-tier entry
-    return Registry(lora_config, base_model_name=model_name, validate=validate)
+    return Registry(
+        lora_config, base_model_name=model_name, validate=validate, resolver_settings=resolver_settings
+    )
 
 
 

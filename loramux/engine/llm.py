@@ -38,6 +38,8 @@ class LLM:
     :param max_loras: adapters usable in one step (GPU slots).
     :param max_lora_rank: the largest adapter rank; slots are sized for it.
     :param max_cpu_loras: adapters kept loaded in host memory (default ``max_loras``).
+    :param max_cpu_lora_bytes: bytes of adapter weights kept in host memory (default: 10% of
+        the host's memory); the CPU tier keeps within both bounds.
     :param lora_dtype: adapter weight dtype (``"auto"``: the model's).
     :param dtype: model dtype (``"auto"``: float32 on CPU, bfloat16 on GPU).
     :param device: defaults to CUDA when available.
@@ -49,7 +51,7 @@ class LLM:
     :param enforce_eager: never capture CUDA graphs (by default decode-only steps on CUDA replay
         a graph per padded batch size; prefill and mixed steps always run eagerly).
     :param kwargs: the rest of :class:`~loramux.engine.llm_engine.LLMEngine`'s options
-        (``registry``, ``tokenizer``, ``lora_target_modules``, ``seed``).
+        (``registry``, ``resolver_settings``, ``tokenizer``, ``lora_target_modules``, ``seed``).
     """
 
     def __init__(

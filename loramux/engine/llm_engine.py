@@ -14,7 +14,6 @@ for its load while the others keep decoding; a failed load finishes only that re
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import threading
@@ -207,7 +206,7 @@ class LLMEngine:
                     touched[seq.request_id] = seq
                 else:
                     seq.adapter = adapter
-                    seq.cache_salt = adapter_identity(adapter)
+                    seq.cache_salt = adapter.handle.digest  # prefix-cache blocks key on content
                     self.scheduler.add(seq)
             batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
@@ -258,8 +257,8 @@ class LLMEngine:
     def _load_adapter(self, request: LoRARequest) -> LoRAAdapter:
         """Resolve, load and validate (a worker thread, or the caller of ``add_lora``)."""
         adapter = self.registry.get(request)
-        self.lora_manager.validate(adapter)
-        adapter_identity(adapter)  # hashed here, beside the step loop
+        if not self.setup.registry_validates:  # a registry we did not build: check it fits here
+            self.lora_manager.validate(adapter)
         return adapter
 
     def _activate(self, seq: Sequence) -> None:
@@ -336,19 +335,3 @@ class LLMEngine:
     def close(self) -> None:
         self.loader.shutdown()
         self.runner.release_graphs()
-
-
-def adapter_identity(adapter: LoRAAdapter) -> str:
-    """A digest of the adapter's weights and scalings: its identity in prefix-cache hashes, so a
-    reload under the same name never reuses the old weights' KV blocks. Cached on the adapter."""
-    digest = getattr(adapter, "_identity", None)
-    if digest is None:
-        h = hashlib.blake2b(digest_size=16)
-        for name in sorted(adapter.modules):
-            weights = adapter.modules[name]
-            h.update(f"{name}:{weights.scaling!r}:{weights.is_embedding}".encode())
-            for tensor in (weights.lora_a, weights.lora_b):
-                h.update(tensor.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-        digest = h.hexdigest()
-        object.__setattr__(adapter, "_identity", digest)  # a frozen dataclass
-    return digest

@@ -327,6 +327,12 @@ class LoRAModelManager:
         with self._lock:
             return self._slots.names()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights of the adapters resident in slots (for the tier's metrics)."""
+        with self._lock:
+            return sum(adapter.nbytes for adapter in self._adapters.values())
+
     def adapter(self, name: str) -> LoRAAdapter | None:
         """The resident adapter called ``name``, or None."""
         with self._lock:

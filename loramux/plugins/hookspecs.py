@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
     from loramux.registry.config import LoRAConfig
     from loramux.resolvers.base import Resolver
+    from loramux.resolvers.settings import ResolverSettings
 
 __all__ = ["hookimpl", "hookspec", "PROJECT_NAME"]
 
@@ -32,7 +33,7 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 
 @hookspec
-def register_resolvers(register: Callable[[Resolver], None]) -> None:
+def register_resolvers(register: Callable[[Resolver], None], settings: ResolverSettings) -> None:
     """Register adapter sources: call ``register(resolver)`` once per :class:`Resolver`.
 
     Called once per :class:`~loramux.registry.Registry` (and by ``loramux inspect``), when it is
@@ -41,13 +42,18 @@ def register_resolvers(register: Callable[[Resolver], None]) -> None:
     environment variable, a config file) here; register nothing when there is none.
 
     Resolvers are tried in registration order unless the user sets an order
-    (``LORAMUX_LORA_RESOLVERS=s3,filesystem``); a plugin's impls run in pluggy's usual order
-    (last registered first; ``tryfirst``/``trylast`` move them).
+    (``settings.order``: ``--lora-resolvers s3,filesystem``, ``LORAMUX_LORA_RESOLVERS``); a
+    plugin's impls run in pluggy's usual order (last registered first; ``tryfirst``/``trylast``
+    move them).
 
     :param register: call it with a :class:`~loramux.resolvers.base.Resolver` instance. Two
         resolvers with the same ``name``, or claiming the same URI scheme, are an error naming
         both plugins; anything that is not a ``Resolver`` is refused and the plugin's resolvers
         are left out.
+    :param settings: the :class:`~loramux.resolvers.ResolverSettings` of the registry being
+        built (resolver order, the filesystem root, the Hub allow-list), as the user gave them
+        (flags or arguments, with environment variables as defaults). Take only ``register`` if
+        you need none of it: a hookimpl may take any subset of the arguments.
     :returns: nothing; return values are ignored.
     """
 

@@ -1,14 +1,17 @@
-"""What an adapter is and where it lives: requests, config, loading and validation, the CPU tier,
-and the name -> adapter registry."""
+"""What an adapter is and where it lives: requests, config, loading and validation, handles,
+the CPU tier, and the name -> handle registry."""
 
 from loramux.registry.adapter import LoRAAdapter, LoRAModuleWeights
-from loramux.registry.config import LoRAConfig
+from loramux.registry.config import LoRAConfig, default_cpu_lora_bytes
 from loramux.registry.cpu_cache import CacheStats, CPUAdapterCache
-from loramux.registry.loader import load_adapter
-from loramux.registry.registry import AdapterLocation, Registry
+from loramux.registry.handle import AdapterHandle
+from loramux.registry.loader import load_adapter, load_adapter_with_digest
+from loramux.registry.registry import Registry
 from loramux.registry.request import LoRARequest, validate_adapter_name
+from loramux.registry.sources import AdapterLocation
 
 __all__ = [
+    "AdapterHandle",
     "AdapterLocation",
     "CPUAdapterCache",
     "CacheStats",
@@ -17,6 +20,8 @@ __all__ = [
     "LoRAModuleWeights",
     "LoRARequest",
     "Registry",
+    "default_cpu_lora_bytes",
     "load_adapter",
+    "load_adapter_with_digest",
     "validate_adapter_name",
 ]

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from loramux.registry.handle import AdapterHandle
 
 __all__ = ["LoRAModuleWeights", "LoRAAdapter"]
 
@@ -52,6 +56,8 @@ class LoRAAdapter:
     :ivar target_modules: the config's ``target_modules``: a list of names or one regex.
     :ivar base_model_name: ``base_model_name_or_path`` from the adapter's config, if any.
     :ivar peft_config: the raw ``adapter_config.json``.
+    :ivar handle: its identity, set by the :class:`~loramux.registry.Registry` that issued it;
+        None for an adapter loaded directly with :func:`~loramux.registry.load_adapter`.
     """
 
     name: str
@@ -61,6 +67,7 @@ class LoRAAdapter:
     target_modules: list[str] | str
     base_model_name: str | None = None
     peft_config: dict = field(default_factory=dict, repr=False)
+    handle: AdapterHandle | None = field(default=None, compare=False)
 
     @property
     def rank(self) -> int:
@@ -85,4 +92,39 @@ class LoRAAdapter:
 
     def pin_memory(self) -> "LoRAAdapter":
         """A copy in page-locked host memory, so copies into GPU slots can run asynchronously."""
-        return self.map_tensors(torch.Tensor.pin_memory)
+        return self.pack(pin_memory=True)
+
+    @property
+    def is_pinned(self) -> bool:
+        """Whether its weights are in page-locked host memory."""
+        first = next(iter(self.modules.values()), None)
+        return first is not None and first.lora_a.is_pinned() and first.lora_b.is_pinned()
+
+    def pack(self, dtype: torch.dtype | None = None, *, pin_memory: bool = False) -> "LoRAAdapter":
+        """A copy whose tensors all live in one new host buffer (cast to ``dtype`` if given).
+
+        One allocation instead of two per module: page-locked memory is costly to allocate
+        (``cudaHostAlloc``), and PyTorch's host allocator caches whole blocks, so adapters of
+        one size reuse each other's buffers. Cast and copy are one pass.
+        """
+        tensors = [t for w in self.modules.values() for t in (w.lora_a, w.lora_b)]
+        sizes = [_aligned(t.numel() * (dtype or t.dtype).itemsize) for t in tensors]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin_memory)
+        packed, offset = [], 0
+        for tensor, size in zip(tensors, sizes):
+            target = dtype or tensor.dtype
+            nbytes = tensor.numel() * target.itemsize
+            view = buffer[offset : offset + nbytes].view(target).view(tensor.shape)
+            packed.append(view.copy_(tensor))
+            offset += size
+        weights = iter(packed)
+        modules = {
+            name: replace(w, lora_a=next(weights), lora_b=next(weights))
+            for name, w in self.modules.items()
+        }
+        return replace(self, modules=modules)
+
+
+def _aligned(nbytes: int, alignment: int = 64) -> int:
+    """Round up so every tensor in a packed buffer starts on a cache line (and any dtype)."""
+    return -(-nbytes // alignment) * alignment

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LoRAConfig", "LORA_DTYPES", "MAX_LORA_RANK_LIMIT"]
+__all__ = [
+    "CPU_LORA_BYTES_FRACTION",
+    "LORA_DTYPES",
+    "LoRAConfig",
+    "MAX_LORA_RANK_LIMIT",
+    "default_cpu_lora_bytes",
+]
 
 MAX_LORA_RANK_LIMIT = 512
+# The CPU tier's default byte budget: this share of the host's physical memory.
+CPU_LORA_BYTES_FRACTION = 0.10
+# ... or this, where the OS does not say how much memory there is.
+FALLBACK_CPU_LORA_BYTES = 4 << 30
 LORA_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "float16": torch.float16,
@@ -17,6 +28,16 @@ LORA_DTYPES: dict[str, torch.dtype | None] = {
     "float32": torch.float32,
     "float": torch.float32,
 }
+
+
+def default_cpu_lora_bytes() -> int:
+    """The CPU tier's default byte budget: 10% of the host's physical memory
+    (``os.sysconf``: page size x physical pages), or 4 GiB where the OS does not report it."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # not POSIX, or the name is unknown here
+        return FALLBACK_CPU_LORA_BYTES
+    return int(total * CPU_LORA_BYTES_FRACTION) if total > 0 else FALLBACK_CPU_LORA_BYTES
 
 
 def _is_int(value: object) -> bool:
@@ -39,14 +60,16 @@ class LoRAConfig:
         may not be smaller.
     :param lora_dtype: dtype of adapter weights: ``"auto"`` (the model's dtype), ``"float16"``,
         ``"bfloat16"`` or ``"float32"`` (or the matching ``torch.dtype``).
-    :param max_cpu_bytes: optional byte budget for the CPU tier, on top of ``max_cpu_loras``.
+    :param max_cpu_lora_bytes: byte budget of the CPU tier, on top of ``max_cpu_loras``, so a
+        fleet of mixed ranks cannot exhaust host memory; default (None) :func:`default_cpu_lora_bytes`,
+        10% of the host's memory.
     """
 
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str | torch.dtype = "auto"
-    max_cpu_bytes: int | None = None
+    max_cpu_lora_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_loras", self.max_loras, 1)
@@ -59,8 +82,9 @@ class LoRAConfig:
                 f"LoRAConfig.max_cpu_loras: got {self.max_cpu_loras}; allowed: an int >= "
                 f"max_loras ({self.max_loras}), since every GPU slot is backed by the CPU tier"
             )
-        if self.max_cpu_bytes is not None:
-            _check_int("max_cpu_bytes", self.max_cpu_bytes, 1)
+        if self.max_cpu_lora_bytes is None:
+            self.max_cpu_lora_bytes = default_cpu_lora_bytes()
+        _check_int("max_cpu_lora_bytes", self.max_cpu_lora_bytes, 1)
         if isinstance(self.lora_dtype, torch.dtype):
             names = {dtype: name for name, dtype in LORA_DTYPES.items() if dtype is not None}
             if self.lora_dtype not in names:

@@ -1,9 +1,14 @@
-"""The CPU tier: a thread-safe, bounded LRU of loaded adapters with single-flight loading.
+"""The CPU tier: a thread-safe LRU of loaded adapters, keyed by handle id, bounded in count and bytes.
 
 Modelled on nano-vllm's block manager: a plain class, reference counts (pins) for what running
-requests use, and eviction only of what nobody pins. Loads run outside the lock, so a slow load
-never blocks hits on other adapters; concurrent requests for the same missing adapter share one
-load (single-flight) and all see its result or its error.
+requests use, and eviction only of what nobody pins. It knows adapters by their
+:class:`~loramux.registry.AdapterHandle` id only; names, loading and single-flight live in the
+:class:`~loramux.registry.Registry` above it. The engine pins exactly the handles its scheduler
+references, so an adapter in use never leaves host memory.
+
+A *retired* handle (its name was rebound by a reload, or unbound by an unload) stays while
+pinned and leaves the tier at its last unpin: requests already running finish on it, and nothing
+new can reach it.
 """
 
 from __future__ import annotations
@@ -11,13 +16,11 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
 from dataclasses import dataclass
-
-import torch
 
 from loramux.errors import CacheFullError, LoRAError
 from loramux.registry.adapter import LoRAAdapter
+from loramux.registry.handle import AdapterHandle
 
 __all__ = ["CPUAdapterCache", "CacheStats"]
 
@@ -34,13 +37,13 @@ class CacheStats:
 
 
 class CPUAdapterCache:
-    """Loaded adapters in host memory, least recently used first out.
+    """Loaded adapters in host memory by handle id, least recently used first out.
 
     :param max_loras: at most this many adapters are kept.
-    :param max_bytes: optional budget for the adapters' weights together.
-    :param pin_memory: keep weights in page-locked memory (default: when CUDA is available), so
-        copies into GPU slots run asynchronously.
-    :param on_evict: called with the name of each evicted adapter (outside the lock).
+    :param max_bytes: at most this many bytes of weights are kept (None: no byte bound; the
+        registry always passes one, see :attr:`LoRAConfig.max_cpu_lora_bytes`).
+    :param on_evict: called with the handle of each adapter that leaves the tier to make room or
+        at its last unpin after retiring (outside the lock).
     """
 
     def __init__(
@@ -48,180 +51,202 @@ class CPUAdapterCache:
         max_loras: int,
         max_bytes: int | None = None,
         *,
-        pin_memory: bool | None = None,
-        on_evict: Callable[[str], None] | None = None,
+        on_evict: Callable[[AdapterHandle], None] | None = None,
     ) -> None:
-        if max_loras < 1:
-            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
+            raise ValueError(f"CPUAdapterCache max_loras: got {max_loras!r}; allowed: an int >= 1")
+        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
+                                      or max_bytes < 1):
+            raise ValueError(f"CPUAdapterCache max_bytes: got {max_bytes!r}; allowed: an int >= 1 or None")
         self.max_loras = max_loras
         self.max_bytes = max_bytes
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.on_evict = on_evict
         self.stats = CacheStats()
         self._lock = threading.Lock()
-        self._adapters: OrderedDict[str, LoRAAdapter] = OrderedDict()  # oldest first
-        self._pins: dict[str, int] = {}
-        self._loading: dict[str, Future[LoRAAdapter]] = {}
+        self._adapters: OrderedDict[int, LoRAAdapter] = OrderedDict()  # oldest first
+        self._pins: dict[int, int] = {}
+        self._retired: set[int] = set()
+        self._nbytes = 0
 
     # -- lookups -------------------------------------------------------------------------------
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, handle_id: int) -> bool:
         with self._lock:
-            return name in self._adapters
+            return handle_id in self._adapters
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._adapters)
 
-    def names(self) -> list[str]:
-        """Resident adapters, least recently used first."""
+    def handle_ids(self) -> list[int]:
+        """Resident handle ids, least recently used first."""
         with self._lock:
             return list(self._adapters)
 
+    def names(self) -> list[str]:
+        """Names of the resident adapters, least recently used first (a name shows twice while
+        an old handle of it still runs beside the new one)."""
+        with self._lock:
+            return [adapter.name for adapter in self._adapters.values()]
+
     @property
     def nbytes(self) -> int:
+        """Bytes of weights resident now."""
         with self._lock:
-            return sum(adapter.nbytes for adapter in self._adapters.values())
+            return self._nbytes
 
-    def get(self, name: str) -> LoRAAdapter | None:
-        """The adapter if resident (marking it most recently used), else None."""
-        with self._lock:
-            return self._touch(name)
+    def get(self, handle_id: int, *, pin: bool = False) -> LoRAAdapter | None:
+        """The adapter if resident (marking it most recently used), else None; counts a hit or miss.
 
-    def _touch(self, name: str) -> LoRAAdapter | None:
-        adapter = self._adapters.get(name)
-        if adapter is None:
-            self.stats.misses += 1
-            return None
-        self.stats.hits += 1
-        self._adapters.move_to_end(name)
-        return adapter
-
-    # -- loading -------------------------------------------------------------------------------
-
-    def get_or_load(
-        self, name: str, load: Callable[[], LoRAAdapter], *, pin: bool = False
-    ) -> LoRAAdapter:
-        """The resident adapter ``name``, or ``load()`` it once however many threads ask.
-
-        :param load: builds the adapter; its exception reaches every waiter, and the cache is
-            left exactly as it was.
-        :param pin: also pin the adapter (atomically, so it cannot be evicted in between).
-        :raises CacheFullError: every resident adapter is pinned, so there is no room.
+        :param pin: also pin it, atomically (so it cannot be evicted between lookup and pin).
         """
         with self._lock:
-            adapter = self._touch(name)
-            if adapter is not None:
-                if pin:
-                    self._pins[name] = self._pins.get(name, 0) + 1
-                return adapter
-            future = self._loading.get(name)
-            leader = future is None
-            if leader:
-                future = self._loading[name] = Future()
-        if not leader:
-            adapter = future.result()  # raises the leader's error
+            adapter = self._adapters.get(handle_id)
+            if adapter is None:
+                self.stats.misses += 1
+                return None
+            self.stats.hits += 1
+            self._adapters.move_to_end(handle_id)
             if pin:
-                self.pin(name)
+                self._pins[handle_id] = self._pins.get(handle_id, 0) + 1
             return adapter
-        try:
-            adapter = load()
-            if self.pin_memory:
-                adapter = adapter.pin_memory()
-            evicted = self._insert(name, adapter, pin=pin)
-        except BaseException as error:
-            with self._lock:
-                self.stats.load_failures += 1
-                del self._loading[name]
-            future.set_exception(error)
-            raise
-        with self._lock:
-            del self._loading[name]
-        future.set_result(adapter)
-        self._notify_evicted(evicted)
-        return adapter
 
-    def put(self, name: str, adapter: LoRAAdapter, *, pin: bool = False) -> None:
-        """Insert or replace ``name`` (an in-place reload keeps its pins)."""
-        if self.pin_memory:
-            adapter = adapter.pin_memory()
-        self._notify_evicted(self._insert(name, adapter, pin=pin))
-
-    def _insert(self, name: str, adapter: LoRAAdapter, *, pin: bool) -> list[str]:
+    def record_miss(self) -> None:
+        """Count a lookup that found nothing without asking by id (a name not loaded yet)."""
         with self._lock:
-            self._check_fits(name, adapter)
-            self._adapters[name] = adapter
-            self._adapters.move_to_end(name)
-            self.stats.loads += 1
+            self.stats.misses += 1
+
+    def record_load_failure(self) -> None:
+        """Count a load meant for this tier that failed (the registry loads; the tier counts)."""
+        with self._lock:
+            self.stats.load_failures += 1
+
+    # -- insertion -----------------------------------------------------------------------------
+
+    def put(self, adapter: LoRAAdapter, *, pin: bool = False) -> list[AdapterHandle]:
+        """Insert ``adapter`` (which must carry its handle) as most recently used; evict the least
+        recently used unpinned adapters until the tier is within both budgets.
+
+        :param pin: also pin it, atomically (it cannot be evicted in between).
+        :returns: the handles evicted (``on_evict`` was called for each).
+        :raises CacheFullError: it cannot fit beside the pinned adapters, or is larger than the
+            whole byte budget; nothing changed.
+        """
+        handle = adapter.handle
+        if handle is None:
+            raise ValueError(f"adapter {adapter.name!r} has no handle; the Registry issues them")
+        with self._lock:
+            self._check_fits(handle)
+            if handle.id not in self._adapters:
+                self._nbytes += handle.nbytes
+                self.stats.loads += 1
+            self._adapters[handle.id] = adapter
+            self._adapters.move_to_end(handle.id)
             if pin:
-                self._pins[name] = self._pins.get(name, 0) + 1
+                self._pins[handle.id] = self._pins.get(handle.id, 0) + 1
             evicted = []
             while self._over_budget():
-                victim = next(n for n in self._adapters if not self._pins.get(n))
-                del self._adapters[victim]
-                evicted.append(victim)
+                victim = next(i for i in self._adapters if not self._pins.get(i))
+                evicted.append(self._drop(victim))
             self.stats.evictions += len(evicted)
-            return evicted
+        self._notify(evicted)
+        return evicted
 
     def _over_budget(self) -> bool:
         too_many = len(self._adapters) > self.max_loras
-        too_big = self.max_bytes is not None and (
-            sum(adapter.nbytes for adapter in self._adapters.values()) > self.max_bytes
-        )
-        return too_many or too_big
+        return too_many or (self.max_bytes is not None and self._nbytes > self.max_bytes)
 
-    def _check_fits(self, name: str, adapter: LoRAAdapter) -> None:
-        """Raise before anything changes if ``adapter`` cannot fit beside the pinned ones."""
-        if self.max_bytes is not None and adapter.nbytes > self.max_bytes:
+    def _check_fits(self, handle: AdapterHandle) -> None:
+        """Raise before anything changes if ``handle`` cannot fit beside the pinned adapters."""
+        if self.max_bytes is not None and handle.nbytes > self.max_bytes:
             raise CacheFullError(
-                f"its weights take {adapter.nbytes} bytes, more than the CPU tier's whole budget "
-                f"of {self.max_bytes} bytes.",
-                adapter=name,
-                fix="Raise the CPU tier's byte budget (max_cpu_bytes).",
+                f"its weights take {handle.nbytes:,} bytes, more than the CPU tier's whole budget "
+                f"of {self.max_bytes:,} bytes.",
+                adapter=handle.name,
+                fix="Raise the CPU tier's byte budget (max_cpu_lora_bytes, --max-cpu-lora-bytes).",
             )
-        kept = [n for n in self._adapters if self._pins.get(n) and n != name]
-        kept_bytes = sum(self._adapters[n].nbytes for n in kept)
-        if len(kept) + 1 > self.max_loras or (
-            self.max_bytes is not None and kept_bytes + adapter.nbytes > self.max_bytes
-        ):
+        kept = [i for i in self._adapters if self._pins.get(i) and i != handle.id]
+        kept_bytes = sum(self._adapters[i].handle.nbytes for i in kept)
+        too_many = len(kept) + 1 > self.max_loras
+        too_big = self.max_bytes is not None and kept_bytes + handle.nbytes > self.max_bytes
+        if too_many or too_big:
             raise CacheFullError(
-                f"the CPU tier is full of adapters in use ({len(kept)} pinned, "
-                f"{kept_bytes} bytes), so there is no room for it now.",
-                adapter=name,
-                fix="Retry when running requests finish, or raise max_cpu_loras.",
+                f"the CPU tier is full of adapters in use ({len(kept)} pinned, {kept_bytes:,} "
+                f"bytes; limits {self.max_loras} adapters, {self.max_bytes or 0:,} bytes), so there "
+                "is no room for it now.",
+                adapter=handle.name,
+                fix="Retry when running requests finish, or raise max_cpu_loras "
+                "(--max-cpu-loras) or max_cpu_lora_bytes (--max-cpu-lora-bytes).",
             )
 
-    def _notify_evicted(self, names: list[str]) -> None:
+    def _drop(self, handle_id: int) -> AdapterHandle:
+        adapter = self._adapters.pop(handle_id)
+        self._nbytes -= adapter.handle.nbytes
+        self._pins.pop(handle_id, None)
+        self._retired.discard(handle_id)
+        return adapter.handle
+
+    def _notify(self, handles: list[AdapterHandle]) -> None:
         if self.on_evict is not None:
-            for name in names:
-                self.on_evict(name)
+            for handle in handles:
+                self.on_evict(handle)
 
-    # -- pins and removal ----------------------------------------------------------------------
+    # -- pins, retirement and removal ----------------------------------------------------------
 
-    def pin(self, name: str) -> None:
-        """Keep ``name`` resident until as many ``unpin`` calls; pins nest (a reference count)."""
+    def pin(self, handle_id: int) -> None:
+        """Keep ``handle_id`` resident until as many :meth:`unpin` calls (a reference count).
+
+        :raises LoRAError: it is not resident.
+        """
         with self._lock:
-            if name not in self._adapters:
-                raise LoRAError("cannot pin an adapter that is not loaded.", adapter=name)
-            self._pins[name] = self._pins.get(name, 0) + 1
+            adapter = self._adapters.get(handle_id)
+            if adapter is None:
+                raise LoRAError(f"cannot pin adapter handle {handle_id}: it is not in the CPU tier.")
+            self._pins[handle_id] = self._pins.get(handle_id, 0) + 1
 
-    def unpin(self, name: str) -> None:
-        """Release one pin of ``name``; unknown or unpinned names are an error."""
+    def unpin(self, handle_id: int) -> None:
+        """Release one pin; at the last one a retired handle leaves the tier.
+
+        :raises LoRAError: it is not pinned.
+        """
         with self._lock:
-            count = self._pins.get(name, 0)
+            count = self._pins.get(handle_id, 0)
             if count < 1:
-                raise LoRAError("cannot unpin an adapter that is not pinned.", adapter=name)
-            if count == 1:
-                del self._pins[name]
-            else:
-                self._pins[name] = count - 1
+                raise LoRAError(f"cannot unpin adapter handle {handle_id}: it is not pinned.")
+            if count > 1:
+                self._pins[handle_id] = count - 1
+                return
+            del self._pins[handle_id]
+            gone = [self._drop(handle_id)] if handle_id in self._retired else []
+        self._notify(gone)
 
-    def is_pinned(self, name: str) -> bool:
+    def is_pinned(self, handle_id: int) -> bool:
         with self._lock:
-            return bool(self._pins.get(name))
+            return bool(self._pins.get(handle_id))
 
-    def remove(self, name: str) -> bool:
-        """Drop ``name`` (and its pins) from the tier; returns whether it was resident."""
+    def pin_count(self, handle_id: int) -> int:
         with self._lock:
-            self._pins.pop(name, None)
-            return self._adapters.pop(name, None) is not None
+            return self._pins.get(handle_id, 0)
+
+    def retire(self, handle_id: int) -> bool:
+        """Nothing new will ask for ``handle_id``: drop it now if unpinned, else at its last unpin.
+
+        :returns: whether it left the tier now.
+        """
+        with self._lock:
+            if handle_id not in self._adapters:
+                return False
+            if self._pins.get(handle_id):
+                self._retired.add(handle_id)
+                return False
+            gone = [self._drop(handle_id)]
+        self._notify(gone)
+        return True
+
+    def remove(self, handle_id: int) -> bool:
+        """Drop ``handle_id`` and its pins at once; returns whether it was resident."""
+        with self._lock:
+            if handle_id not in self._adapters:
+                return False
+            self._drop(handle_id)
+            return True

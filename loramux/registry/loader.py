@@ -11,17 +11,25 @@ from __future__ import annotations
 import json
 import math
 import re
+from functools import partial
 from os import PathLike
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from loramux.errors import AdapterNotFoundError, IncompatibleAdapterError, InvalidAdapterError
 from loramux.registry.adapter import LoRAAdapter, LoRAModuleWeights
 from loramux.registry.config import LoRAConfig
+from loramux.registry.handle import combine_digest, config_digest
+from loramux.registry.weights_io import all_finite, parse_safetensors, read_and_hash, read_pickle
 
-__all__ = ["load_adapter", "ADAPTER_CONFIG_FILE", "SAFETENSORS_FILE", "PICKLE_FILE"]
+__all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "PICKLE_FILE",
+    "SAFETENSORS_FILE",
+    "load_adapter",
+    "load_adapter_with_digest",
+]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 SAFETENSORS_FILE = "adapter_model.safetensors"
@@ -129,13 +137,18 @@ def _check_base_model(config: dict, expected: str, name: str, config_file: Path)
         )
 
 
-def _read_tensors(directory: Path, name: str) -> tuple[dict[str, torch.Tensor], Path]:
+def _read_tensors(
+    directory: Path, name: str, *, pin_memory: bool
+) -> tuple[dict[str, torch.Tensor], Path, bytes]:
+    """The weights file's tensors (views into one buffer read once), its path and its digest."""
     safetensors_file = directory / SAFETENSORS_FILE
     pickle_file = directory / PICKLE_FILE
+    allocate = partial(torch.empty, dtype=torch.uint8, pin_memory=pin_memory)
     if safetensors_file.is_file():
         try:
-            return load_file(safetensors_file, device="cpu"), safetensors_file
-        except Exception as error:  # safetensors raises several types for bad files
+            buffer, digest = read_and_hash(safetensors_file, allocate)
+            return parse_safetensors(buffer), safetensors_file, digest
+        except (OSError, ValueError) as error:
             raise InvalidAdapterError(
                 f"the weights file is corrupt or truncated ({error}).",
                 adapter=name,
@@ -144,8 +157,9 @@ def _read_tensors(directory: Path, name: str) -> tuple[dict[str, torch.Tensor], 
             ) from error
     if pickle_file.is_file():
         try:
+            buffer, digest = read_and_hash(pickle_file, allocate)
             # weights_only=True refuses any pickle that would run code: nothing in it executes.
-            tensors = torch.load(pickle_file, map_location="cpu", weights_only=True)
+            tensors = read_pickle(buffer)
         except Exception as error:
             raise InvalidAdapterError(
                 f"refused to load {PICKLE_FILE}: it is not a plain tensor file ({error}).",
@@ -159,7 +173,9 @@ def _read_tensors(directory: Path, name: str) -> tuple[dict[str, torch.Tensor], 
             raise InvalidAdapterError(
                 f"{PICKLE_FILE} must hold a dict of tensors.", adapter=name, path=pickle_file
             )
-        return tensors, pickle_file
+        if pin_memory:
+            tensors = {key: tensor.pin_memory() for key, tensor in tensors.items()}
+        return tensors, pickle_file, digest
     raise InvalidAdapterError(
         f"no weights: neither {SAFETENSORS_FILE} nor {PICKLE_FILE} is present.",
         adapter=name,
@@ -221,12 +237,6 @@ def _module_weights(
             adapter=name,
             path=weights_file,
         )
-    if not (torch.isfinite(lora_a).all() and torch.isfinite(lora_b).all()):
-        raise InvalidAdapterError(
-            f"module {module!r}: the weights contain NaN or infinity.",
-            adapter=name,
-            path=weights_file,
-        )
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     return LoRAModuleWeights(lora_a.contiguous(), lora_b.contiguous(), float(scaling), is_embedding)
 
@@ -237,6 +247,7 @@ def load_adapter(
     *,
     name: str | None = None,
     base_model_name: str | None = None,
+    pin_memory: bool = False,
 ) -> LoRAAdapter:
     """Load and validate the PEFT LoRA adapter saved in directory ``path``.
 
@@ -246,12 +257,29 @@ def load_adapter(
     :param name: the adapter's name in error messages and in the result; defaults to the
         directory's name.
     :param base_model_name: when given, the adapter must have been trained for this model.
+    :param pin_memory: put the weights in page-locked memory (needs CUDA): read straight into
+        it when no cast is asked for, else cast into it, so it costs no extra copy.
     :returns: the adapter, in host memory.
     :raises AdapterNotFoundError: ``path`` is not a directory.
     :raises InvalidAdapterError: the files are missing, corrupt, unsafe or unsupported.
     :raises IncompatibleAdapterError: the rank exceeds ``config.max_lora_rank`` or the base
         model differs.
     """
+    return load_adapter_with_digest(
+        path, config, name=name, base_model_name=base_model_name, pin_memory=pin_memory
+    )[0]
+
+
+def load_adapter_with_digest(
+    path: str | PathLike[str],
+    config: LoRAConfig | None = None,
+    *,
+    name: str | None = None,
+    base_model_name: str | None = None,
+    pin_memory: bool = False,
+) -> tuple[LoRAAdapter, str]:
+    """:func:`load_adapter`, and the adapter's content digest (see :mod:`loramux.registry.handle`)
+    computed from the bytes as they were read: the files are read once."""
     directory = Path(path)
     name = name or directory.name
     if not directory.is_dir():
@@ -266,11 +294,16 @@ def load_adapter(
     _check_supported(peft_config, name, config_file)
     if base_model_name:
         _check_base_model(peft_config, base_model_name, name, config_file)
-    tensors, weights_file = _read_tensors(directory, name)
+    cast_to = config.torch_dtype if config is not None else None
+    # Read straight into page-locked memory unless a cast makes a new copy anyway.
+    tensors, weights_file, weights_digest = _read_tensors(
+        directory, name, pin_memory=pin_memory and cast_to is None
+    )
     modules = {
         module: _module_weights(module, parts, peft_config, name, weights_file)
         for module, parts in _group_by_module(tensors, name, weights_file).items()
     }
+    _check_finite(modules, name, weights_file)
     adapter = LoRAAdapter(
         name=name,
         path=directory,
@@ -280,14 +313,39 @@ def load_adapter(
         base_model_name=peft_config.get("base_model_name_or_path"),
         peft_config=peft_config,
     )
-    if config is not None:
-        if adapter.rank > config.max_lora_rank:
-            raise IncompatibleAdapterError(
-                f"its rank is {adapter.rank}, above max_lora_rank={config.max_lora_rank}.",
-                adapter=name,
-                path=config_file,
-                fix=f"Raise max_lora_rank (--max-lora-rank) to at least {adapter.rank}.",
-            )
-        if config.torch_dtype is not None:
-            adapter = adapter.map_tensors(lambda tensor: tensor.to(config.torch_dtype))
-    return adapter
+    if config is not None and adapter.rank > config.max_lora_rank:
+        raise IncompatibleAdapterError(
+            f"its rank is {adapter.rank}, above max_lora_rank={config.max_lora_rank}.",
+            adapter=name,
+            path=config_file,
+            fix=f"Raise max_lora_rank (--max-lora-rank) to at least {adapter.rank}.",
+        )
+    if cast_to is not None or _held_bytes(adapter) > _WASTE_FACTOR * adapter.nbytes + 4096:
+        # a cast copies anyway; and a file that also holds tensors loramux skips (PEFT saves the
+        # base embedding beside an embedding LoRA) must not keep its whole read buffer alive
+        adapter = adapter.pack(cast_to, pin_memory=pin_memory)
+    digest = combine_digest(config_digest(peft_config, cast_to), weights_digest)
+    return adapter, digest
+
+
+_WASTE_FACTOR = 1.25
+
+
+def _held_bytes(adapter: LoRAAdapter) -> int:
+    """Bytes of host memory the adapter's tensors keep alive (their distinct storages)."""
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for w in adapter.modules.values()
+        for t in (w.lora_a, w.lora_b)
+    }
+    return sum(storages.values())
+
+
+def _check_finite(modules: dict[str, LoRAModuleWeights], name: str, weights_file: Path) -> None:
+    tensors = [t for weights in modules.values() for t in (weights.lora_a, weights.lora_b)]
+    if all_finite(tensors):
+        return
+    bad = next(m for m, w in modules.items() if not all_finite([w.lora_a, w.lora_b]))
+    raise InvalidAdapterError(
+        f"module {bad!r}: the weights contain NaN or infinity.", adapter=name, path=weights_file
+    )

@@ -1,105 +1,82 @@
-"""`Registry`: adapter name -> loaded adapter, backed by the CPU tier and the resolvers.
+"""`Registry`: the one place a name means an adapter. Name -> handle, backed by the CPU tier.
 
-An adapter comes from, in this order: a path or URI given for its name (``register``, or a
-``LoRARequest`` with ``lora_path``); else the resolvers, asked in order. A local path is read as
-it is; a URI is fetched by the resolver that claims its scheme. Loading happens once per name
-however many threads ask at once (the CPU tier's single-flight), and a failure leaves the
-registry as it was.
+An adapter is named once, at the border. The registry finds it (a path or URI registered for
+the name, else the resolvers), loads and validates it once, issues an
+:class:`~loramux.registry.AdapterHandle` and binds the name to it. Below the registry everything
+keys by ``handle.id``; the CPU tier holds the weights by it.
+
+- Loading happens once per name however many threads ask at once (single-flight); a failure
+  reaches every waiter and leaves the registry and the tier as they were.
+- Reload (:meth:`Registry.rebind`) binds the name to a new handle; unload
+  (:meth:`Registry.unregister`) unbinds it. Either way the old handle *retires*: it stays in the
+  CPU tier while pinned (requests already running finish on it) and leaves at its last unpin.
+- An adapter evicted from the CPU tier and asked for again is read again from its source; if its
+  content is unchanged it keeps its handle, so GPU slots and caches keyed by it stay valid.
 """
 
 from __future__ import annotations
 
-import re
 import threading
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 from os import PathLike
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loramux.errors import (
-    AdapterNotFoundError,
-    IncompatibleAdapterError,
-    InvalidAdapterError,
-    LoRAError,
-    PluginError,
-)
+import torch
+
+from loramux.errors import IncompatibleAdapterError
 from loramux.registry.adapter import LoRAAdapter
 from loramux.registry.config import LoRAConfig
 from loramux.registry.cpu_cache import CPUAdapterCache
-from loramux.registry.loader import load_adapter
-from loramux.registry.request import LoRARequest, validate_adapter_name
+from loramux.registry.handle import AdapterHandle, combine_digest, next_handle_id, tensors_digest
+from loramux.registry.loader import load_adapter_with_digest
+from loramux.registry.request import LoRARequest
+from loramux.registry.sources import (
+    AdapterLocation,
+    AdapterSource,
+    AdapterSources,
+    check_name,
+    normalize_location,
+)
 
 if TYPE_CHECKING:
     from loramux.resolvers.base import Resolver
+    from loramux.resolvers.settings import ResolverSettings
 
 __all__ = ["AdapterLocation", "Registry"]
 
-_URI = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-_NAME_FIX = (
-    "Adapter names are relative, like 'my-adapter' or 'org/repo/sub': no '..', no leading '/'."
-)
 
+@dataclass
+class _Binding:
+    """What a name means: where to (re)load it from, and the handle it is bound to now."""
 
-@dataclass(frozen=True)
-class AdapterLocation:
-    """Where an adapter was found.
-
-    :ivar path: the local directory holding it.
-    :ivar source: the path or URI it was registered with, or None when a resolver found it by name.
-    :ivar resolver: the resolver that found or fetched it; None for a local path.
-    """
-
-    name: str
-    path: Path
-    source: str | None = None
-    resolver: str | None = None
-
-
-@dataclass(frozen=True)
-class _Source:
-    location: str  # an absolute local path or a URI
-    base_model_name: str | None = None
-
-
-def _scheme(location: str) -> str | None:
-    """The URI scheme of ``location``, or None for a local path (``file://`` included)."""
-    match = _URI.match(location)
-    if match is None or match[1].lower() == "file":
-        return None
-    return match[1].lower()
-
-
-def _normalize(location: str | PathLike[str]) -> str:
-    location = str(location)
-    if _scheme(location) is not None:
-        return location
-    if location.lower().startswith("file://"):
-        location = location[len("file://") :]
-    return str(Path(location).expanduser().resolve())
-
-
-def _check_name(name: object) -> str:
-    try:
-        return validate_adapter_name(name)
-    except ValueError as error:
-        raise InvalidAdapterError(
-            str(error), adapter=name if isinstance(name, str) else None, fix=_NAME_FIX
-        ) from None
+    source: AdapterSource | None = None  # None: the resolvers find it by name
+    handle: AdapterHandle | None = None  # None: not loaded yet
+    held: bool = False  # bound from memory: the registry pins it, as nothing could reload it
 
 
 class Registry:
-    """Adapters by name: loaded on demand, kept in the CPU tier.
+    """Adapters by name: loaded on demand, validated once, bound to handles, kept in the CPU tier.
 
-    :param lora_config: bounds checked at load (``max_lora_rank``), the dtype, and the CPU tier's
-        size (``max_cpu_loras``, ``max_cpu_bytes``).
+    :param lora_config: bounds checked at load (``max_lora_rank``), the dtype, and the CPU
+        tier's size (``max_cpu_loras``, ``max_cpu_lora_bytes``).
     :param base_model_name: the served model; passed to resolvers, which may group adapters by it.
-    :param resolvers: the resolvers to use; default: those the plugins register.
-    :param resolver_order: names of the resolvers to ask by name, in order (a list or
-        ``"a,b"``); default ``$LORAMUX_LORA_RESOLVERS``, else all in registration order.
+    :param resolvers: the resolvers to use; default: those the plugins register, given
+        ``resolver_settings``.
+    :param resolver_settings: the built-in resolvers' settings (order, filesystem root, Hub
+        allow-list); default :meth:`ResolverSettings.from_env`, the environment read once here.
+    :param resolver_order: names of the resolvers to ask by name, in order (a list or ``"a,b"``);
+        overrides ``resolver_settings.order``.
     :param cache: the CPU tier; default one sized by ``lora_config``.
-    :param validate: called with each adapter after it loads, before it is cached (the engine
-        checks it fits the model); its exception fails the load and caches nothing.
+    :param validate: called once with each adapter after it loads, before it gets a handle (the
+        engine passes ``LoRAModelManager.validate``); its exception fails the load and caches
+        nothing.
+    :param pin_memory: keep weights in page-locked memory (read straight into it), so copies into
+        GPU slots run asynchronously; default: when CUDA is available.
+    :param on_unbind: called with a handle when its name is rebound (reload) or unbound
+        (unload): nothing new will use it (outside the registry's lock).
     """
 
     def __init__(
@@ -108,24 +85,47 @@ class Registry:
         *,
         base_model_name: str | None = None,
         resolvers: Sequence[Resolver] | None = None,
+        resolver_settings: ResolverSettings | None = None,
         resolver_order: Sequence[str] | str | None = None,
         cache: CPUAdapterCache | None = None,
         validate: Callable[[LoRAAdapter], None] | None = None,
+        pin_memory: bool | None = None,
+        on_unbind: Callable[[AdapterHandle], None] | None = None,
     ) -> None:
-        from loramux.resolvers.collect import collect_resolvers, order_resolvers
+        from loramux.resolvers.collect import collect_resolvers
+        from loramux.resolvers.settings import ResolverSettings
 
         self.lora_config = lora_config or LoRAConfig()
         self.base_model_name = base_model_name
-        self.resolvers = collect_resolvers() if resolvers is None else list(resolvers)
-        self.name_resolvers = order_resolvers(self.resolvers, resolver_order)
-        self.cache = cache or CPUAdapterCache(
-            self.lora_config.max_cpu_loras, self.lora_config.max_cpu_bytes
+        settings = resolver_settings or ResolverSettings.from_env()
+        if resolver_order is not None:
+            settings = replace(settings, order=resolver_order)
+        self.resolver_settings = settings
+        self.sources = AdapterSources(
+            collect_resolvers(settings) if resolvers is None else resolvers,
+            settings.order,
+            base_model_name=base_model_name,
         )
+        self.cache = cache or CPUAdapterCache(
+            self.lora_config.max_cpu_loras, self.lora_config.max_cpu_lora_bytes
+        )
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._validate = validate
-        self._sources: dict[str, _Source] = {}
+        self._on_unbind = on_unbind
+        self._bindings: dict[str, _Binding] = {}
+        self._loading: dict[str, Future[LoRAAdapter]] = {}
         self._lock = threading.Lock()
 
-    # -- the name -> source map ----------------------------------------------------------------
+    @property
+    def resolvers(self) -> list[Resolver]:
+        return self.sources.resolvers
+
+    @property
+    def name_resolvers(self) -> list[Resolver]:
+        """The resolvers asked for a name, in order."""
+        return self.sources.name_resolvers
+
+    # -- names ---------------------------------------------------------------------------------
 
     def register(
         self,
@@ -138,28 +138,20 @@ class Registry:
         """Serve the adapter at ``path`` (a local directory or a URI) as ``name``; loads lazily.
 
         :param base_model_name: when given, the adapter must have been trained for this model.
-        :param replace: allow ``name`` to point somewhere else than before. A copy of ``name``
-            loaded from anywhere else is dropped, so the next ``get`` loads this one.
+        :param replace: allow ``name`` to point somewhere else than before. The handle it was
+            bound to retires, so the next ``get`` loads from the new place.
         :raises InvalidAdapterError: the name is unsafe.
         :raises AdapterNotFoundError: a local ``path`` is not a directory, or no resolver
             fetches its URI scheme.
         :raises IncompatibleAdapterError: ``name`` is registered for another path (and not
             ``replace``).
         """
-        _check_name(name)
-        source = _Source(_normalize(path), base_model_name)
-        scheme = _scheme(source.location)
-        if scheme is None and not Path(source.location).is_dir():
-            raise AdapterNotFoundError(
-                "no adapter directory at this path.",
-                adapter=name,
-                path=source.location,
-                fix="Check the path; it must be a directory saved by PEFT's save_pretrained().",
-            )
-        if scheme is not None:
-            self._scheme_resolver(scheme, name)
+        check_name(name)
+        source = AdapterSource(normalize_location(path), base_model_name)
+        self.sources.check(name, source)
         with self._lock:
-            previous = self._sources.get(name)
+            binding = self._bindings.setdefault(name, _Binding())
+            previous = binding.source
             if previous is not None and previous.location != source.location and not replace:
                 raise IncompatibleAdapterError(
                     f"the name is already registered for {previous.location!r}, not "
@@ -167,143 +159,232 @@ class Registry:
                     adapter=name,
                     fix="Use another name, or unregister (unload) this one first.",
                 )
-            self._sources[name] = source
-        if previous != source:  # a copy loaded from elsewhere (or found by a resolver) is stale
-            self.cache.remove(name)
+            binding.source = source
+            # a copy loaded from elsewhere (or found by a resolver, or from memory) is stale
+            stale = self._unbind_handle(binding) if previous != source else None
+        self._retire(stale)
 
     def unregister(self, name: str) -> bool:
-        """Forget ``name``: its registration and its loaded copy (pins included).
+        """Unload: unbind ``name``. Its handle retires (it leaves the CPU tier at its last unpin).
 
-        :returns: whether there was anything to forget.
+        :returns: whether the name was bound or registered.
         """
         with self._lock:
-            registered = self._sources.pop(name, None) is not None
-        loaded = self.cache.remove(name)
-        return registered or loaded
+            binding = self._bindings.pop(name, None)
+            stale = self._unbind_handle(binding) if binding is not None else None
+        self._retire(stale)
+        return binding is not None
+
+    def handle(self, name: str) -> AdapterHandle | None:
+        """The handle ``name`` is bound to now, or None (unknown, or not loaded yet)."""
+        with self._lock:
+            binding = self._bindings.get(name)
+            return binding.handle if binding is not None else None
 
     def list(self) -> list[str]:
-        """Names registered or loaded, sorted."""
+        """Names served now, sorted: registered ones (loaded or not), and those found by the
+        resolvers whose adapter is in the CPU tier."""
         with self._lock:
-            names = set(self._sources)
-        return sorted(names | set(self.cache.names()))
+            bindings = list(self._bindings.items())
+        return sorted(name for name, binding in bindings if self._listed(binding))
 
     def __contains__(self, name: object) -> bool:
         with self._lock:
-            if name in self._sources:
-                return True
-        return isinstance(name, str) and name in self.cache
+            binding = self._bindings.get(name)
+        return binding is not None and self._listed(binding)
 
-    # -- finding and loading -------------------------------------------------------------------
+    def _listed(self, binding: _Binding) -> bool:
+        if binding.source is not None or binding.held:
+            return True
+        return binding.handle is not None and binding.handle.id in self.cache
+
+    # -- adapters ------------------------------------------------------------------------------
 
     def get(self, name_or_request: str | LoRARequest, *, pin: bool = False) -> LoRAAdapter:
-        """The adapter, loaded (and resolved or downloaded) on first use, then from the CPU tier.
+        """The adapter ``name`` is bound to, loaded (resolved, read, validated) on first use, then
+        from the CPU tier. Its ``.handle`` is set.
 
         Concurrent calls for the same missing adapter load it once; all get its result or error.
 
         :param name_or_request: a name, or a ``LoRARequest`` (its ``lora_path``, if set, is
             registered for its name).
-        :param pin: also pin it in the CPU tier (see :meth:`CPUAdapterCache.pin`).
+        :param pin: also pin its handle in the CPU tier, atomically (release with
+            ``registry.cache.unpin(adapter.handle.id)``).
         :raises AdapterNotFoundError: no path is registered and no resolver finds it; the
             message lists the resolvers tried.
         :raises LoRAError: it cannot be fetched, is invalid or does not fit; nothing is cached.
         """
         name = self._name_of(name_or_request)
-        return self.cache.get_or_load(name, lambda: self._load(name), pin=pin)
+        handle = self.handle(name)
+        if handle is not None:
+            adapter = self.cache.get(handle.id, pin=pin)
+            if adapter is not None:
+                return adapter
+        else:
+            self.cache.record_miss()
+        return self._load_once(name, pin=pin, force=False)
+
+    def rebind(self, name_or_request: str | LoRARequest, *, pin: bool = False) -> LoRAAdapter:
+        """Reload: read the adapter again from its source and bind its name to the result.
+
+        New content gets a new handle; the old handle retires (requests running on it finish on
+        it). The same content again (same digest and path) keeps its handle.
+        """
+        name = self._name_of(name_or_request)
+        return self._load_once(name, pin=pin, force=True)
+
+    def bind(self, adapter: LoRAAdapter, *, name: str | None = None) -> LoRAAdapter:
+        """Serve an adapter built in memory as ``name`` (default ``adapter.name``).
+
+        It is validated, digested from its tensors and given a handle; the registry holds a pin
+        on it (nothing could reload it) until the name is unregistered or bound again.
+
+        :returns: the adapter as served (pinned host memory when ``pin_memory``), its handle set.
+        """
+        name = check_name(name or adapter.name)
+        started = time.perf_counter()
+        if self._validate is not None:
+            self._validate(adapter)
+        first = next(iter(adapter.modules.values()), None)
+        if self.pin_memory and first is not None and first.lora_a.device.type == "cpu":
+            adapter = adapter if adapter.is_pinned else adapter.pin_memory()
+        digest = combine_digest(b"memory", tensors_digest(adapter.modules))
+        handle = AdapterHandle(
+            next_handle_id(), name, digest, None, adapter.rank, adapter.nbytes,
+            source="memory", load_seconds=time.perf_counter() - started,
+        )
+        adapter = replace(adapter, name=name, handle=handle)
+        self.cache.put(adapter, pin=True)
+        with self._lock:
+            binding = self._bindings.setdefault(name, _Binding())
+            stale = self._unbind_handle(binding)
+            binding.source, binding.handle, binding.held = None, handle, True
+        self._retire(stale)
+        return adapter
 
     def locate(self, name_or_request: str | LoRARequest) -> AdapterLocation:
         """Find (and fetch, if remote) the adapter's directory without loading it."""
         name = self._name_of(name_or_request)
         with self._lock:
-            source = self._sources.get(name)
-        if source is None:
-            return self._resolve(name)
-        scheme = _scheme(source.location)
-        if scheme is None:
-            return AdapterLocation(name, Path(source.location), source.location)
-        resolver = self._scheme_resolver(scheme, name)
-        path = self._call(resolver, "fetch", name, source.location)
-        return AdapterLocation(name, path, source.location, resolver.name)
+            binding = self._bindings.get(name)
+        return self.sources.locate(name, binding.source if binding is not None else None)
 
-    def _load(self, name: str) -> LoRAAdapter:
-        location = self.locate(name)
+    # -- loading -------------------------------------------------------------------------------
+
+    def _load_once(self, name: str, *, pin: bool, force: bool) -> LoRAAdapter:
+        """Single-flight: one load per name at a time; the others wait for its result."""
+        while True:
+            with self._lock:
+                future = self._loading.get(name)
+                if future is None:
+                    future = self._loading[name] = Future()
+                    break
+            try:
+                future.result()  # another thread's load: its error is ours too
+            except BaseException:
+                if not force:
+                    raise
+                continue  # a reload must read the source itself
+            if not force:
+                return self.get(name, pin=pin)  # a hit now (or a fresh load if evicted since)
+        try:
+            adapter = self._load(name, pin=pin, force=force)
+        except BaseException as error:
+            with self._lock:
+                del self._loading[name]
+            self.cache.record_load_failure()
+            future.set_exception(error)
+            raise
         with self._lock:
-            source = self._sources.get(name)
-        adapter = load_adapter(
+            del self._loading[name]
+        future.set_result(adapter)
+        return adapter
+
+    def _load(self, name: str, *, pin: bool, force: bool) -> LoRAAdapter:
+        started = time.perf_counter()
+        with self._lock:
+            binding = self._bindings.get(name)
+            source = binding.source if binding is not None else None
+            old = binding.handle if binding is not None else None
+        if old is not None and force and binding.held:
+            return self.cache.get(old.id, pin=pin)  # from memory: nothing to read again
+        location = self.sources.locate(name, source)
+        adapter, digest = load_adapter_with_digest(
             location.path,
             self.lora_config,
             name=name,
-            base_model_name=source.base_model_name if source else None,
+            base_model_name=source.base_model_name if source is not None else None,
+            pin_memory=self.pin_memory,
         )
         if self._validate is not None:
-            self._validate(adapter)
+            self._validate(adapter)  # the one validation of this load, before any state changes
+        path = str(location.path)
+        if old is not None and old.digest == digest and old.path == path:
+            handle = old  # the same content again: the same identity
+            resident = self.cache.get(handle.id, pin=pin)
+            if resident is not None:
+                return resident
+        else:
+            handle = AdapterHandle(
+                next_handle_id(), name, digest, path, adapter.rank, adapter.nbytes,
+                source=location.resolver or "path", load_seconds=time.perf_counter() - started,
+            )
+        adapter = replace(adapter, handle=handle)
+        self.cache.put(adapter, pin=pin)  # raises CacheFullError with nothing changed
+        with self._lock:
+            current = self._bindings.get(name)
+            if current is not binding or (current is not None and current.source != source):
+                # unregistered or registered elsewhere meanwhile: serve this load's waiters,
+                # bind nothing
+                stale, current = handle, None
+            elif current is None:
+                current = self._bindings[name] = _Binding()
+                stale = None
+            else:
+                stale = self._unbind_handle(current) if current.handle != handle else None
+            if current is not None:
+                current.handle = handle
+            self._forget_evicted()
+        self._retire(stale)
         return adapter
+
+    def _forget_evicted(self) -> None:
+        """Bound the name map under churn (under the lock): past a few times the CPU tier's size,
+        drop names that only a resolver found and whose adapter left the tier. Kept until then,
+        such a name read again keeps its handle when its content is unchanged."""
+        if len(self._bindings) <= 4 * self.cache.max_loras + 1024:
+            return
+        resident = set(self.cache.handle_ids())
+        for name in [
+            name
+            for name, b in self._bindings.items()
+            if b.source is None and not b.held and (b.handle is None or b.handle.id not in resident)
+        ]:
+            del self._bindings[name]
+
+    def _unbind_handle(self, binding: _Binding) -> AdapterHandle | None:
+        """Detach ``binding``'s handle (under the lock); the caller retires it after."""
+        handle, binding.handle = binding.handle, None
+        if handle is not None and binding.held:
+            binding.held = False
+            self.cache.unpin(handle.id)
+        return handle
+
+    def _retire(self, handle: AdapterHandle | None) -> None:
+        if handle is None:
+            return
+        self.cache.retire(handle.id)
+        if self._on_unbind is not None:
+            self._on_unbind(handle)
 
     def _name_of(self, name_or_request: str | LoRARequest) -> str:
         if isinstance(name_or_request, LoRARequest):
             request = name_or_request
             if request.lora_path:
                 with self._lock:
-                    known = self._sources.get(request.lora_name)
-                if known is None or known.location != _normalize(request.lora_path):
+                    binding = self._bindings.get(request.lora_name)
+                    known = binding.source if binding is not None else None
+                if known is None or known.location != normalize_location(request.lora_path):
                     self.register(request.lora_name, request.lora_path, request.base_model_name)
             return request.lora_name
-        return _check_name(name_or_request)
-
-    def _resolve(self, name: str) -> AdapterLocation:
-        for resolver in self.name_resolvers:
-            path = self._call(resolver, "resolve", name, self.base_model_name, name)
-            if path is not None:
-                return AdapterLocation(name, path, None, resolver.name)
-        tried = "; ".join(resolver.describe() for resolver in self.name_resolvers)
-        raise AdapterNotFoundError(
-            f"no resolver found it (tried: {tried})."
-            if tried
-            else "it is not registered, and no resolver is configured to look for it.",
-            adapter=name,
-            fix="Check the name; give its path (LoRARequest lora_path, --lora-modules NAME=PATH), "
-            "or point a resolver at it (LORAMUX_LORA_RESOLVER_DIR, "
-            "LORAMUX_LORA_RESOLVER_HF_REPO_LIST, or a resolver plugin).",
-        )
-
-    def _scheme_resolver(self, scheme: str, name: str) -> Resolver:
-        for resolver in self.resolvers:
-            if scheme in resolver.schemes:
-                return resolver
-        claimed = sorted(s for resolver in self.resolvers for s in resolver.schemes)
-        raise AdapterNotFoundError(
-            f"no resolver fetches '{scheme}://' URIs (installed: "
-            f"{', '.join(s + '://' for s in claimed) or 'none'}).",
-            adapter=name,
-            fix="Install the plugin for it (e.g. pip install loramux-s3 for s3://); "
-            "`loramux plugins` lists what is installed.",
-        )
-
-    def _call(self, resolver: Resolver, method: str, name: str, *args) -> Path | None:
-        """Run a resolver's method, holding it to its contract: a LoRAError is the answer; any
-        other exception, or a result that is not a path, is the resolver's fault."""
-        try:
-            result = getattr(resolver, method)(*args)
-        except LoRAError as error:
-            if error.adapter == name:
-                raise
-            try:  # a resolver fetching a URI knows the URI, not the name the request gave it
-                renamed = type(error)(error.problem, adapter=name, path=error.path, fix=error.fix)
-            except Exception:
-                raise error from None
-            raise renamed from error
-        except Exception as error:
-            raise PluginError(
-                f"resolver {resolver.name!r} failed in {method}(): {type(error).__name__}: {error}",
-                adapter=name,
-                fix="Fix its configuration, or leave it out with LORAMUX_LORA_RESOLVERS.",
-            ) from error
-        if result is None and method == "resolve":
-            return None
-        if not isinstance(result, (str, PathLike)):
-            raise PluginError(
-                f"resolver {resolver.name!r} returned {type(result).__name__} from {method}(), "
-                "not a path.",
-                adapter=name,
-                fix="It must return the adapter's local directory (resolve() may return None).",
-            )
-        return Path(result)
+        return check_name(name_or_request)

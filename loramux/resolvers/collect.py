@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Sequence
 
 from loramux.plugins.manager import each_plugin_hook, plugin_error, report_plugin_error
 from loramux.resolvers.base import Resolver
+from loramux.resolvers.settings import RESOLVERS_ENV, ResolverSettings
 
 __all__ = ["RESOLVERS_ENV", "collect_resolvers", "order_resolvers"]
-
-RESOLVERS_ENV = "LORAMUX_LORA_RESOLVERS"
 _SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*$")
 _NAME = re.compile(r"^[^\s,]+$")
 _LOCAL_SCHEMES = ("file",)
 
 
-def collect_resolvers() -> list[Resolver]:
+def collect_resolvers(settings: ResolverSettings | None = None) -> list[Resolver]:
     """Every resolver registered through ``register_resolvers``, in registration order.
+
+    :param settings: handed to every ``register_resolvers`` hook; default
+        :meth:`ResolverSettings.from_env` (the environment, read here once).
 
     A plugin whose hook raises or registers something that is not a valid :class:`Resolver` is
     reported (see :func:`~loramux.plugins.plugin_errors`) and its resolvers are left out.
@@ -26,13 +27,14 @@ def collect_resolvers() -> list[Resolver]:
     :raises PluginError: two plugins register resolvers with the same name or URI scheme; the
         message names both.
     """
+    settings = ResolverSettings.from_env() if settings is None else settings
     resolvers: list[Resolver] = []
     owner: dict[str, str] = {}  # resolver name -> plugin
     scheme_owner: dict[str, Resolver] = {}
     for plugin_name, hook in each_plugin_hook("register_resolvers"):
         registered: list[Resolver] = []
         try:
-            hook(register=registered.append)
+            hook(register=registered.append, settings=settings)
             for resolver in registered:
                 _check(resolver, plugin_name)
         except Exception as error:
@@ -91,13 +93,12 @@ def order_resolvers(
     """The resolvers to ask by name, in the user's order.
 
     :param order: resolver names (or a comma-separated string); only those are asked, in that
-        order. None: ``$LORAMUX_LORA_RESOLVERS`` if set, else every resolver in registration order.
+        order. None: every resolver, in registration order (:class:`ResolverSettings` reads
+        ``$LORAMUX_LORA_RESOLVERS`` into ``order``; this function reads no environment).
     :raises ValueError: the order names a resolver that is not registered.
     """
     if order is None:
-        order = os.environ.get(RESOLVERS_ENV) or None
-        if order is None:
-            return list(resolvers)
+        return list(resolvers)
     if isinstance(order, str):
         order = [name.strip() for name in order.split(",") if name.strip()]
     by_name = {resolver.name: resolver for resolver in resolvers}
@@ -105,6 +106,6 @@ def order_resolvers(
     if unknown:
         raise ValueError(
             f"resolver order names {', '.join(map(repr, unknown))}, which no plugin registered; "
-            f"registered resolvers: {', '.join(by_name) or 'none'} (check {RESOLVERS_ENV})"
+            f"registered resolvers: {', '.join(by_name) or 'none'} (check --lora-resolvers or {RESOLVERS_ENV})"
         )
     return [by_name[name] for name in dict.fromkeys(order)]

@@ -1,6 +1,7 @@
 """The filesystem resolver: adapters saved under one root directory.
 
-``$LORAMUX_LORA_RESOLVER_DIR`` (``--lora-resolver-dir``) is the root. An adapter called ``name``
+The root is ``ResolverSettings.directory`` (``--lora-resolver-dir``, default
+``$LORAMUX_LORA_RESOLVER_DIR``). An adapter called ``name``
 is ``<root>/<base-model-name>/<name>`` (when the served model is known) or ``<root>/<name>``.
 The name is validated and the real path (symlinks followed) must stay inside the root.
 """
@@ -14,10 +15,9 @@ from loramux.errors import InvalidAdapterError
 from loramux.plugins.hookspecs import hookimpl
 from loramux.registry.request import validate_adapter_name
 from loramux.resolvers.base import Resolver
+from loramux.resolvers.settings import ROOT_ENV, ResolverSettings
 
 __all__ = ["ROOT_ENV", "FilesystemResolver"]
-
-ROOT_ENV = "LORAMUX_LORA_RESOLVER_DIR"
 
 
 class FilesystemResolver(Resolver):
@@ -73,8 +73,7 @@ class FilesystemResolver(Resolver):
 
 
 @hookimpl(tryfirst=True)
-def register_resolvers(register):
+def register_resolvers(register, settings: ResolverSettings):
     """The local root goes first: the cheapest source, and the one the operator set up."""
-    root = os.environ.get(ROOT_ENV)
-    if root:
-        register(FilesystemResolver(root))
+    if settings.directory is not None:
+        register(FilesystemResolver(settings.directory))

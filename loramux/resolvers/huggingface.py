@@ -1,7 +1,7 @@
 """The Hugging Face Hub resolver: adapters in allow-listed repos, downloaded with huggingface_hub.
 
-By name, only repos listed in ``$LORAMUX_LORA_RESOLVER_HF_REPO_LIST`` (``org/a,org/b``) are
-looked at: ``org/a`` is the adapter at the repo's root, ``org/a/sub/dir`` one in a sub-folder.
+By name, only repos listed in ``ResolverSettings.hf_repos`` (default
+``$LORAMUX_LORA_RESOLVER_HF_REPO_LIST``, ``org/a,org/b``) are looked at: ``org/a`` is the adapter at the repo's root, ``org/a/sub/dir`` one in a sub-folder.
 A ``hf://org/repo[@revision][/sub/dir]`` URI given as ``lora_path`` is fetched from any repo.
 
 Only ``adapter_config.json`` and ``adapter_model.safetensors`` are downloaded (never a pickle),
@@ -23,10 +23,9 @@ from loramux.registry.loader import ADAPTER_CONFIG_FILE, SAFETENSORS_FILE
 from loramux.registry.request import validate_adapter_name
 from loramux.resolvers.base import Resolver
 from loramux.resolvers.cache import adapters_cache_dir
+from loramux.resolvers.settings import REPO_LIST_ENV, ResolverSettings
 
 __all__ = ["REPO_LIST_ENV", "HuggingFaceResolver"]
-
-REPO_LIST_ENV = "LORAMUX_LORA_RESOLVER_HF_REPO_LIST"
 _TRUE = ("1", "true", "yes", "on")
 
 
@@ -190,7 +189,6 @@ class HuggingFaceResolver(Resolver):
 
 
 @hookimpl(trylast=True)
-def register_resolvers(register):
+def register_resolvers(register, settings: ResolverSettings):
     """The Hub goes last: it is remote, and only allow-listed repos are looked at by name."""
-    repos = os.environ.get(REPO_LIST_ENV, "")
-    register(HuggingFaceResolver(repos.split(",")))
+    register(HuggingFaceResolver(settings.hf_repos))

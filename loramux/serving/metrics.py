@@ -31,6 +31,7 @@ class TierStats:
     loads: int | None = None
     evictions: int | None = None
     resident: list[str] = field(default_factory=list)
+    bytes_resident: int | None = None  # bytes of the resident adapters' weights
 
 
 class _TierCollector:
@@ -52,13 +53,18 @@ class _TierCollector:
         }
         resident = GaugeMetricFamily("loramux_adapters_resident", "Adapters held in the tier now.",
                                      labels=["tier"])
+        resident_bytes = GaugeMetricFamily("loramux_adapter_bytes_resident",
+                                           "Bytes of adapter weights held in the tier now.", labels=["tier"])
         for tier, stats in tiers.items():
             for name, family in families.items():
                 if getattr(stats, name) is not None:
                     family.add_metric([tier], getattr(stats, name))
             resident.add_metric([tier], len(stats.resident))
+            if stats.bytes_resident is not None:
+                resident_bytes.add_metric([tier], stats.bytes_resident)
         yield from families.values()
         yield resident
+        yield resident_bytes
 
 
 class Metrics:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 
-__all__ = ["add_serve_arguments", "parse_lora_module"]
+__all__ = ["add_serve_arguments", "parse_byte_size", "parse_lora_module"]
 
 API_KEY_ENV = "LORAMUX_API_KEY"
 RUNTIME_UPDATING_ENV = "LORAMUX_ALLOW_RUNTIME_LORA_UPDATING"
@@ -17,6 +18,23 @@ RUNTIME_UPDATING_ENV = "LORAMUX_ALLOW_RUNTIME_LORA_UPDATING"
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|b)?\s*$", re.IGNORECASE)
+
+
+def parse_byte_size(text: str) -> int:
+    """``1073741824``, ``512MiB``, ``8GiB``, ``2GB``, ``1.5G`` -> bytes (``KiB``: 1024, ``KB``: 1000)."""
+    match = _BYTE_SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size in bytes; write e.g. 8GiB, 512MiB, 2GB or 1073741824")
+    number, unit, binary = match.groups()
+    base = 1024 if binary else 1000
+    size = int(float(number) * base ** ("kmgt".index(unit.lower()) + 1 if unit else 0))
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
+    return size
 
 
 def parse_lora_module(text: str) -> tuple[str, str, str | None]:
@@ -78,6 +96,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="the largest adapter rank (default: %(default)s)")
     lora.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
                       help="adapters kept loaded in host memory (default: --max-loras)")
+    lora.add_argument("--max-cpu-lora-bytes", type=parse_byte_size, default=None, metavar="SIZE",
+                      help="bytes of adapter weights kept in host memory, e.g. 8GiB (default: 10%% "
+                      "of the host's memory); the CPU tier keeps at most --max-cpu-loras adapters "
+                      "and at most this many bytes")
     lora.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                       help="adapter weight dtype (default: the model's)")
     lora.add_argument(

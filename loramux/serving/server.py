@@ -5,16 +5,18 @@ from __future__ import annotations
 import argparse
 import importlib.resources
 import logging
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 import uvicorn
 
 from loramux.serving.state import ServerConfig
+
+if TYPE_CHECKING:
+    from loramux.resolvers.settings import ResolverSettings
 
 __all__ = ["demo_adapters", "serve"]
 
@@ -80,16 +82,17 @@ def _describe(engine: Any, config: ServerConfig) -> None:
                 "required" if config.api_key else "none")
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run the server until interrupted; returns the exit status."""
+def serve(args: argparse.Namespace, resolver_settings: ResolverSettings | None = None) -> int:
+    """Run the server until interrupted; returns the exit status.
+
+    :param resolver_settings: where the resolvers look and in which order (the CLI builds it
+        from ``--lora-resolver-dir`` / ``--lora-resolver``); default: the environment's.
+    """
     _configure_logging()
     prometheus_client.disable_created_metrics()  # no *_created series: they double /metrics for nothing
     from loramux.engine.llm_engine import LLMEngine
-    from loramux.resolvers.collect import RESOLVERS_ENV
     from loramux.serving.app import build_app
 
-    if args.lora_resolver:  # where the resolver plugins read the order from, as --lora-resolvers
-        os.environ[RESOLVERS_ENV] = ",".join(args.lora_resolver)
     embedded = args.model is None
     modules = (demo_adapters() if embedded and args.enable_lora else []) + list(args.lora_modules)
     modules = list({name: (name, path, base) for name, path, base in modules}.values())  # a later NAME wins
@@ -97,7 +100,8 @@ def serve(args: argparse.Namespace) -> int:
     logger.info("Loading %s ...", args.model or "the embedded default model")
     engine = LLMEngine(
         args.model, enable_lora=args.enable_lora, max_loras=max_loras, max_lora_rank=args.max_lora_rank,
-        max_cpu_loras=args.max_cpu_loras, lora_dtype=args.lora_dtype, dtype=args.dtype, device=args.device,
+        max_cpu_loras=args.max_cpu_loras, max_cpu_lora_bytes=args.max_cpu_lora_bytes,
+        resolver_settings=resolver_settings, lora_dtype=args.lora_dtype, dtype=args.dtype, device=args.device,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_format=args.load_format,
         seed=args.seed)
     config = ServerConfig(

@@ -1,0 +1,230 @@
+"""The cold path of one adapter, stage by stage: resolve -> read -> validate -> pin -> copy.
+
+Builds a synthetic adapter with Llama-3.1-8B shapes (rank 16 on q_proj [4096 -> 4096] and v_proj
+[4096 -> 1024] of 32 layers, bfloat16: 13.6 MB), saved as PEFT saves one (adapter_config.json +
+adapter_model.safetensors), and times each stage of loading it, best of N. The base model for
+the engine's validation is built on the ``meta`` device (shapes only), so no weights are needed.
+
+Two regimes: "disk" drops the adapter's pages from the page cache before every repetition
+(``posix_fadvise(DONTNEED)``, no root needed), "page cache" reads it while cached. The same run
+measures the disk's sequential read bandwidth (a 256 MiB file, dropped from the cache), so that
+"cold TTFT <= warm TTFT + 1.5 x adapter bytes / disk bandwidth" can be judged on any host.
+
+    python benchmarks/cold_load.py [--repeats 20] [--json out.json]
+
+Pin and copy run only with CUDA (pinned memory needs it); on CPU they are reported as n/a. With
+CUDA the weights are read straight into page-locked memory, so "pin" costs nothing of its own.
+"read" includes the content digest: its chunks are hashed while the next ones are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+LAYERS, HIDDEN, KV_OUT, RANK = 32, 4096, 1024, 16
+BANDWIDTH_FILE_BYTES = 256 << 20
+
+
+def make_adapter(directory: Path, *, seed: int = 0) -> Path:
+    """A PEFT-layout LoRA for Llama-3.1-8B: q_proj and v_proj of every layer, rank 16, bf16."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(LAYERS):
+        for module, out in (("q_proj", HIDDEN), ("v_proj", KV_OUT)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, HIDDEN, generator=generator).bfloat16()
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, RANK, generator=generator).bfloat16()
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "meta-llama/Llama-3.1-8B",
+        "r": RANK, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
+        "bias": "none", "use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {},
+        "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
+        "layers_to_transform": None, "inference_mode": True, "peft_version": "0.13.0",
+    }
+    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def meta_llama_8b():
+    """Llama-3.1-8B's module tree on the meta device: real shapes, no memory."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=14336, num_hidden_layers=LAYERS, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(config).to(torch.bfloat16)
+
+
+def drop_from_page_cache(*paths: Path) -> None:
+    """Evict the files' pages, so the next read comes from the disk (clean pages only; no root)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_seconds(path: Path) -> float:
+    """Seconds to read ``path`` whole into a preallocated buffer (no allocation in the timing)."""
+    buffer = bytearray(path.stat().st_size)
+    view = memoryview(buffer)
+    start = time.perf_counter()
+    with open(path, "rb", buffering=0) as file:
+        done = 0
+        while done < len(view):
+            done += file.readinto(view[done:])
+    return time.perf_counter() - start
+
+
+def disk_bandwidth(directory: Path, repeats: int = 3) -> dict:
+    """Sequential read bandwidth of the disk under ``directory`` and of the page cache, bytes/s."""
+    path = directory / "bandwidth.bin"
+    with open(path, "wb") as file:
+        chunk = os.urandom(16 << 20)
+        for _ in range(BANDWIDTH_FILE_BYTES // len(chunk)):
+            file.write(chunk)
+        file.flush()
+        os.fsync(file.fileno())
+    disk = []
+    for _ in range(repeats):
+        drop_from_page_cache(path)
+        disk.append(read_seconds(path))
+    cached = [read_seconds(path) for _ in range(repeats)]
+    path.unlink()
+    return {"disk_bytes_per_s": BANDWIDTH_FILE_BYTES / min(disk),
+            "page_cache_bytes_per_s": BANDWIDTH_FILE_BYTES / min(cached)}
+
+
+def best(times: list[float]) -> float:
+    return min(times) * 1e3
+
+
+class Stages:
+    """The stages of the loader, timed one by one on the same adapter, then the whole path."""
+
+    def __init__(self, root: Path, name: str, manager) -> None:
+        from loramux.registry import LoRAConfig, Registry
+        from loramux.resolvers import FilesystemResolver
+
+        self.root, self.name, self.manager = root, name, manager
+        self.config = LoRAConfig(max_loras=1, max_lora_rank=RANK, max_cpu_loras=1)
+        self.make_registry = lambda: Registry(
+            self.config, resolvers=[FilesystemResolver(root)], validate=manager.validate
+        )
+        self.cuda = torch.cuda.is_available()
+
+    def run_once(self, drop: bool) -> dict[str, float]:
+        from loramux.registry import loader
+
+        directory = self.root / self.name
+        files = [directory / "adapter_config.json", directory / "adapter_model.safetensors"]
+        times: dict[str, float] = {}
+        if drop:
+            drop_from_page_cache(*files)
+        # the floor for this very file: read whole into a buffer allocated beforehand, no hash
+        times["raw_read"] = read_seconds(files[1])
+        registry = self.make_registry()
+        if drop:
+            drop_from_page_cache(*files)
+        t0 = time.perf_counter()
+        location = registry.locate(self.name)
+        t1 = time.perf_counter()
+        peft_config = loader._read_config(location.path, self.name)
+        # read straight into pinned memory on CUDA: pinning is part of the read, not a copy
+        tensors, weights_file, _ = loader._read_tensors(location.path, self.name, pin_memory=self.cuda)
+        t2 = time.perf_counter()
+        loader._check_supported(peft_config, self.name, files[0])
+        modules = {
+            module: loader._module_weights(module, parts, peft_config, self.name, weights_file)
+            for module, parts in loader._group_by_module(tensors, self.name, weights_file).items()
+        }
+        loader._check_finite(modules, self.name, weights_file)
+        adapter = loader.LoRAAdapter(self.name, location.path, modules, peft_config["lora_alpha"],
+                                     peft_config["target_modules"], peft_config=peft_config)
+        t3 = time.perf_counter()
+        self.manager.validate(adapter)
+        t4 = time.perf_counter()
+        times.update(resolve=t1 - t0, read=t2 - t1, loader_checks=t3 - t2, engine_validate=t4 - t3)
+        if self.cuda:
+            times["pin"] = 0.0  # the read buffer is page-locked already
+            adapter.map_tensors(lambda t: t.to("cuda", non_blocking=True))
+            torch.cuda.synchronize()
+            times["copy"] = time.perf_counter() - t4
+        # the whole registry path, as the engine's loader thread runs it
+        registry = self.make_registry()
+        if drop:
+            drop_from_page_cache(*files)
+        t7 = time.perf_counter()
+        registry.get(self.name)
+        times["registry_get"] = time.perf_counter() - t7
+        return times
+
+
+def sha256_seconds(path: Path) -> float:
+    """One thread hashing the whole file from memory: what the digest would cost unoverlapped."""
+    import hashlib
+
+    data = path.read_bytes()
+    start = time.perf_counter()
+    hashlib.sha256(data).digest()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dir", default=None, help="where to write the adapter (default: a temp dir)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.registry import LoRAConfig
+
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        root = Path(tmp)
+        directory = make_adapter(root / "llama8b-r16")
+        nbytes = (directory / "adapter_model.safetensors").stat().st_size
+        manager = LoRAModelManager(meta_llama_8b(), LoRAConfig(max_loras=1, max_lora_rank=RANK),
+                                   target_modules=["q_proj", "v_proj"])
+        stages = Stages(root, directory.name, manager)
+        bandwidth = disk_bandwidth(root)
+        results = {}
+        for regime, drop in (("disk", True), ("page_cache", False)):
+            stages.run_once(drop)  # warm-up: imports, allocator
+            runs = [stages.run_once(drop) for _ in range(args.repeats)]
+            results[regime] = {stage: round(best([r[stage] for r in runs]), 3) for stage in runs[0]}
+        hash_ms = best([sha256_seconds(directory / "adapter_model.safetensors") for _ in range(5)])
+    report = {
+        "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no CUDA"),
+        "adapter_bytes": nbytes,
+        "repeats": args.repeats,
+        **{key: round(value / 1e9, 3) for key, value in bandwidth.items()},
+        "ms_best_of_n": results,
+        "ms_sha256_single_thread": round(hash_ms, 3),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "ms_floor_disk": round(nbytes / bandwidth["disk_bytes_per_s"] * 1e3, 3),
+        "ms_floor_page_cache": round(nbytes / bandwidth["page_cache_bytes_per_s"] * 1e3, 3),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

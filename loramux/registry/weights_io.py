@@ -1,0 +1,191 @@
+"""Reading an adapter's weights file once: into one host buffer, hashed while it is read.
+
+The file is read whole into a buffer the caller allocates (page-locked when a GPU is present, so
+the copy into a GPU slot can run asynchronously straight from it). Every 1 MiB chunk is hashed on
+a small thread pool as soon as it lands, while the next chunk is read (hashlib and file reads
+release the GIL), so the content digest costs almost nothing beyond the read. A safetensors file
+then becomes tensors that are views into that buffer: one copy from the disk, none after it.
+
+safetensors' own Python API cannot do this: ``load_file`` copies every tensor out of a memory
+map, ``load(bytes)`` copies twice, and neither builds tensors over a buffer we own. The format is
+small and fixed (an 8-byte little-endian header length, a JSON header of
+``{name: {dtype, shape, data_offsets}}``, then the data), and every offset is checked here
+against the file before a tensor is made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["HASH_CHUNK_BYTES", "all_finite", "parse_safetensors", "read_and_hash", "read_pickle"]
+
+HASH_CHUNK_BYTES = 1 << 20
+
+# safetensors dtype names (https://github.com/huggingface/safetensors#format) -> torch
+_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            workers = max(2, min(8, os.cpu_count() or 2))
+            _pool = ThreadPoolExecutor(workers, thread_name_prefix="loramux-hash")
+        return _pool
+
+
+def _sha256(chunk: memoryview) -> bytes:
+    return hashlib.sha256(chunk).digest()
+
+
+def read_and_hash(path: Path, allocate: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, bytes]:
+    """Read ``path`` whole into ``allocate(size)`` (a uint8 tensor) and hash it on the way.
+
+    :returns: the buffer and the file's digest: SHA-256 over the SHA-256 of each 1 MiB chunk
+        in order (a function of the bytes alone, whatever the reads return).
+    :raises OSError: the file cannot be read, or it shrank while being read.
+    """
+    with open(path, "rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        buffer = allocate(size)
+        view = memoryview(buffer.numpy())
+        chunks: list[Future[bytes]] = []
+        pool = _hash_pool()
+        for start in range(0, size, HASH_CHUNK_BYTES):
+            end = min(start + HASH_CHUNK_BYTES, size)
+            done = start
+            while done < end:
+                read = file.readinto(view[done:end])
+                if not read:
+                    raise OSError(f"{path} shrank while being read ({done} of {size} bytes)")
+                done += read
+            chunks.append(pool.submit(_sha256, view[start:end]))
+    digest = hashlib.sha256(b"".join(chunk.result() for chunk in chunks)).digest()
+    return buffer, digest
+
+
+def parse_safetensors(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``buffer`` (uint8), as views into it.
+
+    :raises ValueError: the header is truncated, not JSON, or names a dtype, shape or offsets
+        that the file does not hold.
+    """
+    size = buffer.numel()
+    raw = memoryview(buffer.numpy())
+    if size < 8:
+        raise ValueError(f"the file has {size} bytes, fewer than its 8-byte header length")
+    header_len = int.from_bytes(raw[:8], "little")
+    if header_len > size - 8:
+        raise ValueError(f"the header claims {header_len} bytes but the file has {size - 8} after it")
+    try:
+        header = json.loads(bytes(raw[8 : 8 + header_len]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"the header is not JSON ({error})") from None
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    data_start, data_len = 8 + header_len, size - 8 - header_len
+    tensors: dict[str, torch.Tensor] = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = [int(dim) for dim in info["shape"]]
+            begin, end = (int(offset) for offset in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"tensor {key!r} has a malformed header entry {info!r}") from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_len or end - begin != nbytes:
+            raise ValueError(
+                f"tensor {key!r}: offsets {begin}..{end} do not hold {dtype} {shape} inside the "
+                f"{data_len} data bytes"
+            )
+        data = buffer[data_start + begin : data_start + end]
+        if (data_start + begin) % dtype.itemsize:  # never written so by safetensors; still legal
+            data = data.clone()
+        tensors[key] = data.view(dtype).view(shape)
+    return tensors
+
+
+def read_pickle(buffer: torch.Tensor) -> object:
+    """``torch.load(weights_only=True)`` of a pickled weights file held in ``buffer``: nothing
+    in the pickle can run code."""
+    return torch.load(io.BytesIO(memoryview(buffer.numpy())), map_location="cpu", weights_only=True)
+
+
+# Exponent bits: all ones means infinity or NaN, so one integer AND finds both without a float op
+# (isfinite on bfloat16 runs ~30x slower on CPU than this).
+_EXPONENT_MASKS: dict[torch.dtype, tuple[torch.dtype, int]] = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+    torch.float64: (torch.int64, 0x7FF0000000000000),
+}
+_CHECK_ELEMENTS = 1 << 18  # per step: the scratch buffer stays in cache
+
+
+def all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every element of every (floating point) tensor is finite.
+
+    Tensors that lie back to back in one storage (the views of one safetensors file) are checked
+    as one span, so a file of 128 tensors costs a few large operations, not 128 small ones.
+    """
+    for span in _spans(tensors):
+        mask = _EXPONENT_MASKS.get(span.dtype)
+        if mask is None:
+            if not torch.isfinite(span).all():
+                return False
+            continue
+        # numpy, not torch: one thread, SIMD, no intra-op thread pool to wake (which, on a busy
+        # host, made this check 10-100x slower); max, not any(): an int reduction is vectorized
+        bits = span.view(mask[0]).numpy()
+        scratch = np.empty(min(bits.size, _CHECK_ELEMENTS), dtype=bits.dtype)
+        for start in range(0, bits.size, _CHECK_ELEMENTS):
+            chunk = bits[start : start + _CHECK_ELEMENTS]
+            masked = np.bitwise_and(chunk, mask[1], out=scratch[: chunk.size])
+            if int(masked.max()) == mask[1]:
+                return False
+    return True
+
+
+def _spans(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Flat views covering ``tensors``: neighbours in one storage with one dtype are merged."""
+    flat = sorted(
+        (t.reshape(-1) for t in tensors if t.is_contiguous() and t.numel()),
+        key=lambda t: (t.untyped_storage().data_ptr(), t.storage_offset()),
+    )
+    spans: list[torch.Tensor] = []
+    for tensor in flat:
+        last = spans[-1] if spans else None
+        if (
+            last is not None
+            and last.dtype == tensor.dtype
+            and last.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
+            and last.storage_offset() + last.numel() == tensor.storage_offset()
+        ):
+            spans[-1] = torch.empty(0, dtype=last.dtype).set_(
+                last.untyped_storage(), last.storage_offset(), (last.numel() + tensor.numel(),)
+            )
+        else:
+            spans.append(tensor)
+    spans.extend(t.contiguous().reshape(-1) for t in tensors if not t.is_contiguous())  # rare: a copy
+    return spans
