@@ -206,7 +206,7 @@ class LLMEngine:
                     touched[seq.request_id] = seq
                 else:
                     seq.adapter = adapter
-                    seq.cache_salt = adapter.handle.digest  # prefix-cache blocks key on content
+                    seq.cache_salt = _content_digest(adapter)  # prefix-cache blocks key on content
                     self.scheduler.add(seq)
             batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
@@ -335,3 +335,13 @@ class LLMEngine:
     def close(self) -> None:
         self.loader.shutdown()
         self.runner.release_graphs()
+
+
+def _content_digest(adapter: LoRAAdapter) -> str:
+    """The adapter's content digest: its handle's (our registry issues one with every adapter);
+    hashed here only for an adapter from a registry that issues none."""
+    if adapter.handle is not None:
+        return adapter.handle.digest
+    from loramux.registry.handle import combine_digest, tensors_digest
+
+    return combine_digest(b"unregistered", tensors_digest(adapter.modules))
