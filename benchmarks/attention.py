@@ -164,22 +164,25 @@ def cases(smoke):
         yield "prefill", B, n, n
 
 
-def sweep(shapes, dtype, device, copy_gbps, smoke):
+def sweep(shapes, dtype, device, copy_gbps, smoke, cases=None):
     """Time launch-shape variants on a few decode cases (to tune attention_config)."""
     from loramux.kernels.attention import AttentionConfig, attention_config, paged_attention_triton
 
     rows = []
     picks = [(3, 40)] if smoke else [(1, 32768), (8, 4096), (64, 1024), (64, 4096), (128, 1024)]
+    if cases:
+        picks = cases
     for B, ctx in picks:
         c = make_case(B, ctx, 1, shapes, dtype, device)
         args = (c["q"], c["k_cache"], c["v_cache"], c["block_tables"], c["seq_lens"], c["query_start_loc"])
         h, hkv, d, bs = shapes
         heur = attention_config(B, B, h, hkv, d, c["block_tables"].shape[1], bs, dtype, device)
         cfgs = [heur]
-        for bn in (16, 32, 64, 128):
+        for bn in (16, 32, 64, 128) if not cases else (32, 64, 128):
             for warps in (2, 4, 8):
-                for stages in (1, 2, 3, 4):
-                    for splits in sorted({heur.num_splits, max(1, heur.num_splits // 2), heur.num_splits * 2}):
+                for stages in (1, 2, 3, 4) if not cases else (2, 3, 4):
+                    for splits in sorted({heur.num_splits, max(1, heur.num_splits // 2), heur.num_splits * 2}
+                                         if not cases else {heur.num_splits}):
                         cfgs.append(AttentionConfig(heur.block_m, bn, splits, warps, stages))
         if smoke:
             cfgs = cfgs[:3]
@@ -231,6 +234,7 @@ def main(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sweep", action="store_true", help="time launch-shape variants instead of the table")
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) torch reference")
+    p.add_argument("--sweep-cases", default=None, help="decode cases for --sweep, e.g. 64x256,64x1024 (B x ctx)")
     a = p.parse_args(argv)
     device = torch.device(a.device)
     smoke = device.type != "cuda"
@@ -251,7 +255,8 @@ def main(argv=None):
     json_path, md_path = Path(base + ".json"), Path(base + ".md")
     json_path.parent.mkdir(parents=True, exist_ok=True)
     if a.sweep:
-        rows = sweep(shapes, dtype, device, copy_gbps, smoke)
+        cases = [tuple(map(int, c.split("x"))) for c in a.sweep_cases.split(",")] if a.sweep_cases else None
+        rows = sweep(shapes, dtype, device, copy_gbps, smoke, cases)
         json_path.write_text(json.dumps(dict(meta=meta, sweep=rows), indent=1))
         print(f"wrote {json_path}")
         return 0
