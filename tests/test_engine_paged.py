@@ -134,3 +134,21 @@ def test_siblings_are_left_alone_when_they_cannot_fuse():
     names = fuse_siblings(model)
     assert "model.layers.0.self_attn.q_proj.siblings.fused" not in names
     assert isinstance(attn.q_proj, torch.nn.Linear) and isinstance(model.model.layers[0].mlp.up_proj, SiblingSlice)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(block_size=12), "block_size: got 12; allowed: a power of two >= 8"),
+        (dict(block_size=4), "block_size: got 4; allowed: a power of two >= 8"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization: got 1.5; allowed: a number in \\(0, 1\\]"),
+        (dict(num_gpu_blocks_override=0), "num_gpu_blocks_override: got 0"),
+        (dict(num_gpu_blocks_override=3, max_model_len=64), "room for 3 blocks of 16 tokens, but one sequence of "
+         "max_model_len=64 needs 4 \\(plus one scratch block\\)"),
+    ],
+)
+def test_bad_kv_cache_options_are_refused_with_the_fix(options, message):
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(tiny_llama(), enable_lora=False, **options)
+    # a good engine still builds and runs in the same process
+    assert run(LLMEngine(tiny_llama(), enable_lora=False, max_model_len=64), [("ok", [5, 6, 7], None)])["ok"]

@@ -51,7 +51,11 @@ class DecodeGraphs:
         self.fields = torch.zeros(5, S, dtype=torch.int32, device=device)
         self.tables = torch.zeros(S, runner.max_blocks, dtype=torch.int32, device=device)
         self.query_start = torch.arange(S + 1, dtype=torch.int32, device=device)  # one token per row
-        self.logits_rows = torch.arange(S, dtype=torch.int32, device=device)
+        # the compiled forward's own inputs (token ids, positions, logits rows): whole tensors of
+        # each size, not views, as in eager steps, so both calls pass the same guards
+        self.inputs = {B: (torch.zeros(B, dtype=torch.int32, device=device),
+                           torch.zeros(B, dtype=torch.int32, device=device),
+                           torch.arange(B, dtype=torch.int32, device=device)) for B in sizes}
         self.variants = (False, True) if runner.lora_manager is not None else (False,)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -85,6 +89,9 @@ class DecodeGraphs:
         flat, tables = self.runner.to_device([[v for f in fields[:5] for v in f], fields[5]])
         self.fields.copy_(flat.view(5, S))
         self.tables[:B, :width].copy_(tables.view(B, width))
+        ids, positions, _ = self.inputs[B]
+        ids.copy_(self.fields[0, :B])
+        positions.copy_(self.fields[1, :B])
 
     def replay(self, seqs: list[Sequence], lora_slots: list[int]) -> torch.Tensor:
         """Run the step of ``seqs`` (all decoding); returns logits ``[B, V]`` (rows past len(seqs): padding)."""
@@ -107,7 +114,8 @@ class DecodeGraphs:
     def _capture(self, B: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         runner = self.runner
         self._load([], [], B)  # all padding
-        ids, pos, slots, lens, lora_slots = self.fields[:, :B]
+        _, _, slots, lens, lora_slots = self.fields[:, :B]
+        ids, pos, logits_rows = self.inputs[B]
         metadata = AttentionMetadata(
             k_cache=runner.kv.k, v_cache=runner.kv.v, slot_mapping=slots, block_tables=self.tables[:B],
             seq_lens=lens, query_start_loc=self.query_start[: B + 1],
@@ -121,7 +129,7 @@ class DecodeGraphs:
                 else:
                     manager.set_mapping(None)
             with forward_context(metadata):
-                return runner._forward(ids, pos, self.logits_rows[:B])
+                return runner._forward(ids, pos, logits_rows)
 
         # warm up outside the capture (compilation, autotuning, lazily made tables)
         stream = torch.cuda.Stream(runner.device)

@@ -228,9 +228,13 @@ def num_kv_blocks(setup: EngineSetup, profile_peak_bytes) -> int:
         # capped at 4x what max_num_seqs sequences can hold at once: room for the prefix cache
         num_blocks = min(CPU_KV_CACHE_BYTES // block_bytes, 4 * setup.max_num_seqs * per_seq + 1)
     if num_blocks < per_seq + 1:
+        used = ""
+        if setup.device.type == "cuda" and setup.num_gpu_blocks_override is None:
+            used = (f" ({(total - free) / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB were in use "
+                    "before the cache: the weights, and anything else on it, such as another engine)")
         raise ValueError(
-            f"the KV cache has room for {num_blocks} blocks of {setup.block_size} tokens, but one sequence "
-            f"of max_model_len={setup.max_model_len} needs {per_seq} (plus one scratch block); lower "
-            "max_model_len, or raise gpu_memory_utilization / num_gpu_blocks_override."
+            f"the KV cache has room for {max(num_blocks, 0)} blocks of {setup.block_size} tokens{used}, but one "
+            f"sequence of max_model_len={setup.max_model_len} needs {per_seq} (plus one scratch block); lower "
+            "max_model_len, close other engines, or raise gpu_memory_utilization / num_gpu_blocks_override."
         )
     return num_blocks

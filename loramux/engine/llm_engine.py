@@ -333,8 +333,10 @@ class LLMEngine:
         return sorted(set(self.registry.list()) | set(self.lora_manager.resident()))
 
     def close(self) -> None:
+        """Stop loading and give the device memory back (graphs, KV cache): the engine is done."""
         self.loader.shutdown()
         self.runner.release_graphs()
+        self.runner.kv = self.kv_cache = None
 
 
 def _content_digest(adapter: LoRAAdapter) -> str:

@@ -228,7 +228,9 @@ class ModelRunner:
             block_tables=t_tables.view(len(tables), width), seq_lens=t_lens, query_start_loc=t_qsl,
         )
         with forward_context(metadata):
-            return self._forward(t_ids, t_pos, t_logits)
+            # whole tensors, not views of the transfer buffer: the graphs' inputs are whole
+            # tensors too, so compiled code is guarded alike (a view's offset would be guarded)
+            return self._forward(t_ids.clone(), t_pos.clone(), t_logits.clone())
 
     def to_device(self, fields: list[list[int]]) -> list[torch.Tensor]:
         """Copy int lists to the device in one transfer through the pinned buffer; views per field."""

@@ -299,14 +299,18 @@ def attention_config(
         block_m, num_warps, num_stages = max(128, next_pow2(G)), 8, 2
     else:
         block_m, num_warps, num_stages = max(64, next_pow2(G)), 4, 2
-    block_n = 64 if d_pad <= 128 else 32
-    if dtype == torch.float32:
-        block_n = max(16, block_n // 2)
     programs = (T // (block_m // G) + B) * hkv
     target = target_programs(device)
     splits = 1
     if programs < target:
         splits = max(1, min(MAX_SPLITS, cdiv(target, programs), max_blocks * block_size // MIN_KEYS_PER_SPLIT))
+    block_n = 64 if d_pad <= 128 else 32
+    if T <= B:  # decode, swept on an H100 (8B shapes, block 16; benchmarks/attention.py --sweep):
+        # without splits 32-key tiles, 2 stages (B=64: 38 vs 47 us at 256 keys, 107 vs 128 at 1024);
+        # with splits 128-key tiles (B=8, 1024 keys: 31 vs 34 us)
+        block_n, num_stages = (32 if splits == 1 else (128 if d_pad <= 128 else 32)), 2
+    if dtype == torch.float32:
+        block_n = max(16, block_n // 2)
     return AttentionConfig(block_m, block_n, splits, num_warps, num_stages)
 
 
