@@ -16,7 +16,7 @@ import uvicorn
 
 from loramux.serving.state import ServerConfig
 
-__all__ = ["demo_adapters", "serve"]
+__all__ = ["build_engine", "configure_logging", "demo_adapters", "describe", "serve"]
 
 logger = logging.getLogger("loramux.serving")
 
@@ -50,7 +50,7 @@ class _Server(uvicorn.Server):
             self._on_listening(self.servers[0].sockets[0].getsockname()[1])
 
 
-def _configure_logging() -> None:
+def configure_logging() -> None:
     package_logger = logging.getLogger("loramux")
     if not package_logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -59,7 +59,7 @@ def _configure_logging() -> None:
     package_logger.setLevel(logging.INFO)
 
 
-def _describe(engine: Any, config: ServerConfig) -> None:
+def describe(engine: Any, config: ServerConfig) -> None:
     names = ", ".join(config.served_model_names)
     logger.info("Base model %s, served as: %s (max_model_len %s)", engine.model_name, names, engine.max_model_len)
     if engine.lora_manager is None:
@@ -80,13 +80,13 @@ def _describe(engine: Any, config: ServerConfig) -> None:
                 "required" if config.api_key else "none")
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Run the server until interrupted; returns the exit status."""
-    _configure_logging()
-    prometheus_client.disable_created_metrics()  # no *_created series: they double /metrics for nothing
+def build_engine(args: argparse.Namespace) -> tuple[Any, ServerConfig]:
+    """The engine and the server settings the ``loramux serve`` flags in ``args`` describe.
+
+    Shared by ``loramux serve`` and every Ray Serve replica (``loramux.serving.ray``).
+    """
     from loramux.engine.llm_engine import LLMEngine
     from loramux.resolvers.collect import RESOLVERS_ENV
-    from loramux.serving.app import build_app
 
     if args.lora_resolver:  # where the resolver plugins read the order from, as --lora-resolvers
         os.environ[RESOLVERS_ENV] = ",".join(args.lora_resolver)
@@ -107,8 +107,22 @@ def serve(args: argparse.Namespace) -> int:
         lora_modules=modules,
         chat_template=_chat_template(args.chat_template),
     )
+    return engine, config
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; returns the exit status."""
+    configure_logging()
+    prometheus_client.disable_created_metrics()  # no *_created series: they double /metrics for nothing
+    if getattr(args, "ray", False):
+        from loramux.serving.ray.launch import serve_on_ray
+
+        return serve_on_ray(args)
+    from loramux.serving.app import build_app
+
+    engine, config = build_engine(args)
     app = build_app(engine, config)  # loads the registered adapters: a bad one stops here
-    _describe(engine, config)
+    describe(engine, config)
 
     def listening(port: int) -> None:
         host = f"[{args.host}]" if ":" in args.host else args.host
