@@ -88,16 +88,21 @@ async def call_asgi(app: Any, request: HTTPRequest) -> AsyncIterator[ResponseSta
             await messages.put(None)
 
     task = asyncio.create_task(run())
-    started = False
+    started = finished = False
     try:
         while (message := await messages.get()) is not None:
             if message["type"] == "http.response.start":
                 started = True
                 yield ResponseStart(message["status"], [tuple(h) for h in message.get("headers", [])])
-            elif message["type"] == "http.response.body" and message.get("body"):
-                yield bytes(message["body"])
+            elif message["type"] == "http.response.body":
+                finished = not message.get("more_body", False)
+                if message.get("body"):
+                    yield bytes(message["body"])
         await task  # re-raises what the app raised
     except Exception:
+        if finished:  # Starlette answers 500 and then re-raises: the answer is whole, the error logged
+            logger.exception("%s %s raised", request.method, request.path)
+            return
         if started:
             raise
         logger.exception("The app raised before answering %s %s", request.method, request.path)

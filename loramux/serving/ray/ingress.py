@@ -60,6 +60,9 @@ class _Ingress:
     """
 
     def __init__(self, replicas: Any, adapter_affinity: bool = True) -> None:
+        from loramux.serving.server import configure_logging
+
+        configure_logging()
         self._replicas = replicas
         self._adapter_affinity = adapter_affinity
         self._base_names: set[str] | None = None
