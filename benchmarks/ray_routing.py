@@ -82,7 +82,8 @@ def main() -> None:
 
     workdir = Path(tempfile.mkdtemp(prefix="loramux-ray-bench-"))
     names = _adapters(workdir, args.adapters)
-    trace = [random.Random(args.seed).choice(names) for _ in range(args.requests)]
+    rng = random.Random(args.seed)
+    trace = [rng.choice(names) for _ in range(args.requests)]
     ray.init(num_cpus=2 * args.replicas, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

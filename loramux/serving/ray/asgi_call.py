@@ -9,6 +9,7 @@ body chunks — so streaming, errors and validation are the single-process serve
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -35,6 +36,19 @@ class HTTPRequest:
     def header(self, name: str) -> str | None:
         wanted = name.lower().encode()
         return next((value.decode("latin-1") for key, value in self.headers if key == wanted), None)
+
+    def json_object(self) -> dict | None:
+        """The body as a JSON object, or None if it is not one (the app then says what is wrong)."""
+        try:
+            value = json.loads(self.body) if self.body else None
+        except (ValueError, UnicodeDecodeError):
+            return None
+        return value if isinstance(value, dict) else None
+
+    def model(self) -> str | None:
+        """The body's ``model`` field, when it has one: the base model's name or an adapter's."""
+        model = (self.json_object() or {}).get("model") if self.method.upper() == "POST" else None
+        return model if isinstance(model, str) and model else None
 
 
 @dataclass

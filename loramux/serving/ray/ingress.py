@@ -14,7 +14,6 @@ that stream with an error (its tokens cannot be taken back).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -36,14 +35,6 @@ _RETRY_WAIT_S = 0.5
 
 app = FastAPI(title="loramux on Ray Serve", summary="OpenAI-compatible server for many LoRA adapters, "
               "routed to the replica that holds the request's adapter")
-
-
-def _json_object(body: bytes) -> dict | None:
-    try:
-        value = json.loads(body) if body else None
-    except (ValueError, UnicodeDecodeError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def _http_request(request: Request, body: bytes) -> HTTPRequest:
@@ -72,10 +63,8 @@ class _Ingress:
         explicit = request.header(MULTIPLEXED_MODEL_ID_HEADER)
         if explicit is not None:
             return explicit
-        if not self._adapter_affinity or request.method != "POST":
-            return ""
-        model = (_json_object(request.body) or {}).get("model")
-        if not isinstance(model, str) or not model:
+        model = request.model()
+        if not self._adapter_affinity or model is None:
             return ""
         if self._base_names is None:
             self._base_names = set(await self._replicas.served_names.remote())
@@ -84,7 +73,7 @@ class _Ingress:
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(self, request: Request) -> Response:
         body = await request.body()
-        fields = _json_object(body) or {}
+        fields = _http_request(request, body).json_object() or {}
         name, path = fields.get("lora_name"), fields.get("lora_path")
         if not (isinstance(name, str) and isinstance(path, str)):  # the replica says what is wrong
             return await self._forward(_http_request(request, body))
@@ -94,7 +83,7 @@ class _Ingress:
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(self, request: Request) -> Response:
         body = await request.body()
-        name = (_json_object(body) or {}).get("lora_name")
+        name = (_http_request(request, body).json_object() or {}).get("lora_name")
         if not isinstance(name, str):
             return await self._forward(_http_request(request, body))
         return await self._change(_http_request(request, body), name, None, None)

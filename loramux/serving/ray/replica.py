@@ -83,11 +83,13 @@ class LoramuxReplica:
         from ray import serve
 
         await self._catch_up()
-        adapter = serve.get_multiplexed_model_id()
-        cold = None
-        if adapter:
-            cold = adapter not in self._cpu_tier()
-            await self._hold_adapter(adapter)
+        model = request.model()
+        cold = None  # the header tells whether the adapter had to be loaded, whatever the routing
+        if model is not None and model not in self.config.served_model_names:
+            cold = model not in self._cpu_tier()
+        routed_by = serve.get_multiplexed_model_id()
+        if routed_by:
+            await self._hold_adapter(routed_by)
         async for item in call_asgi(self.app, request):
             if isinstance(item, ResponseStart):
                 item.headers.append((REPLICA_HEADER.encode(), self.replica_id.encode()))
