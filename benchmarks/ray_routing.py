@@ -67,6 +67,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapters", type=int, default=16)
     parser.add_argument("--cpu-tier", type=int, default=8, help="max_cpu_loras per replica")
+    parser.add_argument("--max-loras", type=int, default=8, help="adapters usable in one step per replica")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--concurrency", type=int, default=4)
@@ -84,7 +85,7 @@ def main() -> None:
     names = _adapters(workdir, args.adapters)
     rng = random.Random(args.seed)
     trace = [rng.choice(names) for _ in range(args.requests)]
-    ray.init(num_cpus=2 * args.replicas, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2 * args.replicas, include_dashboard=False, log_to_driver=False)
     port = _free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     results = {}
@@ -92,7 +93,7 @@ def main() -> None:
         for mode in ("affine", "random"):
             serve.run(build_application({
                 "num_replicas": args.replicas, "replica_num_cpus": 1, "lora_resolver_dir": str(workdir),
-                "max_loras": 4, "max_cpu_loras": args.cpu_tier, "adapter_affinity": mode == "affine",
+                "max_loras": args.max_loras, "max_cpu_loras": args.cpu_tier, "adapter_affinity": mode == "affine",
             }), name=f"bench-{mode}", route_prefix="/")
             results[mode] = _run_trace(f"http://127.0.0.1:{port}", trace, args)
             print(mode, results[mode], flush=True)

@@ -149,3 +149,17 @@ def test_an_app_that_raises_without_answering_gives_a_500():
 
     items = asyncio.run(collect())
     assert items[0].status == 500 and b"internal server error" in b"".join(items[1:])
+
+
+def test_the_documented_config_file_builds():
+    pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'loramux[ray]'")
+    import importlib
+    from pathlib import Path
+
+    import yaml
+    from ray.serve import Application
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[1] / "docs" / "ray-serve.yaml").read_text())
+    (app,) = config["applications"]
+    module, _, name = app["import_path"].partition(":")
+    assert isinstance(getattr(importlib.import_module(module), name)(app["args"]), Application)

@@ -54,7 +54,8 @@ def resolver_dir(tmp_path_factory):
 def cluster(resolver_dir):
     """The Ray deployment's base URL."""
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="loramux-tests")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 namespace="loramux-tests")
     except Exception as error:  # noqa: BLE001 - any failure to start means: no Ray here
         pytest.skip(f"Ray could not start a local cluster on this machine: {error!r}")
     port = _free_port()
