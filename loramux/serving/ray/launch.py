@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 
 __all__ = ["APP_NAME", "serve_on_ray", "settings_from_args"]
 
@@ -42,6 +43,10 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         raise ValueError("--ray needs Ray Serve: pip install 'loramux[ray]'") from None
     from loramux.serving.ray.config import build_application
 
+    def stop(signum: int, frame: object) -> None:  # a service manager's stop, like Ctrl-C: shut Ray down
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     settings = settings_from_args(args)
     application = build_application(settings)  # a bad setting stops here, before Ray starts
     ray.init(address=args.ray_address, namespace="loramux")
@@ -53,6 +58,8 @@ def serve_on_ray(args: argparse.Namespace) -> int:
         serve.run(application, name=APP_NAME, route_prefix="/", blocking=True)
     except KeyboardInterrupt:
         pass
+    except RuntimeError as error:  # e.g. a replica that cannot start: a bad --lora-modules path
+        raise ValueError(f"{error} (each replica's own error is in the log above)") from None
     finally:
         serve.shutdown()
         ray.shutdown()
