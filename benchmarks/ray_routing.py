@@ -108,8 +108,9 @@ def main() -> None:
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "results": results,
         "throughput_ratio_affine_over_random": round(affine["requests_per_s"] / rand["requests_per_s"], 3),
-        "cold_load_ratio_random_over_affine": (round(rand["cold_loads_per_request"] / affine["cold_loads_per_request"], 2)
-                                               if affine["cold_loads"] else None),
+        # None when affine routing had no cold load at all (the ratio is unbounded)
+        "cold_load_ratio_random_over_affine": (
+            round(rand["cold_loads_per_request"] / affine["cold_loads_per_request"], 2) if affine["cold_loads"] else None),
     }
     print(json.dumps(report, indent=2))
     if args.out:

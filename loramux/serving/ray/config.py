@@ -67,9 +67,9 @@ def parse_serve_args(settings: dict[str, Any]) -> argparse.Namespace:
         if name in RAY_SETTINGS or name in _NOT_SETTINGS:
             continue
         if name not in known:
+            options = ", ".join(sorted(known - _NOT_SETTINGS - set(RAY_SETTINGS)))
             raise ValueError(f"unknown loramux setting {name!r}; the settings are the `loramux serve` options "
-                             f"with underscores: {', '.join(sorted(known - _NOT_SETTINGS - set(RAY_SETTINGS)))}, and the Ray "
-                             f"ones: {', '.join(RAY_SETTINGS)}")
+                             f"with underscores: {options}, and the Ray ones: {', '.join(RAY_SETTINGS)}")
         if name == "lora_modules":
             value = [_lora_module(item) for item in (value or [])]
         elif name in ("served_model_name", "lora_resolver") and isinstance(value, str):
@@ -82,7 +82,8 @@ def _positive(settings: dict[str, Any], name: str, default: float, kind: type = 
     value = settings.get(name, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or (kind is int and value != int(value)):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or value < 0 or (kind is int and value != int(value)):
         raise ValueError(f"{name} must be a {'whole ' if kind is int else ''}number of at least 0, got {value!r}")
     return kind(value)
 

@@ -88,10 +88,10 @@ class LoramuxReplica:
         if model is not None and model not in self.config.served_model_names:
             cold = model not in self._cpu_tier()
         routed_by = serve.get_multiplexed_model_id()
-        if routed_by:
-            await self._hold_adapter(routed_by)
         async for item in call_asgi(self.app, request):
             if isinstance(item, ResponseStart):
+                if routed_by and item.status < 400:  # a misspelt or missing adapter never takes a place
+                    await self._hold_adapter(routed_by)
                 item.headers.append((REPLICA_HEADER.encode(), self.replica_id.encode()))
                 if cold is not None:
                     item.headers.append((COLD_LOAD_HEADER.encode(), b"1" if cold else b"0"))
