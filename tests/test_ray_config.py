@@ -163,3 +163,10 @@ def test_the_documented_config_file_builds():
     (app,) = config["applications"]
     module, _, name = app["import_path"].partition(":")
     assert isinstance(getattr(importlib.import_module(module), name)(app["args"]), Application)
+
+
+def test_ray_flags_without_ray_are_an_error_naming_them(capsys):
+    from loramux.cli import main
+
+    assert main(["serve", "--num-replicas", "2", "--replica-num-gpus", "1"]) == 1
+    assert "--num-replicas, --replica-num-gpus only apply with --ray" in capsys.readouterr().err

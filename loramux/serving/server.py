@@ -114,9 +114,10 @@ def serve(args: argparse.Namespace) -> int:
     """Run the server until interrupted; returns the exit status."""
     configure_logging()
     prometheus_client.disable_created_metrics()  # no *_created series: they double /metrics for nothing
-    if getattr(args, "ray", False):
-        from loramux.serving.ray.launch import serve_on_ray
+    from loramux.serving.ray.launch import check_ray_flags, serve_on_ray  # imports Ray only to use it
 
+    check_ray_flags(args)
+    if getattr(args, "ray", False):
         return serve_on_ray(args)
     from loramux.serving.app import build_app
 

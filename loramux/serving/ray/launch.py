@@ -11,7 +11,7 @@ import argparse
 import logging
 import signal
 
-__all__ = ["APP_NAME", "serve_on_ray", "settings_from_args"]
+__all__ = ["APP_NAME", "check_ray_flags", "serve_on_ray", "settings_from_args"]
 
 logger = logging.getLogger("loramux.serving")
 
@@ -32,6 +32,21 @@ def _default_args() -> argparse.Namespace:
     from loramux.serving.ray.config import parse_serve_args
 
     return parse_serve_args({})
+
+
+def check_ray_flags(args: argparse.Namespace) -> None:
+    """Without ``--ray``, a Ray flag would be ignored: say so instead.
+
+    :raises ValueError: naming the Ray flags given without ``--ray``.
+    """
+    given = [flag for flag, value, default in (
+        ("--num-replicas", getattr(args, "num_replicas", 1), 1),
+        ("--ray-address", getattr(args, "ray_address", None), None),
+        ("--replica-num-cpus", getattr(args, "replica_num_cpus", 1), 1),
+        ("--replica-num-gpus", getattr(args, "replica_num_gpus", None), None)) if value != default]
+    if given and not getattr(args, "ray", False):
+        raise ValueError(f"{', '.join(given)} only apply with --ray (replicas on a Ray cluster); add --ray, "
+                         "or leave them out")
 
 
 def serve_on_ray(args: argparse.Namespace) -> int:
