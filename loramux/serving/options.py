@@ -120,3 +120,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="'dummy': random weights from the model's config (benchmarks)")
     engine.add_argument("--seed", type=int, default=0, help="seed for sampling (default: %(default)s)")
+
+    ray = parser.add_argument_group("Ray Serve (pip install 'loramux[ray]'; docs/ray.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve with replicas on a Ray cluster, each request routed to a replica holding "
+                     "its adapter")
+    ray.add_argument("--num-replicas", type=int, default=1, metavar="N",
+                     help="with --ray: engine replicas (default: %(default)s)")
+    ray.add_argument("--ray-address", default=None, metavar="ADDRESS",
+                     help="with --ray: the cluster to join (default: $RAY_ADDRESS, else a new local one)")
+    ray.add_argument("--replica-num-cpus", type=float, default=1, metavar="C",
+                     help="with --ray: CPUs reserved per replica (default: %(default)s)")
+    ray.add_argument("--replica-num-gpus", type=float, default=None, metavar="G",
+                     help="with --ray: GPUs reserved per replica (default: 1 if the cluster has GPUs)")

@@ -18,7 +18,7 @@ from loramux.serving.state import ServerConfig
 if TYPE_CHECKING:
     from loramux.resolvers.settings import ResolverSettings
 
-__all__ = ["demo_adapters", "serve"]
+__all__ = ["build_engine", "configure_logging", "demo_adapters", "describe", "serve"]
 
 logger = logging.getLogger("loramux.serving")
 
@@ -52,7 +52,7 @@ class _Server(uvicorn.Server):
             self._on_listening(self.servers[0].sockets[0].getsockname()[1])
 
 
-def _configure_logging() -> None:
+def configure_logging() -> None:
     package_logger = logging.getLogger("loramux")
     if not package_logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -61,7 +61,7 @@ def _configure_logging() -> None:
     package_logger.setLevel(logging.INFO)
 
 
-def _describe(engine: Any, config: ServerConfig) -> None:
+def describe(engine: Any, config: ServerConfig) -> None:
     names = ", ".join(config.served_model_names)
     logger.info("Base model %s, served as: %s (max_model_len %s)", engine.model_name, names, engine.max_model_len)
     if engine.lora_manager is None:
@@ -82,16 +82,21 @@ def _describe(engine: Any, config: ServerConfig) -> None:
                 "required" if config.api_key else "none")
 
 
-def serve(args: argparse.Namespace, resolver_settings: ResolverSettings | None = None) -> int:
-    """Run the server until interrupted; returns the exit status.
+def build_engine(
+    args: argparse.Namespace, resolver_settings: ResolverSettings | None = None
+) -> tuple[Any, ServerConfig]:
+    """The engine and the server settings the ``loramux serve`` flags in ``args`` describe.
 
-    :param resolver_settings: where the resolvers look and in which order (the CLI builds it
-        from ``--lora-resolver-dir`` / ``--lora-resolver``); default: the environment's.
+    Shared by ``loramux serve`` and every Ray Serve replica (``loramux.serving.ray``).
+
+    :param resolver_settings: where the resolvers look and in which order; default: from the
+        ``--lora-resolver-dir`` / ``--lora-resolver`` flags in ``args`` and the environment.
     """
-    _configure_logging()
-    prometheus_client.disable_created_metrics()  # no *_created series: they double /metrics for nothing
+    from loramux.cli import resolver_settings as settings_from_flags
     from loramux.engine.llm_engine import LLMEngine
-    from loramux.serving.app import build_app
+
+    if resolver_settings is None:
+        resolver_settings = settings_from_flags(args)
 
     embedded = args.model is None
     modules = (demo_adapters() if embedded and args.enable_lora else []) + list(args.lora_modules)
@@ -111,8 +116,23 @@ def serve(args: argparse.Namespace, resolver_settings: ResolverSettings | None =
         lora_modules=modules,
         chat_template=_chat_template(args.chat_template),
     )
+    return engine, config
+
+
+def serve(args: argparse.Namespace, resolver_settings: ResolverSettings | None = None) -> int:
+    """Run the server until interrupted; returns the exit status (see `build_engine`)."""
+    configure_logging()
+    prometheus_client.disable_created_metrics()  # no *_created series: they double /metrics for nothing
+    from loramux.serving.ray.launch import check_ray_flags, serve_on_ray  # imports Ray only to use it
+
+    check_ray_flags(args)
+    if getattr(args, "ray", False):
+        return serve_on_ray(args)
+    from loramux.serving.app import build_app
+
+    engine, config = build_engine(args, resolver_settings)
     app = build_app(engine, config)  # loads the registered adapters: a bad one stops here
-    _describe(engine, config)
+    describe(engine, config)
 
     def listening(port: int) -> None:
         host = f"[{args.host}]" if ":" in args.host else args.host
