@@ -45,3 +45,17 @@ def test_bad_lora_modules_are_refused_with_the_form_to_use(spec, capsys):
         parse("--lora-modules", spec)
     assert caught.value.code == 2
     assert "--lora-modules" in capsys.readouterr().err
+
+
+def test_kv_cache_and_compilation_flags_reach_the_engine(tmp_path):
+    from loramux.serving.server import build_engine
+
+    args = parse("--block-size", "32", "--num-gpu-blocks-override", "70", "--no-enable-prefix-caching",
+                 "--enforce-eager", "--no-compilation", "--gpu-memory-utilization", "0.5", "--no-enable-lora")
+    assert (args.block_size, args.num_gpu_blocks_override, args.gpu_memory_utilization) == (32, 70, 0.5)
+    assert not args.enable_prefix_caching and args.enforce_eager and not args.compilation
+    engine, _ = build_engine(args)
+    assert engine.kv_cache.block_size == 32 and engine.kv_cache.num_blocks == 70
+    assert not engine.block_manager.enable_prefix_caching and engine.setup.gpu_memory_utilization == 0.5
+    assert not engine.runner.compiled and not engine.runner.use_graphs
+    assert parse().enable_prefix_caching and parse().compilation and parse().block_size == 16

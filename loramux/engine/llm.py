@@ -43,15 +43,19 @@ class LLM:
     :param lora_dtype: adapter weight dtype (``"auto"``: the model's).
     :param dtype: model dtype (``"auto"``: float32 on CPU, bfloat16 on GPU).
     :param device: defaults to CUDA when available.
-    :param max_num_seqs: sequences running at once (KV cache rows).
+    :param max_num_seqs: sequences running at once.
     :param max_model_len: prompt plus output tokens per sequence.
     :param max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
     :param load_format: ``"auto"`` (real weights) or ``"dummy"`` (random, from a config).
     :param lora_modules: adapters to register at start: ``{"name": path}`` or ``["name=path"]``.
-    :param enforce_eager: never capture CUDA graphs (by default decode-only steps on CUDA replay
-        a graph per padded batch size; prefill and mixed steps always run eagerly).
-    :param kwargs: the rest of :class:`~loramux.engine.llm_engine.LLMEngine`'s options
-        (``registry``, ``resolver_settings``, ``tokenizer``, ``lora_target_modules``, ``seed``).
+    :param enforce_eager: no ``torch.compile`` and no CUDA graphs (on CUDA the forward is compiled
+        and every decode step replays a graph captured at start, one per padded batch size).
+    :param kwargs: the rest of :class:`~loramux.engine.llm_engine.LLMEngine`'s options:
+        ``block_size`` (KV tokens per block, 16), ``gpu_memory_utilization`` (0.9: the device share
+        for weights, slots, activations and KV blocks), ``num_gpu_blocks_override``,
+        ``enable_prefix_caching`` (True), ``compilation`` (True: compile on CUDA),
+        ``fuse_projections`` (True: q/k/v and gate/up as one GEMM each), ``max_cpu_lora_bytes``,
+        ``registry``, ``resolver_settings``, ``tokenizer``, ``lora_target_modules``, ``seed``.
     """
 
     def __init__(

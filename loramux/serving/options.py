@@ -120,6 +120,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="'dummy': random weights from the model's config (benchmarks)")
     engine.add_argument("--seed", type=int, default=0, help="seed for sampling (default: %(default)s)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: %(default)s)")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",
+                        help="share of the GPU for weights, LoRA slots, activations and the KV cache; the "
+                        "KV blocks take what is left (default: %(default)s)")
+    engine.add_argument("--num-gpu-blocks-override", type=int, default=None, metavar="N",
+                        help="allocate exactly N KV blocks, on any device")
+    engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="reuse the KV blocks of a shared prompt prefix, keyed by the adapter's content "
+                        "(default: on)")
+    engine.add_argument("--enforce-eager", action="store_true",
+                        help="no torch.compile and no CUDA graphs (on CUDA both are on by default)")
+    engine.add_argument("--compilation", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.compile the forward on CUDA; --no-compilation keeps CUDA graphs "
+                        "without compiling (faster start)")
 
     ray = parser.add_argument_group("Ray Serve (pip install 'loramux[ray]'; docs/ray.md)")
     ray.add_argument("--ray", action="store_true",
