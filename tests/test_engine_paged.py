@@ -152,3 +152,16 @@ def test_bad_kv_cache_options_are_refused_with_the_fix(options, message):
         LLMEngine(tiny_llama(), enable_lora=False, **options)
     # a good engine still builds and runs in the same process
     assert run(LLMEngine(tiny_llama(), enable_lora=False, max_model_len=64), [("ok", [5, 6, 7], None)])["ok"]
+
+
+def test_an_adapter_is_validated_once_on_its_way_to_a_slot(engine_adapters, monkeypatch):
+    eng = engine()
+    calls = []
+    validate = eng.lora_manager.validate
+    monkeypatch.setattr(eng.lora_manager, "validate", lambda adapter: calls.append(adapter.name) or validate(adapter))
+    eng.registry._validate = eng.lora_manager.validate  # the registry's callback, as the engine built it
+    prompt = [5, 9, 14, 3]
+    out = run(eng, [("a", prompt, LoRARequest("all", 2, str(engine_adapters["all"])))])["a"]
+    expected = peft_greedy(engine_adapters["all"], prompt, 12)
+    assert out[: len(expected)] == expected
+    assert calls == ["all"]  # the registry's, at the border; not the engine's or the slot's again

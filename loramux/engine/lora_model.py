@@ -246,7 +246,8 @@ class LoRAModelManager:
                 self.stats.hits += 1
                 return slot
             self.stats.misses += 1
-            self.validate(adapter)
+            if adapter.handle is None:  # a handle means the registry validated it, once, at the border
+                self.validate(adapter)
             if slot is None:
                 slot, evicted = self._slots.allocate(name)
                 if evicted is not None:
