@@ -43,7 +43,6 @@ class LoramuxReplica:
         import prometheus_client
         from ray import serve
 
-        from loramux.cli import apply_resolver_arguments
         from loramux.serving.app import build_app
         from loramux.serving.ray.config import parse_serve_args
         from loramux.serving.server import build_engine, configure_logging, describe
@@ -51,7 +50,7 @@ class LoramuxReplica:
         configure_logging()
         prometheus_client.disable_created_metrics()
         args = parse_serve_args(serve_args)
-        apply_resolver_arguments(args)  # the resolvers read their settings from this process's env
+        # the resolver settings come from the flags in args (build_engine), never from os.environ
         self.engine, self.config = await asyncio.to_thread(build_engine, args)
         self.config.allow_runtime_lora_updating = True  # the ingress decides; replicas replay its changes
         self.app = build_app(self.engine, self.config)
