@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, AttentionBatch, KVCache
+from loramux.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from loramux.kernels.dispatch import uses_triton
 from loramux.engine.sampler import Sampler
 from loramux.engine.scheduler import ScheduledBatch
@@ -94,7 +95,8 @@ class ModelRunner:
         self.lora_manager = lora_manager
         self.device = next(model.parameters()).device
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
-        capacity = 4 * max_num_batched_tokens + 4 * max_num_seqs + 2 * kv_cache.num_rows
+        # 4 per token, 4 per sequence, 2 per cache row; and 2 per token for prompt-logprob rows
+        capacity = 6 * max_num_batched_tokens + 4 * max_num_seqs + 2 * kv_cache.num_rows
         self._host = torch.empty(capacity, dtype=torch.int64, pin_memory=self.device.type == "cuda")
         self._copied = None  # a CUDA event after the last copy out of _host
         # CUDA graphs for decode-only steps; the torch reference kernels cannot take a static meta
@@ -155,6 +157,9 @@ class ModelRunner:
         pad_rows = _round_up(max(decode_rows, default=-1) + 1, ROW_ALIGN, self.kv.num_rows) if decode_rows else 0
         pad_len = _round_up(max(decode_pos.values(), default=0) + 1, LEN_ALIGN, self.kv.max_len)
         pos_by_row = [decode_pos.get(r, 0) for r in range(pad_rows)]
+        prompt_plan = plan_prompt_logprobs(chunks, slot_of)  # None unless a request asks for them
+        if prompt_plan is not None:  # their rows come after the sampled ones
+            logit_index, logit_slots = logit_index + prompt_plan.index, logit_slots + prompt_plan.slots
         fields = (ids, positions, rows, slots, decode_rows, pos_by_row, logit_index, logit_slots)
         device_fields = self._to_device(fields)
         t_ids, t_pos, t_rows, t_slots, t_dec_rows, t_dec_pos, t_logit_index, t_logit_slots = device_fields
@@ -180,10 +185,12 @@ class ModelRunner:
             logits_to_keep=t_logit_index,
             loramux_batch=attention,
         )
+        logits = out.logits[0]  # [B, V]
+        if prompt_plan is not None:
+            record_prompt_logprobs(logits[len(sampled):], prompt_plan)
         if not sampled:
             return []
-        logits = out.logits[0]  # [B, V]
-        tokens = self.sampler(logits, [s.params for s in sampled], [s.generator for s in sampled])
+        tokens = self.sampler(logits[: len(sampled)], sampled).token_ids
         return list(zip(sampled, tokens.tolist()))
 
     # -- CUDA graphs for decode-only steps ---------------------------------------------------------
@@ -219,7 +226,7 @@ class ModelRunner:
             self._load(graph.inputs, flat)
             graph.graph.replay()
         self.graph_steps += 1
-        tokens = self.sampler(graph.logits[:n], [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = self.sampler(graph.logits[:n], seqs).token_ids
         return list(zip(seqs, tokens.tolist()))
 
     def _capture(self, B: int, R: int, L: int, A: int, flat: list[int]) -> _DecodeGraph:
