@@ -81,7 +81,7 @@ SCHEMA = {
         "name": {"type": "string", "maxLength": 6},
         "age": {"type": "integer", "minimum": 0, "maximum": 120},
         "kind": {"enum": ["cat", "dog", "fish"]},
-        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
     },
     "required": ["name", "age", "kind", "tags"],
     "additionalProperties": False,
@@ -92,7 +92,7 @@ SCHEMA = {
 def text_engine():
     model = tiny_llama()
     model.config.bos_token_id, model.config.eos_token_id = 1, 2
-    return LLMEngine(model, tokenizer=char_tokenizer(), enable_lora=False, max_num_seqs=52, max_model_len=128)
+    return LLMEngine(model, tokenizer=char_tokenizer(), enable_lora=False, max_num_seqs=52, max_model_len=192)
 
 
 def run_all(engine: LLMEngine, requests: list[tuple[str, SamplingParams]]) -> list:
@@ -109,7 +109,7 @@ def run_all(engine: LLMEngine, requests: list[tuple[str, SamplingParams]]) -> li
 def test_50_structured_requests_always_parse_and_validate(text_engine):
     """A random model: without the grammar its output is noise; with it every answer validates."""
     spec = StructuredOutputsParams(json=SCHEMA)
-    requests = [("Describe a pet: ", SamplingParams(temperature=0 if i < 10 else 1.0, seed=i, max_tokens=100,
+    requests = [("Describe a pet: ", SamplingParams(temperature=0 if i < 10 else 1.0, seed=i, max_tokens=150,
                                                      structured_outputs=spec)) for i in range(50)]
     requests.append(("Describe a pet: ", SamplingParams(temperature=1.0, seed=1, max_tokens=30)))  # unconstrained
     outputs = run_all(text_engine, requests)

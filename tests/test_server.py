@@ -91,11 +91,14 @@ class Server:
     def __init__(self, name: str, args: list[str], workspace: dict) -> None:
         self.log_path = workspace["root"] / f"{name}.log"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(workspace["site"])]),
-                   FLAKY_RELEASE=str(workspace["release"]), HF_HUB_OFFLINE="1",
-                   LORAMUX_CACHE_DIR=str(workspace["root"] / "cache"), TOKENIZERS_PARALLELISM="false")
+                   FLAKY_RELEASE=str(workspace["release"]), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.pop("LORAMUX_PLUGINS", None)
-        command = [sys.executable, "-m", "loramux.cli", "serve", str(workspace["model"]), "--port", "0",
-                   "--max-model-len", "128", "--disable-uvicorn-access-log", *args]
+        model_args = []  # no model: the embedded one (converted once into the real cache dir)
+        if workspace.get("model") is not None:
+            env["LORAMUX_CACHE_DIR"] = str(workspace["root"] / "cache")
+            model_args = [str(workspace["model"]), "--max-model-len", "128"]
+        command = [sys.executable, "-m", "loramux.cli", "serve", *model_args, "--port", "0",
+                   "--disable-uvicorn-access-log", *args]
         self.process = subprocess.Popen(command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
                                         env=env, cwd=workspace["root"])
         self.url = ""

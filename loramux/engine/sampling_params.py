@@ -54,7 +54,8 @@ class StructuredOutputsParams:
     def key(self) -> tuple[str, str]:
         """A hashable description; equal keys compile to the same grammar (the compile cache's key)."""
         if self.json is not None:
-            text = self.json if isinstance(self.json, str) else json.dumps(self.json, sort_keys=True)
+            # key order is kept: it is the order the grammar makes the properties come in
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
             return ("json", text)
         if self.json_object:
             return ("json_object", "")

@@ -37,6 +37,10 @@ UNENFORCED_KEYWORDS = {
     "unevaluatedItems": "'unevaluatedItems'",
 }
 _CACHE_SIZE = 256
+# JSON is laid out as json.dumps(indent=2) writes it: instruction-tuned models write indented JSON
+# (forcing the compact form pushes them off their distribution), and a fixed layout, unlike free
+# whitespace, leaves no room to loop on blank lines.
+_JSON_LAYOUT = dict(any_whitespace=False, indent=2)
 
 
 class UnsupportedStructuredOutput(ValueError):
@@ -178,9 +182,9 @@ class StructuredOutputs:
                     raise UnsupportedStructuredOutput(
                         f"a JSON schema is an object, got {type(schema).__name__}")
                 check_json_schema(schema)
-                return compiler.compile_json_schema(text, any_whitespace=False)
+                return compiler.compile_json_schema(text, **_JSON_LAYOUT)
             if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                return compiler.compile_json_schema('{"type": "object"}', **_JSON_LAYOUT)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":

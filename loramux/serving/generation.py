@@ -47,10 +47,11 @@ class Generation:
     echo_only: bool = False  # completions with max_tokens 0: the prompt alone, nothing generated
     logprobs: int | None = None  # alternatives per token (chat's top_logprobs); None: no logprobs
     tokenizer: Any = None
+    _token_text: TokenText | None = field(default=None, repr=False)
 
     @property
     def token_text(self) -> TokenText:
-        if getattr(self, "_token_text", None) is None:
+        if self._token_text is None:
             self._token_text = TokenText(self.tokenizer)
         return self._token_text
 
