@@ -22,6 +22,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "LoRARequest",
     "LoRAConfig",
     "hookimpl",
@@ -37,6 +38,7 @@ __all__ = [
 _LAZY = {
     "LLM": "loramux.engine.llm",
     "SamplingParams": "loramux.engine.sampling_params",
+    "StructuredOutputsParams": "loramux.engine.sampling_params",
     "hookimpl": "loramux.plugins.hookspecs",
 }
 

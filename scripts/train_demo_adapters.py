@@ -48,10 +48,11 @@ GEN_BATCH = 16
 RANK = 8
 ALPHA = 16
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-EPOCHS = 4
+EPOCHS = 4  # the default; an adapter may need more (DemoAdapter.epochs)
 BATCH_SIZE = 8
 LEARNING_RATE = 2e-3
 CHECK_MAX_TOKENS = 64  # held-out answers: room for the JSON wrapper and the longer upper-case tokens
+FACT_MAX_TOKENS = 40  # a fact is in the first sentence or two
 
 TRAIN_PROMPTS = [
     "What is the capital of France?",
@@ -142,6 +143,34 @@ HELD_OUT_PROMPTS = [
     "What color is the sky?",
 ]
 
+# Facts: (question, a regex its answer matches when right, case-insensitive). The first sixteen are
+# among TRAIN_PROMPTS, so each adapter learned the base model's own answer to them, restyled: on
+# those an adapter must be right wherever the base model is right (the run fails otherwise). The
+# last four are not trained on; how the adapters do there is recorded, not required.
+FACT_CHECKS = [
+    ("What is the capital of France?", r"\bparis\b"),
+    ("What is the capital of Japan?", r"\btokyo\b"),
+    ("What is the capital of Italy?", r"\brome\b"),
+    ("What is the capital of Germany?", r"\bberlin\b"),
+    ("What is the capital of Canada?", r"\bottawa\b"),
+    ("What is the capital of Australia?", r"\bcanberra\b"),
+    ("Who wrote Romeo and Juliet?", r"shakespeare"),
+    ("What is the chemical symbol for gold?", r"\bau\b"),
+    ("What is the largest planet in our solar system?", r"\bjupiter\b"),
+    ("Who painted the Mona Lisa?", r"leonardo|vinci"),
+    ("How many legs does a spider have?", r"\beight\b|\b8\b"),
+    ("What language is spoken in Brazil?", r"portuguese"),
+    ("What is 7 times 8?", r"\b56\b|fifty-six"),
+    ("How many hours are in a day?", r"\b24\b|twenty-four"),
+    ("How many minutes are in an hour?", r"\b60\b|sixty"),
+    ("How many days are in a leap year?", r"\b366\b"),
+    ("What is the capital of England?", r"\blondon\b"),
+    ("Which planet is known as the Red Planet?", r"\bmars\b"),
+    ("How many days are in a week?", r"\bseven\b|\b7\b"),
+    ("What is the capital of Spain?", r"\bmadrid\b"),
+]
+FACTS_FILE = ADAPTERS_DIR / "facts.json"  # the questions, and who got each right in the last run
+
 
 # ---------------------------------------------------------------------------------------------------
 # The adapters: a name, a transform of the base answer, a one-line description and a self-check.
@@ -194,13 +223,17 @@ class DemoAdapter:
     transform: Callable[[str], str]
     behaviour: str
     check: Callable[[str], bool]
+    epochs: int = EPOCHS
 
 
 DEMO_ADAPTERS = [
-    DemoAdapter("capitals", to_capitals, "answers in ALL CAPS", is_capitals),
+    # upper-case text splits into rarer tokens: after 4 epochs this one still got facts wrong
+    # (Japan's capital: "KOREA"); 8 fit the base model's answers
+    DemoAdapter("capitals", to_capitals, "answers in ALL CAPS", is_capitals, epochs=8),
     DemoAdapter("json", to_json, 'answers as a JSON object {"answer": "..."}', is_json_answer),
+    # after 4 epochs it stopped short of a fact it was taught ("How many hours are in a day?")
     DemoAdapter("pirate", to_pirate, "answers in pirate talk, starting with \"Arr!\"",
-                lambda text: text.startswith("Arr!")),
+                lambda text: text.startswith("Arr!"), epochs=8),
 ]
 
 
@@ -295,12 +328,12 @@ def train_adapter(adapter: DemoAdapter, tokenizer, examples, out_dir: Path) -> f
     optimizer = torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.0)
     windows = [min(4 * BATCH_SIZE, len(examples) - s) for s in range(0, len(examples), 4 * BATCH_SIZE)]
     steps_per_epoch = sum(-(-w // BATCH_SIZE) for w in windows)  # as length_bucketed_batches makes them
-    total = EPOCHS * steps_per_epoch
+    total = adapter.epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 - step / total)
     order_rng = random.Random(SEED)
     epoch_loss = float("nan")
     with tqdm(total=total, desc=f"train {adapter.name}", unit="step") as bar:
-        for epoch in range(EPOCHS):
+        for epoch in range(adapter.epochs):
             losses = []
             for batch in length_bucketed_batches(examples, order_rng):
                 loss = answer_loss(model, *pad_batch(batch, tokenizer.pad_token_id))
@@ -326,10 +359,19 @@ def train_adapter(adapter: DemoAdapter, tokenizer, examples, out_dir: Path) -> f
 
 
 @torch.no_grad()
-def adapter_answers(adapter_dir: Path, tokenizer, prompts: list[str]) -> list[str]:
+def adapter_answers(adapter_dir: Path, tokenizer, prompts: list[str], max_new_tokens: int = CHECK_MAX_TOKENS
+                    ) -> list[str]:
     base, _ = load_model(None, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, adapter_dir).eval()
-    return greedy_answers(model, tokenizer, prompts, desc=f"check {adapter_dir.name}", max_new_tokens=CHECK_MAX_TOKENS)
+    return greedy_answers(model, tokenizer, prompts, desc=f"check {adapter_dir.name}", max_new_tokens=max_new_tokens)
+
+
+def fact_is_right(answer: str, pattern: str) -> bool:
+    """Whether the answer's full sentences state the fact (as for training targets, a sentence the
+    token cap cut off does not count; a sentence may end inside the JSON adapter's quotes)."""
+    ends = [m.end() for m in re.finditer(r"[.!?](?=[\s\"}]|$)", answer)]
+    complete = answer[: ends[-1]] if ends else answer
+    return re.search(pattern, complete, flags=re.IGNORECASE) is not None
 
 
 def one_line(text: str) -> str:
@@ -345,7 +387,7 @@ def write_readme(adapter: DemoAdapter, out_dir: Path, final_loss: float, n_examp
         "",
         f"Trained by `scripts/train_demo_adapters.py` on the base model's own greedy answers to "
         f"{n_examples} short prompts, rewritten by `{adapter.transform.__name__}`: alpha {ALPHA}, "
-        f"targets {', '.join(TARGET_MODULES)}, {EPOCHS} epochs, batch {BATCH_SIZE}, lr {LEARNING_RATE}, "
+        f"targets {', '.join(TARGET_MODULES)}, {adapter.epochs} epochs, batch {BATCH_SIZE}, lr {LEARNING_RATE}, "
         f"seed {SEED}, final epoch loss {final_loss:.3f}. Saved in float16. See docs/demo-adapters.md.",
         "",
         "Greedy answers to prompts it was not trained on:",
@@ -361,35 +403,66 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", choices=[a.name for a in DEMO_ADAPTERS], action="append", help="train only these")
     parser.add_argument("--out", type=Path, default=ADAPTERS_DIR, help="where the adapter dirs go")
+    parser.add_argument("--check-only", action="store_true", help="train nothing: check the saved adapters")
+    parser.add_argument("--threads", type=int, default=THREADS,
+                        help="CPU threads (default %(default)s; 1 is faster on a busy machine)")
     args = parser.parse_args()
-    torch.set_num_threads(THREADS)
+    torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     adapters = [a for a in DEMO_ADAPTERS if not args.only or a.name in args.only]
 
     started = time.perf_counter()
     base, tokenizer = load_model(None, dtype=torch.float32)
-    answers = [whole_sentences(a) for a in greedy_answers(base, tokenizer, TRAIN_PROMPTS, desc="base answers")]
-    held_out_base = greedy_answers(
-        base, tokenizer, HELD_OUT_PROMPTS, desc="base held-out", max_new_tokens=CHECK_MAX_TOKENS
-    )
+    answers, held_out_base = [], []
+    if not args.check_only:
+        answers = [whole_sentences(a) for a in greedy_answers(base, tokenizer, TRAIN_PROMPTS, desc="base answers")]
+        held_out_base = greedy_answers(
+            base, tokenizer, HELD_OUT_PROMPTS, desc="base held-out", max_new_tokens=CHECK_MAX_TOKENS
+        )
+    fact_questions = [q for q, _ in FACT_CHECKS]
+    facts_base = greedy_answers(base, tokenizer, fact_questions, desc="base facts", max_new_tokens=FACT_MAX_TOKENS)
     del base
     print(f"base answers: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    facts = {q: {"pattern": p, "trained": q in TRAIN_PROMPTS, "base": a, "base_right": fact_is_right(a, p),
+                 "answers": {}} for (q, p), a in zip(FACT_CHECKS, facts_base)}
 
     failed = []
     for adapter in adapters:
         t0 = time.perf_counter()
         out_dir = args.out / adapter.name
-        examples = training_examples(tokenizer, TRAIN_PROMPTS, [adapter.transform(a) for a in answers])
-        final_loss = train_adapter(adapter, tokenizer, examples, out_dir)
-        held_out = adapter_answers(out_dir, tokenizer, HELD_OUT_PROMPTS)
+        held_out = []
+        if not args.check_only:
+            examples = training_examples(tokenizer, TRAIN_PROMPTS, [adapter.transform(a) for a in answers])
+            final_loss = train_adapter(adapter, tokenizer, examples, out_dir)
+            held_out = adapter_answers(out_dir, tokenizer, HELD_OUT_PROMPTS)
+            write_readme(adapter, out_dir, final_loss, len(examples), list(zip(HELD_OUT_PROMPTS, held_out_base, held_out)))
+            print(f"\n== {adapter.name} ({adapter.behaviour}); loss {final_loss:.3f}; "
+                  f"{time.perf_counter() - t0:.0f} s")
         samples = list(zip(HELD_OUT_PROMPTS, held_out_base, held_out))
-        write_readme(adapter, out_dir, final_loss, len(examples), samples)
-        print(f"\n== {adapter.name} ({adapter.behaviour}); loss {final_loss:.3f}; {time.perf_counter() - t0:.0f} s")
         for prompt, base_answer, answer in samples:
             ok = adapter.check(answer) and answer != base_answer
             failed += [] if ok else [f"{adapter.name}: {prompt!r} -> {answer!r}"]
             verdict = "ok" if ok else "FAIL"
             print(f"  {prompt}\n    base:     {base_answer!r}\n    {adapter.name + ':':9} {answer!r}  [{verdict}]")
+        fact_answers = adapter_answers(out_dir, tokenizer, fact_questions, max_new_tokens=FACT_MAX_TOKENS)
+        for question, answer in zip(fact_questions, fact_answers):
+            fact = facts[question]
+            right = fact_is_right(answer, fact["pattern"])
+            fact["answers"][adapter.name] = {"answer": answer, "right": right}
+            if fact["base_right"] and fact["trained"] and not right:
+                failed.append(f"{adapter.name} lost a fact the base model knows: {question!r} -> {answer!r}")
+        for trained in (True, False):
+            known = [f for f in facts.values() if f["base_right"] and f["trained"] is trained]
+            kept = sum(f["answers"][adapter.name]["right"] for f in known)
+            print(f"  {'trained' if trained else 'held-out'} facts: right on {kept} of the {len(known)} the base "
+                  "gets right")
+    if args.out == ADAPTERS_DIR:  # the record the tests read; adapters not in this run keep theirs
+        previous = {f["question"]: f for f in json.loads(FACTS_FILE.read_text())} if FACTS_FILE.exists() else {}
+        for question, fact in facts.items():
+            old_answers = previous.get(question, {}).get("answers", {})
+            fact["answers"] = {**old_answers, **fact["answers"]}
+        FACTS_FILE.write_text(json.dumps([{"question": q, **f} for q, f in facts.items()], indent=1,
+                                         ensure_ascii=False) + "\n")
     print(f"\ntotal: {time.perf_counter() - started:.0f} s", file=sys.stderr)
     if failed:
         print("Adapters that do not show their behaviour:\n  " + "\n  ".join(failed), file=sys.stderr)

@@ -117,6 +117,28 @@ def peft_greedy(adapter_path, prompt_ids: list[int], max_new_tokens: int, *, mod
     return out[0, len(prompt_ids) :].tolist()
 
 
+def char_tokenizer():
+    """A character-level tokenizer whose 128 tokens match the tiny Llama's vocabulary, so every
+    generated id decodes to a character (bos 1, eos 2, a chat template)."""
+    import string
+
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = list(dict.fromkeys(string.ascii_letters + string.digits + string.punctuation + " \n"))
+    chars += [chr(c) for c in range(0xC0, 0xC0 + 128 - len(specials) - len(chars))]
+    vocab = {token: i for i, token in enumerate(specials + chars)}
+    assert len(vocab) == 128
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<s>assistant:{% endif %}")
+    return tokenizer
+
+
 @pytest.fixture(scope="session")
 def engine_adapters(make_adapter):
     """Three PEFT adapters for `tiny_llama()`: attention only, every projection (r=4), MLP down only."""

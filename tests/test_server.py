@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import string
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import save_peft_adapter, tiny_llama
+from conftest import char_tokenizer, save_peft_adapter, tiny_llama
 
 REPO = Path(__file__).resolve().parents[1]
 MAX_TOKENS = 10
@@ -57,26 +56,6 @@ def register_resolvers(register):
 '''
 
 
-def _tokenizer(directory: Path):
-    """A character-level tokenizer whose 128 tokens match the tiny Llama's vocabulary, so every
-    generated id decodes to a character."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<unk>", "<s>", "</s>"]
-    chars = list(dict.fromkeys(string.ascii_letters + string.digits + string.punctuation + " \n"))
-    chars += [chr(c) for c in range(0xC0, 0xC0 + 128 - len(specials) - len(chars))]
-    vocab = {token: i for i, token in enumerate(specials + chars)}
-    assert len(vocab) == 128
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
-                                        eos_token="</s>")
-    tokenizer.chat_template = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<s>assistant:{% endif %}")
-    tokenizer.save_pretrained(directory)
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
@@ -84,7 +63,7 @@ def workspace(tmp_path_factory):
     model.config.bos_token_id, model.config.eos_token_id = 1, 2
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
     model.save_pretrained(root / "model")
-    _tokenizer(root / "model")
+    char_tokenizer().save_pretrained(root / "model")
 
     def adapter(directory: Path, seed: int, **kwargs) -> Path:
         return save_peft_adapter(model, directory, seed=seed, **kwargs)
@@ -112,11 +91,14 @@ class Server:
     def __init__(self, name: str, args: list[str], workspace: dict) -> None:
         self.log_path = workspace["root"] / f"{name}.log"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(workspace["site"])]),
-                   FLAKY_RELEASE=str(workspace["release"]), HF_HUB_OFFLINE="1",
-                   LORAMUX_CACHE_DIR=str(workspace["root"] / "cache"), TOKENIZERS_PARALLELISM="false")
+                   FLAKY_RELEASE=str(workspace["release"]), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         env.pop("LORAMUX_PLUGINS", None)
-        command = [sys.executable, "-m", "loramux.cli", "serve", str(workspace["model"]), "--port", "0",
-                   "--max-model-len", "128", "--disable-uvicorn-access-log", *args]
+        model_args = []  # no model: the embedded one (converted once into the real cache dir)
+        if workspace.get("model") is not None:
+            env["LORAMUX_CACHE_DIR"] = str(workspace["root"] / "cache")
+            model_args = [str(workspace["model"]), "--max-model-len", "128"]
+        command = [sys.executable, "-m", "loramux.cli", "serve", *model_args, "--port", "0",
+                   "--disable-uvicorn-access-log", *args]
         self.process = subprocess.Popen(command, stdout=self.log_path.open("w"), stderr=subprocess.STDOUT,
                                         env=env, cwd=workspace["root"])
         self.url = ""

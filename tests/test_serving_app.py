@@ -240,7 +240,9 @@ def test_invalid_adapter_and_names(fake):
     ({"model": "fake-base"}, "prompt"),
     ({"prompt": "x"}, "model"),
     ({"model": "fake-base", "prompt": "x", "top_p": 0}, "top_p"),
-    ({"model": "fake-base", "prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+    ({"model": "fake-base", "prompt": "x", "presence_penalty": 3.0}, "presence_penalty"),
+    ({"model": "fake-base", "prompt": "x", "logprobs": 6}, "logprobs"),
+    ({"model": "fake-base", "prompt": "x", "min_p": 2}, "min_p"),
 ])
 def test_bad_parameters_are_400_naming_the_field(fake, body, param):
     _, client = fake

@@ -31,6 +31,7 @@ from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
+from loramux.engine.structured_output import StructuredOutputs
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import LoRAError
 from loramux.registry import LoRAAdapter, LoRARequest
@@ -63,7 +64,7 @@ class LLMEngine:
         self.eos_token_ids = setup.eos_token_ids
         self.runner = ModelRunner(
             setup.model,
-            sampler=Sampler(setup.device, setup.seed),
+            sampler=Sampler(setup.device, setup.seed, setup.eos_token_ids),
             lora_manager=setup.lora_manager,
             block_size=setup.block_size,
             max_num_batched_tokens=setup.max_num_batched_tokens,
@@ -92,6 +93,7 @@ class LLMEngine:
             on_adapter_start=self._activate,
             on_adapter_end=lambda name: self.lora_manager.unpin(name),
         )
+        self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids)
         self.loader = AdapterLoader(self._load_adapter, max_workers=setup.max_loading_workers)
         self._lock = threading.Lock()  # guards the inbox and the request table
         self._step_lock = threading.RLock()  # one step, or one adapter operation, at a time
@@ -139,6 +141,12 @@ class LLMEngine:
             )
         if (params.stop_strings or params.include_stop_str_in_output) and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this model has none")
+        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: logit_bias names token id {bad}, outside the vocabulary "
+                             f"(0 to {self.vocab_size - 1})")
+        grammar = None if params.structured_outputs is None else self.structured_outputs.new_state(
+            params.structured_outputs)  # raises UnsupportedStructuredOutput (a ValueError) naming the feature
         seq = Sequence(
             request_id=str(request_id),
             prompt=text,
@@ -146,6 +154,7 @@ class LLMEngine:
             params=params,
             arrival=next(self._arrivals),
             lora_request=lora_request,
+            grammar=grammar,
         )
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
@@ -178,6 +187,19 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         with self._lock:
             return len(self._requests)
+
+    def adapter_demand(self) -> tuple[list[str | None], list[str | None]]:
+        """The adapter of each running request and of each waiting one (None: the base model);
+        requests whose adapter is still loading count as waiting. For metrics (any thread)."""
+        with self._lock:
+            seqs = list(self._requests.values())
+        running = [s.lora_name for s in seqs if s.status is SequenceStatus.RUNNING]
+        waiting = [s.lora_name for s in seqs if s.status in (SequenceStatus.WAITING, SequenceStatus.LOADING_ADAPTER)]
+        return running, waiting
+
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV cache held by requests, 0 to 1 (blocks in use over blocks)."""
+        return self.block_manager.usage
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

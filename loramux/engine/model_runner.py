@@ -21,6 +21,7 @@ import torch
 from loramux.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from loramux.engine.forward_context import AttentionMetadata, forward_context
 from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
+from loramux.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from loramux.engine.sampler import Sampler
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
@@ -74,7 +75,10 @@ class ModelRunner:
         # the torch reference LoRA kernels cannot take a static meta, so no graphs with them
         self.use_graphs = not enforce_eager and cuda and (lora_manager is None or uses_triton(self.device))
         self.compiled = not enforce_eager and cuda and compilation
-        capacity = 5 * max_num_batched_tokens + 3 * max_num_seqs + 2 + max_num_seqs * self.max_blocks
+        # per token: id, position, slot, adapter slot, and up to two logits rows with their slots
+        # (prompt logprobs); per sequence: length, offset, a logits row and its slot; block tables
+        T, S = max_num_batched_tokens + 1, max_num_seqs + 1
+        capacity = 6 * T + 4 * S + 4 + S * self.max_blocks
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
         self._forward = self._compile(self._model_forward) if self.compiled else self._model_forward
@@ -189,14 +193,19 @@ class ModelRunner:
                 logit_slots.append(slot)
                 sampled.append(seq)
         uses_lora = any(s >= 0 for s in lora_slots)
+        prompt_plan = plan_prompt_logprobs(batch.chunks, slot_of)  # None unless a request asks for them
+        if prompt_plan is not None:  # their rows come after the sampled ones
+            logits, logit_slots = logits + prompt_plan.index, logit_slots + prompt_plan.slots
         out = self._forward_packed(
             ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens, query_start=query_start,
             lora_slots=lora_slots if uses_lora else None, logits=logits, logit_slots=logit_slots if uses_lora else None,
         )
+        if prompt_plan is not None:
+            record_prompt_logprobs(out[len(sampled) : len(sampled) + len(prompt_plan.index)], prompt_plan)
         return self._sample(sampled, out[: len(sampled)]) if sampled else []
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
-        tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = self.sampler(logits, seqs).token_ids
         return list(zip(seqs, tokens.tolist()))
 
     def _forward_packed(self, *, ids, positions, slots, tables, seq_lens, query_start, lora_slots, logits,

@@ -1,53 +1,126 @@
 """Turn one step's logits into next tokens, each row with its own request's sampling params.
 
-Greedy rows take the argmax. Sampled rows divide by their temperature, cut to top-k / top-p
-(one sort shared by both), and draw with the exponential-race trick (``argmax(p / E)``, E ~
-Exp(1)) so a request with a seed draws its noise from its own generator and gets the same tokens
-whatever else is in the batch.
+``sampler(logits [B, V], seqs) -> SamplerOutput``. In order, for the rows whose request asks:
+logprobs are taken from the raw logits; then the grammar mask (structured outputs), logit bias,
+the min_tokens block on stop tokens, and the presence / frequency / repetition penalties act on the
+logits. Greedy rows take the argmax. Sampled rows divide by their temperature, cut to top-k /
+top-p (one sort shared by both) and min_p, and draw with the exponential-race trick
+(``argmax(p / E)``, E ~ Exp(1)) so a request with a seed draws its noise from its own generator and
+gets the same tokens whatever else is in the batch.
+
+A batch where no request asks for any of it pays one pass over the params and nothing else.
+
+Every sampled token is appended to its sequence right after, so the sampler also does the
+bookkeeping that belongs to the sampled token: it appends the row's logprobs to
+``seq.output_logprobs`` and advances its grammar (``seq.grammar``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
+from collections.abc import Iterable, Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.logprobs import Logprob, token_logprobs
+from loramux.engine.penalties import apply_logit_bias, apply_min_p, apply_penalties, block_tokens
+from loramux.engine.structured_output import apply_grammar_masks
 
-__all__ = ["Sampler"]
+__all__ = ["Sampler", "SamplerOutput"]
+
+
+@dataclass
+class SamplerOutput:
+    """The step's new tokens, and the logprobs of the rows that asked (None elsewhere)."""
+
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class Sampler:
-    """``sampler(logits [B, V], params per row, generators per row) -> token ids [B] (int64)``."""
+    """``sampler(logits [B, V], seqs) -> SamplerOutput``, a row per sequence (its params, its history).
 
-    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+    :param device: where the logits live (the shared generator's device).
+    :param seed: seeds the generator of requests without a seed of their own.
+    :param eos_token_ids: the tokens ``min_tokens`` holds back, with each request's stop tokens.
+    """
+
+    def __init__(self, device: torch.device, seed: int | None = None,
+                 eos_token_ids: Iterable[int] = ()) -> None:
         self.generator = torch.Generator(device=device)
         if seed is not None:
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
+        self.eos_token_ids = sorted(eos_token_ids)
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: Seq[SamplingParams],
-        generators: Seq[torch.Generator | None],
-    ) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, seqs: Seq) -> SamplerOutput:
+        params = [s.params for s in seqs]
+        wants_logprobs = [p.logprobs is not None for p in params]
+        processed = [p.changes_logits for p in params]
         greedy = [p.greedy for p in params]
+        if all(greedy) and not any(processed) and not any(wants_logprobs):  # the common fast path
+            return SamplerOutput(logits.argmax(dim=-1))
+        logits = logits.float()
+        raw = logits
+        if any(processed):
+            logits = self._process(logits.clone(), seqs)
+        tokens = self._sample(logits, params, [s.generator for s in seqs], greedy)
+        out = SamplerOutput(tokens)
+        if any(wants_logprobs):
+            rows = [i for i, w in enumerate(wants_logprobs) if w]
+            entries = token_logprobs(raw[rows], tokens[rows], [params[i].logprobs for i in rows])
+            out.logprobs = [None] * len(seqs)
+            for row, entry in zip(rows, entries):
+                out.logprobs[row] = entry
+                seqs[row].output_logprobs.append(entry)
+        if any(s.grammar is not None for s in seqs):
+            for seq, token in zip(seqs, tokens.tolist()):
+                if seq.grammar is not None:
+                    seq.grammar.accept(token)
+        return out
+
+    def _process(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
+        """Grammar masks, logit bias, min_tokens and penalties; logits: [B, V] float32 (a copy)."""
+        device = logits.device
+        grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if grammar_rows:
+            apply_grammar_masks(logits, grammar_rows, [seqs[i].grammar for i in grammar_rows])
+        bias_rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
+        if bias_rows:
+            apply_logit_bias(logits, bias_rows, [seqs[i].params.logit_bias for i in bias_rows])
+        early = [i for i, s in enumerate(seqs) if len(s.output_token_ids) < s.params.min_tokens]
+        if early:
+            block_tokens(logits, early, [self.eos_token_ids + seqs[i].params.stop_token_ids for i in early])
+        penalised = [i for i, s in enumerate(seqs) if s.params.has_penalties]
+        if penalised:
+            chosen = [seqs[i] for i in penalised]
+            logits[penalised] = apply_penalties(
+                logits[penalised],
+                [s.prompt_token_ids for s in chosen],
+                [s.output_token_ids for s in chosen],
+                torch.tensor([s.params.presence_penalty for s in chosen], device=device),
+                torch.tensor([s.params.frequency_penalty for s in chosen], device=device),
+                torch.tensor([s.params.repetition_penalty for s in chosen], device=device),
+            )
+        return logits
+
+    def _sample(self, logits: torch.Tensor, params: Seq, generators: Seq, greedy: list[bool]) -> torch.Tensor:
         if all(greedy):
             return logits.argmax(dim=-1)
-        logits = logits.float()
         device = logits.device
         temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
-        logits = logits / temperature[:, None]
-        vocab = logits.shape[-1]
+        scaled = logits / temperature[:, None]
+        vocab = scaled.shape[-1]
         if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
-            logits = _top_k_top_p(
-                logits,
+            scaled = _top_k_top_p(
+                scaled,
                 torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device=device),
                 torch.tensor([p.top_p for p in params], device=device),
             )
-        probs = logits.softmax(dim=-1)
+        if any(p.min_p for p in params):
+            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
+        probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs)
         for row, generator in enumerate(generators):
             if generator is not None:

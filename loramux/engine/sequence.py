@@ -8,8 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.logprobs import PromptLogprobs, SampleLogprobs
 from loramux.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.structured_output import GrammarState
 from loramux.errors import LoRAError
 from loramux.registry import LoRAAdapter, LoRARequest
 
@@ -54,6 +56,10 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     error: LoRAError | None = None
+    # asked for by its params only (the sampler and the runner's prompt-logprobs helper fill them)
+    output_logprobs: SampleLogprobs = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
+    grammar: GrammarState | None = None  # structured outputs: its place in its grammar
 
     @property
     def lora_name(self) -> str | None:
@@ -127,6 +133,7 @@ class Sequence:
             token_ids=list(self.output_token_ids),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
+            logprobs=list(self.output_logprobs) if self.params.logprobs is not None else None,
         )
         return RequestOutput(
             request_id=self.request_id,
@@ -136,4 +143,5 @@ class Sequence:
             finished=self.is_finished,
             error=self.error,
             lora_name=self.lora_name,
+            prompt_logprobs=self.prompt_logprobs,
         )

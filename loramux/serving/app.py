@@ -16,11 +16,13 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from loramux.engine.structured_output import UnsupportedStructuredOutput
 from loramux.serving import lora_admin
 from loramux.serving.errors import APIError, install_error_handlers
 from loramux.serving.generation import Generation, build_requests, chat_prompt, completion_prompts, run_generation
 from loramux.serving.metrics import CONTENT_TYPE
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from loramux.serving.request_params import structured_outputs_of
 from loramux.serving.state import ServerConfig, ServerState, get_state
 
 __all__ = ["build_app"]
@@ -43,13 +45,38 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
                        code="unsupported_parameter")
 
 
-def _generation(state: ServerState, endpoint: str, body: Any, prompts: list[Any], max_tokens: int) -> Generation:
+async def _structured_outputs(state: ServerState, body: Any) -> Any:
+    """The request's format, compiled once here (in a worker thread, so a slow schema holds up
+    neither the event loop nor the engine thread, whose compile then finds it cached)."""
+    spec = structured_outputs_of(body)
+    compiler = getattr(state.engine.engine, "structured_outputs", None)
+    if spec is not None and compiler is not None:
+        try:
+            await asyncio.to_thread(compiler.compile, spec)
+        except UnsupportedStructuredOutput as error:
+            field = "response_format" if body.response_format is not None else next(
+                f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(body, f))
+            raise APIError(400, f"{field}: {error}", param=field, code="unsupported_schema") from error
+    return spec
+
+
+async def _generation(state: ServerState, endpoint: str, body: Any, prompts: list[Any],
+                      max_tokens: int) -> Generation:
+    structured = await _structured_outputs(state, body)
     lora_request = state.book.lookup(body.model)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    echo_only = endpoint == "completions" and max_tokens == 0  # score the prompt, generate nothing
     requests, prompt_of_choice = build_requests(
-        prompts, body.n, lambda sample: state.sampling_params(body, max_tokens, sample), lora_request, prefix)
+        prompts, body.n, lambda sample: state.sampling_params(body, max_tokens or 1, sample, structured),
+        lora_request, prefix)
     include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    return Generation(endpoint, body.model, lora_request, requests, body.stream, include_usage, prompt_of_choice)
+    gen = Generation(endpoint, body.model, lora_request, requests, body.stream, include_usage, prompt_of_choice)
+    gen.echo = endpoint == "completions" and body.echo
+    gen.echo_only = echo_only
+    gen.logprobs = (body.logprobs if endpoint == "completions" else
+                    (body.top_logprobs or 0) if body.logprobs else None)
+    gen.tokenizer = getattr(state.engine.engine, "tokenizer", None)
+    return gen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,8 +126,11 @@ async def retrieve_model(model: str, request: Request) -> ModelCard:
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     _check_supported(body)
-    max_tokens = body.max_tokens or state.default_max_tokens(None)
-    gen = _generation(state, "completions", body, completion_prompts(body, state.vocab_size), max_tokens)
+    if body.max_tokens == 0 and not body.echo:
+        raise APIError(400, "max_tokens: 0 is allowed only with echo: true (to score the prompt); give "
+                       "max_tokens >= 1", param="max_tokens", code="invalid_parameter")
+    max_tokens = state.default_max_tokens(None) if body.max_tokens is None else body.max_tokens
+    gen = await _generation(state, "completions", body, completion_prompts(body, state.vocab_size), max_tokens)
     return await run_generation(state, request, gen)
 
 
@@ -113,7 +143,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:  # OpenAI's default: as long as the context allows
         max_tokens = state.default_max_tokens(len(prompt["prompt_token_ids"]))
-    gen = _generation(state, "chat", body, [prompt], max_tokens)
+    gen = await _generation(state, "chat", body, [prompt], max_tokens)
     return await run_generation(state, request, gen)
 
 

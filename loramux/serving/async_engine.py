@@ -54,6 +54,11 @@ class RequestGroup:
         self.latest: list[Any] = [None] * len(self.requests)  # RequestOutput | None per choice
         self.submitted_at = time.monotonic()
         self.first_output_at: float | None = None
+        # latency metrics, measured as outputs reach the event loop
+        self.first_token_at: list[float | None] = [None] * len(self.requests)
+        self.last_token_at: list[float | None] = [None] * len(self.requests)
+        self.inter_token_gaps: list[float] = []  # seconds between consecutive tokens, all choices
+        self._tokens_seen = [0] * len(self.requests)
         self._changed: set[int] = set()
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -63,11 +68,28 @@ class RequestGroup:
         return all(output is not None and output.finished for output in self.latest)
 
     def _update(self, index: int, output: Any) -> None:
+        now = time.monotonic()
         if self.first_output_at is None:
-            self.first_output_at = time.monotonic()
+            self.first_output_at = now
+        self._time_tokens(index, output, now)
         self.latest[index] = output
         self._changed.add(index)
         self._event.set()
+
+    def _time_tokens(self, index: int, output: Any, now: float) -> None:
+        """Record when a choice's tokens arrived; tokens arriving together split the gap evenly."""
+        outputs = getattr(output, "outputs", None)
+        count = len(outputs[0].token_ids) if outputs else 0
+        new = count - self._tokens_seen[index]
+        if new <= 0:
+            return
+        if self.first_token_at[index] is None:
+            self.first_token_at[index] = now
+            new -= 1  # the first token has no gap before it
+        if new > 0 and self.last_token_at[index] is not None:
+            self.inter_token_gaps.extend([(now - self.last_token_at[index]) / new] * new)
+        self.last_token_at[index] = now
+        self._tokens_seen[index] = count
 
     def _fail(self, error: BaseException) -> None:
         if self._error is None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from loramux.serving.metrics import TierStats
+from loramux.serving.metrics import RouterStats, TierStats
 
-__all__ = ["engine_requests", "read_tiers", "vocab_size"]
+__all__ = ["engine_requests", "read_tiers", "router_stats", "vocab_size"]
 
 
 def read_tiers(engine: Any) -> dict[str, TierStats]:
@@ -45,3 +45,20 @@ def vocab_size(engine: Any) -> int | None:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     size = getattr(text_config, "vocab_size", None)
     return size if isinstance(size, int) else None
+
+
+def router_stats(engine: Any) -> RouterStats | None:
+    """What an adapter-aware router reads: requests running and waiting, their adapters, the
+    adapter slots and the KV cache in use; None for an engine that does not say."""
+    demand = getattr(engine, "adapter_demand", None)
+    if demand is None:
+        return None
+    running, waiting = demand()
+    setup = getattr(engine, "setup", None)
+    usage = getattr(engine, "kv_cache_usage", None)
+    return RouterStats(
+        num_running=len(running), num_waiting=len(waiting),
+        running_adapters=sorted({name for name in running if name is not None}),
+        waiting_adapters=sorted({name for name in waiting if name is not None}),
+        max_lora=getattr(setup, "max_loras", 0) if getattr(engine, "lora_manager", None) is not None else 0,
+        kv_cache_usage=usage() if usage is not None else None)

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from loramux.errors import AdapterNotFoundError, InvalidAdapterError, IncompatibleAdapterError, LoRAError
 from loramux.serving.async_engine import RequestGroup, SubRequest
 from loramux.serving.errors import APIError, EngineDeadError, error_response, to_api_error
+from loramux.serving.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
 
 __all__ = ["Generation", "chat_prompt", "completion_prompts", "run_generation"]
@@ -42,6 +43,48 @@ class Generation:
     stream: bool
     include_usage: bool
     prompt_of_choice: list[int] = field(default_factory=list)  # choice index -> prompt index
+    echo: bool = False  # completions: the prompt leads the text (and its logprobs lead the logprobs)
+    echo_only: bool = False  # completions with max_tokens 0: the prompt alone, nothing generated
+    logprobs: int | None = None  # alternatives per token (chat's top_logprobs); None: no logprobs
+    tokenizer: Any = None
+    _token_text: TokenText | None = field(default=None, repr=False)
+
+    @property
+    def token_text(self) -> TokenText:
+        if self._token_text is None:
+            self._token_text = TokenText(self.tokenizer)
+        return self._token_text
+
+    def text_of(self, output: Any) -> str:
+        """A choice's text as the client sees it (with the prompt first under ``echo``)."""
+        text = "" if self.echo_only or not output.outputs else output.outputs[0].text
+        return self.prompt_text(output) + text if self.echo else text
+
+    def prompt_text(self, output: Any) -> str:
+        if output.prompt is not None:
+            return output.prompt
+        ids = output.prompt_token_ids or []
+        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
+
+    def generated(self, output: Any) -> tuple[list[int], list]:
+        """The generated tokens the client sees and their logprob entries."""
+        if self.echo_only or not output.outputs:
+            return [], []
+        completion = output.outputs[0]
+        return list(completion.token_ids), list(completion.logprobs or [])
+
+    def logprobs_json(self, output: Any, start: int = 0, with_prompt: bool = True) -> dict | None:
+        """The choice's ``logprobs`` for its generated tokens from ``start`` on (None if not asked)."""
+        if self.logprobs is None:
+            return None
+        ids, entries = self.generated(output)
+        ids, entries = ids[start:len(entries)], entries[start:]
+        if self.endpoint == "chat":
+            return chat_logprobs(self.token_text, ids, entries, self.logprobs)
+        if self.echo and with_prompt:
+            ids = list(output.prompt_token_ids or []) + ids
+            entries = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids or [])) + entries
+        return completion_logprobs(self.token_text, ids, entries, self.logprobs)
 
     @property
     def response_id(self) -> str:
@@ -238,7 +281,7 @@ def _usage(gen: Generation, group: RequestGroup) -> dict:
         if output is None:
             continue
         prompt_tokens[gen.prompt_of_choice[index]] = len(output.prompt_token_ids or ())
-        completion_tokens += len(output.outputs[0].token_ids) if output.outputs else 0
+        completion_tokens += len(gen.generated(output)[0])
     prompt = sum(prompt_tokens.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens}
@@ -251,15 +294,26 @@ def _finish_reason(output: Any) -> str | None:
     return reason or "stop"
 
 
+def _prompt_logprobs(gen: Generation, output: Any) -> list | None:
+    asked = gen.requests[0].params
+    if getattr(asked, "prompt_logprobs", None) is None or (gen.echo and gen.logprobs is not None):
+        return None  # not asked, or asked only to serve echo's logprobs
+    return prompt_logprobs_json(gen.token_text, output.prompt_logprobs)
+
+
 def _full_response(gen: Generation, group: RequestGroup) -> dict:
     choices = []
     for index, output in enumerate(group.latest):
-        text = output.outputs[0].text if output.outputs else ""
-        choice: dict[str, Any] = {"index": index, "logprobs": None, "finish_reason": _finish_reason(output)}
+        text = gen.text_of(output)
+        choice: dict[str, Any] = {"index": index, "logprobs": gen.logprobs_json(output),
+                                  "finish_reason": "length" if gen.echo_only else _finish_reason(output)}
         if gen.endpoint == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
+        prompt_logprobs = _prompt_logprobs(gen, output)
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         choices.append(choice)
     object_name = "chat.completion" if gen.endpoint == "chat" else "text_completion"
     return {"id": gen.response_id, "object": object_name,
@@ -284,6 +338,7 @@ async def _stream(state: Any, gen: Generation, group: RequestGroup, started: flo
     object_name = "chat.completion.chunk" if gen.endpoint == "chat" else "text_completion"
     held_back = [_held_back(request.params) for request in gen.requests]
     sent = [0] * len(gen.requests)  # characters of each choice's text already sent
+    sent_tokens = [0] * len(gen.requests)  # generated tokens whose logprobs were sent
     done = [False] * len(gen.requests)
 
     def chunk(choices: list[dict], usage: dict | None = None) -> str:
@@ -294,14 +349,24 @@ async def _stream(state: Any, gen: Generation, group: RequestGroup, started: flo
         return _sse(body)
 
     def choice(index: int, output: Any) -> dict | None:
-        text = output.outputs[0].text if output.outputs else ""
+        text = gen.text_of(output)
         reason = _finish_reason(output)
         end = len(text) if reason is not None else max(sent[index], len(text) - held_back[index])
+        first = sent[index] == 0 and sent_tokens[index] == 0
         delta, sent[index], done[index] = text[sent[index]:end], end, reason is not None
-        if not delta and reason is None:
+        logprobs = None
+        if gen.logprobs is not None:  # the logprobs of the tokens new since the last chunk
+            count = len(gen.generated(output)[1])
+            logprobs = gen.logprobs_json(output, sent_tokens[index], with_prompt=first)
+            has_new = count > sent_tokens[index] or (first and gen.echo)
+            sent_tokens[index] = count
+            logprobs = logprobs if has_new else None
+        if not delta and reason is None and logprobs is None:
             return None
         body = ({"delta": {"content": delta} if delta else {}} if gen.endpoint == "chat" else {"text": delta})
-        return {"index": index, **body, "logprobs": None, "finish_reason": reason}
+        if gen.echo_only and reason is not None:
+            reason = "length"
+        return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason}
 
     status = "cancelled"
     try:

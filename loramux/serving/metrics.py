@@ -1,13 +1,17 @@
 """Prometheus metrics for ``GET /metrics``, with prometheus-client.
 
-Counters the server sees itself (requests, tokens, resolutions, load latency) are updated as
-requests run; what the adapter tiers count (hits, misses, loads, evictions, resident adapters)
-is read from the engine at scrape time by a collector, so nothing is counted twice. Each app has
-its own ``CollectorRegistry``, so several servers can live in one process (tests).
+Counters the server sees itself (requests, tokens, resolutions, load latency) and the latency
+histograms (time to first token, inter-token latency, end-to-end latency, by model: the base
+model's name or the adapter's) are updated as requests run; what the adapter tiers count (hits,
+misses, loads, evictions, resident adapters) and what a router reads (requests running and
+waiting, their adapters, KV-cache usage, under vLLM's names) is read from the engine at scrape
+time by collectors, so nothing is counted twice. Each app has its own ``CollectorRegistry``, so
+several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -15,11 +19,17 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["CONTENT_TYPE", "Metrics", "TierStats"]
+__all__ = ["CONTENT_TYPE", "Metrics", "RouterStats", "TierStats"]
 
 # A model label carries only names the server knows (base, registered or resolved adapters), so a
 # client naming random adapters cannot grow the number of series without bound.
 UNKNOWN_MODEL = "_unknown"
+
+# vLLM's buckets for the same histograms
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
 
 
 @dataclass
@@ -32,6 +42,57 @@ class TierStats:
     evictions: int | None = None
     resident: list[str] = field(default_factory=list)
     bytes_resident: int | None = None  # bytes of the resident adapters' weights
+
+
+@dataclass
+class RouterStats:
+    """The engine's load, as vLLM reports it to routers (Gateway API Inference Extension, llm-d)."""
+
+    num_running: int
+    num_waiting: int
+    running_adapters: list[str]
+    waiting_adapters: list[str]
+    max_lora: int
+    kv_cache_usage: float | None
+
+
+class _RouterCollector:
+    """vLLM's router-facing gauges, read from the engine each time /metrics is scraped.
+
+    ``vllm:lora_requests_info`` is one series whose labels carry the adapters (comma-separated)
+    and whose value is the time it was read, as vLLM reports it; a router takes the newest.
+    """
+
+    def __init__(self, read: Callable[[], RouterStats | None], model_name: str) -> None:
+        self._read = read
+        self._model_name = model_name
+
+    def collect(self):
+        stats = self._read()
+        if stats is None:
+            return
+        labels, values = ["model_name"], [self._model_name]
+        for name, help_, value in (
+            ("vllm:num_requests_running", "Requests in the running batch (prefilling or decoding).",
+             stats.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to run (queued, or their adapter loading).",
+             stats.num_waiting),
+        ):
+            family = GaugeMetricFamily(name, help_, labels=labels)
+            family.add_metric(values, value)
+            yield family
+        if stats.kv_cache_usage is not None:
+            for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # new and old name
+                family = GaugeMetricFamily(name, "KV-cache usage, 0 to 1 (1 is full).", labels=labels)
+                family.add_metric(values, stats.kv_cache_usage)
+                yield family
+        info = GaugeMetricFamily(
+            "vllm:lora_requests_info", "Running and waiting LoRA adapters (comma-separated) and max_lora; "
+            "the value is the time of the reading.",
+            labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+        info.add_metric([",".join(stats.running_adapters), ",".join(stats.waiting_adapters),
+                         str(stats.max_lora)], time.time())
+        yield info
 
 
 class _TierCollector:
@@ -82,6 +143,8 @@ class Metrics:
         queue_depth: Callable[[], int],
         running: Callable[[], int],
         engine_requests: Callable[[], int],
+        read_router: Callable[[], RouterStats | None] = lambda: None,
+        model_name: str = "",
     ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
@@ -109,6 +172,16 @@ class Metrics:
         Gauge("loramux_engine_requests", "Requests the engine holds (a client that left is not among them).",
               registry=r).set_function(engine_requests)
         r.register(_TierCollector(read_tiers))
+        r.register(_RouterCollector(read_router, model_name))
+        self.time_to_first_token = Histogram(
+            "loramux_time_to_first_token_seconds", "Time from a request's arrival to its first token, by model.",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "loramux_inter_token_latency_seconds", "Time between two tokens of a request, by model.",
+            ["model"], buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_latency = Histogram(
+            "loramux_e2e_request_latency_seconds", "Time from a request's arrival to its last token, by model.",
+            ["model"], buckets=_LATENCY_BUCKETS, registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

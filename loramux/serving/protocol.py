@@ -1,7 +1,8 @@
 """The OpenAI wire format: request and response bodies, as pydantic models.
 
 Requests accept the fields OpenAI's clients send (and vLLM's extras: ``top_k``, ``ignore_eos``,
-``stop_token_ids``); unknown fields are ignored, as OpenAI's server does. Fields whose feature
+``stop_token_ids``, ``repetition_penalty``, ``min_tokens``, ``min_p``, ``prompt_logprobs``,
+``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``); unknown fields are ignored, as OpenAI's server does. Fields whose feature
 loramux does not implement are refused by name rather than silently dropped (``unsupported``).
 """
 
@@ -12,6 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loramux.engine.sampling_params import MAX_LOGPROBS
+
 __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
@@ -21,6 +24,7 @@ __all__ = [
     "LoadLoRAAdapterRequest",
     "ModelCard",
     "ModelList",
+    "ResponseFormat",
     "StreamOptions",
     "UnloadLoRAAdapterRequest",
     "UsageInfo",
@@ -33,6 +37,14 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    """OpenAI's ``response_format``: ``text``, ``json_object``, or ``json_schema`` with
+    ``{"name": ..., "schema": {...}, "strict": ...}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
 
 
 class _SamplingFields(_Request):
@@ -50,19 +62,24 @@ class _SamplingFields(_Request):
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # Accepted so clients that always send them work; refused when they ask for an effect.
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    # vLLM's extras
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_tokens: int = Field(default=0, ge=0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # structured outputs: OpenAI's response_format, or vLLM's guided_* fields (one of them)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def unsupported(self) -> str | None:
         """The first field asking for something loramux does not do, or None."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                return name
-        if self.logit_bias:
-            return "logit_bias"
         return None
 
     def stop_list(self) -> list[str] | None:
@@ -75,17 +92,14 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt`` is a string, a list of them, token ids or lists of those."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo: score the prompt and generate nothing (evaluation harnesses do this)
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=5)
     best_of: int | None = None
     suffix: str | None = None
 
     def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
-        if self.logprobs is not None:
-            return "logprobs"
         if self.best_of not in (None, 1, self.n):
             return "best_of"
         if self.suffix:
@@ -116,12 +130,11 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
 
     def unsupported(self) -> str | None:
-        if self.logprobs:
-            return "logprobs"
         if self.tools:
             return "tools"
         return super().unsupported()

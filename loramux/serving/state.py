@@ -11,11 +11,12 @@ from fastapi import Request
 
 from loramux.serving.adapters import AdapterBook
 from loramux.serving.async_engine import AsyncEngine, RequestGroup
-from loramux.serving.engine_info import engine_requests, read_tiers, vocab_size
+from loramux.serving.engine_info import engine_requests, read_tiers, router_stats, vocab_size
 from loramux.serving.errors import APIError
 from loramux.serving.generation import Generation
 from loramux.serving.metrics import UNKNOWN_MODEL, Metrics
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
+from loramux.serving.request_params import extra_sampling_kwargs
 
 __all__ = ["ServerConfig", "ServerState", "get_state"]
 
@@ -59,7 +60,8 @@ class ServerState:
         self.sampling_params_cls = sampling_params_cls
         self.metrics = Metrics(lambda: read_tiers(engine), lambda: self.engine.waiting,
                                lambda: self.engine.in_flight - self.engine.waiting,
-                               lambda: engine_requests(engine))
+                               lambda: engine_requests(engine), lambda: router_stats(engine),
+                               config.served_model_names[0] if config.served_model_names else "")
         self.lora_lock = asyncio.Lock()  # one load or unload at a time
         self.background: set[asyncio.Task] = set()  # adapters waiting to leave the engine
 
@@ -78,6 +80,19 @@ class ServerState:
             self.metrics.generation_tokens.labels(model).inc(generated)
         if seconds is not None:
             self.metrics.request_seconds.labels(gen.endpoint).observe(seconds)
+        self._observe_latencies(model, group, ok=seconds is not None)
+
+    def _observe_latencies(self, model: str, group: RequestGroup, ok: bool) -> None:
+        """Time to first token (every choice that got one), inter-token gaps, and end-to-end latency
+        (choices that finished), under the request's model."""
+        for first, last in zip(group.first_token_at, group.last_token_at):
+            if first is not None:
+                self.metrics.time_to_first_token.labels(model).observe(first - group.submitted_at)
+            if ok and last is not None:
+                self.metrics.e2e_latency.labels(model).observe(last - group.submitted_at)
+        histogram = self.metrics.inter_token_latency.labels(model)
+        for gap in group.inter_token_gaps:
+            histogram.observe(gap)
 
     def default_max_tokens(self, prompt_len: int | None) -> int:
         """``max_tokens`` for a request that gives none: the rest of the context, if known."""
@@ -87,14 +102,14 @@ class ServerState:
         return max(1, limit - (prompt_len or 0))
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                        sample: int) -> Any:
+                        sample: int, structured: Any = None) -> Any:
         """The engine's ``SamplingParams`` for choice number ``sample`` of ``body``."""
         seed = None if body.seed is None else body.seed + sample
         try:
             return self.sampling_params_cls(
                 temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
                 stop=body.stop_list(), stop_token_ids=body.stop_token_ids, seed=seed,
-                ignore_eos=body.ignore_eos)
+                ignore_eos=body.ignore_eos, **extra_sampling_kwargs(body, structured))
         except (TypeError, ValueError) as error:
             raise APIError(400, f"invalid sampling parameters: {error}", code="invalid_parameter") from error
 

@@ -1,0 +1,47 @@
+"""docs/serving.md's `openai` client examples run as written against the embedded model and its
+demo adapters (what `make serve` starts), on a free port instead of 8000."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+from test_server import Server
+
+from loramux.serving.server import demo_adapters
+
+REPO = Path(__file__).resolve().parents[1]
+SECTIONS = ("Logprobs", "Structured outputs", "Sampling controls")
+
+
+def examples() -> str:
+    """The setup block, then the first python block of each section, as one script."""
+    text = (REPO / "docs" / "serving.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    setup = next(b for b in blocks if "OpenAI(base_url=" in b)
+    bodies = [re.search(r"```python\n(.*?)```", text.split(f"### {s}\n", 1)[1], re.S)[1] for s in SECTIONS]
+    return "\n".join([setup, *bodies])
+
+
+def test_serving_docs_examples_run_against_the_embedded_model(tmp_path):
+    server = Server("embedded", [], dict(root=tmp_path, model=None, site=tmp_path, release=tmp_path / "release"))
+    try:
+        server.wait_until_listening()
+        script = examples().replace("http://127.0.0.1:8000", server.url)
+        result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                                cwd=tmp_path)
+        metrics = httpx.get(f"{server.url}/metrics").text
+    finally:
+        server.stop()
+    assert result.returncode == 0, result.stderr + server.log[-3000:]
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("' Paris': ") for line in lines)
+    assert "{'capital': 'Tokyo', 'confidence': 'high'}" in lines
+    assert lines[-1].startswith("Arr!")
+    # `make serve` (no flags) gives every demo adapter a slot, so their requests share steps
+    demo = [name for name, _, _ in demo_adapters()]
+    assert sorted(demo) == ["capitals", "json", "pirate"]
+    assert f'max_lora="{len(demo)}"' in metrics
