@@ -210,3 +210,14 @@ def test_latency_histograms_and_router_gauges(client, http):
     labels = dict(re.findall(r'(\w+)="([^"]*)"', info[1]))
     assert labels == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
     assert float(info[2]) > 1.6e9  # the time it was read, as vLLM reports it
+
+
+def test_prefix_cache_queries_and_hits_in_metrics(client, http):
+    before_hits = metric(http, 'loramux_prefix_cache_hits_total{model_name="tiny"}')
+    before_queries = metric(http, 'loramux_prefix_cache_queries_total{model_name="tiny"}')
+    prompt = "The same system prompt, shared by both requests of this test."  # 3 full 16-token blocks
+    for _ in range(2):  # one after the other: the second finds the first's blocks
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    hits = metric(http, 'loramux_prefix_cache_hits_total{model_name="tiny"}') - before_hits
+    queries = metric(http, 'loramux_prefix_cache_queries_total{model_name="tiny"}') - before_queries
+    assert hits >= 16 and queries >= 2 * 16 and hits <= queries

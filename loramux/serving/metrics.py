@@ -54,6 +54,8 @@ class RouterStats:
     waiting_adapters: list[str]
     max_lora: int
     kv_cache_usage: float | None
+    prefix_cache_queries: int | None = None  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int | None = None  # of those, tokens found
 
 
 class _RouterCollector:
@@ -85,6 +87,16 @@ class _RouterCollector:
             for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # new and old name
                 family = GaugeMetricFamily(name, "KV-cache usage, 0 to 1 (1 is full).", labels=labels)
                 family.add_metric(values, stats.kv_cache_usage)
+                yield family
+        if stats.prefix_cache_queries is not None:
+            for name, help_, value in (
+                ("loramux_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                 stats.prefix_cache_queries),
+                ("loramux_prefix_cache_hits", "Prompt tokens found in the prefix cache (their KV reused).",
+                 stats.prefix_cache_hits),
+            ):
+                family = CounterMetricFamily(name, help_, labels=labels)
+                family.add_metric(values, value)
                 yield family
         info = GaugeMetricFamily(
             "vllm:lora_requests_info", "Running and waiting LoRA adapters (comma-separated) and max_lora; "
