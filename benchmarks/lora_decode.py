@@ -1,4 +1,4 @@
-"""Decode-step LoRA cost at Llama-3.1-8B shapes (issue 13): the old graph path against the new one.
+"""Decode-step LoRA cost at Llama-3.1-8B shapes (issue 13): one captured graph for any adapter mix.
 
     PYTHONPATH=. python benchmarks/lora_decode.py --out results/            # GPU, ~5 min on an H100
     PYTHONPATH=. python benchmarks/lora_decode.py --out results/ --pdl      # + the new path with PDL
@@ -14,13 +14,12 @@ the engine wraps Hugging Face's Llama today). Mixes over T tokens: 1, 8 or 32 di
 Paths, each one CUDA graph of the whole step (meta build + every layer), replayed 20+ times after
 warm-up, so the launch gaps are those a real decode step sees:
 - base: the base projections alone (y = x @ W.T), when --base (default);
-- old: the kernels of e25c560 (benchmarks/lora_legacy): static meta with max_active=A
-  (A = next power of two >= distinct adapters, as the engine keys its graphs), split-K through a
-  zeroed buffer (a memset node per projection); one graph per A;
 - new: loramux.kernels: static=True meta, lora_apply (no memset); ONE graph per T, captured with
   every row base (-1) and replayed for every mix;
 - new_pdl (--pdl): the new path launched with programmatic dependent launch.
-LoRA paths include the base GEMMs when --base is on, so "old - base" is what LoRA costs a step.
+LoRA paths include the base GEMMs when --base is on, so "new - base" is what LoRA costs a step.
+(The previous path, e25c560's kernels with a zeroed split-K buffer and a graph per adapter count,
+was timed against this one on an H100: docs/benchmarks/engine-h100.md; git history has it.)
 
 Also reported: the bytes-read floor of the LoRA work (the active adapters' A and B, x, and y
 read + written on the rows with an adapter) over the device-copy bandwidth measured in the run.
@@ -38,8 +37,7 @@ import time
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 LAYOUTS = {  # name: [(module, hidden in, output slices)]
     "fused": [("qkv", 4096, (4096, 1024, 1024)), ("o", 4096, (4096,)), ("gate_up", 4096, (14336, 14336)),
@@ -56,10 +54,6 @@ SLOTS = 32
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def mix_slots(mix: str, T: int, S: int, gen: torch.Generator) -> torch.Tensor:
@@ -114,25 +108,18 @@ def make_io(layers: Layers, T: int, device, dtype):
 
 def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
     """The whole step of one path as a function (captured into a graph on CUDA)."""
-    import lora_legacy
-
     from loramux.kernels import build_lora_meta, lora_apply
 
     sizes = [s for _, _, s in layers.mods]
 
-    def run(max_active=None):
-        if path == "old":
-            meta = lora_legacy.build_lora_meta(slots_buf, layers.S, max_active=max_active)
-        elif path in ("new", "new_pdl"):
+    def run():
+        if path != "base":
             meta = build_lora_meta(slots_buf, layers.S, static=True)
         for layer in layers.layers:
             for w, x, y, sz in zip(layer, xs, ys, sizes):
                 if base:
                     torch.mm(x, w["W"].t(), out=y)
-                if path == "old":
-                    buf = lora_legacy.lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
-                    lora_legacy.lora_expand_triton(y, buf, w["B"], sz, meta, w["ranks"])
-                elif path != "base":
+                if path != "base":
                     lora_apply(y, x, w["A"], w["B"], w["scales"], w["ranks"], sz, meta)
 
     return run
@@ -198,31 +185,28 @@ def copy_bandwidth(device) -> float:
     return 2 * a.numel() * 2 / t / 1e9
 
 
-def check_equal(layers, xs, slots, device, dtype) -> float:
-    """Old and new kernels on layer 0, eagerly, from the same y: worst relative error of the
-    deltas (the new path against the old one; both were checked against the reference in tests)."""
-    import lora_legacy
-
-    from loramux.kernels import build_lora_meta, lora_apply
+def check_against_reference(layers, xs, slots, device, dtype) -> float:
+    """The graph path's kernels on layer 0, eagerly, against the torch reference from the same y:
+    worst relative error of the deltas (inf if a base row changed or a value is not finite)."""
+    from loramux.kernels import build_lora_meta, lora_apply, reference
 
     worst = 0.0
     new_meta = build_lora_meta(slots, layers.S, static=True)
-    old_meta = lora_legacy.build_lora_meta(slots, layers.S)
+    exact = build_lora_meta(slots, layers.S)
     for w, x, (_, _, sizes) in zip(layers.layers[0], xs, layers.mods):
         y0 = torch.randn(x.shape[0], sum(sizes), device=device, dtype=dtype)
-        y_old, y_new = y0.clone(), y0.clone()
-        if old_meta.num_active:
-            buf = lora_legacy.lora_shrink_triton(x, w["A"], w["scales"], old_meta, w["ranks"])
-            lora_legacy.lora_expand_triton(y_old, buf, w["B"], sizes, old_meta, w["ranks"])
+        y_ref, y_new = y0.clone(), y0.clone()
+        buf = reference.lora_shrink_ref(x, w["A"], w["scales"], exact, w["ranks"])
+        reference.lora_expand_ref(y_ref, buf, w["B"], tuple(sizes), exact, w["ranks"])
         lora_apply(y_new, x, w["A"], w["B"], w["scales"], w["ranks"], sizes, new_meta)
-        d_old, d_new = (y_old.double() - y0.double()), (y_new.double() - y0.double())
+        d_ref, d_new = (y_ref.double() - y0.double()), (y_new.double() - y0.double())
         base_rows = (slots < 0)
         if not torch.equal(y_new[base_rows], y0[base_rows]):
             return float("inf")
         if not torch.isfinite(d_new).all():
             return float("inf")
-        denom = d_old.norm().item()
-        worst = max(worst, (d_new - d_old).norm().item() / denom if denom else (d_new - d_old).norm().item())
+        denom = d_ref.norm().item()
+        worst = max(worst, (d_new - d_ref).norm().item() / denom if denom else (d_new - d_ref).norm().item())
     return worst
 
 
@@ -252,28 +236,23 @@ def run(args, device, dtype, env):
                         print(f"  PDL capture failed: {exc}", flush=True)
                     finally:
                         os.environ.pop("LORAMUX_TRITON_PDL", None)
-                old_graphs = {}
                 for mix in args.mixes:
                     slots = mix_slots(mix, T, S, gen).to(device)
                     slots_buf.copy_(slots)
                     distinct = len(set(int(s) for s in slots.tolist() if s >= 0))
-                    A = min(next_pow2(distinct), S) if distinct else 0
-                    if A not in old_graphs:  # the old engine captured one graph per (T, A)
-                        old_step = step_fn("old", layers, xs, ys, slots_buf, args.base)
-                        old_graphs[A] = Graph(lambda: old_step(max_active=max(A, 1)), device)
-                    row = dict(layout=layout, R=R, T=T, mix=mix, distinct=distinct, A=A, layers=args.layers)
-                    row["err_new_vs_old"] = check_equal(layers, xs, slots, device, dtype)
-                    for name, g in [("old", old_graphs[A])] + list(graphs.items()):
+                    row = dict(layout=layout, R=R, T=T, mix=mix, distinct=distinct, layers=args.layers)
+                    row["err_vs_reference"] = check_against_reference(layers, xs, slots, device, dtype)
+                    for name, g in graphs.items():
                         row[f"{name}_step_us"] = g.time_us(args.reps)
                     nb = layers.lora_bytes(slots.cpu())
                     row["lora_bytes_per_layer"] = nb
                     row["floor_us_per_layer"] = nb / (bw * 1e3) if bw == bw else float("nan")
-                    for name in ("base", "old", "new", "new_pdl"):
+                    for name in ("base", "new", "new_pdl"):
                         if f"{name}_step_us" in row:
                             row[f"{name}_us_per_layer"] = row[f"{name}_step_us"] / args.layers
                     rows.append(row)
                     print(_line(row), flush=True)
-                del graphs, old_graphs, xs, ys
+                del graphs, xs, ys
             del layers
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -282,17 +261,17 @@ def run(args, device, dtype, env):
 
 
 def _line(r):
-    parts = [f"{r['layout']:8s} r{r['R']:<3d} T={r['T']:<4d} {r['mix']:>6s} (A={r['A']:<2d})"]  # A: old graph key
-    for name in ("base", "old", "new", "new_pdl"):
+    parts = [f"{r['layout']:8s} r{r['R']:<3d} T={r['T']:<4d} {r['mix']:>6s}"]
+    for name in ("base", "new", "new_pdl"):
         if f"{name}_us_per_layer" in r:
             parts.append(f"{name} {r[f'{name}_us_per_layer']:7.1f}")
-    parts.append(f"floor {r['floor_us_per_layer']:6.1f} us/layer, err {r['err_new_vs_old']:.0e}")
+    parts.append(f"floor {r['floor_us_per_layer']:6.1f} us/layer, err {r['err_vs_reference']:.0e}")
     return " | ".join(parts)
 
 
 def markdown(rows, env, n_layers, S, dtype):
-    have = [n for n in ("base", "old", "new", "new_pdl") if rows and f"{n}_us_per_layer" in rows[0]]
-    L = ["# LoRA decode step: old graph path vs new (issue 13)", "",
+    have = [n for n in ("base", "new", "new_pdl") if rows and f"{n}_us_per_layer" in rows[0]]
+    L = ["# LoRA decode step: one graph for any adapter mix (issue 13)", "",
          f"Device: **{env.get('device')}**; torch {env.get('torch')}, triton {env.get('triton')}; "
          f"copy bandwidth {env.get('copy_GBps', float('nan')):.0f} GB/s (read + write); {n_layers} layers per "
          f"captured step; us per layer (step / layers) and ms per 32-layer step; {dtype}, {S} slots.", ""]
@@ -300,23 +279,21 @@ def markdown(rows, env, n_layers, S, dtype):
         L += [f"PDL capture failed: {env['pdl_errors'][0]}", ""]
     head = "| layout | R | T | mix | " + " | ".join(f"{n} us" for n in have)
     if "base" in have:
-        head += " | old − base | new − base"
+        head += " | new − base"
         if "new_pdl" in have:
             head += " | pdl − base"
-    head += " | LoRA floor us | new/old | 32-layer step ms (" + " / ".join(have) + ") | err |"
+    head += " | LoRA floor us | 32-layer step ms (" + " / ".join(have) + ") | err |"
     L += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         cells = [r["layout"], str(r["R"]), str(r["T"]), r["mix"]]
         cells += [f"{r[f'{n}_us_per_layer']:.1f}" for n in have]
         if "base" in have:
-            cells += [f"{r['old_us_per_layer'] - r['base_us_per_layer']:.1f}",
-                      f"{r['new_us_per_layer'] - r['base_us_per_layer']:.1f}"]
+            cells.append(f"{r['new_us_per_layer'] - r['base_us_per_layer']:.1f}")
             if "new_pdl" in have:
                 cells.append(f"{r['new_pdl_us_per_layer'] - r['base_us_per_layer']:.1f}")
         cells.append(f"{r['floor_us_per_layer']:.1f}")
-        cells.append(f"{r['new_us_per_layer'] / r['old_us_per_layer']:.2f}x")
         cells.append(" / ".join(f"{r[f'{n}_us_per_layer'] * 32 / 1e3:.2f}" for n in have))
-        cells.append(f"{r['err_new_vs_old']:.0e}")
+        cells.append(f"{r['err_vs_reference']:.0e}")
         L.append("| " + " | ".join(cells) + " |")
     return "\n".join(L) + "\n"
 
@@ -371,9 +348,9 @@ def main(argv=None):
         json.dump({"env": env, "rows": rows}, f, indent=1)
     with open(os.path.join(args.out, "lora_decode.md"), "w") as f:
         f.write(md)
-    bad_rows = [r for r in rows if not r["err_new_vs_old"] < 2e-2]
+    bad_rows = [r for r in rows if not r["err_vs_reference"] < 2e-2]
     if bad_rows:
-        sys.exit(f"{len(bad_rows)} case(s) where the new path disagrees with the old one: {bad_rows[0]}")
+        sys.exit(f"{len(bad_rows)} case(s) where the graph path disagrees with the reference: {bad_rows[0]}")
 
 
 if __name__ == "__main__":
