@@ -165,3 +165,26 @@ def test_an_adapter_is_validated_once_on_its_way_to_a_slot(engine_adapters, monk
     expected = peft_greedy(engine_adapters["all"], prompt, 12)
     assert out[: len(expected)] == expected
     assert calls == ["all"]  # the registry's, at the border; not the engine's or the slot's again
+
+
+@pytest.mark.parametrize(
+    "lora_kwargs",
+    [
+        dict(target_modules=["k_proj", "v_proj"]),  # two of the three q/k/v siblings
+        dict(target_modules=["gate_proj"]),  # one of gate/up
+        dict(target_modules=["q_proj", "k_proj", "up_proj"], rank_pattern={"k_proj": 2, "up_proj": 6}),
+    ],
+    ids=["k+v", "gate only", "ranks differ per sibling"],
+)
+def test_fused_groups_with_adapters_on_some_siblings_equal_peft(make_adapter, lora_kwargs):
+    """q/k/v and gate/up are one fused layer each; adapters trained on the separate projections
+    fill some of its slices (others empty, ranks differing per slice) and give PEFT's tokens."""
+    path = make_adapter(seed=31, r=4, lora_alpha=8, **lora_kwargs)
+    eng = engine(max_lora_rank=8)
+    attn = eng.model.model.layers[0].self_attn
+    assert isinstance(attn.k_proj, SiblingSlice)  # the engine really runs the fused layout
+    prompts = {f"p{i}": [(11 * i + 7 * j) % 120 + 3 for j in range(5 + 3 * i)] for i in range(3)}
+    out = run(eng, [(k, p, LoRARequest("a", 1, str(path))) for k, p in prompts.items()])
+    for key, prompt in prompts.items():
+        expected = peft_greedy(path, prompt, 12)
+        assert out[key][: len(expected)] == expected, key
