@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from functools import partial
 from os import PathLike
 from pathlib import Path
@@ -139,8 +140,9 @@ def _check_base_model(config: dict, expected: str, name: str, config_file: Path)
 
 def _read_tensors(
     directory: Path, name: str, *, pin_memory: bool
-) -> tuple[dict[str, torch.Tensor], Path, bytes]:
-    """The weights file's tensors (views into one buffer read once), its path and its digest."""
+) -> tuple[dict[str, torch.Tensor], Path, Callable[[], bytes]]:
+    """The weights file's tensors (views into one buffer read once), its path, and a function
+    returning its digest (still being computed: call it last)."""
     safetensors_file = directory / SAFETENSORS_FILE
     pickle_file = directory / PICKLE_FILE
     allocate = partial(torch.empty, dtype=torch.uint8, pin_memory=pin_memory)
@@ -324,7 +326,7 @@ def load_adapter_with_digest(
         # a cast copies anyway; and a file that also holds tensors loramux skips (PEFT saves the
         # base embedding beside an embedding LoRA) must not keep its whole read buffer alive
         adapter = adapter.pack(cast_to, pin_memory=pin_memory)
-    digest = combine_digest(config_digest(peft_config, cast_to), weights_digest)
+    digest = combine_digest(config_digest(peft_config, cast_to), weights_digest())
     return adapter, digest
 
 

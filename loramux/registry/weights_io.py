@@ -57,11 +57,15 @@ def _sha256(chunk: memoryview) -> bytes:
     return hashlib.sha256(chunk).digest()
 
 
-def read_and_hash(path: Path, allocate: Callable[[int], torch.Tensor]) -> tuple[torch.Tensor, bytes]:
+def read_and_hash(
+    path: Path, allocate: Callable[[int], torch.Tensor]
+) -> tuple[torch.Tensor, Callable[[], bytes]]:
     """Read ``path`` whole into ``allocate(size)`` (a uint8 tensor) and hash it on the way.
 
-    :returns: the buffer and the file's digest: SHA-256 over the SHA-256 of each 1 MiB chunk
-        in order (a function of the bytes alone, whatever the reads return).
+    :returns: the buffer, and a function returning the file's digest: SHA-256 over the SHA-256
+        of each 1 MiB chunk in order (a function of the bytes alone, whatever the reads return).
+        The last chunks may still be hashing when this returns; call the function when the
+        digest is needed, so parsing and checking the weights overlap the hash's tail.
     :raises OSError: the file cannot be read, or it shrank while being read.
     """
     with open(path, "rb", buffering=0) as file:
@@ -79,7 +83,10 @@ def read_and_hash(path: Path, allocate: Callable[[int], torch.Tensor]) -> tuple[
                     raise OSError(f"{path} shrank while being read ({done} of {size} bytes)")
                 done += read
             chunks.append(pool.submit(_sha256, view[start:end]))
-    digest = hashlib.sha256(b"".join(chunk.result() for chunk in chunks)).digest()
+
+    def digest() -> bytes:
+        return hashlib.sha256(b"".join(chunk.result() for chunk in chunks)).digest()
+
     return buffer, digest
 
 
@@ -168,24 +175,23 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
 
 
 def _spans(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Flat views covering ``tensors``: neighbours in one storage with one dtype are merged."""
-    flat = sorted(
-        (t.reshape(-1) for t in tensors if t.is_contiguous() and t.numel()),
+    """Flat views covering ``tensors``: neighbours in one storage with one dtype are merged
+    (ranges are merged first and one view is made per span: a view per tensor costs more than
+    the check itself on a file of many small tensors)."""
+    ranges: list[list] = []  # [first tensor, storage pointer, dtype, start, end] in elements
+    for tensor in sorted(
+        (t for t in tensors if t.is_contiguous() and t.numel()),
         key=lambda t: (t.untyped_storage().data_ptr(), t.storage_offset()),
-    )
-    spans: list[torch.Tensor] = []
-    for tensor in flat:
-        last = spans[-1] if spans else None
-        if (
-            last is not None
-            and last.dtype == tensor.dtype
-            and last.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr()
-            and last.storage_offset() + last.numel() == tensor.storage_offset()
-        ):
-            spans[-1] = torch.empty(0, dtype=last.dtype).set_(
-                last.untyped_storage(), last.storage_offset(), (last.numel() + tensor.numel(),)
-            )
+    ):
+        pointer, start = tensor.untyped_storage().data_ptr(), tensor.storage_offset()
+        last = ranges[-1] if ranges else None
+        if last is not None and last[1] == pointer and last[2] == tensor.dtype and last[4] == start:
+            last[4] = start + tensor.numel()
         else:
-            spans.append(tensor)
+            ranges.append([tensor, pointer, tensor.dtype, start, start + tensor.numel()])
+    spans = [
+        first.new_empty(0).set_(first.untyped_storage(), start, (end - start,))
+        for first, _, _, start, end in ranges
+    ]
     spans.extend(t.contiguous().reshape(-1) for t in tensors if not t.is_contiguous())  # rare: a copy
     return spans
