@@ -210,7 +210,7 @@ def check_against_reference(layers, xs, slots, device, dtype) -> float:
     return worst
 
 
-def run(args, device, dtype, env):
+def run(args, device, dtype, env, save):
     rows, t0 = [], time.time()
     gen = torch.Generator().manual_seed(0)
     scale = 64 if args.smoke else 1
@@ -220,6 +220,7 @@ def run(args, device, dtype, env):
         for R in args.ranks:
             if args.budget_s and time.time() - t0 > args.budget_s:
                 print(f"budget reached: skipping {layout} r{R}", flush=True)
+                env.setdefault("skipped", []).append(f"{layout} r{R}")
                 continue
             layers = Layers(layout, args.layers, R, S, device, dtype, args.base, scale)
             for T in args.tokens:
@@ -256,6 +257,8 @@ def run(args, device, dtype, env):
             del layers
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            env["elapsed_s"] = time.time() - t0
+            save(rows)  # after every (layout, rank): a run cut short keeps what it measured
     env["elapsed_s"] = time.time() - t0
     return rows
 
@@ -277,6 +280,8 @@ def markdown(rows, env, n_layers, S, dtype):
          f"captured step; us per layer (step / layers) and ms per 32-layer step; {dtype}, {S} slots.", ""]
     if env.get("pdl_errors"):
         L += [f"PDL capture failed: {env['pdl_errors'][0]}", ""]
+    if env.get("skipped"):
+        L += [f"Not run (time budget): {', '.join(env['skipped'])}; rerun with --layouts/--ranks.", ""]
     head = "| layout | R | T | mix | " + " | ".join(f"{n} us" for n in have)
     if "base" in have:
         head += " | new − base"
@@ -310,7 +315,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20, help="timed replays per graph (median)")
     ap.add_argument("--no-base", dest="base", action="store_false", help="LoRA kernels only, no base GEMMs")
     ap.add_argument("--pdl", action="store_true", help="also time the new path with programmatic dependent launch")
-    ap.add_argument("--budget-s", type=float, default=0, help="stop starting new (layout, rank) runs after this")
+    ap.add_argument("--budget-s", type=float, default=420,
+                    help="start no new (layout, rank) block after this many seconds (0: no limit); results are "
+                         "written after every block")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (1/64), 2 layers: a CPU check of the script")
     args = ap.parse_args(argv)
     args.layouts = args.layouts.split(",")
@@ -340,14 +347,18 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = False
         env["sms"] = torch.cuda.get_device_properties(device).multi_processor_count
     print(env, flush=True)
-    rows = run(args, device, dtype, env)
-    md = markdown(rows, env, args.layers, args.slots, str(dtype).replace("torch.", ""))
-    print(md)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "lora_decode.json"), "w") as f:
-        json.dump({"env": env, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "lora_decode.md"), "w") as f:
-        f.write(md)
+
+    def save(rows):
+        md = markdown(rows, env, args.layers, args.slots, str(dtype).replace("torch.", ""))
+        with open(os.path.join(args.out, "lora_decode.json"), "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+        with open(os.path.join(args.out, "lora_decode.md"), "w") as f:
+            f.write(md)
+        return md
+
+    rows = run(args, device, dtype, env, save)
+    print(save(rows))
     bad_rows = [r for r in rows if not r["err_vs_reference"] < 2e-2]
     if bad_rows:
         sys.exit(f"{len(bad_rows)} case(s) where the graph path disagrees with the reference: {bad_rows[0]}")

@@ -1,5 +1,6 @@
-"""Multi-LoRA kernels (issue 4): Triton vs a float64 torch reference, the reference vs a per-token
-loop, metadata, argument checks and dispatch.
+"""Multi-LoRA kernels (issues 4 and 13): Triton vs a float64 torch reference, the reference vs a
+per-token loop, metadata, argument checks and dispatch; the static (CUDA-graph) meta: launch grids
+that do not depend on the mapping, any mapping against the reference, no zeroed buffers.
 
 Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set in conftest.py) in float32 and
 float16; `gpu` tests run the same matrix plus bfloat16 and large shapes on CUDA.

@@ -37,9 +37,10 @@ from .tiles import (block_m_for, cdiv, dot_precision, launch_options, next_pow2,
                     target_programs)
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
-MAX_SPLIT_K = 32
-#: Counters in a device's split-K table: (tile, rank block) pairs of one launch. Split-K launches
-#: have a small grid (fewer tiles x blocks than the GPU has programs), far below this.
+MAX_SPLIT_K = 64
+#: Counters in a device's split-K table: one per (tile, rank block) of a launch. Split-K launches
+#: have a few thousand at most (decode: tiles <= min(S, T) + T / BLOCK_M); a launch needing more
+#: runs without split-K.
 LOCK_TABLE_SIZE = 1 << 15
 
 
