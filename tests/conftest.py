@@ -7,6 +7,7 @@ PEFT the oracle for everything loramux computes from them.
 from __future__ import annotations
 
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -65,9 +66,14 @@ def make_adapter(tmp_path_factory):
 # @triton.jit function is defined, and loramux imports its kernel modules lazily, so setting it here
 # (before any test module is imported) holds for the whole pytest process.
 if not torch.cuda.is_available():
-    import os as _os
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-    _os.environ.setdefault("TRITON_INTERPRET", "1")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+HAS_CUDA = torch.cuda.is_available()
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1 before triton loads (conftest sets it without CUDA)"
+)
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
 # --- LoRA layers and model patching (issue 5) --------------------------------------------------

@@ -10,7 +10,6 @@ error check fails on NaN.
 
 from __future__ import annotations
 
-import os
 import zlib
 from dataclasses import dataclass
 
@@ -19,12 +18,7 @@ import torch
 
 from loramux.kernels import LoRABatchMeta, build_lora_meta, lora_expand, lora_shrink, reference
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-HAS_CUDA = torch.cuda.is_available()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1 before triton loads (conftest sets it without CUDA)"
-)
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+from conftest import INTERPRET, needs_cuda, needs_interpreter
 
 
 # ---------------------------------------------------------------------------------------------

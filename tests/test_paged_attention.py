@@ -8,7 +8,6 @@ Cache slots no sequence owns hold NaN, so a read of one that reaches a result fa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -16,12 +15,7 @@ import torch
 
 from loramux.kernels import attention_reference, paged_attention, write_kv
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-HAS_CUDA = torch.cuda.is_available()
-needs_interpreter = pytest.mark.skipif(
-    not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1 before triton loads (conftest sets it without CUDA)"
-)
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+from conftest import INTERPRET, needs_cuda, needs_interpreter
 
 
 # ---------------------------------------------------------------------------------------------
