@@ -76,6 +76,16 @@ needs_interpreter = pytest.mark.skipif(
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
 
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere gives inf (never passes)."""
+    out, ref = out.double().cpu(), ref.double().cpu()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    denom = ref.norm().item()
+    diff = (out - ref).norm().item()
+    return diff / denom if denom > 0 else diff
+
+
 # --- LoRA layers and model patching (issue 5) --------------------------------------------------
 TINY_ARCHS = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from loramux.engine.block_manager import BlockManager, blocks_needed, hash_block, kv_block_bytes
+from loramux.engine.block_manager import BlockManager, blocks_needed, hash_block
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.sequence import Sequence
 
@@ -44,8 +44,13 @@ def test_sizes():
     with pytest.raises(ValueError, match=r"block_size=0.*block_size >= 1"):
         blocks_needed(3, 0)
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, bf16, 16 tokens: 2 * 30 * 16 * 3 * 64 * 2 bytes
-    assert kv_block_bytes(30, 3, 64, 16, torch.bfloat16) == 368_640
-    assert kv_block_bytes(30, 3, 64, 16, torch.float32) == 2 * 368_640
+    from transformers import LlamaConfig
+
+    from loramux.engine.kv_cache import PagedKVCache
+
+    smollm = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    assert PagedKVCache.block_bytes(smollm, 16, torch.bfloat16) == 368_640
+    assert PagedKVCache.block_bytes(smollm, 16, torch.float32) == 2 * 368_640
 
 
 def test_bad_sizes_are_rejected():

@@ -18,7 +18,7 @@ import torch
 
 from loramux.kernels import LoRABatchMeta, build_lora_meta, lora_expand, lora_shrink, reference
 
-from conftest import INTERPRET, needs_cuda, needs_interpreter
+from conftest import INTERPRET, needs_cuda, needs_interpreter, rel_err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -77,16 +77,6 @@ def make_inputs(case: Case, dtype: torch.dtype, device: str, seed: int):
     to = dict(device=device)
     return (x.to(dtype=dtype, **to), A.to(dtype=dtype, **to), B.to(dtype=dtype, **to),
             scales.to(**to), ranks, slots.to(**to))
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere gives inf (never passes)."""
-    out, ref = out.double().cpu(), ref.double().cpu()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    denom = ref.norm().item()
-    diff = (out - ref).norm().item()
-    return diff / denom if denom > 0 else diff
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

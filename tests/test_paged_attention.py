@@ -15,7 +15,7 @@ import torch
 
 from loramux.kernels import attention_reference, paged_attention, write_kv
 
-from conftest import INTERPRET, needs_cuda, needs_interpreter
+from conftest import INTERPRET, needs_cuda, needs_interpreter, rel_err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -107,16 +107,6 @@ def dense_attention(batch: Batch, scale, sliding_window=None, softcap=None) -> t
                     scores[: max(0, pos - sliding_window + 1)] = float("-inf")
                 out[s + i, h] = torch.softmax(scores, 0) @ vh[: pos + 1]
     return out
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in float64; NaN or inf anywhere gives inf (never passes)."""
-    out, ref = out.double().cpu(), ref.double().cpu()
-    if not torch.isfinite(out).all():
-        return float("inf")
-    denom = ref.norm().item()
-    diff = (out - ref).norm().item()
-    return diff / denom if denom > 0 else diff
 
 
 def reference_of(batch: Batch, case: Case, scale: float) -> torch.Tensor:

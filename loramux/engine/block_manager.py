@@ -39,12 +39,9 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Sequence as TokenIds
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
-
-__all__ = ["Block", "BlockManager", "PrefixCacheStats", "blocks_needed", "hash_block", "kv_block_bytes"]
+__all__ = ["Block", "BlockManager", "PrefixCacheStats", "blocks_needed", "hash_block"]
 
 CacheSalt = str | bytes | None
 
@@ -55,13 +52,6 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
         raise ValueError(f"blocks_needed: got num_tokens={num_tokens}, block_size={block_size}; "
                          "allowed: num_tokens >= 0 and block_size >= 1")
     return -(-num_tokens // block_size)
-
-
-def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   dtype: torch.dtype) -> int:
-    """Bytes of one block's keys and values over all layers; ``budget // this`` blocks fit a budget."""
-    # k, v: [num_layers, block_size, num_kv_heads, head_dim] each
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
 def _salt_bytes(salt: CacheSalt) -> bytes:

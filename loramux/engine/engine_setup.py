@@ -211,12 +211,13 @@ CPU_KV_CACHE_BYTES = 512 * 2**20
 def num_kv_blocks(setup: EngineSetup, profile_peak_bytes) -> int:
     """How many KV blocks to allocate (see the module docstring). ``profile_peak_bytes()`` runs
     the largest step once and returns its activation bytes (CUDA only)."""
+    from loramux.engine.block_manager import blocks_needed
     from loramux.engine.kv_cache import PagedKVCache
 
     config = setup.model.config.get_text_config()
     dtype = next(setup.model.parameters()).dtype
     block_bytes = PagedKVCache.block_bytes(config, setup.block_size, dtype)
-    per_seq = -(-setup.max_model_len // setup.block_size)
+    per_seq = blocks_needed(setup.max_model_len, setup.block_size)
     if setup.num_gpu_blocks_override is not None:
         num_blocks = setup.num_gpu_blocks_override
     elif setup.device.type == "cuda":

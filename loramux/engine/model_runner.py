@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from loramux.engine.block_manager import blocks_needed
 from loramux.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from loramux.engine.forward_context import AttentionMetadata, forward_context
 from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
@@ -30,10 +31,6 @@ from loramux.kernels.dispatch import uses_triton
 __all__ = ["ModelRunner", "graph_batch_sizes"]
 
 logger = logging.getLogger(__name__)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class ModelRunner:
@@ -67,7 +64,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_blocks = _cdiv(max_model_len, block_size)
+        self.max_blocks = blocks_needed(max_model_len, block_size)
         self.device = next(model.parameters()).device
         self.kv: PagedKVCache | None = None
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
@@ -123,11 +120,11 @@ class ModelRunner:
         measured by running it once over a scratch cache (CUDA only; it also compiles)."""
         assert self.device.type == "cuda"
         T = self.max_num_batched_tokens
-        self.allocate_kv_cache(_cdiv(T, self.block_size) + 1)
+        self.allocate_kv_cache(blocks_needed(T, self.block_size) + 1)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        seq_blocks = list(range(1, _cdiv(T, self.block_size) + 1))
+        seq_blocks = list(range(1, blocks_needed(T, self.block_size) + 1))
         self._forward_packed(
             ids=[0] * T, positions=list(range(T)),
             slots=[seq_blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(T)],
