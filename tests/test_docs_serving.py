@@ -8,8 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-from test_server import Server
+import pytest
+
+pytest.importorskip("openai", reason="the serve extras are not installed: pip install -e .[serve,test]")
+import httpx  # noqa: E402
+from test_server import Server  # noqa: E402
 
 from loramux.serving.server import demo_adapters
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from fastapi import FastAPI, Request
-from fastapi.responses import StreamingResponse
+
+pytest.importorskip("fastapi", reason="the serve extras are not installed: pip install -e .[serve,test]")
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import StreamingResponse  # noqa: E402
 
 from loramux.cli import build_parser
 from loramux.serving.ray.asgi_call import HTTPRequest, ResponseStart, call_asgi

@@ -15,9 +15,10 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
-import openai
 import pytest
+
+openai = pytest.importorskip("openai", reason="the serve extras are not installed: pip install -e .[serve,test]")
+import httpx  # noqa: E402
 
 serve = pytest.importorskip("ray.serve", reason="Ray Serve is not installed: pip install 'loramux[ray]'")
 import ray  # noqa: E402

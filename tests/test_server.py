@@ -19,9 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
-import openai
 import pytest
+
+openai = pytest.importorskip("openai", reason="the serve extras are not installed: pip install -e .[serve,test]")
+import httpx  # noqa: E402
 
 from conftest import char_tokenizer, save_peft_adapter, tiny_llama
 

@@ -9,10 +9,11 @@ import json
 import math
 import re
 
-import httpx
-import jsonschema
-import openai
 import pytest
+
+openai = pytest.importorskip("openai", reason="the serve extras are not installed: pip install -e .[serve,test]")
+jsonschema = pytest.importorskip("jsonschema", reason="the serve extras are not installed: pip install -e .[serve,test]")
+import httpx  # noqa: E402
 from conftest import char_tokenizer, save_peft_adapter, tiny_llama
 from test_server import Server, metric
 

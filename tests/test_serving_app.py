@@ -13,10 +13,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
-import httpx
 import pytest
-import uvicorn
-from fastapi.testclient import TestClient
+
+uvicorn = pytest.importorskip("uvicorn", reason="the serve extras are not installed: pip install -e .[serve,test]")
+pytest.importorskip("fastapi", reason="the serve extras are not installed: pip install -e .[serve,test]")
+import httpx  # noqa: E402
+from fastapi.testclient import TestClient  # noqa: E402
 
 from loramux.engine.outputs import CompletionOutput, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
