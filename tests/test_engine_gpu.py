@@ -85,22 +85,38 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters):
 
 
 def test_decode_graphs_bf16_base_and_lora_match_eager(engine_adapters):
-    """bf16, many sequences (buckets 16 and 20 with padding), base-only and all-LoRA batches."""
+    """bf16, many sequences (buckets 16 and 20 with padding), base-only and all-LoRA batches.
+
+    The compiled forward keeps fused elementwise chains in float32 where eager rounds to bf16 after
+    every op, and a random tiny model is full of near-ties, so sequences may part late. Each one that
+    does must part at a near-tie of the eager run: the compiled run's token is the eager run's second
+    choice there, within a bf16 rounding of the first. A wrong row, slot or block table parts at once
+    and by a wide margin."""
     prompts = [[(7 * i + j) % 120 + 3 for j in range(3 + i % 5)] for i in range(19)]
     request = LoRARequest("all", 2, str(engine_adapters["all"]))
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logprobs=2)
     runs = {}
     for eager in (True, False):
         llm = LLM(tiny_llama().to("cuda", torch.bfloat16), max_loras=1, max_lora_rank=8, max_num_seqs=20,
                   max_model_len=48, enforce_eager=eager)
-        runs[eager] = (_greedy(llm, prompts, None, 20), _greedy(llm, prompts, request, 20))
+        runs[eager] = [
+            [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                lora_request=lora, use_tqdm=False)]
+            for lora in (None, request)
+        ]
         if not eager:
             assert llm.llm_engine.runner.graph_steps >= 30 and llm.llm_engine.runner.num_graphs == 2 * 5
-    # bf16: the graph's LoRA launch shapes (sized for the worst case) sum in another order, which
-    # may flip a near-tie late in a sequence; the float32 test above asserts exact equality
-    for graph, eager in zip(runs[False], runs[True]):
-        same = [g == e for g, e in zip(graph, eager)]
-        assert all(g[:4] == e[:4] for g, e in zip(graph, eager))
-        assert sum(same) >= 0.9 * len(same), same
+        llm.llm_engine.close()
+    for graph_run, eager_run in zip(runs[False], runs[True]):
+        for graph, eager in zip(graph_run, eager_run):
+            assert graph.token_ids[:4] == eager.token_ids[:4]
+            parted = next((k for k, (g, e) in enumerate(zip(graph.token_ids, eager.token_ids)) if g != e), None)
+            if parted is None:
+                continue
+            top = eager.logprobs[parted]
+            chosen = graph.token_ids[parted]
+            assert chosen in top, (parted, chosen, top)
+            assert top[eager.token_ids[parted]].logprob - top[chosen].logprob < 0.1, (parted, top)
 
 
 def test_churn_with_graphs_loads_running_and_new_shapes_equals_eager(make_adapter):
