@@ -37,7 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from loramux.engine.kv_cache import kv_cache_geometry
-from loramux.kernels import build_lora_meta
+from loramux.kernels import LoRABatchMeta, build_lora_meta
 from loramux.kernels.attention import attention_config
 from loramux.kernels.expand import expand_launch
 from loramux.kernels.shrink import shrink_launch
@@ -103,8 +103,7 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
     """The shrink and expand launches of ``step`` for every LoRA module shape (none without LoRA)."""
     if not step.lora:
         return set()
-    slots = [0] * step.num_tokens + [-1] * (step.padded_tokens - step.num_tokens)
-    meta = build_lora_meta(torch.tensor(slots, dtype=torch.int32), num_slots)  # on the host: no sync
+    meta = _one_adapter_meta(step, num_slots)
     keys: set[Hashable] = set()
     for m in modules:
         shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device)
@@ -112,6 +111,21 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
         cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device)[0]
         keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg))
     return keys
+
+
+def _one_adapter_meta(step: WarmupStep, num_slots: int) -> LoRABatchMeta:
+    """What `build_lora_meta` makes of ``step``'s slots (one adapter, then the runner's padding
+    row), on its host side, which is all the launch heuristics read; built from the T = 1 meta
+    without its torch work (the plan asks for thousands of token counts)."""
+    template = _ONE_ADAPTER_META.get(num_slots)
+    if template is None:
+        template = _ONE_ADAPTER_META[num_slots] = build_lora_meta(torch.tensor([0, -1], dtype=torch.int32), num_slots)
+    T = step.num_tokens
+    return dataclasses.replace(template, num_tokens=step.padded_tokens, num_lora_tokens=T, max_segment=T,
+                               active_counts_host=(T,), _cache={})
+
+
+_ONE_ADAPTER_META: dict[int, LoRABatchMeta] = {}
 
 
 def plan_warmup(*, max_num_batched_tokens: int, max_num_seqs: int, num_heads: int, num_kv_heads: int,
