@@ -67,9 +67,13 @@ def child(args) -> dict:
     sync()
     t2 = time.perf_counter()
     runner = engine.runner
+    from torch._dynamo.utils import counters
+
+    # second start: expect fxgraph_cache_hit and autograd_cache_hit, no misses
+    caches = {k: v for group in ("inductor", "aot_autograd") for k, v in counters[group].items() if "cache" in k}
     result = {"stages": {"load_s": t1 - t0, **engine_stages(engine, t2 - t1)}, "total_s": t2 - t0,
               "graphs": runner.num_graphs, "layer_frames": runner.regions.frames if runner.regions else 0,
-              "frames_at_start": compiled_frames()}
+              "frames_at_start": compiled_frames(), "compile_caches": caches}
 
     # serving: count dynamo frames and Triton kernels built from here on
     import triton
@@ -139,6 +143,7 @@ def table(result: dict) -> str:
     lines += ["", "| | cold | second |", "| --- | ---: | ---: |"]
     for key in ("layer_frames", "frames_at_start", "frames_while_serving", "triton_kernels_while_serving"):
         lines.append(f"| {key.replace('_', ' ')} | {cold[key]} | {second[key]} |")
+    lines.append(f"| compile cache (inductor, AOTAutograd) | {cold['compile_caches']} | {second['compile_caches']} |")
     built = sorted(set(cold["triton_kernels_built"]) | set(second["triton_kernels_built"]))
     if built:
         lines += ["", f"Triton kernels built while serving: {', '.join(built)}"]

@@ -14,7 +14,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, needs_cuda
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.compilation import (compile_repeated_blocks, configure_compile_caches, repeated_blocks,
                                         restore_eager_blocks)
@@ -90,9 +90,14 @@ def test_compiling_a_model_without_repeated_blocks_names_the_fix():
         compile_repeated_blocks(nn.Linear(2, 2))
 
 
+def unset(monkeypatch, *names: str) -> None:
+    for name in names:  # set first, so monkeypatch restores the variable's absence too
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+
+
 def test_compile_caches_default_to_the_loramux_cache_dir(monkeypatch, tmp_path):
-    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    unset(monkeypatch, "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
     monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "lmx"))
     dirs = configure_compile_caches()
     assert dirs.inductor == tmp_path / "lmx" / "torch-compile"
@@ -109,3 +114,42 @@ def test_compile_caches_keep_the_users_dirs(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "my-triton"))
     dirs = configure_compile_caches(tmp_path / "lmx")
     assert (dirs.inductor, dirs.triton) == (tmp_path / "mine", tmp_path / "my-triton")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_on_cuda_nothing_compiles_while_serving_and_compiled_equals_eager(engine_adapters, monkeypatch, tmp_path):
+    """Inductor, graphs and the kernel warm-up at start; then steps of new shapes build no dynamo
+    frame and no Triton kernel, and their greedy tokens equal an eager engine's."""
+    import triton
+
+    from loramux.engine.compilation import compiled_frames
+
+    torch._dynamo.reset()  # an earlier test's compiled layer would serve this one: count from zero
+    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path))
+    lora = LoRARequest("all", 1, str(engine_adapters["all"]))
+    options = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8, max_model_len=96,
+                   max_num_batched_tokens=64)
+    from conftest import tiny_llama
+
+    compiled = LLMEngine(tiny_llama().cuda(), **options)
+    assert compiled.runner.regions.frames == 1 and compiled.runner.startup_seconds["warmup"] > 0
+    built = []
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", lambda **kw: built.append(kw["repr"]))
+    frames = compiled_frames()
+    prompts = [list(range(3, 3 + n)) for n in (1, 5, 17, 40, 63)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def run(engine):
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params, lora if i % 2 else None)
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+        return outs
+
+    got = run(compiled)
+    assert compiled_frames() == frames, "dynamo compiled while serving"
+    assert built == [], f"Triton kernels built while serving: {built}"
+    monkeypatch.setattr(triton.knobs.runtime, "jit_post_compile_hook", None)
+    assert got == run(LLMEngine(tiny_llama().cuda(), enforce_eager=True, **options))

@@ -30,7 +30,6 @@ compiled graphs and kernels.
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -50,8 +49,6 @@ __all__ = [
     "repeated_blocks",
     "restore_eager_blocks",
 ]
-
-logger = logging.getLogger(__name__)
 
 #: Module int attributes our custom ops take, which must not specialise a layer's graph:
 #: transformers' ``self_attn.layer_idx`` (read by ``loramux_attention``) and the LoRA wrappers'
@@ -87,21 +84,9 @@ def configure_compile_caches(root: Path | None = None) -> CompileCacheDirs:
 
         root = cache_dir()
     inductor = Path(os.environ.setdefault(INDUCTOR_CACHE_ENV, str(Path(root) / "torch-compile")))
+    # Triton reads the variable whenever it looks up a kernel (its ``knobs.cache.dir``)
     triton_dir = Path(os.environ.setdefault(TRITON_CACHE_ENV, str(Path(root) / "triton")))
-    _point_triton_at(triton_dir)
     return CompileCacheDirs(inductor=inductor, triton=triton_dir)
-
-
-def _point_triton_at(directory: Path) -> None:
-    # Triton's knobs read TRITON_CACHE_DIR when asked, unless something set the knob itself;
-    # set it too, in case triton was configured before us (an explicit setting is kept)
-    knobs = getattr(__import__("triton"), "knobs", None)
-    cache = getattr(knobs, "cache", None)
-    if cache is not None and os.environ.get(TRITON_CACHE_ENV) == str(directory):
-        try:
-            cache.dir = str(directory)
-        except (AttributeError, TypeError):  # an older Triton reads the variable only
-            pass
 
 
 # -- regional compilation -----------------------------------------------------------------------
