@@ -132,3 +132,43 @@ def test_warm_up_is_skipped_where_no_triton_kernel_runs(monkeypatch):
     monkeypatch.setattr(kernel_warmup, "warm_up_kernels", lambda runner: pytest.fail("not on CPU"))
     eng.runner.warm_up_kernels()
     assert "warmup" not in eng.runner.startup_seconds
+
+
+def test_a_planning_failure_skips_the_warm_up_with_a_warning(monkeypatch, caplog):
+    eng = engine()
+
+    def broken(**kwargs):
+        raise TypeError("attention_config() got an unexpected keyword argument")
+
+    monkeypatch.setattr(kernel_warmup, "plan_warmup", broken)
+    monkeypatch.setattr(eng.runner, "_forward", lambda *a: pytest.fail("no step runs without a plan"))
+    with caplog.at_level("WARNING", logger="loramux.engine.kernel_warmup"):
+        assert warm_up_kernels(eng.runner) == 0
+    assert "kernel warm-up skipped" in caplog.text and "TypeError" in caplog.text
+    assert "LORAMUX_KERNEL_WARMUP=0" in caplog.text
+
+
+def test_the_parallel_pass_turns_every_launch_into_a_compile_only_warmup(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    calls = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kw: calls.append(warmup))
+    steps = []
+
+    class Runner:  # each step "launches" one kernel the way a launcher does: kernel[grid](...)
+        def _forward_packed(self, **inputs):
+            steps.append(len(inputs["ids"]))
+            JITFunction.run(None, grid=(1,), warmup=False)
+
+    plan = [WarmupStep(3), WarmupStep(9, 2)]
+    monkeypatch.setattr(kernel_warmup, "_run_step", lambda runner, step, slot: runner._forward_packed(
+        ids=[0] * step.num_tokens))
+    patched = JITFunction.run
+    monkeypatch.setenv(kernel_warmup.THREADS_ENV_VAR, "4")
+    kernel_warmup._compile_in_parallel(Runner(), plan, None)
+    assert steps == [3, 9] and calls == [True, True]  # compile-only: nothing launched
+    assert JITFunction.run is patched  # launches launch again afterwards
+
+    monkeypatch.setenv(kernel_warmup.THREADS_ENV_VAR, "1")  # one thread: no separate pass
+    kernel_warmup._compile_in_parallel(Runner(), plan, None)
+    assert steps == [3, 9]

@@ -22,12 +22,19 @@ Not covered (each compiles on first use, once per machine: Triton's cache is on 
 whose adapter segments differ from one adapter over the whole step (several adapters in one
 prefill step), and split-KV shapes of long contexts.
 
+Triton compiles one kernel at a time when a launch needs it. Where Triton has an asynchronous
+compile mode (``triton.runtime._async_compile``), a first pass runs the plan with every launch
+turned into a compile-only ``warmup`` call, so the compiles go to a thread pool side by side
+(``LORAMUX_KERNEL_WARMUP_THREADS``, default 8; 1 compiles as the steps come); the second pass
+then runs every step for real, its kernels already built.
+
 ``LORAMUX_KERNEL_WARMUP=0`` skips the warm-up.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
@@ -49,7 +56,10 @@ if TYPE_CHECKING:
 __all__ = ["ENV_VAR", "LoRAModuleShape", "WarmupStep", "attention_keys", "lora_keys", "plan_warmup",
            "warm_up_kernels"]
 
+logger = logging.getLogger(__name__)
+
 ENV_VAR = "LORAMUX_KERNEL_WARMUP"
+THREADS_ENV_VAR = "LORAMUX_KERNEL_WARMUP_THREADS"
 WARMUP_ADAPTER = "__loramux_kernel_warmup__"
 
 
@@ -185,15 +195,24 @@ def warm_up_kernels(runner: ModelRunner) -> int:
     layers, kv_heads, head_dim = kv_cache_geometry(config)
     manager = runner.lora_manager
     shapes = lora_module_shapes(manager) if manager is not None else []
-    plan, _ = plan_warmup(
-        max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
-        num_heads=config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        block_size=runner.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
-        num_slots=manager.lora_config.max_loras if manager is not None else 1,
-    )
+    try:
+        plan, _ = plan_warmup(
+            max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
+            num_heads=config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            block_size=runner.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
+            num_slots=manager.lora_config.max_loras if manager is not None else 1,
+        )
+    except Exception as exc:  # host arithmetic only: the engine serves without it, slower on first use
+        logger.warning(
+            "kernel warm-up skipped: planning it failed (%s: %s); the first requests of each shape will "
+            "compile Triton kernels. Report it; %s=0 silences this.", type(exc).__name__, exc, ENV_VAR,
+        )
+        return 0
     counters = dataclasses.asdict(manager.stats) if manager is not None else {}
     slot = _hold_zero_adapter(manager) if shapes else None
     try:
+        if runner.device.type == "cuda":
+            _compile_in_parallel(runner, plan, slot)
         for step in tqdm(plan, desc="Warming up kernels", unit="step", leave=False):
             _run_step(runner, step, slot)
     finally:
@@ -204,6 +223,35 @@ def warm_up_kernels(runner: ModelRunner) -> int:
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     return len(plan)
+
+
+def _compile_in_parallel(runner: ModelRunner, plan: list[WarmupStep], slot: int | None) -> None:
+    """Compile the plan's Triton kernels in a thread pool: run its steps with each launch made
+    a compile-only ``warmup`` (no kernel runs; the torch ops between them compute on whatever the
+    skipped kernels left, and the results are dropped)."""
+    threads = int(os.environ.get(THREADS_ENV_VAR, "8") or 1)
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # a Triton without it: the steps compile their kernels one by one
+        return
+    if threads <= 1:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="loramux-triton-compile") as pool:
+        with AsyncCompileMode(pool):  # on exit: every compile finished and registered
+            JITFunction.run = compile_only
+            try:
+                for step in tqdm(plan, desc="Compiling kernels", unit="step", leave=False):
+                    _run_step(runner, step, slot)
+            finally:
+                JITFunction.run = launch
 
 
 def _hold_zero_adapter(manager) -> int:
