@@ -12,8 +12,8 @@ decode steps that hold the full batch. The floor of a decode step is the bytes i
 measured in this run. Adapters are random, on all seven projections or on q/v only, put in the CPU
 tier and warmed into GPU slots before the clock starts. Also: prefill tokens/s (8 x 1024-token
 prompts), time to first token of one 128-token request (base, resident adapter, cold adapter from
-disk), the engine's start-up (load, profile + compile, graph capture; ``--startup`` measures a first
-and a second start in fresh processes), and how many 1k-token requests run at once at
+disk), the engine's start-up (load, compile, graph capture, kernel warm-up; ``--startup`` measures a
+first and a second start in fresh processes, see benchmarks/startup_check.py), and how many 1k-token requests run at once at
 ``max_model_len=32768`` (``--concurrency``). Writes JSON and a markdown table naming the device.
 """
 
@@ -23,8 +23,6 @@ import argparse
 import gc
 import json
 import platform
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.startup_check import engine_stages  # noqa: E402
 from loramux import LoRARequest, SamplingParams  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
 from loramux.engine.model_loader import load_model  # noqa: E402
@@ -194,6 +193,7 @@ def base_runs(args, model, prompts, record, result) -> None:
         extra = dict(max_num_seqs=max(args.num_requests, 256), max_model_len=32768)
     engine = LLMEngine(model, enable_lora=False, **engine_options(args, **extra))
     result["startup"]["base_engine_init_s"] = time.perf_counter() - t0
+    result["startup"]["base_engine"] = engine_stages(engine, result["startup"]["base_engine_init_s"])
     result["num_gpu_blocks"] = engine.kv_cache.num_blocks
     warm_up(engine, [None], vocab)
     run_workload(engine, prompts, [None] * len(prompts), min(args.output_len, 16))  # first-use costs
@@ -285,24 +285,20 @@ def peft_run(args, model, prompts, rank: int, n: int, device) -> dict:
 
 
 def startup(args) -> dict:
-    """A first and a second start of an engine, each in a fresh process (the compile cache on disk)."""
-    script = (
-        "import time, torch, sys; sys.path.insert(0, '.'); t0 = time.perf_counter();"
-        "from loramux.engine.model_loader import load_model; from loramux.engine.llm_engine import LLMEngine;"
-        f"m = load_model({args.model!r}, dtype={args.dtype!r}, device='cuda', load_format={args.load_format!r})[0];"
-        "torch.cuda.synchronize(); t1 = time.perf_counter();"
-        f"e = LLMEngine(m, enable_lora=True, max_loras=8, max_lora_rank=16, max_num_seqs={args.num_requests});"
-        "torch.cuda.synchronize(); t2 = time.perf_counter(); print('STARTUP', t1 - t0, t2 - t1)"
-    )
-    times = []
-    for _ in range(2):
-        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=Path(__file__).parents[1])
-        line = next((ln for ln in out.stdout.splitlines() if ln.startswith("STARTUP")), None)
-        if line is None:
-            return {"error": out.stderr[-2000:]}
-        load, init = map(float, line.split()[1:])
-        times.append({"load_s": load, "engine_init_s": init, "total_s": load + init})
-    return {"first": times[0], "second": times[1]}
+    """A first and a second start of a LoRA engine, each in a fresh process sharing one new compile
+    cache dir: load, compile, capture, warm-up seconds and what compiled while serving
+    (`benchmarks/startup_check.py`)."""
+    from benchmarks.startup_check import parent
+
+    options = argparse.Namespace(model=args.model, dtype=args.dtype, device="cuda", lora=True, cache_dir=None,
+                                 max_num_seqs=args.num_requests, max_model_len=2048)
+    try:
+        result = parent(options)
+    except SystemExit as failed:
+        return {"error": str(failed)}
+    return {name: {k: result[name][k] for k in ("stages", "total_s", "process_s", "layer_frames",
+                                                "frames_while_serving", "triton_kernels_while_serving")}
+            for name in ("cold", "second")}
 
 
 def main() -> None:

@@ -76,6 +76,7 @@ class LLMEngine:
         num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
         self.runner.capture_graphs()  # every decode graph, now: none is captured while serving
+        self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
         self.block_manager = BlockManager(
             num_blocks, setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
         )

@@ -5,9 +5,12 @@ lengths, query offsets, adapter slots, logits rows), copies them to the device i
 through a reusable pinned buffer, sets the adapter mapping once for all LoRA layers, runs the
 model once with every token packed into one row, and reads the sampled tokens back.
 
-On CUDA the forward is compiled with ``torch.compile`` (elementwise chains of the modeling code
-fuse; attention and LoRA are custom ops the compiled graph calls), and decode-only steps replay a
-CUDA graph captured at start for each padded batch size (`DecodeGraphs`). ``enforce_eager=True``
+On CUDA the model's decoder layer is compiled with ``torch.compile`` (regional compilation: one
+graph every layer shares, see `loramux.engine.compilation`; elementwise chains of the modeling
+code fuse; attention and LoRA are custom ops the compiled graph calls), and decode-only steps
+replay a CUDA graph captured at start for each padded batch size (`DecodeGraphs`). After capture,
+`warm_up_kernels` runs one step per distinct Triton launch configuration a step can use, so no
+request pays for a kernel's JIT compile (`loramux.engine.kernel_warmup`). ``enforce_eager=True``
 runs everything eagerly; ``compilation=False`` keeps the graphs without compiling. CPU is eager.
 """
 
@@ -19,6 +22,8 @@ import time
 import torch
 
 from loramux.engine.block_manager import blocks_needed
+from loramux.engine.compilation import (CompiledRegions, compile_repeated_blocks, configure_compile_caches,
+                                        restore_eager_blocks)
 from loramux.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from loramux.engine.forward_context import AttentionMetadata, forward_context
 from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
@@ -78,8 +83,17 @@ class ModelRunner:
         capacity = 6 * T + 4 * S + 4 + S * self.max_blocks
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
-        self._forward = self._compile(self._model_forward) if self.compiled else self._model_forward
+        self._forward = self._model_forward
         self.graphs: DecodeGraphs | None = None
+        #: start-up seconds by stage ("capture", "warmup"; compile time is in `regions`)
+        self.startup_seconds: dict[str, float] = {}
+        self.regions: CompiledRegions | None = None
+        if cuda:  # compiled graphs and Triton kernels (ours too) on disk: a second start reuses them
+            self.compile_caches = configure_compile_caches()
+        if self.compiled:
+            self.regions = compile_repeated_blocks(model)  # compiles lazily, at the first forward
+        else:
+            restore_eager_blocks(model)  # a model an earlier compiled runner used runs eagerly again
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -88,25 +102,6 @@ class ModelRunner:
         out = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                          logits_to_keep=logits_indices)
         return out.logits[0]
-
-    def _compile(self, forward):
-        # each runner's forward is its own dynamo cache entry (guards on the model); leave room
-        # for a process that builds several engines (tests, benchmarks)
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        import torch.fx.experimental._config as fx_config
-
-        # token counts are unrelated sizes: no guard equating them because they were once equal
-        fx_config.use_duck_shape = False
-        compiled = torch.compile(forward)
-
-        def run(ids, positions, logits_indices):
-            # one compiled graph for every token count >= 2 (the callers never pass fewer), so
-            # nothing compiles after start
-            for tensor in (ids, positions, logits_indices):
-                torch._dynamo.maybe_mark_dynamic(tensor, 0)
-            return compiled(ids, positions, logits_indices)
-
-        return run
 
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         config = self.model.config.get_text_config()
@@ -145,7 +140,32 @@ class ModelRunner:
         started = time.perf_counter()
         self.graphs = DecodeGraphs(self, graph_batch_sizes(self.max_num_seqs))
         self.graphs.capture_all()
-        logger.info("captured %d decode graphs in %.1f s", self.graphs.num_graphs, time.perf_counter() - started)
+        self.startup_seconds["capture"] = time.perf_counter() - started
+        logger.info("captured %d decode graphs in %.1f s", self.graphs.num_graphs, self.startup_seconds["capture"])
+        self.log_compilation()
+
+    def log_compilation(self) -> None:
+        """Log what compiling cost and where its artefacts are cached (once the forward has run)."""
+        if self.regions is not None:
+            logger.info(
+                "torch.compile: %d decoder layers share %d compiled frame(s), %.1f s (caches: %s, %s)",
+                len(self.regions.blocks), self.regions.frames, self.regions.compile_seconds,
+                self.compile_caches.inductor, self.compile_caches.triton,
+            )
+
+    @torch.inference_mode()
+    def warm_up_kernels(self) -> None:
+        """Compile, now, every Triton kernel configuration a step can use (CUDA; after the KV
+        cache exists): one step per distinct launch configuration, over the scratch KV block."""
+        from loramux.engine.kernel_warmup import warm_up_kernels
+
+        if self.device.type != "cuda" or not uses_triton(self.device):
+            return
+        assert self.kv is not None, "allocate the KV cache before warming up the kernels"
+        started = time.perf_counter()
+        steps = warm_up_kernels(self)
+        self.startup_seconds["warmup"] = time.perf_counter() - started
+        logger.info("warmed up the Triton kernels with %d steps in %.1f s", steps, self.startup_seconds["warmup"])
 
     def release_graphs(self) -> None:
         self.graphs = None

@@ -1,0 +1,286 @@
+"""Warm up at start every Triton kernel configuration a step can use: no JIT compile while serving.
+
+Our kernels pick their launch shape from the step (tile sizes, K splits, split-KV, the padded
+sequence count): `shrink_config` / `expand_config` from the token count and the adapter
+segments, `attention_config` from the token and sequence counts. Each distinct shape is a
+distinct Triton compile, seconds each on first use: before this warm-up, the first requests of
+a fresh process paid them (time to first token 1.27 s for the first base request on an H100).
+
+Decode graphs are captured at start and compile their own shapes. For the other steps,
+`plan_warmup` enumerates the steps serving runs, computes for each the launch-configuration keys
+its kernels would use (from the kernels' own config functions, on the host: no launch), and keeps
+one step for each key not seen before; `warm_up_kernels` runs those steps through the runner's
+forward (compiled or eager, as serving runs it), over the scratch KV block 0 (slot -1: nothing is
+written; every block table row points at block 0). The candidate steps:
+
+- one sequence's prefill chunk of T tokens, T = 1 .. ``max_num_batched_tokens``, every token on
+  one adapter when LoRA is enabled (a zero adapter held in a slot for the warm-up only);
+- B - 1 decode tokens beside one prefill chunk (T > B), for each padded sequence count B;
+- decode tokens only (T = B), as steps run when no graph serves them.
+
+Not covered (each compiles on first use, once per machine: Triton's cache is on disk): batches
+whose adapter segments differ from one adapter over the whole step (several adapters in one
+prefill step), and split-KV shapes of long contexts.
+
+Triton compiles one kernel at a time when a launch needs it. Where Triton has an asynchronous
+compile mode (``triton.runtime._async_compile``), a first pass runs the plan with every launch
+turned into a compile-only ``warmup`` call, so the compiles go to a thread pool side by side
+(``LORAMUX_KERNEL_WARMUP_THREADS``, default 8; 1 compiles as the steps come); the second pass
+then runs every step for real, its kernels already built.
+
+``LORAMUX_KERNEL_WARMUP=0`` skips the warm-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from loramux.engine.kv_cache import kv_cache_geometry
+from loramux.kernels import LoRABatchMeta, build_lora_meta
+from loramux.kernels.attention import attention_config
+from loramux.kernels.expand import expand_launch
+from loramux.kernels.shrink import shrink_launch
+from loramux.kernels.tiles import cdiv, next_pow2
+
+if TYPE_CHECKING:
+    from loramux.engine.model_runner import ModelRunner
+
+__all__ = ["ENV_VAR", "LoRAModuleShape", "WarmupStep", "attention_keys", "lora_keys", "plan_warmup",
+           "warm_up_kernels"]
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "LORAMUX_KERNEL_WARMUP"
+THREADS_ENV_VAR = "LORAMUX_KERNEL_WARMUP_THREADS"
+WARMUP_ADAPTER = "__loramux_kernel_warmup__"
+
+
+@dataclass(frozen=True)
+class WarmupStep:
+    """One warm-up step: ``num_seqs - 1`` decode tokens and one chunk of the rest (``num_seqs == 1``:
+    a prefill chunk alone; ``num_tokens == num_seqs``: decodes only); ``lora``: every token on one
+    adapter."""
+
+    num_tokens: int
+    num_seqs: int = 1
+    lora: bool = False
+
+    @property
+    def chunk(self) -> int:
+        """Tokens of the last sequence's chunk (the others decode one each)."""
+        return self.num_tokens - (self.num_seqs - 1)
+
+    @property
+    def padded_tokens(self) -> int:
+        return max(2, self.num_tokens)  # the runner pads a 1-token step to 2 (see _forward_packed)
+
+
+@dataclass(frozen=True)
+class LoRAModuleShape:
+    """What a LoRA layer's kernel launches depend on: stacked rank ``n_slices * R``, input width,
+    output slices, R and dtype."""
+
+    stacked_rank: int
+    in_features: int
+    slice_sizes: tuple[int, ...]
+    max_rank: int
+    dtype: torch.dtype
+
+
+# -- launch-configuration keys (host only) ------------------------------------------------------
+
+
+def attention_keys(step: WarmupStep, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype: torch.dtype, device: torch.device) -> set[Hashable]:
+    """The paged-attention launches of ``step``: its `attention_config`, the padded sequence
+    count, and how Triton specialises the block-table stride (1, a multiple of 16, or other)."""
+    tokens, seqs = step.padded_tokens, step.num_seqs
+    width = cdiv(step.chunk, block_size)  # the chunk's sequence has the widest table
+    cfg = attention_config(tokens, seqs, num_heads, num_kv_heads, head_dim, width, block_size, dtype, device)
+    return {("attention", cfg, max(16, next_pow2(seqs)), width == 1, width % 16 == 0)}
+
+
+def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots: int,
+              device: torch.device) -> set[Hashable]:
+    """The shrink and expand launches of ``step`` for every LoRA module shape (none without LoRA)."""
+    if not step.lora:
+        return set()
+    meta = _one_adapter_meta(step, num_slots)
+    keys: set[Hashable] = set()
+    for m in modules:
+        shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device)
+        keys.add(("shrink", m.stacked_rank, m.in_features, m.dtype, shrink.config, shrink.split_k))
+        cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device)[0]
+        keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg))
+    return keys
+
+
+def _one_adapter_meta(step: WarmupStep, num_slots: int) -> LoRABatchMeta:
+    """What `build_lora_meta` makes of ``step``'s slots (one adapter, then the runner's padding
+    row), on its host side, which is all the launch heuristics read; built from the T = 1 meta
+    without its torch work (the plan asks for thousands of token counts)."""
+    template = _ONE_ADAPTER_META.get(num_slots)
+    if template is None:
+        template = _ONE_ADAPTER_META[num_slots] = build_lora_meta(torch.tensor([0, -1], dtype=torch.int32), num_slots)
+    T = step.num_tokens
+    return dataclasses.replace(template, num_tokens=step.padded_tokens, num_lora_tokens=T, max_segment=T,
+                               active_counts_host=(T,), _cache={})
+
+
+_ONE_ADAPTER_META: dict[int, LoRABatchMeta] = {}
+
+
+def plan_warmup(*, max_num_batched_tokens: int, max_num_seqs: int, num_heads: int, num_kv_heads: int,
+                head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                lora_modules: Iterable[LoRAModuleShape] = (), num_slots: int = 1) -> tuple[list[WarmupStep], set]:
+    """The warm-up steps (see the module docstring) and the launch keys they reach together.
+
+    A candidate is kept when it reaches a key no earlier candidate did, so every key any
+    candidate reaches is reached by the plan, with one step per new key at most.
+    """
+    lora_modules = tuple(dict.fromkeys(lora_modules))
+    lora = bool(lora_modules)
+    geometry = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size,
+                    dtype=dtype, device=device)
+    T = max_num_batched_tokens
+    candidates = [WarmupStep(t, 1, lora) for t in range(1, T + 1)]
+    # decodes beside a chunk: B at each padded sequence count (next_pow2 steps past 16)
+    seq_counts = sorted({b for b in (2, 17, 33, 65, 129, 257, 513, 1025) if b <= max_num_seqs} | {max_num_seqs})
+    candidates += [WarmupStep(t, b, lora) for b in seq_counts if b > 1 for t in range(b + 1, T + 1)]
+    candidates += [WarmupStep(b, b, lora) for b in range(2, min(max_num_seqs, T) + 1)]
+    by_tokens: dict[int, set] = {}  # LoRA keys depend on the token count only (one adapter on all)
+    plan, reached = [], set()
+    for step in candidates:
+        if step.num_tokens not in by_tokens:
+            by_tokens[step.num_tokens] = lora_keys(step, lora_modules, num_slots=num_slots, device=device)
+        keys = attention_keys(step, **geometry) | by_tokens[step.num_tokens]
+        if not keys <= reached:
+            plan.append(step)
+            reached |= keys
+    return plan, reached
+
+
+def lora_module_shapes(lora_manager) -> list[LoRAModuleShape]:
+    """The distinct shapes of a manager's LoRA layers that run the shrink/expand kernels."""
+    shapes = [
+        LoRAModuleShape(layer.n_slices * layer.max_lora_rank, layer.in_features, layer.output_sizes,
+                        layer.max_lora_rank, layer.lora_a_stacked.dtype)
+        for layer in lora_manager.layers.values() if not layer.is_embedding
+    ]
+    return list(dict.fromkeys(shapes))
+
+
+# -- running the plan ---------------------------------------------------------------------------
+
+
+@torch.inference_mode()
+def warm_up_kernels(runner: ModelRunner) -> int:
+    """Run `plan_warmup`'s steps through ``runner`` (its KV cache allocated); returns how many ran.
+
+    With LoRA, a zero adapter of rank 1 on every module takes a free slot for the warm-up (its
+    delta is zero; the kernels run as for any adapter) and leaves it, the slot counters as they
+    were. Nothing is written to the KV cache.
+    """
+    if os.environ.get(ENV_VAR, "1").strip() in ("0", "false", "no"):
+        return 0
+    config = runner.model.config.get_text_config()
+    layers, kv_heads, head_dim = kv_cache_geometry(config)
+    manager = runner.lora_manager
+    shapes = lora_module_shapes(manager) if manager is not None else []
+    try:
+        plan, _ = plan_warmup(
+            max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
+            num_heads=config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
+            block_size=runner.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
+            num_slots=manager.lora_config.max_loras if manager is not None else 1,
+        )
+    except Exception as exc:  # host arithmetic only: the engine serves without it, slower on first use
+        logger.warning(
+            "kernel warm-up skipped: planning it failed (%s: %s); the first requests of each shape will "
+            "compile Triton kernels. Report it; %s=0 silences this.", type(exc).__name__, exc, ENV_VAR,
+        )
+        return 0
+    counters = dataclasses.asdict(manager.stats) if manager is not None else {}
+    slot = _hold_zero_adapter(manager) if shapes else None
+    try:
+        if runner.device.type == "cuda":
+            _compile_in_parallel(runner, plan, slot)
+        for step in tqdm(plan, desc="Warming up kernels", unit="step", leave=False):
+            _run_step(runner, step, slot)
+    finally:
+        if slot is not None:
+            manager.deactivate(WARMUP_ADAPTER)
+            for name, value in counters.items():  # the GPU tier's metrics count real adapters only
+                setattr(manager.stats, name, value)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    return len(plan)
+
+
+def _compile_in_parallel(runner: ModelRunner, plan: list[WarmupStep], slot: int | None) -> None:
+    """Compile the plan's Triton kernels in a thread pool: run its steps with each launch made
+    a compile-only ``warmup`` (no kernel runs; the torch ops between them compute on whatever the
+    skipped kernels left, and the results are dropped)."""
+    threads = int(os.environ.get(THREADS_ENV_VAR, "8") or 1)
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # a Triton without it: the steps compile their kernels one by one
+        return
+    if threads <= 1:
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    with ThreadPoolExecutor(threads, thread_name_prefix="loramux-triton-compile") as pool:
+        with AsyncCompileMode(pool):  # on exit: every compile finished and registered
+            JITFunction.run = compile_only
+            try:
+                for step in tqdm(plan, desc="Compiling kernels", unit="step", leave=False):
+                    _run_step(runner, step, slot)
+            finally:
+                JITFunction.run = launch
+
+
+def _hold_zero_adapter(manager) -> int:
+    from pathlib import Path
+
+    from loramux.registry import LoRAAdapter, LoRAModuleWeights
+
+    modules = {}
+    for layer in manager.layers.values():
+        if layer.is_embedding:
+            continue
+        for name, size in zip(layer.slice_names, layer.output_sizes):
+            like = dict(dtype=layer.lora_a_stacked.dtype, device=layer.lora_a_stacked.device)
+            modules[name] = LoRAModuleWeights(torch.zeros(1, layer.in_features, **like), torch.zeros(size, 1, **like), 1.0)
+    adapter = LoRAAdapter(name=WARMUP_ADAPTER, path=Path("."), modules=modules, lora_alpha=1.0,
+                          target_modules=sorted(modules))
+    return manager.activate(adapter)
+
+
+def _run_step(runner: ModelRunner, step: WarmupStep, slot: int | None) -> None:
+    """One forward of ``step`` over block 0: decodes at position 0, the chunk from position 0."""
+    width = cdiv(step.chunk, runner.block_size)
+    decodes = step.num_seqs - 1
+    positions = [0] * decodes + list(range(step.chunk))
+    lora_slots = [slot] * step.num_tokens if slot is not None and step.lora else None
+    runner._forward_packed(
+        ids=[0] * step.num_tokens, positions=positions, slots=[-1] * step.num_tokens,
+        tables=[[0]] * decodes + [[0] * width], seq_lens=[1] * decodes + [step.chunk],
+        query_start=list(range(decodes + 1)) + [step.num_tokens],
+        lora_slots=lora_slots, logits=[step.num_tokens - 1],
+        logit_slots=[slot] if lora_slots is not None else None,
+    )
