@@ -37,6 +37,8 @@ __all__ = ["ModelRunner", "graph_batch_sizes"]
 
 logger = logging.getLogger(__name__)
 
+FIELD_ALIGN = 4  # int32s: 16 bytes
+
 
 class ModelRunner:
     """Owns the model's forward and the KV cache: ``runner.run(batch) -> [(sequence, new token)]``.
@@ -80,7 +82,7 @@ class ModelRunner:
         # per token: id, position, slot, adapter slot, and up to two logits rows with their slots
         # (prompt logprobs); per sequence: length, offset, a logits row and its slot; block tables
         T, S = max_num_batched_tokens + 1, max_num_seqs + 1
-        capacity = 6 * T + 4 * S + 4 + S * self.max_blocks
+        capacity = 6 * T + 4 * S + 4 + S * self.max_blocks + FIELD_ALIGN * 16  # + each field's padding
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
         self._forward = self._model_forward
@@ -261,11 +263,17 @@ class ModelRunner:
     def to_device(self, fields: list[list[int]]) -> list[torch.Tensor]:
         """Copy int lists to the device in one transfer through the pinned buffer; views per field."""
         sizes = [len(f) for f in fields]
-        total = sum(sizes)
+        # every field starts 16-byte aligned: Triton specializes a kernel on its pointers' alignment,
+        # so packed offsets that vary with the batch would build new kernels while serving
+        padded = [-(-n // FIELD_ALIGN) * FIELD_ALIGN for n in sizes]
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has left the buffer (it always has by now)
-        host = self._host[:total]
-        host.copy_(torch.tensor([v for f in fields for v in f], dtype=torch.int32))
+        host = self._host[:sum(padded)]
+        values = []
+        for field, size in zip(fields, padded):
+            values.extend(field)
+            values.extend([0] * (size - len(field)))
+        host.copy_(torch.tensor(values, dtype=torch.int32))
         if self.device.type == "cuda":
             device = host.to(self.device, non_blocking=True)
         else:
@@ -273,4 +281,4 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._copied = torch.cuda.Event()
             self._copied.record()
-        return list(device.split(sizes))
+        return [view[:n] for view, n in zip(device.split(padded), sizes)]

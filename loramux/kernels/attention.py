@@ -156,7 +156,8 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_seqs", "max_blocks", "num_blocks", "window"])
+# the block-table width varies with the longest sequence: no kernel per "divisible by 16" of it
+@triton.jit(do_not_specialize=["num_seqs", "max_blocks", "num_blocks", "window", "stride_tb"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, seq_lens_ptr, qsl_ptr, out_ptr, lse_ptr,
     num_seqs, max_blocks, num_blocks, score_scale, softcap_log2, window,
