@@ -100,11 +100,11 @@ def _shrink_partial(x_ptr, a_ptr, tok, m_mask, a_rows, r_mask, k_lo, k_hi, strid
 
 
 # token- and mix-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
-@triton.jit(do_not_specialize=["num_active", "T", "k_per_split", "n_slices", "n_units", "group"])
+@triton.jit(do_not_specialize=["num_active", "T", "k_per_split", "n_slices", "n_units", "group", "tile_slots"])
 def _fused_kernel(
     y_ptr, x_ptr, a_ptr, b_ptr, scales_ptr, ranks_ptr, part_ptr, sync_ptr, slice_tab_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
-    T, H, S, n_slices, R, k_per_split, n_units, group,
+    T, H, S, n_slices, R, k_per_split, n_units, group, tile_slots,
     stride_ym, stride_yn, stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn,
     stride_ws, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -126,76 +126,33 @@ def _fused_kernel(
             return
     ntile = (cnt + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(ntile, 0)  # inclusive
-    n_real = tl.sum(ntile, 0)  # this batch's tiles (the static grid holds the worst case)
-    per_tile_p = n_slices * SPLIT_K
-    n_prod = n_real * per_tile_p
+    n_real = tl.sum(ntile, 0)  # this batch's tiles (the grid was sized from a bound)
+    # the grid holds `tile_slots` tile slots; slot g serves tiles g, g + tile_slots, ... Roles are
+    # laid out by the slots in use: their producers, then their consumers, then idle programs
+    used = tl.minimum(n_real, tile_slots)
+    per_slot_p = n_slices * SPLIT_K
+    n_prod = used * per_slot_p
     is_producer = pid < n_prod
-    # producers: (tile, slice, split) tile-major; consumers: (tile, unit) tile-major
     q = tl.where(is_producer, pid, pid - n_prod)
-    pid_m = tl.where(is_producer, q // per_tile_p, q // n_units)
-    unit = q % n_units
+    g = tl.where(is_producer, q // per_slot_p, q // n_units)  # producers: (slot, slice, split) slot-major
+    unit = q % n_units  # consumers: (slot, column chunk) slot-major
     pid_k = q % SPLIT_K
-    if pid_m >= n_real:  # past the real work (both roles): nothing to do
+    if g >= used:  # an idle program: nothing to do
         return
-    a = tl.sum((cum <= pid_m).to(tl.int32), 0)
-    sel = a_idx == a
-    m0 = (pid_m - tl.sum(tl.where(sel, cum - ntile, 0), 0)) * BLOCK_M
-    count = tl.sum(tl.where(sel, cnt, 0), 0)
-    slot = tl.sum(tl.where(sel, sls, 0), 0)
-    start = tl.sum(tl.where(sel, sts, 0), 0)
-    rank = R
-    if HAS_RANKS:
-        rank = tl.minimum(tl.sum(tl.where(s_idx == slot, all_ranks, 0), 0).to(tl.int32), R)
-        if rank <= 0:  # the slot's adapter does not touch this module: y stays bit-exact
-            return
 
     # slice table: [3, SL_PAD] int32 = (sizes, offsets, units); a consumer finds its slice from its unit
     chunk = BLOCK_N * group
     sl = tl.arange(0, SL_PAD)
     sl_mask = sl < n_slices
     sizes = tl.load(slice_tab_ptr + sl, mask=sl_mask, other=0)
+    offsets = tl.load(slice_tab_ptr + SL_PAD + sl, mask=sl_mask, other=0)
     units = tl.load(slice_tab_ptr + 2 * SL_PAD + sl, mask=sl_mask, other=0)
     ucum = tl.cumsum(units, 0)
     i = tl.where(is_producer, (q // SPLIT_K) % n_slices, tl.sum((ucum <= unit).to(tl.int32), 0))
     isel = sl == i
-    n_cons = tl.sum(tl.where(isel, units, 0), 0)  # consumers of this (tile, slice)
-    slot64 = slot.to(tl.int64)
-    sc = tl.load(scales_ptr + slot64 * stride_ss + i * stride_sn)
-    if sc == 0.0:  # the adapter skips this slice (a sibling it was not trained on)
-        return
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
-    offs_r = tl.arange(0, BLOCK_R)
-    r_mask = offs_r < rank
-    a_slot = a_ptr + slot64 * stride_as
-    a_rows = i * R + offs_r  # rows of slice i in A[slot]: [n_slices*R, H]
-    NR = n_slices * R
-    part_off = tok[:, None] * NR + (i * R + offs_r)[None, :]  # [BM, BR] in one split's [T, NR]
-    part_mask = m_mask[:, None] & (offs_r < R)[None, :]
-    pair = pid_m * n_slices + i
-    ready_ptr = sync_ptr + pair
-    depart_ptr = sync_ptr + SYNC_PAIRS + pair  # another cache line from the ready counters
-    n_depart = SPLIT_K + n_cons
-
-    if is_producer:
-        k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
-        k_hi = tl.minimum(k_lo + k_per_split, H)
-        acc = _shrink_partial(x_ptr, a_slot, tok, m_mask, a_rows, r_mask, k_lo, k_hi, stride_xm, stride_xk,
-                              stride_an, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, PRECISION)
-        tl.store(part_ptr + pid_k * T * NR + part_off, acc, mask=part_mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
-        left = tl.atomic_add(depart_ptr, 1, sem="acq_rel", scope="gpu")
-        if left == n_depart - 1:  # the last of this (tile, slice) to leave: the table back to zero
-            tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-            tl.atomic_xchg(depart_ptr, 0, sem="relaxed", scope="gpu")
-        return
-
-    # consumer: this unit's column chunk of slice i
-    offsets = tl.load(slice_tab_ptr + SL_PAD + sl, mask=sl_mask, other=0)
-    c0 = (unit - tl.sum(tl.where(isel, ucum - units, 0), 0)) * chunk  # first column in the slice
+    n_depart = SPLIT_K + tl.sum(tl.where(isel, units, 0), 0)  # producers + consumers of a (tile, slice)
+    # a consumer's columns: [c0, n_end) of slice i, at column off_i of y
+    c0 = (unit - tl.sum(tl.where(isel, ucum - units, 0), 0)) * chunk
     n_i = tl.sum(tl.where(isel, sizes, 0), 0)
     off_i = tl.sum(tl.where(isel, offsets, 0), 0)
     if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
@@ -204,70 +161,116 @@ def _fused_kernel(
     n_end = tl.minimum(n_i, c0 + chunk)
     if Y_VEC > 1:
         n_end = (n_end // Y_VEC) * Y_VEC
-    w_rank = rank
-    if W_VEC > 1:  # B's columns past the rank are zero padding: whole 16-byte vectors are exact
-        w_rank = ((rank + W_VEC - 1) // W_VEC) * W_VEC
-    w_mask_r = offs_r < w_rank
-    n_loc = c0 + tl.arange(0, BLOCK_N)
-    # B[slot]: [N, R]; y: [T, N] gathered rows
-    w_ptrs = b_ptr + slot64 * stride_ws + (off_i + n_loc)[:, None] * stride_wn + offs_r[None, :] * stride_wk
-    y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
-    # the first block's B and y are in flight while the producers finish
-    n_mask = n_loc < n_end
-    w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)  # [BN, BR]
-    yt = tl.load(y_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BM, BN]
+    k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)  # a producer's K range
+    k_hi = tl.minimum(k_lo + k_per_split, H)
+    offs_r = tl.arange(0, BLOCK_R)
+    a_rows = i * R + offs_r  # rows of slice i in A[slot]: [n_slices*R, H]
+    NR = n_slices * R
 
-    ready = tl.load(ready_ptr, volatile=True)
-    spins = ready * 0
-    while (ready < SPLIT_K) & (spins < SPIN_LIMIT):
-        ready = tl.load(ready_ptr, volatile=True)
-        spins += 1
-    ready = tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu")  # orders the partials' reads after
-    hb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    if ready >= SPLIT_K:
-        for s in tl.static_range(SPLIT_K):
-            # .cg: from L2, where the producers' partials are (never a stale L1 line)
-            hb += tl.load(part_ptr + s * T * NR + part_off, mask=part_mask, other=0.0, cache_modifier=".cg")
-    else:  # the producers are not running (no in-order dispatch): do their work, in their order
-        for s in range(SPLIT_K):
-            k_lo = s * k_per_split
-            k_hi = tl.minimum(k_lo + k_per_split, H)
-            hb += _shrink_partial(x_ptr, a_slot, tok, m_mask, a_rows, r_mask, k_lo, k_hi, stride_xm, stride_xk,
-                                  stride_an, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, PRECISION)
-    left = tl.atomic_add(depart_ptr, 1, sem="acq_rel", scope="gpu")
-    if left == n_depart - 1:
-        tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(depart_ptr, 0, sem="relaxed", scope="gpu")
-    hb = hb * sc
-    if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
-        hb16 = hb.to(b_ptr.dtype.element_ty)
+    for pid_m in range(g, n_real, tile_slots):
+        a = tl.sum((cum <= pid_m).to(tl.int32), 0)
+        sel = a_idx == a
+        m0 = (pid_m - tl.sum(tl.where(sel, cum - ntile, 0), 0)) * BLOCK_M
+        count = tl.sum(tl.where(sel, cnt, 0), 0)
+        slot = tl.sum(tl.where(sel, sls, 0), 0)
+        start = tl.sum(tl.where(sel, sts, 0), 0)
+        slot64 = slot.to(tl.int64)
+        rank = R
+        if HAS_RANKS:
+            rank = tl.minimum(tl.sum(tl.where(s_idx == slot, all_ranks, 0), 0).to(tl.int32), R)
+        sc = tl.load(scales_ptr + slot64 * stride_ss + i * stride_sn)
+        # rank 0: the slot's adapter does not touch this module; scale 0: it skips this slice (a
+        # sibling it was not trained on). Every program of the (tile, slice) skips alike.
+        if (rank > 0) & (sc != 0.0):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_mask = offs_m < count
+            tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+            r_mask = offs_r < rank
+            a_slot = a_ptr + slot64 * stride_as
+            part_off = tok[:, None] * NR + (i * R + offs_r)[None, :]  # [BM, BR] in one split's [T, NR]
+            part_mask = m_mask[:, None] & (offs_r < R)[None, :]
+            pair = pid_m * n_slices + i
+            ready_ptr = sync_ptr + pair
+            depart_ptr = sync_ptr + SYNC_PAIRS + pair  # other cache lines than the ready counters
+            if is_producer:
+                acc = _shrink_partial(x_ptr, a_slot, tok, m_mask, a_rows, r_mask, k_lo, k_hi, stride_xm,
+                                      stride_xk, stride_an, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, PRECISION)
+                tl.store(part_ptr + pid_k * T * NR + part_off, acc, mask=part_mask)
+                tl.debug_barrier()  # every thread's partial is written before the release below
+                tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
+                left = tl.atomic_add(depart_ptr, 1, sem="acq_rel", scope="gpu")
+                if left == n_depart - 1:  # the last of this (tile, slice) to leave: counters back to 0
+                    tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
+                    tl.atomic_xchg(depart_ptr, 0, sem="relaxed", scope="gpu")
+            else:
+                w_rank = rank
+                if W_VEC > 1:  # B's columns past the rank are zero padding: whole 16-byte vectors are exact
+                    w_rank = ((rank + W_VEC - 1) // W_VEC) * W_VEC
+                w_mask_r = offs_r < w_rank
+                n_loc = c0 + tl.arange(0, BLOCK_N)
+                # B[slot]: [N, R]; y: [T, N] gathered rows
+                w_ptrs = (b_ptr + slot64 * stride_ws + (off_i + n_loc)[:, None] * stride_wn
+                          + offs_r[None, :] * stride_wk)
+                y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
+                # the first block's B and y are in flight while the producers finish
+                n_mask = n_loc < n_end
+                w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)  # [BN, BR]
+                yt = tl.load(y_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BM, BN]
 
-    for j in range(0, n_blocks):
-        y_mask = m_mask[:, None] & n_mask[None, :]
-        if CAST_BUF:
-            acc = tl.dot(hb16, tl.trans(w))
-        else:
-            acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
-        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
-        # the next block (prefetch depth 1; decode chunks are one block)
-        n_loc += BLOCK_N
-        w_ptrs += BLOCK_N * stride_wn
-        y_ptrs += BLOCK_N * stride_yn
-        n_mask = n_loc < n_end  # past the chunk: masked, nothing read
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)
-        yt = tl.load(y_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+                ready = tl.load(ready_ptr, volatile=True)
+                spins = ready * 0
+                while (ready < SPLIT_K) & (spins < SPIN_LIMIT):
+                    ready = tl.load(ready_ptr, volatile=True)
+                    spins += 1
+                ready = tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu")  # partials read after this
+                hb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+                if ready >= SPLIT_K:
+                    for s in tl.static_range(SPLIT_K):
+                        # .cg: from L2, where the producers' partials are (never a stale L1 line)
+                        hb += tl.load(part_ptr + s * T * NR + part_off, mask=part_mask, other=0.0,
+                                      cache_modifier=".cg")
+                else:  # the producers are not running (no in-order dispatch): do their work, in their order
+                    for s in range(SPLIT_K):
+                        s_lo = s * k_per_split
+                        s_hi = tl.minimum(s_lo + k_per_split, H)
+                        hb += _shrink_partial(x_ptr, a_slot, tok, m_mask, a_rows, r_mask, s_lo, s_hi, stride_xm,
+                                              stride_xk, stride_an, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K,
+                                              PRECISION)
+                left = tl.atomic_add(depart_ptr, 1, sem="acq_rel", scope="gpu")
+                if left == n_depart - 1:
+                    tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
+                    tl.atomic_xchg(depart_ptr, 0, sem="relaxed", scope="gpu")
+                hb = hb * sc
+                if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
+                    hb16 = hb.to(b_ptr.dtype.element_ty)
+                for j in range(0, n_blocks):
+                    y_mask = m_mask[:, None] & n_mask[None, :]
+                    if CAST_BUF:
+                        acc = tl.dot(hb16, tl.trans(w))
+                    else:
+                        acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
+                    tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+                    # the next block (prefetch depth 1; decode chunks are one block)
+                    n_loc += BLOCK_N
+                    w_ptrs += BLOCK_N * stride_wn
+                    y_ptrs += BLOCK_N * stride_yn
+                    n_mask = n_loc < n_end  # past the chunk: masked, nothing read
+                    w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)
+                    yt = tl.load(y_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
 
 
 @dataclass(frozen=True)
 class FusedConfig:
     """Launch shape: token tile height, expand column block and blocks per consumer, shrink K
-    step and split count, warps and pipeline stages."""
+    step and split count, tile slots (tiles served side by side; a program serves every
+    `tile_slots`-th tile), warps and pipeline stages."""
 
     block_m: int
     block_n: int
     group: int
     block_k: int
     split_k: int
+    tile_slots: int = 1 << 30  # default: every tile its own programs
     num_warps: int = 4
     num_stages: int = 2
     cast_buf: bool = True  # 16-bit y: the shrink result rounded to the weights' dtype (PEFT does)
@@ -277,7 +280,8 @@ class FusedConfig:
 class FusedLaunch:
     config: FusedConfig
     grid: tuple[int]
-    n_tiles: int  # tiles in the grid (for a static meta: the bound over every mapping)
+    n_tiles: int  # tiles of the launch (for a static meta: the bound over every mapping)
+    tile_slots: int  # tiles served side by side (<= n_tiles); the grid holds this many
     split_k: int  # splits that cover K (<= config.split_k: empty splits are dropped)
     k_per_split: int
     n_units: int  # consumer column chunks per tile, all slices together
@@ -326,7 +330,11 @@ def _static_fused_config(num_tokens: int, H: int, slice_sizes: tuple[int, ...], 
     one_adapter_tiles = max(1, cdiv(num_tokens, block_m))
     split_k = _split_for(one_adapter_tiles * len(slice_sizes), target, H, block_k)
     expand = _expand_shape(block_m, one_adapter_tiles, slice_sizes, target)
-    return FusedConfig(block_m, expand.block_n, expand.group, block_k, split_k)
+    # twice the one-adapter tiles side by side: a few-adapter batch runs every tile at once, a
+    # many-adapter one (tiles of 1-2 tokens, up to min(S, T) + T / BLOCK_M of them) serves a few
+    # tiles per program instead of launching waves of programs that mostly find nothing to do
+    tile_slots = max(4, 2 * one_adapter_tiles)
+    return FusedConfig(block_m, expand.block_n, expand.group, block_k, split_k, tile_slots)
 
 
 def fused_launch(meta: LoRABatchMeta, H: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
@@ -342,8 +350,9 @@ def fused_launch(meta: LoRABatchMeta, H: int, slice_sizes: tuple[int, ...], R: i
         k_per_split = cdiv(k_chunks, max(1, min(cfg.split_k, MAX_SPLIT_K))) * cfg.block_k
         split_k = cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
         n_units = sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes)
-        grid = (n_tiles * (len(slice_sizes) * split_k + n_units),)
-        hit = FusedLaunch(cfg, grid, n_tiles, split_k, k_per_split, n_units)
+        tile_slots = max(1, min(cfg.tile_slots, n_tiles))
+        grid = (tile_slots * (len(slice_sizes) * split_k + n_units),) if n_tiles else (0,)
+        hit = FusedLaunch(cfg, grid, n_tiles, tile_slots, split_k, k_per_split, n_units)
         meta._cache[key] = hit
     return hit
 
@@ -442,7 +451,7 @@ def lora_fused_triton(
     _fused_kernel[launch.grid](
         y, x, lora_a, lora_b, scales, ranks if ranks is not None else scales, parts, sync, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
-        T, H, S, n_slices, R, launch.k_per_split, launch.n_units, cfg.group,
+        T, H, S, n_slices, R, launch.k_per_split, launch.n_units, cfg.group, launch.tile_slots,
         sy[0], sy[1], sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sw[0], sw[1], sw[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)), BLOCK_K=cfg.block_k,
         SPLIT_K=launch.split_k, A_PAD=max(32, next_pow2(S)), S_PAD=max(16, next_pow2(S)), SL_PAD=sl_pad,
