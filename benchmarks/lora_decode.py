@@ -257,7 +257,12 @@ def check_against_reference(path, layers, xs, slots, device, dtype, fused_overri
         w["_y_ref"], w["_y0"] = y_ref, y0
     ys = [w["_y0"].clone() for w in layers.layers[0]]
     slots_buf = slots.clone()
-    step_fn(path, one_layer, xs, ys, slots_buf, False, fused_override)()
+    if path == "two_pdl":
+        os.environ["LORAMUX_TRITON_PDL"] = "1"
+    try:
+        step_fn(path, one_layer, xs, ys, slots_buf, False, fused_override)()
+    finally:
+        os.environ.pop("LORAMUX_TRITON_PDL", None)
     for y_new, w in zip(ys, layers.layers[0]):
         y_ref, y0 = w.pop("_y_ref"), w.pop("_y0")
         d_ref, d_new = (y_ref.double() - y0.double()), (y_new.double() - y0.double())
@@ -269,11 +274,11 @@ def check_against_reference(path, layers, xs, slots, device, dtype, fused_overri
     return worst
 
 
-def checked(row, path, err, save, rows):
+def checked(row, path, err, save, rows, env):
     """Record a path's error; one over TOL stops the run (after saving what was measured)."""
     row[f"{path}_err"] = err
     if not err < TOL:
-        rows.append(row)
+        env["failed_check"] = dict(row)
         save(rows)
         raise AssertionError(f"{path} disagrees with the torch reference (rel err {err:.2e} > {TOL}): {row}")
 
@@ -327,7 +332,7 @@ def run(args, device, dtype, env, save):
                     for path in graphs:
                         if path != "base":
                             checked(row, path, check_against_reference(path, layers, xs, slots, device, dtype),
-                                    save, rows)
+                                    save, rows, env)
                     for name, g in graphs.items():
                         row[f"{name}_step_us"] = g.time_us(args.reps)
                         row[f"{name}_us_per_layer"] = row[f"{name}_step_us"] / args.layers
@@ -421,6 +426,8 @@ def markdown(rows, env, n_layers, S, dtype, sweep_rows=None):
          f"{S} slots. `x − base` is what LoRA costs; `+%` the step over the base GEMMs alone.", ""]
     if env.get("pdl_errors"):
         L += [f"PDL capture failed: {env['pdl_errors'][0]}", ""]
+    if env.get("failed_check"):
+        L += [f"**Stopped: a path disagreed with the reference**: {env['failed_check']}", ""]
     if env.get("skipped"):
         L += [f"Not run (time budget): {', '.join(env['skipped'])}; rerun with --layouts/--ranks.", ""]
     head = "| layout | R | T | mix | " + " | ".join(f"{n} us" for n in have)

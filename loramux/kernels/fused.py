@@ -72,6 +72,9 @@ SPIN_LIMIT = 1 << 14
 SYNC_TABLE_PAIRS = 1 << 14
 #: lora_apply uses the fused kernel up to this many tokens (env var overrides; 0 turns it off).
 DEFAULT_FUSED_MAX_TOKENS = 128
+#: Most K splits the heuristic picks: every consumer sums SPLIT_K partials, so more splits make the
+#: producers shorter and the consumers longer (down_proj at H=14336 would otherwise get 56).
+FUSED_MAX_SPLIT_K = 32
 FUSED_MAX_TOKENS_ENV = "LORAMUX_FUSED_MAX_TOKENS"
 
 
@@ -328,7 +331,7 @@ def _static_fused_config(num_tokens: int, H: int, slice_sizes: tuple[int, ...], 
     block_m = static_block_m(num_tokens)
     block_k = 64 if dtype == torch.float32 else 128
     one_adapter_tiles = max(1, cdiv(num_tokens, block_m))
-    split_k = _split_for(one_adapter_tiles * len(slice_sizes), target, H, block_k)
+    split_k = min(_split_for(one_adapter_tiles * len(slice_sizes), target, H, block_k), FUSED_MAX_SPLIT_K)
     expand = _expand_shape(block_m, one_adapter_tiles, slice_sizes, target)
     # twice the one-adapter tiles side by side: a few-adapter batch runs every tile at once, a
     # many-adapter one (tiles of 1-2 tokens, up to min(S, T) + T / BLOCK_M of them) serves a few
