@@ -1,7 +1,7 @@
 """Decode-step LoRA cost at Llama-3.1-8B shapes (issue 13): the two-kernel path against the fused kernel.
 
     PYTHONPATH=. python benchmarks/lora_decode.py --out results/               # GPU, < 2 min on an H100
-    PYTHONPATH=. python benchmarks/lora_decode.py --out results/ --sweep       # + fused launch shapes (~1 min more)
+    PYTHONPATH=. python benchmarks/lora_decode.py --out results/ --sweep       # + fused launch shapes (~2 min more)
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/lora_decode.py --smoke --out /tmp/lora_decode  # CPU, ~3 min
 
 One decoder layer's projections on `--layers` layers with their own weights (32: a whole
@@ -25,7 +25,8 @@ Before timing a mix, layer 0 of each LoRA path runs eagerly and is compared with
 reference in bf16 (relative error of the delta, base rows bit-exact): a path over 2e-2 stops the run.
 
 --sweep: the fused kernel under other launch shapes (column block, warps, stages, tile slots,
-K split) at T=64, rank 16, for mixes 1, 32 and 1-qv; a table on stdout and lora_decode_sweep.json.
+K split, register cap) at T=64, rank 16, for mixes 1, 32 and 1-qv; a table on stdout and
+lora_decode_sweep.json.
 Also reported: the bytes-read floor of the LoRA work (the active adapters' A and B, x, and y
 read + written on the rows with an adapter) over the device-copy bandwidth measured in the run.
 Writes lora_decode.json (everything, sweep included) and lora_decode.md (device named) to --out.
@@ -61,16 +62,16 @@ QV_TARGETS = {"fused": {("qkv", 0), ("qkv", 2)}, "separate": {("q", 0), ("v", 0)
 #: fused launch shapes --sweep times: overrides of the static heuristic's config (None: as is)
 SWEEP = {
     "heuristic": {},
-    "block_n=32": {"block_n": 32, "group": 1},
     "block_n=128": {"block_n": 128, "group": 1},
-    "warps=2": {"num_warps": 2},
     "warps=8": {"num_warps": 8},
     "stages=1": {"num_stages": 1},
-    "stages=3": {"num_stages": 3},
     "tile_slots=all": {"tile_slots": 1 << 30},
     "tile_slots=4": {"tile_slots": 4},
     "split/2": {"split_k": 0.5},
     "split*2": {"split_k": 2.0},
+    "regs=ptxas": {"max_regs": None},
+    "regs=96": {"max_regs": 96},
+    "regs=168": {"max_regs": 168},
 }
 
 
@@ -168,6 +169,28 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool, fused_over
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
 
     return run
+
+
+def kernel_resources() -> list[dict]:
+    """Registers, spills and shared memory of every compiled LoRA kernel (best effort: Triton's
+    caches are not a public API), so a slow variant can be told from an occupancy cliff."""
+    from loramux.kernels import expand, fused, shrink
+
+    out = []
+    for name, fn in (("fused", fused._fused_kernel), ("shrink", shrink._shrink_kernel),
+                     ("expand", expand._expand_kernel)):
+        try:
+            for device, caches in getattr(fn, "device_caches", {}).items():
+                for kernel in caches[0].values():
+                    kernel._init_handles()
+                    consts = {k: v for k, v in getattr(kernel, "src", None).constants.items()} \
+                        if getattr(kernel, "src", None) is not None else {}
+                    out.append({"kernel": name, "regs": kernel.n_regs, "spills": kernel.n_spills,
+                                "shared": kernel.metadata.shared, "num_warps": kernel.metadata.num_warps,
+                                "constexprs": {str(k): str(v) for k, v in consts.items()}})
+        except Exception as exc:  # noqa: BLE001 - diagnostics only
+            out.append({"kernel": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
+    return out
 
 
 def fused_variant(cfg, override: dict):
@@ -516,6 +539,10 @@ def main(argv=None):
             json.dump({"env": env, "sweep": sweep_rows}, f, indent=1)
         print(sweep_table(sweep_rows, env.get("sweep_base_us_per_layer")))
     env["elapsed_s"] = time.time() - started
+    if device.type == "cuda":
+        env["kernel_resources"] = kernel_resources()
+        for k in env["kernel_resources"]:
+            print({key: k.get(key) for key in ("kernel", "regs", "spills", "shared", "num_warps", "error")})
     print(save(rows))
 
 
