@@ -47,7 +47,7 @@ def compile_fused(H: int, sizes: tuple[int, ...], R: int, cfg, arch: int, S: int
         SPLIT_K=cfg.split_k, A_PAD=max(32, next_pow2(S)), S_PAD=max(16, next_pow2(S)),
         SL_PAD=max(2, next_pow2(len(sizes))), SYNC_PAIRS=fused.SYNC_TABLE_PAIRS, HAS_RANKS=True,
         EVEN_K=H % cfg.block_k == 0, CAST_BUF=True, PRECISION="tf32", Y_VEC=8, W_VEC=8 if R % 8 == 0 else 1,
-        SPIN_LIMIT=fused.SPIN_LIMIT, FALLBACK_K=min(fused.FALLBACK_BLOCK_K, cfg.block_k),
+        SPIN_LIMIT=fused.SPIN_LIMIT, FALLBACK_K=min(fused.FALLBACK_BLOCK_K, cfg.block_k), PREFETCH=cfg.prefetch,
         **{name: 1 for name in UNIT_STRIDES},
     )
     signature = {name: ("constexpr" if name in constexprs else f"*{pointers[name]}" if name in pointers else "i32")

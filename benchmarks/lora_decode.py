@@ -72,6 +72,7 @@ SWEEP = {
     "regs=ptxas": {"max_regs": None},
     "regs=96": {"max_regs": 96},
     "regs=168": {"max_regs": 168},
+    "prefetch=off": {"prefetch": False},
 }
 
 

@@ -1015,7 +1015,7 @@ def test_fused_interpreter_fallback_gives_the_same_bits(dtype):
 
 @needs_interpreter
 @pytest.mark.parametrize("config", [dict(tile_slots=1, split_k=1), dict(tile_slots=99, group=2, block_k=32),
-                                    dict(block_m=32, block_n=32, split_k=4)], ids=str)
+                                    dict(block_m=32, block_n=32, split_k=4, prefetch=False)], ids=str)
 def test_fused_interpreter_launch_shapes_and_poisoned_scratch(config, monkeypatch):
     """Other launch shapes (one tile slot serving every tile, no split, groups of blocks, tall
     tiles), with the partials' scratch handed out NaN-filled, twice in a row: nothing relies on

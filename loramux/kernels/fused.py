@@ -134,7 +134,7 @@ def _fused_kernel(
     SPLIT_K: tl.constexpr, A_PAD: tl.constexpr, S_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     SYNC_PAIRS: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, CAST_BUF: tl.constexpr,
     PRECISION: tl.constexpr, Y_VEC: tl.constexpr, W_VEC: tl.constexpr, SPIN_LIMIT: tl.constexpr,
-    FALLBACK_K: tl.constexpr,
+    FALLBACK_K: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     # one round of independent loads: the slot ranks and the segment vectors
@@ -230,6 +230,20 @@ def _fused_kernel(
                     offs_m = m0 + tl.arange(0, BLOCK_M)
                     m_mask = offs_m < count
                     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+                    # the first block's B and y are in flight while the producers finish
+                    w_rank = rank
+                    if W_VEC > 1:  # B's columns past the rank are zero padding: whole 16-byte vectors are exact
+                        w_rank = ((rank + W_VEC - 1) // W_VEC) * W_VEC
+                    w_mask_r = offs_r < w_rank
+                    n_loc = c0 + tl.arange(0, BLOCK_N)
+                    # B[slot]: [N, R]; y: [T, N] gathered rows
+                    w_ptrs = (b_ptr + slot64 * stride_ws + (off_i + n_loc)[:, None] * stride_wn
+                              + offs_r[None, :] * stride_wk)
+                    y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
+                    n_mask = n_loc < n_end
+                    if PREFETCH:
+                        w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)  # [BN, BR]
+                        yt = tl.load(y_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)  # [BM, BN]
                     pair = pid_m * n_slices + i
                     hb = _gather_shrink(x_ptr, a_ptr + slot64 * stride_as, part_ptr, sync_ptr + pair, tok, m_mask,
                                         a_rows, offs_r, rank, T, H, NR, R, i, k_per_split, stride_xm, stride_xk,
@@ -239,9 +253,27 @@ def _fused_kernel(
                     if left == n_depart - 1:  # the last of this (tile, slice) to leave: counters back to 0
                         tl.atomic_xchg(sync_ptr + pair, 0, sem="relaxed", scope="gpu")
                         tl.atomic_xchg(sync_ptr + SYNC_PAIRS + pair, 0, sem="relaxed", scope="gpu")
-                    _expand_chunk(y_ptr, b_ptr + slot64 * stride_ws, hb * sc, tok, m_mask, offs_r, rank, c0, n_end,
-                                  off_i, n_blocks, stride_ym, stride_yn, stride_wn, stride_wk, BLOCK_M, BLOCK_N,
-                                  CAST_BUF, PRECISION, W_VEC)
+                    hb = hb * sc
+                    if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
+                        hb = hb.to(b_ptr.dtype.element_ty)
+                    for j in range(0, n_blocks):
+                        y_mask = m_mask[:, None] & n_mask[None, :]
+                        if not PREFETCH:
+                            w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)
+                            yt = tl.load(y_ptrs, mask=y_mask, other=0.0)
+                        if CAST_BUF:
+                            acc = tl.dot(hb, tl.trans(w))
+                        else:
+                            acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
+                        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+                        # the next block (prefetch depth 1; a decode chunk is one or two blocks)
+                        n_loc += BLOCK_N
+                        w_ptrs += BLOCK_N * stride_wn
+                        y_ptrs += BLOCK_N * stride_yn
+                        n_mask = n_loc < n_end  # past the chunk: masked, nothing read
+                        if PREFETCH:
+                            w = tl.load(w_ptrs, mask=n_mask[:, None] & w_mask_r[None, :], other=0.0)
+                            yt = tl.load(y_ptrs, mask=m_mask[:, None] & n_mask[None, :], other=0.0)
 
 
 @triton.jit
@@ -275,35 +307,6 @@ def _gather_shrink(x_ptr, a_ptr, part_ptr, ready_ptr, tok, m_mask, a_rows, offs_
     return hb
 
 
-@triton.jit
-def _expand_chunk(y_ptr, b_ptr, hb, tok, m_mask, offs_r, rank, c0, n_end, off_i, n_blocks,
-                  stride_ym, stride_yn, stride_wn, stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, W_VEC: tl.constexpr):
-    """y[tok, off_i + c0 : off_i + n_end] += hb @ B[c0:n_end].T, block by block (b_ptr: B[slot])."""
-    if W_VEC > 1:  # B's columns past the rank are zero padding: whole 16-byte vectors are exact
-        rank = ((rank + W_VEC - 1) // W_VEC) * W_VEC
-    r_mask = offs_r < rank
-    if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
-        hb = hb.to(b_ptr.dtype.element_ty)
-    n_loc = c0 + tl.arange(0, BLOCK_N)
-    # B[slot]: [N, R]; y: [T, N] gathered rows
-    w_ptrs = b_ptr + (off_i + n_loc)[:, None] * stride_wn + offs_r[None, :] * stride_wk
-    y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
-    for j in range(0, n_blocks):
-        n_mask = n_loc < n_end
-        y_mask = m_mask[:, None] & n_mask[None, :]
-        w = tl.load(w_ptrs, mask=n_mask[:, None] & r_mask[None, :], other=0.0)  # [BN, BR]
-        yt = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BM, BN]
-        if CAST_BUF:
-            acc = tl.dot(hb, tl.trans(w))
-        else:
-            acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
-        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
-        n_loc += BLOCK_N
-        w_ptrs += BLOCK_N * stride_wn
-        y_ptrs += BLOCK_N * stride_yn
-
-
 @dataclass(frozen=True)
 class FusedConfig:
     """Launch shape: token tile height, expand column block and blocks per consumer, shrink K
@@ -323,6 +326,9 @@ class FusedConfig:
     #: kernel; left alone ptxas takes ~220-255 at 8B shapes (2 blocks of 4 warps an SM), capped at
     #: 128 it spills a little and 4 blocks fit.
     max_regs: int | None = 128
+    #: a consumer issues its first block's loads of y and B before it waits for the producers
+    #: (hides a round trip; costs registers: more spills under the cap)
+    prefetch: bool = True
 
 
 @dataclass(frozen=True)
@@ -511,6 +517,7 @@ def lora_fused_triton(
         SYNC_PAIRS=SYNC_TABLE_PAIRS, HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
         CAST_BUF=cfg.cast_buf and y.dtype != torch.float32, PRECISION=dot_precision(x.dtype),
         Y_VEC=y_vec, W_VEC=w_vec, SPIN_LIMIT=spin_limit, FALLBACK_K=min(FALLBACK_BLOCK_K, cfg.block_k),
+        PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_regs} if cfg.max_regs and x.device.type == "cuda" else {}),
     )
