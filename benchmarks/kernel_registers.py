@@ -35,7 +35,7 @@ def compile_fused(H: int, sizes: tuple[int, ...], R: int, cfg, arch: int, S: int
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from loramux.kernels import fused
+    from loramux.kernels import fused, fused_config
     from loramux.kernels.tiles import next_pow2
 
     fn = fused._fused_kernel
@@ -45,7 +45,7 @@ def compile_fused(H: int, sizes: tuple[int, ...], R: int, cfg, arch: int, S: int
     constexprs = dict(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)), BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, A_PAD=max(32, next_pow2(S)), S_PAD=max(16, next_pow2(S)),
-        SL_PAD=max(2, next_pow2(len(sizes))), SYNC_PAIRS=fused.SYNC_TABLE_PAIRS, HAS_RANKS=True,
+        SL_PAD=max(2, next_pow2(len(sizes))), SYNC_PAIRS=fused_config.SYNC_TABLE_PAIRS, HAS_RANKS=True,
         EVEN_K=H % cfg.block_k == 0, CAST_BUF=True, PRECISION="tf32", Y_VEC=8, W_VEC=8 if R % 8 == 0 else 1,
         SPIN_LIMIT=fused.SPIN_LIMIT, FALLBACK_K=min(fused.FALLBACK_BLOCK_K, cfg.block_k), PREFETCH=cfg.prefetch,
         **{name: 1 for name in UNIT_STRIDES},
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     import torch
 
-    from loramux.kernels.fused import _static_fused_config
+    from loramux.kernels.fused_config import _static_fused_config
 
     for name, H, sizes in MODULES:
         for R in (int(r) for r in args.ranks.split(",")):

@@ -1051,9 +1051,9 @@ def test_fused_interpreter_module_no_adapter_targets_is_left_alone():
 def test_fused_static_launch_depends_only_on_tokens_and_slots(T, monkeypatch):
     """One launch shape (config and grid) for every mapping of T tokens at 8B shapes and the H100's
     program target; the fused grid is one launch where the two-kernel path has two."""
-    from loramux.kernels import fused, shrink
+    from loramux.kernels import fused, fused_config, shrink
 
-    monkeypatch.setattr(fused, "target_programs", lambda device: 264)
+    monkeypatch.setattr(fused_config, "target_programs", lambda device: 264)
     monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
     S, R, gen = 32, 16, torch.Generator().manual_seed(T)
     ranks = torch.tensor([0, 0] + [R] * (S - 2), dtype=torch.int32)
@@ -1067,7 +1067,7 @@ def test_fused_static_launch_depends_only_on_tokens_and_slots(T, monkeypatch):
         assert len(launches) == 1, launches
         (launch,) = launches
         assert launch.split_k > 1 and launch.grid[0] >= 1
-        assert launch.tile_slots <= launch.n_tiles and launch.n_tiles * len(sizes) <= fused.SYNC_TABLE_PAIRS
+        assert launch.tile_slots <= launch.n_tiles and launch.n_tiles * len(sizes) <= fused_config.SYNC_TABLE_PAIRS
 
 
 @needs_interpreter
@@ -1140,12 +1140,12 @@ def test_fused_rejects_bad_arguments(mutate, match):
 
 @needs_interpreter
 def test_fused_rejects_bad_spin_limit_and_oversized_batches(monkeypatch):
-    from loramux.kernels import fused
+    from loramux.kernels import fused, fused_config
 
     x, A, B, scales, meta, buf, y, sizes = _good()
     with pytest.raises(ValueError, match="spin_limit"):
         fused.lora_fused_triton(y, x, A, B, scales, None, sizes, meta, spin_limit=-1)
-    monkeypatch.setattr(fused, "SYNC_TABLE_PAIRS", 1)
+    monkeypatch.setattr(fused_config, "SYNC_TABLE_PAIRS", 1)
     with pytest.raises(ValueError, match="two-kernel path"):
         fused.lora_fused_triton(y, x, A, B, scales, None, sizes, meta)
     assert not fused.fused_fits(meta, len(sizes))

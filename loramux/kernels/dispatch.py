@@ -154,7 +154,8 @@ def lora_apply(
     slots whose rank is 0 and (fused path) of slices whose scale is 0 are left exactly as they were.
     """
     if _use_triton(x):
-        from .fused import fused_fits, fused_max_tokens, lora_fused_triton
+        from .fused import lora_fused_triton
+        from .fused_config import fused_fits, fused_max_tokens
 
         if meta.num_tokens <= fused_max_tokens() and fused_fits(meta, scales.shape[-1] if scales.dim() == 2 else 1):
             lora_fused_triton(y, x, lora_a, lora_b, scales, ranks, slice_sizes, meta)

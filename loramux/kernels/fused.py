@@ -9,11 +9,11 @@ token tile of x and its slot's A slice over all of H (16 x 4096 + 16 x 4096 bf16
 that serially in K. A few hundred such programs move tens of MB through L2 and each takes several
 us. So the shrink is split over K as in `shrink.py`, and shared:
 
-Grid (linear, static): ``n_tiles * n_slices * SPLIT_K`` producer programs first, then
-``n_tiles * n_units`` consumer programs (``n_units``: column chunks of all slices). The roles are
-laid out by this batch's real tile count, read on the device: real producers, then real
-consumers, then the programs of tiles past the last real one (a static meta's grid is a bound),
-which exit after one round of loads without touching anything.
+Grid (linear; for a static meta from T, S and the module's shape only, `fused_config.py`): it
+holds `tile_slots` tile slots, and slot g serves tiles g, g + tile_slots, ... of this batch. Each
+slot has ``n_slices * SPLIT_K`` producers and ``n_units`` consumers (column chunks of all
+slices). Programs are laid out by the slots this batch uses, read on the device: their
+producers first, then their consumers, then idle programs, which exit after one round of loads.
 
 - A producer (tile, slice i, split k) computes x_tile @ A[slot, slice i, K range].T, stores the
   float32 partial in scratch ``[SPLIT_K, T, n_slices*R]`` (torch.empty, never cleared), and bumps
@@ -50,38 +50,27 @@ one CUDA graph serves any mix of adapters; `lora_apply` uses this kernel up to
 
 from __future__ import annotations
 
-import functools
-import os
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
+from . import fused_config as shapes
 from .checks import check_apply
+from .fused_config import (FUSED_MAX_TOKENS_ENV, FusedConfig, FusedLaunch, fused_config, fused_fits,
+                           fused_launch, fused_max_tokens, static_fused_config)
 from .metadata import LoRABatchMeta
-from .shrink import MAX_SPLIT_K, _split_for
-from .tiles import cdiv, dot_precision, next_pow2, static_block_m, target_programs
-from .expand import _expand_shape
+from .tiles import cdiv, dot_precision, next_pow2
 
-__all__ = ["FusedConfig", "FusedLaunch", "fused_config", "static_fused_config", "fused_launch",
-           "lora_fused_triton", "fused_max_tokens", "FUSED_MAX_TOKENS_ENV"]
+__all__ = ["lora_fused_triton", "SPIN_LIMIT", "FALLBACK_BLOCK_K",
+           # launch shapes and the threshold, from fused_config.py
+           "FusedConfig", "FusedLaunch", "fused_config", "static_fused_config", "fused_launch", "fused_fits",
+           "fused_max_tokens", "FUSED_MAX_TOKENS_ENV"]
 
 #: Polls of a consumer before it computes the shrink itself (a few ms on a GPU; never reached
 #: when blocks are dispatched in order, as they are in practice).
 SPIN_LIMIT = 1 << 14
 #: K step of a consumer that computes the shrink itself (a cold path; small, so it costs no registers).
 FALLBACK_BLOCK_K = 32
-#: (tile, slice) counter pairs in a device's table; decode launches need a few hundred.
-SYNC_TABLE_PAIRS = 1 << 14
-#: lora_apply uses the fused kernel up to this many tokens (env var overrides; 0 turns it off).
-DEFAULT_FUSED_MAX_TOKENS = 128
-#: Most K splits the heuristic picks: every consumer sums SPLIT_K partials, so more splits make the
-#: producers shorter and the consumers longer (down_proj at H=14336 would otherwise get 56).
-FUSED_MAX_SPLIT_K = 32
-#: SPLIT_K x BLOCK_R at most (rank 16: 32 splits, rank 64: 8): a consumer's partials fit its registers.
-FUSED_SPLIT_RANK_BUDGET = 512
-FUSED_MAX_TOKENS_ENV = "LORAMUX_FUSED_MAX_TOKENS"
 
 
 @triton.jit
@@ -307,120 +296,6 @@ def _gather_shrink(x_ptr, a_ptr, part_ptr, ready_ptr, tok, m_mask, a_rows, offs_
     return hb
 
 
-@dataclass(frozen=True)
-class FusedConfig:
-    """Launch shape: token tile height, expand column block and blocks per consumer, shrink K
-    step and split count, tile slots (tiles served side by side; a program serves every
-    `tile_slots`-th tile), warps and pipeline stages."""
-
-    block_m: int
-    block_n: int
-    group: int
-    block_k: int
-    split_k: int
-    tile_slots: int = 1 << 30  # default: every tile its own programs
-    num_warps: int = 4
-    num_stages: int = 2
-    cast_buf: bool = True  # 16-bit y: the shrink result rounded to the weights' dtype (PEFT does)
-    #: registers per thread ptxas may use (None: its choice). Both roles and the fallback share one
-    #: kernel; left alone ptxas takes ~220-255 at 8B shapes (2 blocks of 4 warps an SM), capped at
-    #: 128 it spills a little and 4 blocks fit.
-    max_regs: int | None = 128
-    #: a consumer issues its first block's loads of y and B before it waits for the producers
-    #: (hides a round trip; costs registers: more spills under the cap)
-    prefetch: bool = True
-
-
-@dataclass(frozen=True)
-class FusedLaunch:
-    config: FusedConfig
-    grid: tuple[int]
-    n_tiles: int  # tiles of the launch (for a static meta: the bound over every mapping)
-    tile_slots: int  # tiles served side by side (<= n_tiles); the grid holds this many
-    split_k: int  # splits that cover K (<= config.split_k: empty splits are dropped)
-    k_per_split: int
-    n_units: int  # consumer column chunks per tile, all slices together
-
-
-def fused_max_tokens() -> int:
-    """Largest T that `lora_apply` sends through the fused kernel (`LORAMUX_FUSED_MAX_TOKENS`,
-    default 128; 0 turns the fused kernel off). Read at call time, so a CUDA graph captures the
-    path chosen when it was captured."""
-    raw = os.environ.get(FUSED_MAX_TOKENS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_FUSED_MAX_TOKENS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(f"{FUSED_MAX_TOKENS_ENV}={raw!r} is not understood; use a token count >= 0 "
-                         f"(0 turns the fused decode kernel off; default {DEFAULT_FUSED_MAX_TOKENS})")
-    return value
-
-
-def fused_config(meta: LoRABatchMeta, H: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
-                 device: torch.device) -> FusedConfig:
-    """Heuristic launch shape, cached on the meta. Both metas get the static shape (from T and the
-    module's shape): at decode sizes the one-adapter batch, which needs K split the most, sizes it."""
-    key = ("fused", H, slice_sizes, R, dtype, device)
-    cfg = meta._cache.get(key)
-    if cfg is None:
-        cfg = static_fused_config(meta.num_tokens, H, slice_sizes, R, dtype, device)
-        meta._cache[key] = cfg
-    return cfg
-
-
-def static_fused_config(num_tokens: int, H: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
-                        device: torch.device) -> FusedConfig:
-    """Launch shape from T and the module's shape only: one CUDA graph serves any mapping."""
-    return _static_fused_config(num_tokens, H, tuple(slice_sizes), R, dtype, target_programs(device))
-
-
-@functools.lru_cache(maxsize=1024)
-def _static_fused_config(num_tokens: int, H: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
-                         target: int) -> FusedConfig:
-    block_m = static_block_m(num_tokens)
-    # registers: a producer holds an A tile [BLOCK_R, BLOCK_K] and a consumer loads SPLIT_K partials
-    # [BLOCK_M, BLOCK_R] at once; large ranks take shallower K steps and fewer splits
-    block_r = max(16, next_pow2(R))
-    block_k = (128 if block_r <= 32 else 64) // (2 if dtype == torch.float32 else 1)
-    one_adapter_tiles = max(1, cdiv(num_tokens, block_m))
-    split_k = min(_split_for(one_adapter_tiles * len(slice_sizes), target, H, block_k), FUSED_MAX_SPLIT_K,
-                  max(1, FUSED_SPLIT_RANK_BUDGET // block_r))
-    expand = _expand_shape(block_m, one_adapter_tiles, slice_sizes, target)
-    # twice the one-adapter tiles side by side: a few-adapter batch runs every tile at once, a
-    # many-adapter one (tiles of 1-2 tokens, up to min(S, T) + T / BLOCK_M of them) serves a few
-    # tiles per program instead of launching waves of programs that mostly find nothing to do
-    tile_slots = max(4, 2 * one_adapter_tiles)
-    return FusedConfig(block_m, expand.block_n, expand.group, block_k, split_k, tile_slots)
-
-
-def fused_launch(meta: LoRABatchMeta, H: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
-                 device: torch.device, config: FusedConfig | None = None) -> FusedLaunch:
-    """The launch `lora_fused_triton` makes. For a static meta it depends on (T, S, H, slice sizes,
-    R, dtype, device) only: tests compare it across mappings."""
-    cfg = config or fused_config(meta, H, tuple(slice_sizes), R, dtype, device)
-    key = ("fused_launch", H, tuple(slice_sizes), R, cfg)
-    hit = meta._cache.get(key)
-    if hit is None:
-        n_tiles = meta.num_tiles(cfg.block_m)
-        k_chunks = cdiv(max(H, 1), cfg.block_k)
-        k_per_split = cdiv(k_chunks, max(1, min(cfg.split_k, MAX_SPLIT_K))) * cfg.block_k
-        split_k = cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
-        n_units = sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes)
-        tile_slots = max(1, min(cfg.tile_slots, n_tiles))
-        grid = (tile_slots * (len(slice_sizes) * split_k + n_units),) if n_tiles else (0,)
-        hit = FusedLaunch(cfg, grid, n_tiles, tile_slots, split_k, k_per_split, n_units)
-        meta._cache[key] = hit
-    return hit
-
-
-def fused_fits(meta: LoRABatchMeta, n_slices: int, block_m: int = 16) -> bool:
-    """Whether a launch's (tile, slice) counters fit the device table (decode sizes always do)."""
-    return meta.num_tiles(block_m) * n_slices <= SYNC_TABLE_PAIRS
-
-
 _SLICE_TABLES: dict = {}
 
 
@@ -447,7 +322,7 @@ _SYNC_TABLES: dict = {}
 
 
 def _sync_table(device: torch.device) -> torch.Tensor:
-    """The device's (ready, departed) counters: [2, SYNC_TABLE_PAIRS] int32, zeroed once here,
+    """The device's (ready, departed) counters: [2, shapes.SYNC_TABLE_PAIRS] int32, zeroed once here,
     left zero by every launch."""
     table = _SYNC_TABLES.get(device)
     if table is None:
@@ -457,7 +332,7 @@ def _sync_table(device: torch.device) -> torch.Tensor:
                 "launch is inside a CUDA graph capture; run the step once before capturing (a warm-up also "
                 "compiles the kernels)"
             )
-        table = torch.zeros(2 * SYNC_TABLE_PAIRS, dtype=torch.int32, device=device)
+        table = torch.zeros(2 * shapes.SYNC_TABLE_PAIRS, dtype=torch.int32, device=device)
         _SYNC_TABLES[device] = table
     return table
 
@@ -492,9 +367,9 @@ def lora_fused_triton(
     launch = fused_launch(meta, H, slice_sizes, R, x.dtype, x.device, config)
     if launch.n_tiles == 0:
         return
-    if launch.n_tiles * n_slices > SYNC_TABLE_PAIRS:
+    if launch.n_tiles * n_slices > shapes.SYNC_TABLE_PAIRS:
         raise ValueError(f"lora_fused: {launch.n_tiles} tiles x {n_slices} slices need more counters than the "
-                         f"table's {SYNC_TABLE_PAIRS}; use the two-kernel path (lora_shrink + lora_expand) for "
+                         f"table's {shapes.SYNC_TABLE_PAIRS}; use the two-kernel path (lora_shrink + lora_expand) for "
                          "batches this large")
     cfg = launch.config
     parts = _scratch(launch.split_k, T, n_slices * R, device=x.device)  # [SPLIT, T, NR], never cleared
@@ -514,7 +389,7 @@ def lora_fused_triton(
         sy[0], sy[1], sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sw[0], sw[1], sw[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)), BLOCK_K=cfg.block_k,
         SPLIT_K=launch.split_k, A_PAD=max(32, next_pow2(S)), S_PAD=max(16, next_pow2(S)), SL_PAD=sl_pad,
-        SYNC_PAIRS=SYNC_TABLE_PAIRS, HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
+        SYNC_PAIRS=shapes.SYNC_TABLE_PAIRS, HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
         CAST_BUF=cfg.cast_buf and y.dtype != torch.float32, PRECISION=dot_precision(x.dtype),
         Y_VEC=y_vec, W_VEC=w_vec, SPIN_LIMIT=spin_limit, FALLBACK_K=min(FALLBACK_BLOCK_K, cfg.block_k),
         PREFETCH=cfg.prefetch,
