@@ -129,7 +129,7 @@ def test_on_cuda_nothing_compiles_while_serving_and_compiled_equals_eager(engine
     monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path))
     lora = LoRARequest("all", 1, str(engine_adapters["all"]))
     options = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8, max_model_len=96,
-                   max_num_batched_tokens=64)
+                   max_num_batched_tokens=64, num_gpu_blocks_override=256)  # earlier tests' memory may be in use
     from conftest import tiny_llama
 
     compiled = LLMEngine(tiny_llama().cuda(), **options)

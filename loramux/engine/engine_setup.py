@@ -221,6 +221,7 @@ def num_kv_blocks(setup: EngineSetup, profile_peak_bytes) -> int:
     if setup.num_gpu_blocks_override is not None:
         num_blocks = setup.num_gpu_blocks_override
     elif setup.device.type == "cuda":
+        torch.cuda.empty_cache()  # blocks this process cached but no longer uses are free, not in use
         free, total = torch.cuda.mem_get_info(setup.device)
         peak = profile_peak_bytes()
         budget = setup.gpu_memory_utilization * total - (total - free) - peak
