@@ -18,8 +18,7 @@ every row base (-1) and replayed for every mix, 20+ times after warm-up:
 - two: lora_shrink + lora_expand per module (two launches, no memset), the path above the
   fused threshold (prefill);
 - fused: kernels/fused.py, one launch per module (the path lora_apply takes up to
-  LORAMUX_FUSED_MAX_TOKENS tokens, 128 by default);
-- two_pdl (--pdl): the two-kernel path with programmatic dependent launch.
+  LORAMUX_FUSED_MAX_TOKENS tokens, 128 by default).
 LoRA paths include the base GEMMs, so "fused - base" is what LoRA costs a step.
 Before timing a mix, layer 0 of each LoRA path runs eagerly and is compared with the torch
 reference in bf16 (relative error of the delta, base rows bit-exact): a path over 2e-2 stops the run.
@@ -55,7 +54,8 @@ TOKENS = (1, 8, 64, 128, 256)
 RANKS = (16, 64)
 MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
-PATHS = ("base", "two", "fused", "two_pdl")
+PATHS = ("base", "two", "fused")
+LORA_PATHS = PATHS[1:]
 TOL = 2e-2
 #: q/v-only adapters: the (module, slice) pairs they target, per layout
 QV_TARGETS = {"fused": {("qkv", 0), ("qkv", 2)}, "separate": {("q", 0), ("v", 0)}}
@@ -165,7 +165,7 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool, fused_over
                     torch.mm(x, w["W"].t(), out=y)
                 if path == "fused":
                     lora_fused_triton(y, x, w["A"], w["B"], w["scales"], w["ranks"], sz, meta, config=cfg)
-                elif path in ("two", "two_pdl"):
+                elif path == "two":
                     buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
 
@@ -281,12 +281,7 @@ def check_against_reference(path, layers, xs, slots, device, dtype, fused_overri
         w["_y_ref"], w["_y0"] = y_ref, y0
     ys = [w["_y0"].clone() for w in layers.layers[0]]
     slots_buf = slots.clone()
-    if path == "two_pdl":
-        os.environ["LORAMUX_TRITON_PDL"] = "1"
-    try:
-        step_fn(path, one_layer, xs, ys, slots_buf, False, fused_override)()
-    finally:
-        os.environ.pop("LORAMUX_TRITON_PDL", None)
+    step_fn(path, one_layer, xs, ys, slots_buf, False, fused_override)()
     for y_new, w in zip(ys, layers.layers[0]):
         y_ref, y0 = w.pop("_y_ref"), w.pop("_y0")
         d_ref, d_new = (y_ref.double() - y0.double()), (y_new.double() - y0.double())
@@ -307,25 +302,6 @@ def checked(row, path, err, save, rows, env):
         raise AssertionError(f"{path} disagrees with the torch reference (rel err {err:.2e} > {TOL}): {row}")
 
 
-def lora_paths(args) -> list[str]:
-    return ["two", "fused"] + (["two_pdl"] if args.pdl else [])
-
-
-def capture(path, layers, xs, ys, slots_buf, base, env, fused_override=None):
-    """The graph of one path (two_pdl under LORAMUX_TRITON_PDL=1); None where PDL cannot capture."""
-    if path != "two_pdl":
-        return Graph(step_fn(path, layers, xs, ys, slots_buf, base, fused_override), xs[0].device)
-    os.environ["LORAMUX_TRITON_PDL"] = "1"
-    try:
-        return Graph(step_fn(path, layers, xs, ys, slots_buf, base), xs[0].device)
-    except Exception as exc:  # noqa: BLE001 - report it and go on without PDL
-        env.setdefault("pdl_errors", []).append(f"{type(exc).__name__}: {str(exc)[:200]}")
-        print(f"  PDL capture failed: {exc}", flush=True)
-        return None
-    finally:
-        os.environ.pop("LORAMUX_TRITON_PDL", None)
-
-
 def run(args, device, dtype, env, save):
     rows, t0 = [], time.time()
     gen = torch.Generator().manual_seed(0)
@@ -343,10 +319,8 @@ def run(args, device, dtype, env, save):
                 xs, ys = make_io(layers, T, device, dtype)
                 slots_buf = torch.full((T,), -1, dtype=torch.int32, device=device)
                 graphs = {"base": Graph(step_fn("base", layers, xs, ys, slots_buf, True), device)} if args.base else {}
-                for path in lora_paths(args):  # captured with every row base: one graph for every mix
-                    g = capture(path, layers, xs, ys, slots_buf, args.base, env)
-                    if g is not None:
-                        graphs[path] = g
+                for path in LORA_PATHS:  # captured with every row base: one graph for every mix
+                    graphs[path] = Graph(step_fn(path, layers, xs, ys, slots_buf, args.base), device)
                 for mix in args.mixes:
                     layers.target(qv_only=mix.endswith("-qv"))
                     slots = mix_slots(mix, T, S, gen).to(device)
@@ -448,8 +422,6 @@ def markdown(rows, env, n_layers, S, dtype, sweep_rows=None):
          f"copy bandwidth {env.get('copy_GBps', float('nan')):.0f} GB/s (read + write); {n_layers} layers per "
          f"captured step (one graph per path and T, for every mix); us per layer (step / layers); {dtype}, "
          f"{S} slots. `x − base` is what LoRA costs; `+%` the step over the base GEMMs alone.", ""]
-    if env.get("pdl_errors"):
-        L += [f"PDL capture failed: {env['pdl_errors'][0]}", ""]
     if env.get("failed_check"):
         L += [f"**Stopped: a path disagreed with the reference**: {env['failed_check']}", ""]
     if env.get("skipped"):
@@ -484,7 +456,6 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, default=SLOTS, help="GPU slots (max_loras)")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per graph (median)")
     ap.add_argument("--no-base", dest="base", action="store_false", help="LoRA kernels only, no base GEMMs")
-    ap.add_argument("--pdl", action="store_true", help="also time the two-kernel path with programmatic dependent launch")
     ap.add_argument("--sweep", action="store_true", help="also time the fused kernel's launch-shape variants (SWEEP)")
     ap.add_argument("--budget-s", type=float, default=150,
                     help="start no new (layout, rank) block after this many seconds (0: no limit); results are "

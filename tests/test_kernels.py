@@ -853,15 +853,14 @@ def test_gpu_static_meta_llama8b_matches_reference(mapping, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ["two", "two_pdl", "fused"])
+@pytest.mark.parametrize("path", ["two", "fused"])
 def test_gpu_graph_captured_with_all_base_rows_replays_any_mix(path, monkeypatch):
     """One CUDA graph captured with every row base (-1), replayed with 1 adapter and with 32
     adapters over its 64 tokens: the reference's results each time (3 projections of a layer).
-    `two_pdl`: the two-kernel path with programmatic dependent launch (LORAMUX_TRITON_PDL=1);
+    `two`: the shrink and expand kernels, one launch each per module;
     `fused`: lora_apply's default at 64 tokens, one fused launch per module."""
     from loramux.kernels import lora_apply
 
-    monkeypatch.setenv("LORAMUX_TRITON_PDL", "1" if path == "two_pdl" else "0")
     monkeypatch.setenv("LORAMUX_FUSED_MAX_TOKENS", "128" if path == "fused" else "0")
 
     T, S, R = 64, 32, 16

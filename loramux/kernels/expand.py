@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .checks import check_expand
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, launch_options, next_pow2, segment_tile, static_block_m,
+from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, static_block_m,
                     target_programs)
 
 
@@ -37,14 +37,11 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
-    W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    W_VEC: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m = pid // n_units
     unit = pid % n_units
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # buf comes from the shrink just before
-        tl.extra.cuda.gdc_launch_dependents()
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
     if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
         return
@@ -219,7 +216,6 @@ def lora_expand_triton(
                     and all(n % vec == 0 for n in slice_sizes)) else 1
     w_vec = 16 // lora_b.element_size()
     w_vec = w_vec if (sw[2] == 1 and R % w_vec == 0) else 1
-    pdl = launch_options(y.device)
     _expand_kernel[grid](
         y, buf, lora_b, ranks if ranks is not None else tab, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
@@ -229,6 +225,6 @@ def lora_expand_triton(
         A_PAD=max(32, next_pow2(meta.num_slots)), SL_PAD=sl_pad,
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
-        STAGES=cfg.num_stages, USE_PDL=bool(pdl),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        STAGES=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

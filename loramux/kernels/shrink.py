@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, launch_options, next_pow2, segment_tile, static_block_m,
+from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, static_block_m,
                     target_programs)
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
@@ -53,7 +53,6 @@ def _shrink_kernel(
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn, stride_bm, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(NR, BLOCK_N)
@@ -61,9 +60,6 @@ def _shrink_kernel(
     pid_m = pid // per_tile  # tile-major: programs with work come first
     pid_n = (pid % per_tile) // SPLIT_K
     pid_k = pid % SPLIT_K
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()  # x (and the meta) come from earlier kernels
-        tl.extra.cuda.gdc_launch_dependents()
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
     if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
         return
@@ -290,7 +286,6 @@ def lora_shrink_triton(
     else:
         parts = locks = buf  # unused
     sx, sa, ss, sb = x.stride(), lora_a.stride(), scales.stride(), buf.stride()
-    pdl = launch_options(x.device)
     _shrink_kernel[launch.grid](
         x, lora_a, scales, ranks if ranks is not None else scales, buf, parts, locks,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
@@ -298,7 +293,7 @@ def lora_shrink_triton(
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
         A_PAD=max(32, next_pow2(meta.num_slots)), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
-        PRECISION=dot_precision(x.dtype), USE_PDL=bool(pdl),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        PRECISION=dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return buf

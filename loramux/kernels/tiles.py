@@ -4,11 +4,6 @@ Launch grids are linear and tile-major: program ``pid`` serves tile ``pid // per
 are numbered slot after slot (active slots first), so the programs with work have the lowest
 ids and are dispatched first; the programs of a grid sized from a bound (a static meta) that
 find no tile exit after one round of loads, while the real ones run.
-
-Programmatic dependent launch (PDL) is off by default; ``LORAMUX_TRITON_PDL=1`` turns it on (for
-measuring it: benchmarks/lora_decode.py --pdl). Each kernel then waits for its predecessor
-(``gdc_wait``) before its first load and lets its successor launch at once, so the launch and
-the prologue overlap the previous kernel's tail.
 """
 
 from __future__ import annotations
@@ -78,24 +73,6 @@ def target_programs(device: torch.device) -> int:
     if device.type != "cuda" or interpreting():
         return 4
     return 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def pdl_enabled(device: torch.device) -> bool:
-    """Programmatic dependent launch: only where asked for (LORAMUX_TRITON_PDL=1), on CUDA
-    devices of compute capability 9.0 or later, never under the interpreter."""
-    if os.environ.get("LORAMUX_TRITON_PDL", "0") in ("", "0") or device.type != "cuda" or interpreting():
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def launch_options(device: torch.device) -> dict:
-    """Extra launch kwargs (``launch_pdl`` only when PDL is on, so Triton versions without it work)."""
-    return {"launch_pdl": True} if pdl_enabled(device) else {}
 
 
 def static_block_m(num_tokens: int) -> int:
