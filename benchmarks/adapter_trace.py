@@ -101,10 +101,13 @@ def make_trace(
     zipf_exponent: float = 1.0,
     name_prefix: str = "a",
     first_id: int = 1,
+    request_seed: int | None = None,
 ) -> Trace:
     """N adapters (kinds drawn from ``mix`` by share), requests choosing adapter i with probability
     proportional to 1 / i^``zipf_exponent``, arriving as a Poisson process of ``rate`` requests/s
     (``math.inf``: all at once). Adapters are named ``{name_prefix}{i}`` with ids from ``first_id``.
+    The adapters depend on ``seed`` only; the requests on ``request_seed`` too (default: ``seed``),
+    so another ``request_seed`` gives other requests over the very same adapters.
 
     :raises ValueError: a count, length or rate that is not positive, an empty mix, a share that is
         not positive, a target set that is not one of ``TARGET_SETS``, or a negative exponent.
@@ -132,6 +135,8 @@ def make_trace(
         TraceAdapter(f"{name_prefix}{i}", first_id + i, kind.rank, TARGET_SETS[kind.targets], seed=rng.randrange(2**31))
         for i, kind in enumerate(kinds)
     ]
+    if request_seed is not None:
+        rng = random.Random(f"{seed}/{request_seed}")
     popularity = [1.0 / (i + 1) ** zipf_exponent for i in range(num_adapters)]
     chosen = rng.choices(adapters, weights=popularity, k=num_requests)
     arrival = 0.0
@@ -140,7 +145,8 @@ def make_trace(
         if index and math.isfinite(rate):
             arrival += rng.expovariate(rate)
         prompt = [rng.randrange(1, vocab_size) for _ in range(prompt_len)]
-        requests.append(TraceRequest(f"{name_prefix}req{index}", arrival, adapter, prompt))
+        tag = "" if request_seed is None else f"s{request_seed}-"
+        requests.append(TraceRequest(f"{name_prefix}{tag}req{index}", arrival, adapter, prompt))
     return Trace(adapters, requests)
 
 

@@ -52,6 +52,10 @@ def test_a_trace_mixes_ranks_and_targets_by_share():
         expected = kind.share * 2000
         targets = {"q/v": 2, "q/k/v/o": 4, "all 7": 7}[kind.targets]
         assert abs(kinds[(kind.rank, targets)] - expected) < 4 * math.sqrt(expected) + 3, kind
+    again = make_trace(2000, 50, rate=math.inf, prompt_len=3, vocab_size=128, seed=0, request_seed=1)
+    assert again.adapters == trace.adapters  # other requests over the very same adapters
+    assert again.requests != make_trace(2000, 50, rate=math.inf, prompt_len=3, vocab_size=128).requests
+    assert len({r.request_id for r in again.requests + trace.requests}) == 51  # ids do not collide
     burst = make_trace(3, 5, rate=math.inf, prompt_len=1, vocab_size=2)
     assert {r.arrival_s for r in burst.requests} == {0.0}
     assert {a.name for a in burst.used_adapters()} <= {"a0", "a1", "a2"}
@@ -156,6 +160,11 @@ def test_the_targets_are_judged_on_the_smallest_and_largest_n():
     assert met["cold_ttft_bound"]["per_n"][1000]["bound_ms"] == pytest.approx(101.5)
     missed = check_targets([_result(4, 1000.0, 200.0), _result(1000, 940.0, 410.0, cold=102.0, failed=1)], 1e9)
     assert not any(check["passed"] for check in missed.values())
+    # throughput is judged at saturation where it was measured (Poisson arrivals only show the rate)
+    saturated = [dict(_result(4, 1000.0, 200.0), saturated_tokens_per_s=3000.0),
+                 dict(_result(1000, 1000.0, 200.0), saturated_tokens_per_s=2000.0)]
+    throughput = check_targets(saturated, 1e9)["throughput_within_5pct"]
+    assert throughput["measured"] == "saturated_tokens_per_s" and not throughput["passed"]
 
 
 def test_plot_draws_a_png_from_the_results_json(tmp_path):
@@ -169,3 +178,22 @@ def test_plot_draws_a_png_from_the_results_json(tmp_path):
     path.write_text(json.dumps(report))
     png = plot(path)
     assert png == tmp_path / "many_adapters_test.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_markdown_report_names_the_device_and_every_n():
+    from benchmarks.many_adapters import check_targets, markdown
+
+    results = [dict(_result(n, 1000.0, 200.0, cold=None if n == 4 else 150.0), ttft_p50_ms=80.0, adapters_used=n,
+                    adapter_bytes_written=n * 10**7, e2e_p50_ms=900.0, cold_requests=0 if n == 4 else 3,
+                    saturated_tokens_per_s=None if n == 4 else 2000.0, load_average_1m=0.5) for n in (4, 256)]
+    options = dict(dtype="bfloat16", max_loras=32, max_cpu_loras=64, max_num_seqs=64, num_requests=512,
+                   prompt_len=128, output_len=64, load=0.75, zipf_exponent=1.0, mix=[{"rank": 8}, {"rank": 64}])
+    report = {"device": "NVIDIA H100 80GB HBM3", "model": "llama-3.1-8b (dummy weights)", "mode": "compiled + graphs",
+              "options": options, "rate_req_s": 20.0, "capacity_req_s": 26.7, "results": results,
+              "disk": {"filesystem": "ext4", "adapter_files_read_bytes_per_s": 1e9, "disk_bytes_per_s": 2e9},
+              "targets": check_targets(results, 1e9)}
+    text = markdown(report)
+    assert text.startswith("**NVIDIA H100 80GB HBM3**, llama-3.1-8b (dummy weights)")
+    rows = [line for line in text.splitlines() if line.startswith("| 4 |") or line.startswith("| 256 |")]
+    assert len(rows) == 2 and "| 0.04 |" in rows[0] and "| 2000 |" in rows[1]
+    assert "cold_ttft_bound: **not met**" in text and "ranks [8, 64]" in text  # 150 ms > 100 + 1.5 ms
