@@ -85,12 +85,14 @@ def read_seconds(path: Path) -> float:
     return time.perf_counter() - start
 
 
-def disk_bandwidth(directory: Path, repeats: int = 3) -> dict:
-    """Sequential read bandwidth of the disk under ``directory`` and of the page cache, bytes/s."""
+def disk_bandwidth(directory: Path, repeats: int = 3, nbytes: int = BANDWIDTH_FILE_BYTES) -> dict:
+    """Sequential read bandwidth of the disk under ``directory`` and of the page cache, bytes/s,
+    reading a file of ``nbytes`` (rounded up to 16 MiB)."""
     path = directory / "bandwidth.bin"
+    chunk = os.urandom(16 << 20)
+    chunks = max(1, -(-nbytes // len(chunk)))
     with open(path, "wb") as file:
-        chunk = os.urandom(16 << 20)
-        for _ in range(BANDWIDTH_FILE_BYTES // len(chunk)):
+        for _ in range(chunks):
             file.write(chunk)
         file.flush()
         os.fsync(file.fileno())
@@ -100,8 +102,8 @@ def disk_bandwidth(directory: Path, repeats: int = 3) -> dict:
         disk.append(read_seconds(path))
     cached = [read_seconds(path) for _ in range(repeats)]
     path.unlink()
-    return {"disk_bytes_per_s": BANDWIDTH_FILE_BYTES / min(disk),
-            "page_cache_bytes_per_s": BANDWIDTH_FILE_BYTES / min(cached)}
+    size = chunks * len(chunk)
+    return {"disk_bytes_per_s": size / min(disk), "page_cache_bytes_per_s": size / min(cached)}
 
 
 def filesystem_of(path: Path) -> str:

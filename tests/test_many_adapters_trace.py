@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from collections import Counter
 from pathlib import Path
@@ -197,3 +198,44 @@ def test_the_markdown_report_names_the_device_and_every_n():
     rows = [line for line in text.splitlines() if line.startswith("| 4 |") or line.startswith("| 256 |")]
     assert len(rows) == 2 and "| 0.04 |" in rows[0] and "| 2000 |" in rows[1]
     assert "cold_ttft_bound: **not met**" in text and "ranks [8, 64]" in text  # 150 ms > 100 + 1.5 ms
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--adapters", "4,x"], "--adapters '4,x': give N values as comma-separated ints"),
+        (["--adapters", "0,4"], "--adapters \\[0, 4\\]: every N must be >= 1"),
+        (["--rate", "-2"], "--rate -2.0: give arrivals per second > 0"),
+        (["--load", "1.5"], "--load 1.5: give a fraction of the measured capacity in \\(0, 1\\]"),
+        (["--num-requests", "0"], "--num-requests 0: must be >= 1"),
+        (["--max-loras", "0"], "--max-loras 0: must be >= 1"),
+        (["--saturated-requests", "-1"], "--saturated-requests -1: must be >= 0"),
+        (["--dtype", "bfloat17"], "--dtype 'bfloat17': give a torch dtype name"),
+    ],
+)
+def test_bad_benchmark_options_are_refused_with_the_fix(argv, message, capsys):
+    from benchmarks.many_adapters import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path):
+    """``main`` on the tiny model: disk probe, calibration, two N values past the tiers, a saturated
+    burst each, JSON and markdown written, every target judged and no request failed."""
+    from benchmarks.many_adapters import main
+
+    main(["--adapters", "2,10", "--num-requests", "10", "--saturated-requests", "6", "--max-num-seqs", "4",
+          "--max-loras", "2", "--max-cpu-loras", "3", "--prompt-len", "6", "--output-len", "3",
+          "--disk-probe-mb", "16", "--out", str(tmp_path), "--tag", "test", "--adapter-dir", str(tmp_path)])
+    report = json.loads((tmp_path / "many_adapters_test.json").read_text())
+    assert [r["adapters"] for r in report["results"]] == [2, 10]
+    assert all(r["failed"] == 0 and r["requests"] == 10 and r["saturated_requests"] == 6 for r in report["results"])
+    assert report["results"][1]["cpu_evictions"] > 0 and report["rate_req_s"] > 0
+    assert set(report["targets"]) == {"no_failed_requests", "throughput_within_5pct", "p99_ttft_at_most_2x",
+                                      "cold_ttft_bound"}
+    assert report["targets"]["no_failed_requests"]["passed"] is True
+    assert "| 10 |" in (tmp_path / "many_adapters_test.md").read_text()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("many-adapters-")] == []  # files cleaned up
