@@ -284,7 +284,8 @@ def run_trace(
             lora = LoRARequest(adapter.name, adapter.lora_int_id, str(paths[adapter.name]))
             engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params, lora)
         if not engine.has_unfinished_requests():
-            time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.01)))  # idle until the next arrival
+            if pending:  # idle until the next arrival
+                time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.01)))
             continue
         outputs = engine.step()
         now = time.perf_counter() - start
