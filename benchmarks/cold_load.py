@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,8 +32,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import disk_bandwidth, drop_from_page_cache, read_seconds  # noqa: E402
+
 LAYERS, HIDDEN, KV_OUT, RANK = 32, 4096, 1024, 16
-BANDWIDTH_FILE_BYTES = 256 << 20
 
 
 def make_adapter(directory: Path, *, seed: int = 0) -> Path:
@@ -67,48 +71,6 @@ def meta_llama_8b():
     )
     with torch.device("meta"):
         return LlamaForCausalLM(config).to(torch.bfloat16)
-
-
-def drop_from_page_cache(*paths: Path) -> None:
-    """Evict the files' pages, so the next read comes from the disk (clean pages only; no root)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def read_seconds(path: Path) -> float:
-    """Seconds to read ``path`` whole into a preallocated buffer (no allocation in the timing)."""
-    buffer = bytearray(path.stat().st_size)
-    view = memoryview(buffer)
-    start = time.perf_counter()
-    with open(path, "rb", buffering=0) as file:
-        done = 0
-        while done < len(view):
-            done += file.readinto(view[done:])
-    return time.perf_counter() - start
-
-
-def disk_bandwidth(directory: Path, repeats: int = 3) -> dict:
-    """Sequential read bandwidth of the disk under ``directory`` and of the page cache, bytes/s."""
-    path = directory / "bandwidth.bin"
-    with open(path, "wb") as file:
-        chunk = os.urandom(16 << 20)
-        for _ in range(BANDWIDTH_FILE_BYTES // len(chunk)):
-            file.write(chunk)
-        file.flush()
-        os.fsync(file.fileno())
-    disk = []
-    for _ in range(repeats):
-        drop_from_page_cache(path)
-        disk.append(read_seconds(path))
-    cached = [read_seconds(path) for _ in range(repeats)]
-    path.unlink()
-    return {"disk_bytes_per_s": BANDWIDTH_FILE_BYTES / min(disk),
-            "page_cache_bytes_per_s": BANDWIDTH_FILE_BYTES / min(cached)}
 
 
 def best(times: list[float]) -> float:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import sys
 import tempfile
 import time
@@ -36,81 +35,17 @@ from benchmarks.startup_check import engine_stages  # noqa: E402
 from loramux import LoRARequest, SamplingParams  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
 from loramux.engine.model_loader import load_model  # noqa: E402
-from loramux.registry import LoRAAdapter, LoRAModuleWeights  # noqa: E402
+from loramux.registry import LoRAAdapter  # noqa: E402
 
-ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-QV = ("q_proj", "v_proj")
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def copy_bandwidth(device: torch.device) -> float | None:
-    """Device-to-device copy bandwidth in bytes/s (read + write), the HBM ceiling."""
-    if device.type != "cuda":
-        return None
-    src = torch.empty(2**30 // 2, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    sync(device)
-    times = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return 2 * src.nbytes / min(times)
-
-
-def projection_shapes(config) -> dict[str, tuple[int, int]]:
-    """(in, out) of each projection of a Llama-style config."""
-    c = config.get_text_config()
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    q, kv, h, i = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim, c.hidden_size, c.intermediate_size
-    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-            "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-
-def random_adapter(config, name: str, rank: int, targets, seed: int, device, dtype) -> LoRAAdapter:
-    """A random LoRA of ``rank`` on ``targets`` of every layer."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    shapes = projection_shapes(config)
-    modules = {}
-    for layer in range(config.get_text_config().num_hidden_layers):
-        for proj in targets:
-            fan_in, fan_out = shapes[proj]
-            parent = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            like = dict(device=device, dtype=dtype, generator=generator)
-            a = torch.randn(rank, fan_in, **like) / fan_in**0.5
-            b = torch.randn(fan_out, rank, **like) * 0.01
-            modules[f"model.layers.{layer}.{parent}.{proj}"] = LoRAModuleWeights(a, b, 2.0)
-    return LoRAAdapter(name=name, path=Path("."), modules=modules, lora_alpha=2 * rank, target_modules=list(targets))
-
-
-def save_peft_files(adapter: LoRAAdapter, rank: int, directory: Path) -> Path:
-    """Write ``adapter`` as PEFT saves one (adapter_config.json + adapter_model.safetensors)."""
-    from safetensors.torch import save_file
-
-    directory.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for module, w in adapter.modules.items():
-        tensors[f"base_model.model.{module}.lora_A.weight"] = w.lora_a.cpu().contiguous()
-        tensors[f"base_model.model.{module}.lora_B.weight"] = w.lora_b.cpu().contiguous()
-    save_file(tensors, directory / "adapter_model.safetensors")
-    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": adapter.target_modules,
-              "task_type": "CAUSAL_LM"}
-    (directory / "adapter_config.json").write_text(json.dumps(config))
-    return directory
-
+from benchmarks._common import (  # noqa: E402  (ALL_SEVEN, QV, random_adapter: imported from here by others)
+    ALL_SEVEN,
+    QV,
+    copy_bandwidth,
+    device_name,
+    random_adapter,
+    save_peft_files,
+    sync,
+)
 
 class StepTimer:
     """Wraps the engine's model runner: wall time of every forward, and the batch it held."""

@@ -4,6 +4,7 @@ projections, and a churn trace with many more adapters than tiers (issue 10, ite
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -94,28 +95,101 @@ def test_a_reloaded_adapter_never_reuses_the_old_weights_blocks(make_adapter):
         assert tokens[: len(expected)] == expected
 
 
-def test_churn_with_many_more_adapters_than_tiers(make_adapter):
-    """12 adapters over 2 GPU slots and 3 CPU entries, arrivals over many steps (new batch
-    shapes while loads run): every request completes with the tokens of a roomy engine."""
-    adapters = {f"c{i}": make_adapter(f"c{i}", seed=100 + i) for i in range(12)}
-    requests = mixed_requests(adapters, 30, seed=3, lengths=(2, 20))
-    roomy = run(engine(torch.float64, max_loras=12, max_cpu_loras=12, max_num_seqs=8), requests)
-    eng = engine(torch.float64, max_loras=2, max_cpu_loras=3, max_num_seqs=5)  # float64: see above
+# The churn fleet: ranks and target sets differ, so a GPU slot is refilled by adapters of other
+# shapes (a slice a previous adapter wrote and the next one lacks must not leak into its output).
+CHURN_KINDS = (
+    dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
+    dict(r=2, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),
+    dict(r=4, lora_alpha=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                            "down_proj"]),
+    dict(r=6, lora_alpha=12, target_modules=["down_proj"]),
+)
+
+
+CHURN_PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)  # a stale slice shows at once
+
+
+def reference_greedy(adapter_path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The eager reference for the churn trace: transformers (+ PEFT) in float64, no KV cache, no
+    paging, no batching, argmax over the full logits at every step, past EOS as ``ignore_eos``."""
+    from peft import PeftModel
+
+    model = tiny_llama().double()
+    if adapter_path is not None:
+        model = PeftModel.from_pretrained(model, adapter_path).double()
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_new_tokens):
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            outputs.append(ids[len(prompt):])
+    return outputs
+
+
+def test_churn_with_many_more_adapters_than_tiers(make_adapter, monkeypatch):
+    """Issue 10, item 1 on CPU: 12 adapters of four kinds (ranks 2-8; q/v, q/k/v/o, all seven, MLP
+    only) over 2 GPU slots and 3 CPU entries, power-law popularity, requests arriving over many
+    steps while adapter loads run beside the loop (slowed, so they overlap decode steps) and batch
+    shapes keep changing. Every request completes with the eager float64 reference's tokens."""
+    adapters = {f"c{i}": make_adapter(f"c{i}", seed=100 + i, **CHURN_KINDS[i % len(CHURN_KINDS)]) for i in range(12)}
+    rng = random.Random(3)
+    names = [None, *adapters]
+    popularity = [1.0 / (i + 1) for i in range(len(names))]  # hot adapters stay, cold ones churn
+    requests = []
+    for i, name in enumerate(rng.choices(names, weights=popularity, k=30)):
+        lora = None if name is None else LoRARequest(name, names.index(name), str(adapters[name]))
+        requests.append((f"r{i}", [rng.randrange(3, 128) for _ in range(rng.randint(2, 20))], lora))
+    assert len({lora.lora_name for _, _, lora in requests if lora}) > 5  # more than both tiers hold
+
+    eng = engine(torch.float64, max_loras=2, max_cpu_loras=3, max_num_seqs=5)
+    load_spans, decoding_spans = [], []  # (start, end) of each adapter load and each step that decoded
+    get = eng.registry.get
+
+    def slow_get(*args, **kwargs):  # a disk read's worth of delay: loads overlap decode steps
+        start = time.perf_counter()
+        try:
+            time.sleep(0.02)
+            return get(*args, **kwargs)
+        finally:
+            load_spans.append((start, time.perf_counter()))
+
+    monkeypatch.setattr(eng.registry, "get", slow_get)
     finished, pending = {}, list(requests)
-    rng = random.Random(4)
+    batch_sizes = set()
     for _ in range(3000):
         for _ in range(rng.randint(0, 2)):  # arrivals over time
             if pending:
                 request_id, prompt, lora = pending.pop(0)
-                eng.add_request(request_id, {"prompt_token_ids": prompt}, GREEDY, lora)
-        for out in eng.step():
+                eng.add_request(request_id, {"prompt_token_ids": prompt}, CHURN_PARAMS, lora)
+        start = time.perf_counter()
+        outputs = eng.step()
+        decoded = sum(1 for out in outputs if out.outputs[0].token_ids)
+        batch_sizes.add(decoded)
+        if decoded:
+            decoding_spans.append((start, time.perf_counter()))
+        for out in outputs:
             if out.finished:
                 assert out.error is None, out.error
                 finished[out.request_id] = out.outputs[0].token_ids
         if not pending and not eng.has_unfinished_requests():
             break
-    assert finished == roomy
-    assert eng.registry.cache.stats.evictions > 0 and eng.lora_manager.stats.evictions > 0
+    assert len(finished) == len(requests)
+    # the trace really churned: loads beside decoding steps, varied batches, evictions from both
+    # tiers, and adapters read from disk again after leaving the CPU tier
+    beside_loads = sum(any(s < le and ls < e for ls, le in load_spans) for s, e in decoding_spans)
+    assert beside_loads >= 3 and len(batch_sizes) >= 4, (beside_loads, len(load_spans), batch_sizes)
+    cpu = eng.registry.cache.stats
+    assert cpu.evictions > 0 and eng.lora_manager.stats.evictions > 0
+    assert cpu.loads > len({lora.lora_name for _, _, lora in requests if lora}), cpu
+
+    by_adapter: dict[str | None, list[tuple[str, list[int]]]] = {}
+    for request_id, prompt, lora in requests:
+        by_adapter.setdefault(lora and lora.lora_name, []).append((request_id, prompt))
+    for name, group in by_adapter.items():
+        expected = reference_greedy(adapters.get(name), [prompt for _, prompt in group], CHURN_PARAMS.max_tokens)
+        for (request_id, _), tokens in zip(group, expected):
+            assert finished[request_id] == tokens, (request_id, name)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma"])

@@ -1,0 +1,337 @@
+"""A many-adapter serving trace and its driver (issue 10): who asks for which adapter, and when.
+
+- :func:`make_trace`: N adapters of a mix of ranks and target sets, power-law (Zipf) popularity,
+  Poisson arrivals, fixed-length random prompts; a fixed seed gives the same trace.
+- :func:`write_adapter_files`: the adapters a trace uses, written as PEFT writes them
+  (adapter_config.json + adapter_model.safetensors) with random weights, then dropped from the page
+  cache, so that a cold load really reads the disk.
+- :func:`run_trace`: a driver loop over the engine's public API (``add_request`` when a request's
+  arrival time has passed, ``step`` otherwise), recording per request its arrival, first token,
+  finish, adapter and whether that adapter was cold (in neither the CPU tier nor a GPU slot).
+- :func:`summarize`: throughput, TTFT percentiles, cold against warm TTFT, failures.
+
+Used by ``benchmarks/many_adapters.py`` and by its CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from benchmarks._common import ALL_SEVEN, QKVO, QV, drop_from_page_cache, module_name, projection_shapes, write_peft_config
+
+__all__ = [
+    "DEFAULT_MIX", "AdapterKind", "RequestRecord", "Trace", "TraceAdapter", "TraceRequest", "adapter_nbytes",
+    "is_resident", "make_trace", "run_trace", "summarize", "write_adapter_files",
+]
+
+TARGET_SETS = {"q/v": QV, "q/k/v/o": QKVO, "all 7": ALL_SEVEN}
+
+
+@dataclass(frozen=True)
+class AdapterKind:
+    """One kind of adapter in the fleet: its rank, the projections it adapts, its share of adapters."""
+
+    rank: int
+    targets: str  # a key of TARGET_SETS
+    share: float
+
+    @property
+    def label(self) -> str:
+        return f"r{self.rank} {self.targets}"
+
+
+# Most adapters of a fleet are small; the big ones (rank 64 on all seven projections: 335 MB at
+# Llama-3.1-8B shapes in bf16) are a small share, so 1,000 of them average ~15 MB (~15 GB in all; a trace writes only those it uses).
+DEFAULT_MIX = (
+    AdapterKind(8, "q/v", 0.514), AdapterKind(16, "q/v", 0.22), AdapterKind(32, "q/v", 0.06),
+    AdapterKind(64, "q/v", 0.01),
+    AdapterKind(8, "q/k/v/o", 0.10), AdapterKind(16, "q/k/v/o", 0.04), AdapterKind(32, "q/k/v/o", 0.015),
+    AdapterKind(64, "q/k/v/o", 0.005),
+    AdapterKind(8, "all 7", 0.02), AdapterKind(16, "all 7", 0.01), AdapterKind(32, "all 7", 0.004),
+    AdapterKind(64, "all 7", 0.002),
+)
+
+
+@dataclass(frozen=True)
+class TraceAdapter:
+    name: str
+    lora_int_id: int
+    rank: int
+    targets: tuple[str, ...]
+    seed: int  # of its random weights: every adapter has its own content (and digest)
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    request_id: str
+    arrival_s: float  # since the trace starts
+    adapter: TraceAdapter
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Trace:
+    adapters: list[TraceAdapter]  # all N, most popular first
+    requests: list[TraceRequest]  # by arrival
+
+    def used_adapters(self) -> list[TraceAdapter]:
+        """The adapters some request asks for (the others are never read: no file is needed)."""
+        return list({r.adapter.name: r.adapter for r in self.requests}.values())
+
+
+def make_trace(
+    num_adapters: int,
+    num_requests: int,
+    *,
+    rate: float,
+    prompt_len: int,
+    vocab_size: int,
+    seed: int = 0,
+    mix: Sequence[AdapterKind] = DEFAULT_MIX,
+    zipf_exponent: float = 1.0,
+    name_prefix: str = "a",
+    first_id: int = 1,
+    request_seed: int | None = None,
+) -> Trace:
+    """N adapters (kinds drawn from ``mix`` by share), requests choosing adapter i with probability
+    proportional to 1 / i^``zipf_exponent``, arriving as a Poisson process of ``rate`` requests/s
+    (``math.inf``: all at once). Adapters are named ``{name_prefix}{i}`` with ids from ``first_id``.
+    The adapters depend on ``seed`` only; the requests on ``request_seed`` too (default: ``seed``),
+    so another ``request_seed`` gives other requests over the very same adapters.
+
+    :raises ValueError: a count, length or rate that is not positive, an empty mix, a share that is
+        not positive, a target set that is not one of ``TARGET_SETS``, or a negative exponent.
+    """
+    for what, value in (("num_adapters", num_adapters), ("num_requests", num_requests),
+                        ("prompt_len", prompt_len), ("vocab_size", vocab_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"make_trace {what}: got {value!r}; allowed: an int >= 1")
+    if vocab_size < 2:
+        raise ValueError(f"make_trace vocab_size: got {vocab_size}; allowed: >= 2 (token 0 is left out of prompts)")
+    if not (isinstance(rate, (int, float)) and rate > 0):
+        raise ValueError(f"make_trace rate: got {rate!r}; allowed: requests per second > 0 (math.inf: all at once)")
+    if not (isinstance(zipf_exponent, (int, float)) and zipf_exponent >= 0):
+        raise ValueError(f"make_trace zipf_exponent: got {zipf_exponent!r}; allowed: a number >= 0 (0: uniform)")
+    if not mix:
+        raise ValueError("make_trace mix: got no adapter kinds; give at least one AdapterKind")
+    for kind in mix:
+        if kind.targets not in TARGET_SETS:
+            raise ValueError(f"make_trace mix: target set {kind.targets!r} of {kind}; allowed: {sorted(TARGET_SETS)}")
+        if not kind.share > 0 or isinstance(kind.rank, bool) or not isinstance(kind.rank, int) or kind.rank < 1:
+            raise ValueError(f"make_trace mix: {kind} needs a share > 0 and an int rank >= 1")
+    rng = random.Random(seed)
+    kinds = rng.choices(list(mix), weights=[k.share for k in mix], k=num_adapters)
+    adapters = [
+        TraceAdapter(f"{name_prefix}{i}", first_id + i, kind.rank, TARGET_SETS[kind.targets], seed=rng.randrange(2**31))
+        for i, kind in enumerate(kinds)
+    ]
+    if request_seed is not None:
+        rng = random.Random(f"{seed}/{request_seed}")
+    popularity = [1.0 / (i + 1) ** zipf_exponent for i in range(num_adapters)]
+    chosen = rng.choices(adapters, weights=popularity, k=num_requests)
+    arrival = 0.0
+    requests = []
+    for index, adapter in enumerate(chosen):
+        if index and math.isfinite(rate):
+            arrival += rng.expovariate(rate)
+        prompt = [rng.randrange(1, vocab_size) for _ in range(prompt_len)]
+        tag = "" if request_seed is None else f"s{request_seed}-"
+        requests.append(TraceRequest(f"{name_prefix}{tag}req{index}", arrival, adapter, prompt))
+    return Trace(adapters, requests)
+
+
+# -- adapter files ---------------------------------------------------------------------------------
+
+
+def adapter_nbytes(config, rank: int, targets: Sequence[str], dtype: torch.dtype) -> int:
+    """Bytes of the A and B weights of one adapter on ``targets`` of every layer of ``config``."""
+    shapes = projection_shapes(config)
+    per_layer = sum(rank * (shapes[p][0] + shapes[p][1]) for p in targets)
+    return per_layer * config.get_text_config().num_hidden_layers * dtype.itemsize
+
+
+_POOL_ELEMENTS = 1 << 23  # 8 Mi random values: every tensor is a slice of it at its own offset
+
+
+def write_adapter_files(
+    adapters: Sequence[TraceAdapter],
+    config,
+    directory: Path,
+    dtype: torch.dtype,
+    *,
+    workers: int = 8,
+    drop_cache: bool = True,
+) -> dict[str, Path]:
+    """Write each adapter as PEFT saves one, under ``directory/<name>``; returns name -> dir.
+
+    Weights are slices of one random pool at offsets drawn from the adapter's seed (random
+    generation would cost more than the disk), copied out so safetensors sees separate tensors.
+    With ``drop_cache`` each file is synced and evicted from the page cache, so the first load
+    reads the disk.
+    """
+    from safetensors.torch import save_file
+
+    shapes = projection_shapes(config)
+    layers = config.get_text_config().num_hidden_layers
+    # std 0.02: the adapters' deltas stay small beside the base model's, as trained ones do
+    pool = (torch.randn(_POOL_ELEMENTS, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+
+    def write(adapter: TraceAdapter) -> tuple[str, Path]:
+        rng = random.Random(adapter.seed)
+        tensors = {}
+        for layer in range(layers):
+            for proj in adapter.targets:
+                fan_in, fan_out = shapes[proj]
+                for part, shape in (("lora_A", (adapter.rank, fan_in)), ("lora_B", (fan_out, adapter.rank))):
+                    numel = shape[0] * shape[1]
+                    if numel > _POOL_ELEMENTS:
+                        raise ValueError(f"adapter {adapter.name!r}: a {shape} tensor is larger than the random "
+                                         f"pool ({_POOL_ELEMENTS} values); raise _POOL_ELEMENTS")
+                    start = rng.randrange(_POOL_ELEMENTS - numel + 1)
+                    key = f"base_model.model.{module_name(layer, proj)}.{part}.weight"
+                    tensors[key] = pool[start:start + numel].clone().view(shape)
+        path = Path(directory) / adapter.name
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, path / "adapter_model.safetensors")
+        write_peft_config(path, adapter.rank, adapter.targets)
+        if drop_cache:
+            drop_from_page_cache(path / "adapter_model.safetensors", path / "adapter_config.json")
+        return adapter.name, path
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool_executor:
+        return dict(pool_executor.map(write, adapters))
+
+
+# -- driving the engine ---------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request; times in seconds since the trace started."""
+
+    request_id: str
+    adapter: str
+    adapter_bytes: int
+    cold: bool  # its adapter was in neither the CPU tier nor a GPU slot when the request arrived
+    arrival_s: float  # when the trace says it arrives (TTFT counts from here)
+    added_s: float  # when the driver handed it to the engine
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+def is_resident(engine, name: str) -> bool:
+    """Whether the adapter ``name`` sits in the CPU tier or a GPU slot (so no disk read is due).
+
+    Read through the registry's public handle lookup and the tiers' membership; a GPU tier keyed
+    by handle id or by name both answer.
+    """
+    handle = engine.registry.handle(name)
+    if handle is not None and handle.id in engine.registry.cache:
+        return True
+    resident = set(engine.lora_manager.resident())
+    return name in resident or (handle is not None and handle.id in resident)
+
+
+def run_trace(
+    engine,
+    trace: Trace,
+    paths: dict[str, Path],
+    *,
+    max_tokens: int,
+    adapter_bytes: Callable[[TraceAdapter], int] = lambda adapter: 0,
+    progress: Callable[[int, int, float], None] | None = None,
+    progress_every_s: float = 5.0,
+) -> list[RequestRecord]:
+    """Replay ``trace`` in real time through ``engine`` (an ``LLMEngine``); the record of each request.
+
+    Every request generates exactly ``max_tokens`` tokens (greedy, ``ignore_eos``), with its
+    adapter registered by path (``LoRARequest(name, id, path)``), so a cold adapter is read from
+    disk. ``progress(finished, total, seconds)`` is called every ``progress_every_s``.
+    """
+    from loramux import LoRARequest, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    pending = deque(trace.requests)
+    records: dict[str, RequestRecord] = {}
+    finished = 0
+    start = time.perf_counter()
+    last_report = start
+    while pending or engine.has_unfinished_requests():
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_s <= now:
+            request = pending.popleft()
+            adapter = request.adapter
+            record = RequestRecord(request.request_id, adapter.name, adapter_bytes(adapter),
+                                   cold=not is_resident(engine, adapter.name), arrival_s=request.arrival_s,
+                                   added_s=now)
+            records[request.request_id] = record
+            lora = LoRARequest(adapter.name, adapter.lora_int_id, str(paths[adapter.name]))
+            engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params, lora)
+        if not engine.has_unfinished_requests():
+            if pending:  # idle until the next arrival
+                time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.01)))
+            continue
+        outputs = engine.step()
+        now = time.perf_counter() - start
+        for out in outputs:
+            record = records[out.request_id]
+            tokens = len(out.outputs[0].token_ids)
+            if tokens and record.first_token_s is None:
+                record.first_token_s = now
+            if out.finished:
+                record.finish_s, record.output_tokens = now, tokens
+                if out.error is not None or out.outputs[0].finish_reason in ("error", "abort"):
+                    record.error = str(out.error or out.outputs[0].finish_reason)
+                finished += 1
+        if progress is not None and time.perf_counter() - last_report >= progress_every_s:
+            last_report = time.perf_counter()
+            progress(finished, len(trace.requests), last_report - start)
+    return [records[r.request_id] for r in trace.requests]
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def summarize(records: Sequence[RequestRecord]) -> dict:
+    """Throughput (output tokens over first arrival to last finish), TTFT p50/p99, cold and warm
+    TTFT p50 (ms), and the requests that failed or never finished."""
+    done = [r for r in records if r.finish_s is not None and r.error is None]
+    failed = [r for r in records if r.error is not None or r.finish_s is None]
+    ttft = [r.ttft_s * 1e3 for r in done if r.ttft_s is not None]
+    cold = [r for r in done if r.cold and r.ttft_s is not None]
+    warm = [r for r in done if not r.cold and r.ttft_s is not None]
+    tokens = sum(r.output_tokens for r in done)
+    span = (max(r.finish_s for r in done) - min(r.arrival_s for r in records)) if done else None
+    return {
+        "requests": len(records),
+        "failed": len(failed),
+        "failures": sorted({r.error or "did not finish" for r in failed})[:5],
+        "output_tokens": tokens,
+        "seconds": span,
+        "tokens_per_s": tokens / span if span else None,
+        "ttft_p50_ms": _percentile(ttft, 50),
+        "ttft_p99_ms": _percentile(ttft, 99),
+        "e2e_p50_ms": _percentile([(r.finish_s - r.arrival_s) * 1e3 for r in done], 50),
+        "cold_requests": len(cold),
+        "cold_ttft_p50_ms": _percentile([r.ttft_s * 1e3 for r in cold], 50),
+        "warm_ttft_p50_ms": _percentile([r.ttft_s * 1e3 for r in warm], 50),
+        "cold_adapter_bytes_p50": _percentile([r.adapter_bytes for r in cold], 50),
+        "adapters_used": len({r.adapter for r in records}),
+    }

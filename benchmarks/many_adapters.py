@@ -1,0 +1,402 @@
+"""Thousands of adapters under churn (issue 10, item 5): throughput and TTFT as N grows past the tiers.
+
+    PYTHONPATH=. python benchmarks/many_adapters.py                    # CPU: embedded model, small
+    PYTHONPATH=. python benchmarks/many_adapters.py --tag h100         # CUDA: Llama-3.1-8B shapes, dummy
+    PYTHONPATH=. python benchmarks/many_adapters.py --plot docs/benchmarks/many_adapters_h100.json
+
+For each N (default 4, 32, 256, 1000 on CUDA) one trace (``benchmarks/adapter_trace.py``): N
+adapters of a mix of ranks (8-64) and target sets (q/v, q/k/v/o, all seven), Zipf(1) popularity,
+Poisson arrivals, every request 128 prompt + 64 generated tokens (``ignore_eos``). The adapters a
+trace uses are written as PEFT files on local disk, dropped from the page cache, and registered by
+path, so a cold load reads the disk. One engine (``max_loras=32``, ``max_cpu_loras=64``: tiers
+smaller than N) is built once and serves every N; each N has fresh adapter names, and the previous
+N's adapters are unloaded, so each trace starts with cold tiers.
+
+The arrival rate defaults to ``--load`` (0.75) times the capacity measured on the same engine
+first: a saturated burst over 4 warm adapters (busy, not drowning). Per N: output tokens/s, TTFT
+p50/p99, cold against warm TTFT, failed requests, tier loads and evictions under Poisson arrivals;
+then, from cold tiers and page cache again, ``--saturated-requests`` over the same adapters all at
+once: the throughput at saturation (under Poisson arrivals an engine that keeps up just serves the
+rate). The issue's targets: saturated throughput at the largest N within 5% of the smallest, p99
+TTFT at the largest N at most 2x the smallest's, cold TTFT p50 at most warm p50 + 1.5 x (adapter
+bytes / disk read bandwidth), the bandwidth measured in this run by reading fresh adapter files
+with the page cache dropped.
+Writes ``many_adapters_<tag>.json`` and ``.md`` into ``--out``; ``--plot`` draws the PNG from a JSON
+(matplotlib, the ``bench`` extra: a separate step, as the GPU machine has no matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import (  # noqa: E402
+    copy_bandwidth,
+    device_name,
+    disk_bandwidth,
+    drop_from_page_cache,
+    filesystem_of,
+    read_seconds,
+    sync,
+)
+from benchmarks.adapter_trace import (  # noqa: E402
+    DEFAULT_MIX,
+    AdapterKind,
+    adapter_nbytes,
+    make_trace,
+    run_trace,
+    summarize,
+    write_adapter_files,
+)
+
+GB = 1e9
+# the CPU default: a 2-layer Llama small enough that 2 cores replay every trace in seconds
+TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=256)
+
+
+def build_engine(args):
+    """Load the model and build the one engine every N runs on."""
+    from loramux.engine.llm_engine import LLMEngine
+    from loramux.engine.model_loader import load_model
+
+    if args.model == "tiny":  # random weights from a small config: the CPU smoke run
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(args.seed)
+        model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).to(args.weights_dtype).eval()
+    else:
+        model = load_model(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format)[0]
+    max_rank = max(kind.rank for kind in args.mix)
+    return LLMEngine(model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=max_rank,
+                     max_cpu_loras=args.max_cpu_loras, max_num_seqs=args.max_num_seqs,
+                     max_model_len=args.prompt_len + args.output_len + 8,
+                     max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+                     enforce_eager=args.enforce_eager)
+
+
+def measure_disk(engine, args, root: Path) -> dict:
+    """Read bandwidth of fresh adapter files (of the mix, written, synced and dropped from the page
+    cache) and of one ``--disk-probe-mb`` file; bytes/s. The adapter files' figure judges the cold
+    target."""
+    probe = make_trace(8, 8, rate=math.inf, prompt_len=1, vocab_size=2, seed=args.seed + 99, mix=args.mix,
+                       zipf_exponent=0, name_prefix="probe")
+    adapters = probe.adapters
+    paths = write_adapter_files(adapters, engine.model.config, root / "probe", args.weights_dtype)
+    files = [paths[a.name] / "adapter_model.safetensors" for a in adapters]
+    drop_from_page_cache(*files)
+    seconds = sum(read_seconds(f) for f in files)
+    nbytes = sum(f.stat().st_size for f in files)
+    shutil.rmtree(root / "probe")
+    sequential = disk_bandwidth(root, nbytes=args.disk_probe_mb << 20)
+    return {"filesystem": filesystem_of(root), "adapter_files_read_bytes_per_s": nbytes / seconds,
+            "adapter_files_read_bytes": nbytes, **sequential}
+
+
+def calibrate(engine, args, root: Path, vocab: int) -> float:
+    """Requests/s the engine serves in a saturated burst (``max_num_seqs`` requests at once) over 4
+    warm adapters, after one untimed burst that compiles and loads: the capacity the default rate
+    is a fraction of."""
+    trace = make_trace(4, args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
+                       seed=args.seed + 7, mix=args.mix, name_prefix="warm")
+    paths = write_adapter_files(trace.adapters, engine.model.config, root / "warm", args.weights_dtype)
+    capacity = 0.0
+    for attempt in range(2):
+        if attempt:  # the same adapters, new prompts (no prefix-cache hits)
+            trace = make_trace(4, args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
+                               seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=attempt)
+        records = run_trace(engine, trace, paths, max_tokens=args.output_len)
+        summary = summarize(records)
+        if summary["failed"]:
+            raise RuntimeError(f"the warm-up burst failed {summary['failed']} requests: {summary['failures']}")
+        capacity = summary["requests"] / summary["seconds"]
+        print(f"  burst {attempt + 1}: {summary['tokens_per_s']:.0f} tok/s, {capacity:.1f} req/s", flush=True)
+    for adapter in trace.adapters:
+        engine.remove_lora(adapter.name)
+    shutil.rmtree(root / "warm")
+    return capacity
+
+
+def tier_counts(engine) -> dict[str, int]:
+    """The tiers' cumulative loads and evictions, as /metrics reads them."""
+    from loramux.serving.engine_info import read_tiers
+
+    counts = {}
+    for tier, stats in read_tiers(engine).items():
+        for name in ("loads", "evictions"):
+            counts[f"{tier}_{name}"] = getattr(stats, name) or 0
+    return counts
+
+
+def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
+    """``n`` adapters: write the files of those used, replay the Poisson trace, then (from cold tiers
+    and page cache again) a saturated burst over the same adapters; unload them, delete the files."""
+    config = engine.model.config
+    common = dict(prompt_len=args.prompt_len, vocab_size=vocab, seed=args.seed + index, mix=args.mix,
+                  zipf_exponent=args.zipf_exponent, name_prefix=f"n{n}-", first_id=1 + 100_000 * (index + 1))
+    trace = make_trace(n, args.num_requests, rate=args.rate, **common)
+    burst = make_trace(n, args.saturated_requests, rate=math.inf, request_seed=1, **common) \
+        if args.saturated_requests else None
+    used = list({a.name: a for t in (trace, burst) if t for a in t.used_adapters()}.values())
+    sizes = {a.name: adapter_nbytes(config, a.rank, a.targets, args.weights_dtype) for a in used}
+    total = sum(sizes.values())
+    if total > args.max_disk_gb * GB:
+        raise SystemExit(f"N={n}: the {len(used)} adapters used need {total / GB:.1f} GB of disk, over "
+                         f"--max-disk-gb={args.max_disk_gb}; raise it, or lower N or --num-requests")
+    t0 = time.perf_counter()
+    paths = write_adapter_files(used, config, root / f"n{n}", args.weights_dtype, workers=args.write_workers)
+    written_s = time.perf_counter() - t0
+    print(f"N={n}: wrote {len(used)} adapter files ({total / GB:.2f} GB) in {written_s:.1f} s; "
+          f"replaying {len(trace.requests)} requests over {trace.requests[-1].arrival_s:.1f} s", flush=True)
+    before = tier_counts(engine)
+    records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
+                        progress=lambda done, total_, s: print(f"  {done}/{total_} finished, {s:.0f} s", flush=True))
+    after = tier_counts(engine)
+    result = {"adapters": n, **summarize(records), "adapter_bytes_written": total, "write_seconds": written_s,
+              **{key: after[key] - before.get(key, 0) for key in after},
+              "load_average_1m": os.getloadavg()[0]}  # other work on the host skews every number
+    print(f"  N={n}: {result['tokens_per_s']:.0f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms, p99 "
+          f"{result['ttft_p99_ms']:.0f} ms; {result['cold_requests']} cold; {result['failed']} failed", flush=True)
+    unload(engine, used, paths)
+    if burst is not None:  # throughput at saturation: what S-LoRA's mark compares
+        saturated = summarize(run_trace(engine, burst, paths, max_tokens=args.output_len))
+        result.update(saturated_requests=saturated["requests"], saturated_failed=saturated["failed"],
+                      saturated_tokens_per_s=saturated["tokens_per_s"])
+        result["failed"] += saturated["failed"]
+        print(f"  N={n} saturated: {saturated['tokens_per_s']:.0f} tok/s over {saturated['requests']} requests; "
+              f"{saturated['failed']} failed", flush=True)
+        unload(engine, used, paths)
+    shutil.rmtree(root / f"n{n}")
+    return result
+
+
+def unload(engine, adapters, paths: dict[str, Path]) -> None:
+    """Leave no trace of ``adapters``: out of both tiers and out of the page cache."""
+    for adapter in adapters:
+        engine.remove_lora(adapter.name)
+    drop_from_page_cache(*(paths[a.name] / f for a in adapters for f in ("adapter_model.safetensors",
+                                                                          "adapter_config.json")))
+
+
+def check_targets(results: list[dict], disk_bytes_per_s: float) -> dict:
+    """The issue's targets, each with the numbers it was judged on (None: not measurable here)."""
+    small, large = results[0], results[-1]
+    checks = {"no_failed_requests": {"failed": sum(r["failed"] for r in results),
+                                     "passed": all(r["failed"] == 0 for r in results)}}
+    # at saturation where measured: under Poisson arrivals an engine that keeps up serves the rate
+    key = "saturated_tokens_per_s" if small.get("saturated_tokens_per_s") else "tokens_per_s"
+    if len(results) > 1 and small[key] and large.get(key):
+        ratio = large[key] / small[key]
+        checks["throughput_within_5pct"] = {"largest_over_smallest": ratio, "measured": key, "passed": ratio >= 0.95}
+    if len(results) > 1 and small["ttft_p99_ms"] and large["ttft_p99_ms"] is not None:
+        ratio = large["ttft_p99_ms"] / small["ttft_p99_ms"]
+        checks["p99_ttft_at_most_2x"] = {"largest_over_smallest": ratio, "passed": ratio <= 2.0}
+    cold = {}
+    for r in results:
+        if r["cold_ttft_p50_ms"] is None or r["warm_ttft_p50_ms"] is None:
+            continue
+        bound = r["warm_ttft_p50_ms"] + 1.5 * 1e3 * r["cold_adapter_bytes_p50"] / disk_bytes_per_s
+        cold[r["adapters"]] = {"cold_p50_ms": r["cold_ttft_p50_ms"], "bound_ms": bound,
+                               "passed": r["cold_ttft_p50_ms"] <= bound}
+    checks["cold_ttft_bound"] = {"per_n": cold, "passed": all(c["passed"] for c in cold.values()) if cold else None}
+    return checks
+
+
+def markdown(report: dict) -> str:
+    options, disk = report["options"], report["disk"]
+    fmt = lambda v, f="{:.0f}": "" if v is None else f.format(v)  # noqa: E731
+    loads = ", ".join(f"{r.get('load_average_1m', 0):.1f}" for r in report["results"])
+    lines = [
+        f"**{report['device']}**, {report['model']} ({options['dtype']}, {report['mode']}); one engine, "
+        f"max_loras={options['max_loras']}, max_cpu_loras={options['max_cpu_loras']}, "
+        f"max_num_seqs={options['max_num_seqs']}; {options['num_requests']} requests per N "
+        f"({options['prompt_len']} prompt + {options['output_len']} generated tokens), Poisson arrivals at "
+        f"{report['rate_req_s']:.1f} req/s ({options['load']:.2f} x the measured capacity of "
+        f"{report['capacity_req_s']:.1f} req/s), Zipf({options['zipf_exponent']}) popularity, ranks "
+        f"{sorted({k['rank'] for k in options['mix']})}, q/v, q/k/v/o and all-seven targets.",
+        f"Disk ({disk['filesystem']}): fresh adapter files read at {disk['adapter_files_read_bytes_per_s'] / GB:.2f} "
+        f"GB/s (page cache dropped), sequential {disk['disk_bytes_per_s'] / GB:.2f} GB/s. Host load average "
+        f"(1 min) after each N: {loads} on {os.cpu_count()} CPUs.",
+        "",
+        "| N | used | GB on disk | tokens/s (Poisson) | saturated tokens/s | vs first | TTFT p50 (ms) | p99 (ms) | "
+        "cold req. | cold p50 (ms) | warm p50 (ms) | CPU loads | CPU evictions | GPU evictions | failed |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    key = "saturated_tokens_per_s" if report["results"][0].get("saturated_tokens_per_s") else "tokens_per_s"
+    first = report["results"][0][key]
+    for r in report["results"]:
+        lines.append(
+            f"| {r['adapters']} | {r['adapters_used']} | {r['adapter_bytes_written'] / GB:.2f} | "
+            f"{fmt(r['tokens_per_s'])} | {fmt(r.get('saturated_tokens_per_s'))} | "
+            f"{fmt(r[key] / first if first and r.get(key) else None, '{:.3f}x')} | "
+            f"{fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | {r['cold_requests']} | {fmt(r['cold_ttft_p50_ms'])} | "
+            f"{fmt(r['warm_ttft_p50_ms'])} | {r.get('cpu_loads', '')} | {r.get('cpu_evictions', '')} | "
+            f"{r.get('gpu_evictions', '')} | {r['failed']} |")
+    lines += ["", "Targets (issue 10):", ""]
+    for name, check in report["targets"].items():
+        verdict = {True: "**met**", False: "**not met**", None: "not measurable"}[check["passed"]]
+        detail = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in check.items() if k != "passed"}
+        lines.append(f"- {name}: {verdict} {json.dumps(detail)}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(json_path: Path) -> Path:
+    """Throughput and TTFT p50/p99 against N (log x) from a results JSON; writes a PNG beside it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(Path(json_path).read_text())
+    results = report["results"]
+    n = [r["adapters"] for r in results]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(n, [r["tokens_per_s"] for r in results], "o-", label="Poisson arrivals")
+    if all(r.get("saturated_tokens_per_s") for r in results):
+        left.plot(n, [r["saturated_tokens_per_s"] for r in results], "s-", label="saturated")
+    left.legend()
+    left.set(xscale="log", xlabel="adapters (N)", ylabel="output tokens/s", title="throughput")
+    left.set_ylim(bottom=0)
+    for key, label in (("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99"), ("cold_ttft_p50_ms", "cold p50"),
+                       ("warm_ttft_p50_ms", "warm p50")):
+        right.plot(n, [r[key] for r in results], "o-", label=label)
+    right.set(xscale="log", xlabel="adapters (N)", ylabel="ms", title="time to first token")
+    right.set_ylim(bottom=0)
+    right.legend()
+    for axes in (left, right):  # the N values themselves as ticks, not powers of ten
+        axes.set_xticks(n, [str(value) for value in n])
+        axes.minorticks_off()
+    options = report["options"]
+    figure.suptitle(f"{report['device']}: {report['model']}, max_loras={options['max_loras']}, "
+                    f"max_cpu_loras={options['max_cpu_loras']}, {report['rate_req_s']:.1f} req/s", fontsize=9)
+    figure.tight_layout()
+    out = Path(json_path).with_suffix(".png")
+    figure.savefig(out, dpi=120)
+    return out
+
+
+def parse_args(argv=None):
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama-3.1-8b" if cuda else "tiny",
+                        help="default: llama-3.1-8b (dummy weights) on CUDA, 'tiny' (TINY_CONFIG, random) on CPU; "
+                        "a model id, dir or shipped dummy config name")
+    parser.add_argument("--load-format", default="dummy" if cuda else "auto")
+    parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
+    parser.add_argument("--adapters", default="4,32,256,1000" if cuda else "2,8,32", help="the N values, ascending")
+    parser.add_argument("--num-requests", type=int, default=512 if cuda else 24, help="per N")
+    parser.add_argument("--prompt-len", type=int, default=128 if cuda else 16)
+    parser.add_argument("--output-len", type=int, default=64 if cuda else 8)
+    parser.add_argument("--saturated-requests", type=int, default=256 if cuda else 16,
+                        help="per N, all at once after the Poisson trace: throughput at saturation (0: skip)")
+    parser.add_argument("--rate", type=float, default=0.0,
+                        help="arrivals per second (default 0: --load x the measured capacity; inf: all at once)")
+    parser.add_argument("--load", type=float, default=0.75, help="the default rate as a fraction of capacity")
+    parser.add_argument("--zipf-exponent", type=float, default=1.0)
+    parser.add_argument("--max-loras", type=int, default=32 if cuda else 4)
+    parser.add_argument("--max-cpu-loras", type=int, default=64 if cuda else 8)
+    parser.add_argument("--max-num-seqs", type=int, default=64 if cuda else 16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096 if cuda else 256)
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--max-disk-gb", type=float, default=20.0, help="refuse a trace whose files need more")
+    parser.add_argument("--write-workers", type=int, default=min(16, os.cpu_count() or 1))
+    parser.add_argument("--disk-probe-mb", type=int, default=256, help="the sequential-read probe file's size")
+    parser.add_argument("--adapter-dir", default=None, help="where adapter files go (default: the temp dir)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
+    parser.add_argument("--tag", default="gpu" if cuda else "cpu", help="file names: many_adapters_<tag>.json/.md")
+    parser.add_argument("--plot", type=Path, default=None, help="only draw the PNG of this results JSON")
+    args = parser.parse_args(argv)
+    try:
+        args.adapters = sorted(int(x) for x in args.adapters.split(","))
+    except ValueError:
+        parser.error(f"--adapters {args.adapters!r}: give N values as comma-separated ints, e.g. 4,32,256,1000")
+    if args.adapters[0] < 1:
+        parser.error(f"--adapters {args.adapters}: every N must be >= 1")
+    if args.rate < 0:
+        parser.error(f"--rate {args.rate}: give arrivals per second > 0, inf (all at once) or 0 (--load x capacity)")
+    if not 0 < args.load <= 1:
+        parser.error(f"--load {args.load}: give a fraction of the measured capacity in (0, 1]")
+    for option in ("num_requests", "disk_probe_mb", "max_loras", "max_cpu_loras", "max_num_seqs"):
+        if getattr(args, option) < 1:
+            parser.error(f"--{option.replace('_', '-')} {getattr(args, option)}: must be >= 1")
+    if args.saturated_requests < 0:
+        parser.error(f"--saturated-requests {args.saturated_requests}: must be >= 0 (0 skips the saturated burst)")
+    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        parser.error(f"--dtype {args.dtype!r}: give a torch dtype name, e.g. bfloat16, float16 or float32")
+    args.device = torch.device("cuda" if cuda else "cpu")
+    args.weights_dtype = getattr(torch, args.dtype)
+    args.mix = DEFAULT_MIX
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.plot is not None:
+        print(plot(args.plot))
+        return
+    started = time.perf_counter()
+    bandwidth = copy_bandwidth(args.device)  # before the engine: its KV cache takes the free memory
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()  # hand the probe's 2 GiB back, or the KV cache is sized without them
+    engine = build_engine(args)
+    sync(args.device)
+    vocab = engine.vocab_size
+    mode = "eager" if args.enforce_eager or args.device.type != "cuda" else "compiled + graphs"
+    print(f"{device_name(args.device)}: engine ready in {time.perf_counter() - started:.0f} s ({mode})", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="many-adapters-", dir=args.adapter_dir) as tmp:
+        root = Path(tmp)
+        disk = measure_disk(engine, args, root)
+        print(f"disk ({disk['filesystem']}): adapter files {disk['adapter_files_read_bytes_per_s'] / GB:.2f} GB/s, "
+              f"sequential {disk['disk_bytes_per_s'] / GB:.2f} GB/s", flush=True)
+        capacity = calibrate(engine, args, root, vocab)
+        args.rate = args.rate or args.load * capacity
+        print(f"capacity {capacity:.1f} req/s; arrivals at {args.rate:.1f} req/s", flush=True)
+        options = {key: getattr(args, key) for key in (
+            "dtype", "load_format", "num_requests", "prompt_len", "output_len", "load", "zipf_exponent", "max_loras",
+            "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "seed")}
+        options["mix"] = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in args.mix]
+        report = {"device": device_name(args.device), "model": _model_label(args),
+                  "mode": mode, "torch": torch.__version__, "options": options, "disk": disk,
+                  "copy_bandwidth_GBps": bandwidth and bandwidth / GB, "capacity_req_s": capacity,
+                  "rate_req_s": args.rate, "results": []}
+        for index, n in enumerate(args.adapters):
+            report["results"].append(run_one(engine, args, root, n, vocab, index))
+            report["targets"] = check_targets(report["results"], disk["adapter_files_read_bytes_per_s"])
+            save(report, args)  # what was measured survives a later failure
+    report["total_seconds"] = time.perf_counter() - started
+    json_path = save(report, args)
+    print(markdown(report))
+    print(f"wrote {json_path} and {json_path.with_suffix('.md')} in {report['total_seconds']:.0f} s")
+
+
+def _model_label(args) -> str:
+    if args.model == "tiny":
+        return "tiny Llama ({num_hidden_layers} layers, hidden {hidden_size}, random)".format(**TINY_CONFIG)
+    name = args.model or "SmolLM2-135M-Instruct (embedded)"
+    return f"{name} (dummy weights)" if args.load_format == "dummy" else name
+
+
+def save(report: dict, args) -> Path:
+    path = args.out / f"many_adapters_{args.tag}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.with_suffix(".md").write_text(markdown(report))
+    return path
+
+
+__all__ = ["AdapterKind", "check_targets", "main", "markdown", "plot"]
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,241 @@
+"""The many-adapter benchmark's trace (benchmarks/adapter_trace.py) and its CPU smoke run: more
+adapters than both tiers, PEFT files on disk, every request completes (issue 10, item 5)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks live beside tests/
+
+from benchmarks.adapter_trace import (  # noqa: E402
+    DEFAULT_MIX,
+    AdapterKind,
+    adapter_nbytes,
+    is_resident,
+    make_trace,
+    run_trace,
+    summarize,
+    write_adapter_files,
+)
+from loramux.engine.llm_engine import LLMEngine  # noqa: E402
+
+# ranks that fit the tiny Llama (hidden 32), over the benchmark's three target sets
+TINY_MIX = (AdapterKind(2, "q/v", 0.5), AdapterKind(4, "q/k/v/o", 0.3), AdapterKind(8, "all 7", 0.2))
+
+
+def test_a_trace_is_reproducible_power_law_and_poisson():
+    trace = make_trace(20, 3000, rate=50.0, prompt_len=4, vocab_size=128, seed=3)
+    assert trace == make_trace(20, 3000, rate=50.0, prompt_len=4, vocab_size=128, seed=3)
+    assert trace != make_trace(20, 3000, rate=50.0, prompt_len=4, vocab_size=128, seed=4)
+    counts = Counter(r.adapter.name for r in trace.requests)
+    # Zipf(1): adapter i is asked 1/(i+1) as often as the first; 20 adapters' harmonic sum is 3.6
+    assert 700 < counts["a0"] < 950 and 70 < counts["a9"] < 120 and counts["a0"] > 10 * counts["a19"]
+    arrivals = [r.arrival_s for r in trace.requests]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    assert 3000 / arrivals[-1] == pytest.approx(50.0, rel=0.1)  # the Poisson process's rate
+    assert all(len(r.prompt_token_ids) == 4 and 0 < min(r.prompt_token_ids) for r in trace.requests)
+    assert [a.lora_int_id for a in trace.adapters] == list(range(1, 21))
+
+
+def test_a_trace_mixes_ranks_and_targets_by_share():
+    trace = make_trace(2000, 1, rate=math.inf, prompt_len=1, vocab_size=2, seed=0)
+    kinds = Counter((a.rank, len(a.targets)) for a in trace.adapters)
+    for kind in DEFAULT_MIX:
+        expected = kind.share * 2000
+        targets = {"q/v": 2, "q/k/v/o": 4, "all 7": 7}[kind.targets]
+        assert abs(kinds[(kind.rank, targets)] - expected) < 4 * math.sqrt(expected) + 3, kind
+    again = make_trace(2000, 50, rate=math.inf, prompt_len=3, vocab_size=128, seed=0, request_seed=1)
+    assert again.adapters == trace.adapters  # other requests over the very same adapters
+    assert again.requests != make_trace(2000, 50, rate=math.inf, prompt_len=3, vocab_size=128).requests
+    assert len({r.request_id for r in again.requests + trace.requests}) == 51  # ids do not collide
+    burst = make_trace(3, 5, rate=math.inf, prompt_len=1, vocab_size=2)
+    assert {r.arrival_s for r in burst.requests} == {0.0}
+    assert {a.name for a in burst.used_adapters()} <= {"a0", "a1", "a2"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_adapters=0), "num_adapters: got 0; allowed: an int >= 1"),
+        (dict(num_requests=2.5), "num_requests: got 2.5; allowed: an int >= 1"),
+        (dict(prompt_len=0), "prompt_len: got 0"),
+        (dict(vocab_size=1), "vocab_size: got 1; allowed: >= 2"),
+        (dict(rate=0), "rate: got 0; allowed: requests per second > 0"),
+        (dict(rate=-1.0), "rate: got -1.0"),
+        (dict(zipf_exponent=-0.5), "zipf_exponent: got -0.5; allowed: a number >= 0"),
+        (dict(mix=()), "mix: got no adapter kinds"),
+        (dict(mix=(AdapterKind(8, "q/k", 1.0),)), "target set 'q/k'.*allowed: \\['all 7', 'q/k/v/o', 'q/v'\\]"),
+        (dict(mix=(AdapterKind(8, "q/v", 0.0),)), "needs a share > 0"),
+        (dict(mix=(AdapterKind(0, "q/v", 1.0),)), "an int rank >= 1"),
+    ],
+)
+def test_bad_trace_arguments_are_refused_naming_the_value(kwargs, message):
+    arguments = dict(num_adapters=4, num_requests=4, rate=1.0, prompt_len=4, vocab_size=128) | kwargs
+    with pytest.raises(ValueError, match=message):
+        make_trace(**arguments)
+
+
+def test_adapter_files_hold_what_adapter_nbytes_counts(tmp_path):
+    from safetensors import safe_open
+
+    model = tiny_llama()
+    trace = make_trace(3, 3, rate=math.inf, prompt_len=1, vocab_size=2, mix=TINY_MIX, zipf_exponent=0)
+    paths = write_adapter_files(trace.adapters, model.config, tmp_path, torch.float16, workers=2)
+    for adapter in trace.adapters:
+        config = json.loads((paths[adapter.name] / "adapter_config.json").read_text())
+        assert config["r"] == adapter.rank and config["target_modules"] == list(adapter.targets)
+        with safe_open(paths[adapter.name] / "adapter_model.safetensors", "pt") as f:
+            tensors = [f.get_tensor(k) for k in f.keys()]
+        assert len(tensors) == 2 * 2 * len(adapter.targets)  # A and B, 2 layers
+        assert sum(t.nbytes for t in tensors) == adapter_nbytes(model.config, adapter.rank, adapter.targets,
+                                                                torch.float16)
+        assert all(t.dtype == torch.float16 and t.abs().max() > 0 for t in tensors)
+    # every adapter has its own weights (content digests differ)
+    first = [safe_open(paths[a.name] / "adapter_model.safetensors", "pt").get_tensor(
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")[0, :8] for a in trace.adapters]
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+
+
+def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_path):
+    """The benchmark's own code on a tiny model: 12 adapters of three kinds over 2 GPU slots and 3
+    CPU entries, requests arriving while earlier ones decode and adapters load from disk."""
+    model = tiny_llama()
+    engine = LLMEngine(model, max_loras=2, max_lora_rank=8, max_cpu_loras=3, max_num_seqs=6, max_model_len=32,
+                       max_num_batched_tokens=64)
+    trace = make_trace(12, 30, rate=400.0, prompt_len=6, vocab_size=128, seed=1, mix=TINY_MIX, zipf_exponent=0.5)
+    used = trace.used_adapters()
+    assert len(used) > 5  # more than both tiers hold
+    paths = write_adapter_files(used, model.config, tmp_path, torch.float32, workers=2)
+    sizes = {a.name: adapter_nbytes(model.config, a.rank, a.targets, torch.float32) for a in used}
+    records = run_trace(engine, trace, paths, max_tokens=4, adapter_bytes=lambda a: sizes[a.name])
+
+    assert [r.request_id for r in records] == [r.request_id for r in trace.requests]
+    assert all(r.error is None and r.output_tokens == 4 for r in records), [r.error for r in records]
+    assert all(r.arrival_s <= r.added_s + 1e-3 and r.arrival_s <= r.first_token_s <= r.finish_s for r in records)
+    summary = summarize(records)
+    assert summary["failed"] == 0 and summary["output_tokens"] == 30 * 4 and summary["tokens_per_s"] > 0
+    assert summary["adapters_used"] == len(used)
+    # every adapter's first request found it cold, and the tiers churned
+    first_uses = {r.adapter: r for r in reversed(records)}
+    assert all(r.cold for r in first_uses.values()) and summary["cold_requests"] >= len(used)
+    assert summary["cold_ttft_p50_ms"] is not None and summary["cold_adapter_bytes_p50"] > 0
+    assert engine.registry.cache.stats.evictions > 0 and engine.lora_manager.stats.evictions > 0
+    assert is_resident(engine, records[-1].adapter)
+    engine.remove_lora(records[-1].adapter)
+    assert not is_resident(engine, records[-1].adapter)
+
+
+def test_summaries_count_failures_and_unfinished_requests():
+    from benchmarks.adapter_trace import RequestRecord
+
+    ok = RequestRecord("a", "x", 10, cold=True, arrival_s=0.0, added_s=0.0, first_token_s=0.5, finish_s=1.0,
+                       output_tokens=4)
+    failed = RequestRecord("b", "y", 10, cold=True, arrival_s=0.1, added_s=0.1, finish_s=0.2, error="bad adapter")
+    lost = RequestRecord("c", "z", 10, cold=False, arrival_s=0.2, added_s=0.2)
+    summary = summarize([ok, failed, lost])
+    assert summary["failed"] == 2 and summary["failures"] == ["bad adapter", "did not finish"]
+    assert summary["output_tokens"] == 4 and summary["tokens_per_s"] == pytest.approx(4.0)
+    assert summary["ttft_p50_ms"] == pytest.approx(500.0) and summary["warm_ttft_p50_ms"] is None
+
+
+def _result(n, tokens_per_s, p99, cold=None, warm=100.0, failed=0):
+    return {"adapters": n, "tokens_per_s": tokens_per_s, "ttft_p99_ms": p99, "failed": failed,
+            "cold_ttft_p50_ms": cold, "warm_ttft_p50_ms": warm, "cold_adapter_bytes_p50": 1e6}
+
+
+def test_the_targets_are_judged_on_the_smallest_and_largest_n():
+    from benchmarks.many_adapters import check_targets
+
+    met = check_targets([_result(4, 1000.0, 200.0), _result(1000, 960.0, 390.0, cold=101.0)], 1e9)
+    assert all(check["passed"] for check in met.values())
+    # 1 MB at 1 GB/s: the cold bound is warm + 1.5 ms
+    assert met["cold_ttft_bound"]["per_n"][1000]["bound_ms"] == pytest.approx(101.5)
+    missed = check_targets([_result(4, 1000.0, 200.0), _result(1000, 940.0, 410.0, cold=102.0, failed=1)], 1e9)
+    assert not any(check["passed"] for check in missed.values())
+    # throughput is judged at saturation where it was measured (Poisson arrivals only show the rate)
+    saturated = [dict(_result(4, 1000.0, 200.0), saturated_tokens_per_s=3000.0),
+                 dict(_result(1000, 1000.0, 200.0), saturated_tokens_per_s=2000.0)]
+    throughput = check_targets(saturated, 1e9)["throughput_within_5pct"]
+    assert throughput["measured"] == "saturated_tokens_per_s" and not throughput["passed"]
+
+
+def test_plot_draws_a_png_from_the_results_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks.many_adapters import plot
+
+    results = [dict(_result(n, 1000.0 - n / 10, 200.0 + n, cold=150.0), ttft_p50_ms=80.0) for n in (4, 32, 256)]
+    report = {"device": "test", "model": "tiny", "rate_req_s": 10.0, "results": results,
+              "options": {"max_loras": 2, "max_cpu_loras": 3}}
+    path = tmp_path / "many_adapters_test.json"
+    path.write_text(json.dumps(report))
+    png = plot(path)
+    assert png == tmp_path / "many_adapters_test.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_markdown_report_names_the_device_and_every_n():
+    from benchmarks.many_adapters import check_targets, markdown
+
+    results = [dict(_result(n, 1000.0, 200.0, cold=None if n == 4 else 150.0), ttft_p50_ms=80.0, adapters_used=n,
+                    adapter_bytes_written=n * 10**7, e2e_p50_ms=900.0, cold_requests=0 if n == 4 else 3,
+                    saturated_tokens_per_s=None if n == 4 else 2000.0, load_average_1m=0.5) for n in (4, 256)]
+    options = dict(dtype="bfloat16", max_loras=32, max_cpu_loras=64, max_num_seqs=64, num_requests=512,
+                   prompt_len=128, output_len=64, load=0.75, zipf_exponent=1.0, mix=[{"rank": 8}, {"rank": 64}])
+    report = {"device": "NVIDIA H100 80GB HBM3", "model": "llama-3.1-8b (dummy weights)", "mode": "compiled + graphs",
+              "options": options, "rate_req_s": 20.0, "capacity_req_s": 26.7, "results": results,
+              "disk": {"filesystem": "ext4", "adapter_files_read_bytes_per_s": 1e9, "disk_bytes_per_s": 2e9},
+              "targets": check_targets(results, 1e9)}
+    text = markdown(report)
+    assert text.startswith("**NVIDIA H100 80GB HBM3**, llama-3.1-8b (dummy weights)")
+    rows = [line for line in text.splitlines() if line.startswith("| 4 |") or line.startswith("| 256 |")]
+    assert len(rows) == 2 and "| 0.04 |" in rows[0] and "| 2000 |" in rows[1]
+    assert "cold_ttft_bound: **not met**" in text and "ranks [8, 64]" in text  # 150 ms > 100 + 1.5 ms
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--adapters", "4,x"], "--adapters '4,x': give N values as comma-separated ints"),
+        (["--adapters", "0,4"], "--adapters \\[0, 4\\]: every N must be >= 1"),
+        (["--rate", "-2"], "--rate -2.0: give arrivals per second > 0"),
+        (["--load", "1.5"], "--load 1.5: give a fraction of the measured capacity in \\(0, 1\\]"),
+        (["--num-requests", "0"], "--num-requests 0: must be >= 1"),
+        (["--max-loras", "0"], "--max-loras 0: must be >= 1"),
+        (["--saturated-requests", "-1"], "--saturated-requests -1: must be >= 0"),
+        (["--dtype", "bfloat17"], "--dtype 'bfloat17': give a torch dtype name"),
+    ],
+)
+def test_bad_benchmark_options_are_refused_with_the_fix(argv, message, capsys):
+    from benchmarks.many_adapters import parse_args
+
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(argv)
+    assert exit_info.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path):
+    """``main`` on the tiny model: disk probe, calibration, two N values past the tiers, a saturated
+    burst each, JSON and markdown written, every target judged and no request failed."""
+    from benchmarks.many_adapters import main
+
+    main(["--adapters", "2,10", "--num-requests", "10", "--saturated-requests", "6", "--max-num-seqs", "4",
+          "--max-loras", "2", "--max-cpu-loras", "3", "--prompt-len", "6", "--output-len", "3",
+          "--disk-probe-mb", "16", "--out", str(tmp_path), "--tag", "test", "--adapter-dir", str(tmp_path)])
+    report = json.loads((tmp_path / "many_adapters_test.json").read_text())
+    assert [r["adapters"] for r in report["results"]] == [2, 10]
+    assert all(r["failed"] == 0 and r["requests"] == 10 and r["saturated_requests"] == 6 for r in report["results"])
+    assert report["results"][1]["cpu_evictions"] > 0 and report["rate_req_s"] > 0
+    assert set(report["targets"]) == {"no_failed_requests", "throughput_within_5pct", "p99_ttft_at_most_2x",
+                                      "cold_ttft_bound"}
+    assert report["targets"]["no_failed_requests"]["passed"] is True
+    assert "| 10 |" in (tmp_path / "many_adapters_test.md").read_text()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("many-adapters-")] == []  # files cleaned up
