@@ -1,34 +1,29 @@
-"""Decode-step LoRA cost at Llama-3.1-8B shapes (issue 13): the two-kernel path against the fused kernel.
+"""Decode-step LoRA cost at Llama-3.1-8B shapes (issue 13): the two-kernel path against the base GEMMs.
 
     PYTHONPATH=. python benchmarks/lora_decode.py --out results/               # GPU, < 2 min on an H100
-    PYTHONPATH=. python benchmarks/lora_decode.py --out results/ --sweep       # + fused launch shapes (~2 min more)
-    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/lora_decode.py --smoke --out /tmp/lora_decode  # CPU, ~3 min
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/lora_decode.py --smoke --out /tmp/lora_decode  # CPU, ~30 s
 
 One decoder layer's projections on `--layers` layers with their own weights (32: a whole
 Llama-3.1-8B step, so L2 holds no adapter from one layer to the next), S = 32 slots, bfloat16.
-Layouts: `fused` (default: qkv 4096 -> 4096/1024/1024 and gate_up 4096 -> 14336/14336 as one
-module each, plus o and down: 4 LoRA modules a layer) and `separate` (7 modules). Mixes over T
-tokens: "n" = n distinct adapters (min(n, T)) on every module; "8-half" = 8 adapters on half the
-tokens, the other half base rows; "n-qv" = n adapters that target q and v only (every other module
-rank 0, the k slice of qkv scale 0; one graph for any mix still launches every module's kernel).
+Layouts: `fused` (default; the engine's fused sibling projections, engine/siblings.py: qkv 4096 ->
+4096/1024/1024 and gate_up 4096 -> 14336/14336 as one module each, plus o and down: 4 LoRA modules
+a layer) and `separate` (7 modules). Mixes over T tokens: "n" = n distinct adapters (min(n, T))
+on every module; "8-half" = 8 adapters on half the tokens, the other half base rows; "n-qv" = n
+adapters that target q and v only (every other module rank 0, the k slice of qkv scale 0; one
+graph for any mix still launches every module's kernels).
 
 Paths, each ONE CUDA graph of the whole step (static meta build + every layer), captured with
 every row base (-1) and replayed for every mix, 20+ times after warm-up:
 - base: the base projections alone (y = x @ W.T) (--no-base drops it and the GEMMs of the others);
-- two: lora_shrink + lora_expand per module (two launches, no memset), the path above the
-  fused threshold (prefill);
-- fused: kernels/fused.py, one launch per module (the path lora_apply takes up to
-  LORAMUX_FUSED_MAX_TOKENS tokens, 128 by default).
-LoRA paths include the base GEMMs, so "fused - base" is what LoRA costs a step.
+- two: lora_shrink + lora_expand per module (two launches, no memset), what lora_apply runs.
+The LoRA path includes the base GEMMs, so "two - base" is what LoRA costs a step. (A fused
+one-launch kernel was tried here and removed: docs/benchmarks/engine-h100.md.)
 Before timing a mix, layer 0 of each LoRA path runs eagerly and is compared with the torch
 reference in bf16 (relative error of the delta, base rows bit-exact): a path over 2e-2 stops the run.
-
---sweep: the fused kernel under other launch shapes (column block, warps, stages, tile slots,
-K split, register cap) at T=64, rank 16, for mixes 1, 32 and 1-qv; a table on stdout and
-lora_decode_sweep.json.
 Also reported: the bytes-read floor of the LoRA work (the active adapters' A and B, x, and y
 read + written on the rows with an adapter) over the device-copy bandwidth measured in the run.
-Writes lora_decode.json (everything, sweep included) and lora_decode.md (device named) to --out.
+Writes lora_decode.json (everything, the kernels' registers and spills included) and
+lora_decode.md (device named) to --out.
 """
 
 from __future__ import annotations
@@ -54,26 +49,11 @@ TOKENS = (1, 8, 64, 128, 256)
 RANKS = (16, 64)
 MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
-PATHS = ("base", "two", "fused")
+PATHS = ("base", "two")
 LORA_PATHS = PATHS[1:]
 TOL = 2e-2
 #: q/v-only adapters: the (module, slice) pairs they target, per layout
 QV_TARGETS = {"fused": {("qkv", 0), ("qkv", 2)}, "separate": {("q", 0), ("v", 0)}}
-#: fused launch shapes --sweep times: overrides of the static heuristic's config (None: as is)
-SWEEP = {
-    "heuristic": {},
-    "block_n=128": {"block_n": 128, "group": 1},
-    "warps=8": {"num_warps": 8},
-    "stages=1": {"num_stages": 1},
-    "tile_slots=all": {"tile_slots": 1 << 30},
-    "tile_slots=4": {"tile_slots": 4},
-    "split/2": {"split_k": 0.5},
-    "split*2": {"split_k": 2.0},
-    "regs=ptxas": {"max_regs": None},
-    "regs=96": {"max_regs": 96},
-    "regs=168": {"max_regs": 168},
-    "prefetch=off": {"prefetch": False},
-}
 
 
 def sync(device):
@@ -143,29 +123,22 @@ def make_io(layers: Layers, T: int, device, dtype):
     return xs, ys
 
 
-def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool, fused_override: dict | None = None):
+def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
     """The whole step of one path as a function (captured into a graph on CUDA)."""
     from loramux.kernels import build_lora_meta
     from loramux.kernels.expand import lora_expand_triton
-    from loramux.kernels.fused import lora_fused_triton, static_fused_config
     from loramux.kernels.shrink import lora_shrink_triton
 
     sizes = [s for _, _, s in layers.mods]
-    configs = [None] * len(layers.mods)
-    if path == "fused" and fused_override:
-        configs = [fused_variant(static_fused_config(xs[0].shape[0], H, tuple(sz), layers.R, xs[0].dtype, xs[0].device),
-                                 fused_override) for (_, H, sz) in layers.mods]
 
     def run():
         if path != "base":
             meta = build_lora_meta(slots_buf, layers.S, static=True)
         for layer in layers.layers:
-            for w, x, y, sz, cfg in zip(layer, xs, ys, sizes, configs):
+            for w, x, y, sz in zip(layer, xs, ys, sizes):
                 if base:
                     torch.mm(x, w["W"].t(), out=y)
-                if path == "fused":
-                    lora_fused_triton(y, x, w["A"], w["B"], w["scales"], w["ranks"], sz, meta, config=cfg)
-                elif path == "two":
+                if path == "two":
                     buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
 
@@ -175,11 +148,10 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool, fused_over
 def kernel_resources() -> list[dict]:
     """Registers, spills and shared memory of every compiled LoRA kernel (best effort: Triton's
     caches are not a public API), so a slow variant can be told from an occupancy cliff."""
-    from loramux.kernels import expand, fused, shrink
+    from loramux.kernels import expand, shrink
 
     out = []
-    for name, fn in (("fused", fused._fused_kernel), ("shrink", shrink._shrink_kernel),
-                     ("expand", expand._expand_kernel)):
+    for name, fn in (("shrink", shrink._shrink_kernel), ("expand", expand._expand_kernel)):
         try:
             for device, caches in getattr(fn, "device_caches", {}).items():
                 for kernel in caches[0].values():
@@ -192,16 +164,6 @@ def kernel_resources() -> list[dict]:
         except Exception as exc:  # noqa: BLE001 - diagnostics only
             out.append({"kernel": name, "error": f"{type(exc).__name__}: {exc}"[:200]})
     return out
-
-
-def fused_variant(cfg, override: dict):
-    """cfg with --sweep's override applied (split_k as a factor of the heuristic's)."""
-    import dataclasses
-
-    override = dict(override)
-    if "split_k" in override:
-        override["split_k"] = max(1, round(cfg.split_k * override["split_k"]))
-    return dataclasses.replace(cfg, **override)
 
 
 class Graph:
@@ -264,7 +226,7 @@ def copy_bandwidth(device) -> float:
     return 2 * a.numel() * 2 / t / 1e9
 
 
-def check_against_reference(path, layers, xs, slots, device, dtype, fused_override=None) -> float:
+def check_against_reference(path, layers, xs, slots, device, dtype) -> float:
     """One path's kernels on layer 0, eagerly, against the torch reference from the same y:
     worst relative error of the deltas (inf if a base row changed or a value is not finite)."""
     from loramux.kernels import build_lora_meta, reference
@@ -281,7 +243,7 @@ def check_against_reference(path, layers, xs, slots, device, dtype, fused_overri
         w["_y_ref"], w["_y0"] = y_ref, y0
     ys = [w["_y0"].clone() for w in layers.layers[0]]
     slots_buf = slots.clone()
-    step_fn(path, one_layer, xs, ys, slots_buf, False, fused_override)()
+    step_fn(path, one_layer, xs, ys, slots_buf, False)()
     for y_new, w in zip(ys, layers.layers[0]):
         y_ref, y0 = w.pop("_y_ref"), w.pop("_y0")
         d_ref, d_new = (y_ref.double() - y0.double()), (y_new.double() - y0.double())
@@ -350,57 +312,6 @@ def run(args, device, dtype, env, save):
     return rows
 
 
-def run_sweep(args, device, dtype, env):
-    """The fused kernel under other launch shapes (SWEEP) at one T and rank, fused layout."""
-    rows = []
-    T, R = (8, 16) if args.smoke else (64, 16)
-    gen = torch.Generator().manual_seed(1)
-    layers = Layers("fused", args.layers, R, args.slots, device, dtype, args.base, 64 if args.smoke else 1)
-    xs, ys = make_io(layers, T, device, dtype)
-    slots_buf = torch.full((T,), -1, dtype=torch.int32, device=device)
-    base = Graph(step_fn("base", layers, xs, ys, slots_buf, True), device) if args.base else None
-    mixes = ("1", "32", "1-qv")
-    slot_sets = {mix: mix_slots(mix, T, args.slots, gen).to(device) for mix in mixes}
-    base_us = {}
-    variants = list(SWEEP.items())[:3] if args.smoke else SWEEP.items()  # the interpreter is slow
-    for name, override in variants:
-        graph = Graph(step_fn("fused", layers, xs, ys, slots_buf, args.base, override), device)
-        row = {"variant": name, "override": {k: v for k, v in override.items()}, "T": T, "R": R}
-        for mix in mixes:
-            layers.target(qv_only=mix.endswith("-qv"))
-            slots_buf.copy_(slot_sets[mix])
-            err = check_against_reference("fused", layers, xs, slot_sets[mix], device, dtype, override)
-            assert err < TOL, f"sweep variant {name} disagrees with the reference on mix {mix}: {err:.2e}"
-            if base is not None and mix not in base_us:
-                base_us[mix] = base.time_us(args.reps) / args.layers
-            row[f"{mix}_us_per_layer"] = graph.time_us(args.reps) / args.layers
-            if base is not None:
-                row[f"{mix}_lora_us_per_layer"] = row[f"{mix}_us_per_layer"] - base_us[mix]
-        layers.target(qv_only=False)
-        rows.append(row)
-        print("  sweep " + " | ".join([f"{name:15s}"] + [f"{m} {row[f'{m}_us_per_layer']:7.1f}" for m in mixes]),
-              flush=True)
-        del graph
-    env["sweep_base_us_per_layer"] = base_us
-    return rows
-
-
-def sweep_table(rows, base_us) -> str:
-    mixes = ("1", "32", "1-qv")
-    head = "| fused variant | " + " | ".join(f"{m}: us/layer (LoRA)" for m in mixes) + " |"
-    lines = [head, "|" + "---|" * (len(mixes) + 1)]
-    for r in rows:
-        cells = [r["variant"]]
-        for m in mixes:
-            lora = r.get(f"{m}_lora_us_per_layer")
-            cells.append(f"{r[f'{m}_us_per_layer']:.1f}" + (f" ({lora:.1f})" if lora is not None else ""))
-        lines.append("| " + " | ".join(cells) + " |")
-    if base_us:
-        lines.append("")
-        lines.append("base GEMMs alone: " + ", ".join(f"{m} {v:.1f}" for m, v in base_us.items()) + " us/layer")
-    return "\n".join(lines) + "\n"
-
-
 def _have(r):
     return [p for p in PATHS if f"{p}_us_per_layer" in r]
 
@@ -414,10 +325,10 @@ def _line(r):
     return " | ".join(parts)
 
 
-def markdown(rows, env, n_layers, S, dtype, sweep_rows=None):
+def markdown(rows, env, n_layers, S, dtype):
     have = _have(rows[0]) if rows else []
     lora = [p for p in have if p != "base"]
-    L = ["# LoRA decode step: two kernels vs one fused kernel per module (issue 13)", "",
+    L = ["# LoRA decode step: the two-kernel path (shrink + expand) over the base GEMMs (issue 13)", "",
          f"Device: **{env.get('device')}**; torch {env.get('torch')}, triton {env.get('triton')}; "
          f"copy bandwidth {env.get('copy_GBps', float('nan')):.0f} GB/s (read + write); {n_layers} layers per "
          f"captured step (one graph per path and T, for every mix); us per layer (step / layers); {dtype}, "
@@ -440,8 +351,6 @@ def markdown(rows, env, n_layers, S, dtype, sweep_rows=None):
         cells.append(f"{r['floor_us_per_layer']:.1f}")
         cells.append(" / ".join(f"{r.get(f'{n}_err', float('nan')):.0e}" for n in lora))
         L.append("| " + " | ".join(cells) + " |")
-    if sweep_rows:
-        L += ["", "## Fused launch shapes (--sweep)", "", sweep_table(sweep_rows, env.get("sweep_base_us_per_layer"))]
     return "\n".join(L) + "\n"
 
 
@@ -456,7 +365,6 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, default=SLOTS, help="GPU slots (max_loras)")
     ap.add_argument("--reps", type=int, default=20, help="timed replays per graph (median)")
     ap.add_argument("--no-base", dest="base", action="store_false", help="LoRA kernels only, no base GEMMs")
-    ap.add_argument("--sweep", action="store_true", help="also time the fused kernel's launch-shape variants (SWEEP)")
     ap.add_argument("--budget-s", type=float, default=150,
                     help="start no new (layout, rank) block after this many seconds (0: no limit); results are "
                          "written after every block")
@@ -493,23 +401,16 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
 
-    sweep_rows: list = []
-
     def save(rows):
-        md = markdown(rows, env, args.layers, args.slots, str(dtype).replace("torch.", ""), sweep_rows)
+        md = markdown(rows, env, args.layers, args.slots, str(dtype).replace("torch.", ""))
         with open(os.path.join(args.out, "lora_decode.json"), "w") as f:
-            json.dump({"env": env, "rows": rows, "sweep": sweep_rows}, f, indent=1)
+            json.dump({"env": env, "rows": rows}, f, indent=1)
         with open(os.path.join(args.out, "lora_decode.md"), "w") as f:
             f.write(md)
         return md
 
     rows = run(args, device, dtype, env, save)
     save(rows)
-    if args.sweep:
-        sweep_rows.extend(run_sweep(args, device, dtype, env))
-        with open(os.path.join(args.out, "lora_decode_sweep.json"), "w") as f:
-            json.dump({"env": env, "sweep": sweep_rows}, f, indent=1)
-        print(sweep_table(sweep_rows, env.get("sweep_base_us_per_layer")))
     env["elapsed_s"] = time.time() - started
     if device.type == "cuda":
         env["kernel_resources"] = kernel_resources()

@@ -172,25 +172,3 @@ def test_the_parallel_pass_turns_every_launch_into_a_compile_only_warmup(monkeyp
     monkeypatch.setenv(kernel_warmup.THREADS_ENV_VAR, "1")  # one thread: no separate pass
     kernel_warmup._compile_in_parallel(Runner(), plan, None)
     assert steps == [3, 9]
-
-
-def test_plan_reaches_the_fused_launch_of_every_decode_sized_step(h100_heuristics, monkeypatch):
-    """On CUDA, steps of up to `fused_max_tokens()` tokens run the fused kernel instead of the
-    shrink and expand: the plan must reach its launch shapes (no device is touched: host only)."""
-    from loramux.kernels import fused_config
-
-    monkeypatch.setattr(fused_config, "target_programs", lambda device: H100_PROGRAMS)
-    cuda = torch.device("cuda")
-    plan, reached = plan_warmup(max_num_batched_tokens=256, max_num_seqs=64, lora_modules=MODULES,
-                                num_slots=SLOTS, **{**EIGHT_B, "device": cuda})
-    fused = {(key[2], key[5], key[6]) for key in reached if key[0] == "fused"}
-    shrinks = {(key[1], key[4], key[5]) for key in reached if key[0] == "shrink"}
-    for T in range(1, 257):
-        meta = build_lora_meta(torch.zeros(T, dtype=torch.int32), SLOTS)
-        for m in MODULES:
-            if T <= fused_config.fused_max_tokens():
-                launch = fused_config.fused_launch(meta, m.in_features, m.slice_sizes, m.max_rank, m.dtype, cuda)
-                assert (m.slice_sizes, launch.config, launch.split_k) in fused, f"fused at T={T}, {m}"
-            else:
-                launch = shrink.shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, cuda)
-                assert (m.stacked_rank, launch.config, launch.split_k) in shrinks, f"shrink at T={T}, {m}"

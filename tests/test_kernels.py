@@ -756,7 +756,6 @@ def run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, monkeypatch=No
         if poison:
             monkeypatch.undo()
             monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-            monkeypatch.setenv("LORAMUX_FUSED_MAX_TOKENS", "0")
     return y, meta
 
 
@@ -775,11 +774,9 @@ def check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("mapping", STATIC_MAPPINGS)
 def test_triton_interpreter_static_meta_matches_reference(mapping, dtype, monkeypatch):
-    """Static meta through lora_apply's two-kernel path (the fused one is off here; its own tests
-    are below): any mapping (all base, one slot, every token its own slot, rank-0 slots, a mix)
-    of a 3-slice module with a different rank per slice, split-K on."""
+    """Static meta through lora_apply: any mapping (all base, one slot, every token its own slot,
+    rank-0 slots, a mix) of a 3-slice module with a different rank per slice, split-K on."""
     monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    monkeypatch.setenv("LORAMUX_FUSED_MAX_TOKENS", "0")
     T, H, S, R, sizes = 10, 520, 12, 8, (16, 8, 24)
     x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, dtype, seed=len(mapping))
     slots = static_slots(mapping, T, S, ranks, gen)
@@ -792,10 +789,8 @@ def test_triton_interpreter_static_meta_matches_reference(mapping, dtype, monkey
 @needs_interpreter
 @pytest.mark.parametrize("mapping", ["one_slot", "mixed"])
 def test_triton_interpreter_static_meta_more_tokens_than_slots(mapping, monkeypatch):
-    """40 tokens on 2 slots: one slot's 40 tokens need 3 tiles of 16, the grid's bound holds them
-    (two-kernel path; the fused one is tested below)."""
+    """40 tokens on 2 slots: one slot's 40 tokens need 3 tiles of 16, the grid's bound holds them."""
     monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    monkeypatch.setenv("LORAMUX_FUSED_MAX_TOKENS", "0")
     T, H, S, R, sizes = 40, 24, 2, 4, (8,)
     x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=5)
     ranks[1], A[1], B[1] = R, torch.randn(R, H), torch.randn(sizes[0], R)  # slot 1 (one_slot) has rank R
@@ -808,11 +803,10 @@ def test_triton_interpreter_static_meta_more_tokens_than_slots(mapping, monkeypa
 @needs_interpreter
 def test_triton_interpreter_no_zeroing_needed(monkeypatch):
     """buf and the split-K scratch NaN-filled, run twice: both results equal the reference, and the
-    split-K counter table is left all zero (no launch needs a memset before it). Two-kernel path."""
+    split-K counter table is left all zero (no launch needs a memset before it)."""
     from loramux.kernels import shrink
 
     monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    monkeypatch.setenv("LORAMUX_FUSED_MAX_TOKENS", "0")
     T, H, S, R, sizes = 9, 520, 6, 8, (16, 8)
     x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=3)
     slots = static_slots("mixed", T, S, ranks, gen)
@@ -835,10 +829,8 @@ def test_triton_interpreter_no_zeroing_needed(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("mapping", STATIC_MAPPINGS)
 def test_gpu_static_meta_llama8b_matches_reference(mapping, monkeypatch):
-    """bf16, Llama-3.1-8B's q/k/v, gate/up and down at 64 decode tokens over 32 slots (two-kernel
-    path; the fused one: test_gpu_fused_llama8b_bf16_matches_reference)."""
+    """bf16, Llama-3.1-8B's q/k/v, gate/up and down at 64 decode tokens over 32 slots."""
     monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
-    monkeypatch.setenv("LORAMUX_FUSED_MAX_TOKENS", "0")
     T, S, R = 64, 32, 16
     for H, sizes in [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]:
         x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=H)
@@ -853,15 +845,10 @@ def test_gpu_static_meta_llama8b_matches_reference(mapping, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("path", ["two", "fused"])
-def test_gpu_graph_captured_with_all_base_rows_replays_any_mix(path, monkeypatch):
+def test_gpu_graph_captured_with_all_base_rows_replays_any_mix():
     """One CUDA graph captured with every row base (-1), replayed with 1 adapter and with 32
-    adapters over its 64 tokens: the reference's results each time (3 projections of a layer).
-    `two`: the shrink and expand kernels, one launch each per module;
-    `fused`: lora_apply's default at 64 tokens, one fused launch per module."""
+    adapters over its 64 tokens: the reference's results each time (3 projections of a layer)."""
     from loramux.kernels import lora_apply
-
-    monkeypatch.setenv("LORAMUX_FUSED_MAX_TOKENS", "128" if path == "fused" else "0")
 
     T, S, R = 64, 32, 16
     modules = [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]
@@ -906,276 +893,3 @@ def test_gpu_graph_captured_with_all_base_rows_replays_any_mix(path, monkeypatch
             if not base_rows.all():
                 err = rel_err(y.double().cpu() - y0.double().cpu(), y_ref - y0.double().cpu())
                 assert err < 2e-2, (mapping[:4].tolist(), sizes, err)
-
-
-# ---------------------------------------------------------------------------------------------
-# the fused decode kernel (issue 13): shrink and expand in one launch per module
-
-
-def fused_cfg(**kw):
-    """A small launch shape that still runs every mechanism: K split 3 ways (producers, counters),
-    two tile slots (a program serves several tiles when a batch has more), 16-wide blocks."""
-    from loramux.kernels.fused import FusedConfig
-
-    shape = dict(block_m=16, block_n=16, group=1, block_k=16, split_k=3, tile_slots=2)
-    shape.update(kw)
-    return FusedConfig(**shape)
-
-
-def run_fused(x, A, B, scales, ranks, sizes, slots, y0, S, *, static=True, config=None, spin_limit=None):
-    from loramux.kernels.fused import SPIN_LIMIT, lora_fused_triton
-
-    meta = build_lora_meta(slots, S, static=static)
-    y = y0.clone()
-    lora_fused_triton(y, x, A, B, scales, ranks, sizes, meta, config=config or fused_cfg(),
-                      spin_limit=SPIN_LIMIT if spin_limit is None else spin_limit)
-    return y, meta
-
-
-def fused_table_is_zero() -> bool:
-    from loramux.kernels import fused
-
-    return int(fused._sync_table(torch.device("cpu")).abs().sum()) == 0
-
-
-@needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-@pytest.mark.parametrize("mapping", STATIC_MAPPINGS)
-@pytest.mark.parametrize("static", [True, False], ids=["static", "exact"])
-def test_fused_interpreter_matches_reference(mapping, static, dtype):
-    """Any mapping (base rows, one slot, every token its own slot, rank-0 slots, a mix) over an odd
-    T, a 3-slice module of different widths and a different rank per slice and slot (some 0)."""
-    T, H, S, R, sizes = 11, 64, 12, 8, (16, 8, 24)
-    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, dtype, seed=len(mapping) + 40)
-    slots = static_slots(mapping, T, S, ranks, gen)
-    y0 = torch.randn(T, sum(sizes), generator=gen).to(dtype)
-    y, _ = run_fused(x, A, B, scales, ranks, sizes, slots, y0, S, static=static)
-    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, dtype)
-    assert fused_table_is_zero(), "a launch left a counter set: the next one would need a memset"
-
-
-@needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_fused_interpreter_sibling_subsets(dtype):
-    """A fused q/k/v module whose adapters target some siblings only (q only, k+v, all three, none):
-    untargeted slices hold zeros and scale 0 (as set_lora stores them) and are never written."""
-    T, H, S, R, sizes = 13, 48, 4, 8, (32, 8, 8)
-    gen = torch.Generator().manual_seed(8)
-    targets = {0: (0,), 1: (1, 2), 2: (0, 1, 2), 3: ()}  # slot -> slices it targets
-    n, N, offs = len(sizes), sum(sizes), (0, 32, 40, 48)
-    A = torch.zeros(S, n * R, H)
-    B = torch.zeros(S, N, R)
-    scales = torch.zeros(S, n)
-    for slot, slices in targets.items():
-        for i in slices:
-            A[slot, i * R : (i + 1) * R] = torch.randn(R, H, generator=gen) / H**0.5
-            B[slot, offs[i] : offs[i + 1]] = torch.randn(sizes[i], R, generator=gen) / R**0.5
-            scales[slot, i] = 0.5 + i
-    ranks = torch.tensor([R if t else 0 for t in targets.values()], dtype=torch.int32)
-    x = torch.randn(T, H, generator=gen).to(dtype)
-    A, B = A.to(dtype), B.to(dtype)
-    slots = torch.tensor([0, 1, 2, 3, -1, 0, 1, 2, 3, -1, 0, 1, 2], dtype=torch.int32)
-    y0 = torch.randn(T, N, generator=gen).to(dtype)
-    y, _ = run_fused(x, A, B, scales, ranks, sizes, slots, y0, S)
-    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, dtype)
-    for slot, slices in targets.items():
-        rows = slots == slot
-        for i in set(range(n)) - set(slices):
-            cols = slice(offs[i], offs[i + 1])
-            assert torch.equal(bits(y[rows, cols]), bits(y0[rows, cols])), f"slot {slot} wrote slice {i}"
-        for i in slices:
-            assert not torch.equal(y[rows, offs[i] : offs[i + 1]], y0[rows, offs[i] : offs[i + 1]])
-    # the skipped slices' weights are never read: NaN there changes nothing
-    A_nan, B_nan = A.clone(), B.clone()
-    for slot, slices in targets.items():
-        for i in set(range(n)) - set(slices):
-            A_nan[slot, i * R : (i + 1) * R] = float("nan")
-            B_nan[slot, offs[i] : offs[i + 1]] = float("nan")
-    y_nan, _ = run_fused(x, A_nan, B_nan, scales, ranks, sizes, slots, y0, S)
-    assert torch.equal(bits(y_nan), bits(y))
-
-
-@needs_interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
-def test_fused_interpreter_fallback_gives_the_same_bits(dtype):
-    """A consumer that stops waiting (spin_limit=0) computes the producers' partials itself, in
-    their order: with K steps no deeper than its own (16 here), the same bits as the shared path,
-    so no schedule changes a result."""
-    T, H, S, R, sizes = 9, 80, 5, 8, (16, 24)
-    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, dtype, seed=2)
-    slots = static_slots("mixed", T, S, ranks, gen)
-    y0 = torch.randn(T, sum(sizes), generator=gen).to(dtype)
-    shared, _ = run_fused(x, A, B, scales, ranks, sizes, slots, y0, S)
-    alone, _ = run_fused(x, A, B, scales, ranks, sizes, slots, y0, S, spin_limit=0)
-    assert torch.equal(bits(shared), bits(alone))
-    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, alone, dtype)
-    assert fused_table_is_zero()
-
-
-@needs_interpreter
-@pytest.mark.parametrize("config", [dict(tile_slots=1, split_k=1), dict(tile_slots=99, group=2, block_k=32),
-                                    dict(block_m=32, block_n=32, split_k=4, prefetch=False)], ids=str)
-def test_fused_interpreter_launch_shapes_and_poisoned_scratch(config, monkeypatch):
-    """Other launch shapes (one tile slot serving every tile, no split, groups of blocks, tall
-    tiles), with the partials' scratch handed out NaN-filled, twice in a row: nothing relies on
-    zeroed memory, and the counter table is left zero each time."""
-    from loramux.kernels import fused
-
-    monkeypatch.setattr(fused, "_scratch", lambda *shape, device: torch.full(shape, float("nan"), device=device))
-    T, H, S, R, sizes = 21, 64, 6, 8, (40, 8)
-    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=6)
-    slots = static_slots("mixed", T, S, ranks, gen)
-    y0 = torch.randn(T, sum(sizes), generator=gen)
-    for _ in range(2):
-        y, _ = run_fused(x, A, B, scales, ranks, sizes, slots, y0, S, config=fused_cfg(**config))
-        check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
-        assert fused_table_is_zero()
-
-
-@needs_interpreter
-def test_fused_interpreter_module_no_adapter_targets_is_left_alone():
-    """Every slot rank 0 for this module (an adapter mix that skips it): y is bit-exact, even
-    where the weights hold garbage (the kernel never reads them)."""
-    T, H, S, R, sizes = 8, 32, 4, 8, (16,)
-    x = torch.randn(T, H)
-    A = torch.full((S, R, H), float("nan"))
-    B = torch.full((S, 16, R), float("nan"))
-    y0 = torch.randn(T, 16)
-    y, _ = run_fused(x, A, B, torch.ones(S, 1), torch.zeros(S, dtype=torch.int32), sizes,
-                     torch.arange(T, dtype=torch.int32) % S, y0, S)
-    assert torch.equal(bits(y), bits(y0))
-
-
-@pytest.mark.parametrize("T", [1, 8, 64, 128])
-def test_fused_static_launch_depends_only_on_tokens_and_slots(T, monkeypatch):
-    """One launch shape (config and grid) for every mapping of T tokens at 8B shapes and the H100's
-    program target; the fused grid is one launch where the two-kernel path has two."""
-    from loramux.kernels import fused, fused_config, shrink
-
-    monkeypatch.setattr(fused_config, "target_programs", lambda device: 264)
-    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
-    S, R, gen = 32, 16, torch.Generator().manual_seed(T)
-    ranks = torch.tensor([0, 0] + [R] * (S - 2), dtype=torch.int32)
-    for H, sizes in [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]:
-        launches = set()
-        for mapping in STATIC_MAPPINGS:
-            if mapping == "all_different" and T > S:
-                continue
-            meta = build_lora_meta(static_slots(mapping, T, S, ranks, gen), S, static=True)
-            launches.add(fused.fused_launch(meta, H, sizes, R, torch.bfloat16, torch.device("cpu")))
-        assert len(launches) == 1, launches
-        (launch,) = launches
-        assert launch.split_k > 1 and launch.grid[0] >= 1
-        assert launch.tile_slots <= launch.n_tiles and launch.n_tiles * len(sizes) <= fused_config.SYNC_TABLE_PAIRS
-
-
-@needs_interpreter
-@pytest.mark.parametrize("T, fused_expected", [(16, True), (17, False)])
-def test_lora_apply_takes_the_fused_kernel_up_to_the_threshold(T, fused_expected, monkeypatch):
-    """LORAMUX_FUSED_MAX_TOKENS=16: 16 tokens run one fused launch, 17 the shrink + expand pair;
-    both give the reference's result."""
-    from loramux.kernels import expand, fused, lora_apply, shrink
-
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    monkeypatch.setenv(fused.FUSED_MAX_TOKENS_ENV, "16")
-    calls = []
-    for module, name in [(fused, "_fused_kernel"), (shrink, "_shrink_kernel"), (expand, "_expand_kernel")]:
-        kernel = getattr(module, name)
-        monkeypatch.setattr(module, name, _Recorder(kernel, name, calls))
-    S, R, H, sizes = 4, 8, 32, (16, 8)
-    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=T)
-    ranks[:] = R
-    slots = torch.randint(-1, S, (T,), generator=gen, dtype=torch.int32)
-    y0 = torch.randn(T, sum(sizes), generator=gen)
-    y = y0.clone()
-    lora_apply(y, x, A, B, scales, ranks, sizes, build_lora_meta(slots, S, static=True))
-    assert calls == (["_fused_kernel"] if fused_expected else ["_shrink_kernel", "_expand_kernel"])
-    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
-
-
-class _Recorder:
-    """A kernel stand-in that records its launches and runs the real one."""
-
-    def __init__(self, kernel, name, calls):
-        self.kernel, self.name, self.calls = kernel, name, calls
-
-    def __getitem__(self, grid):
-        self.calls.append(self.name)
-        return self.kernel[grid]
-
-
-@pytest.mark.parametrize("value", ["-1", "many"])
-def test_fused_threshold_env_var_is_checked(value, monkeypatch):
-    from loramux.kernels import fused
-
-    monkeypatch.setenv(fused.FUSED_MAX_TOKENS_ENV, value)
-    with pytest.raises(ValueError, match="LORAMUX_FUSED_MAX_TOKENS"):
-        fused.fused_max_tokens()
-    monkeypatch.setenv(fused.FUSED_MAX_TOKENS_ENV, "0")
-    assert fused.fused_max_tokens() == 0
-
-
-FUSED_ERRORS = [
-    (lambda y, x, A, B, s, sz: (y, x, A, B, s[:, :1], sz), "scales has 1 columns"),
-    (lambda y, x, A, B, s, sz: (y, x, A, B[:, :, :3], s, sz), "rank"),
-    (lambda y, x, A, B, s, sz: (y.half(), x, A, B.half(), s, sz), "activation dtype"),
-    (lambda y, x, A, B, s, sz: (y, x, A, B, s, (5, 6, 1)), "3 output slices"),
-    (lambda y, x, A, B, s, sz: (y[:5], x, A, B, s, sz), "tokens"),
-    (lambda y, x, A, B, s, sz: (y, x[:, :9], A, B, s, sz), "hidden size"),
-    (lambda y, x, A, B, s, sz: (y, x, A, B, s, ()), "non-empty"),
-]
-
-
-@needs_interpreter
-@pytest.mark.parametrize("mutate, match", FUSED_ERRORS, ids=[m for _, m in FUSED_ERRORS])
-def test_fused_rejects_bad_arguments(mutate, match):
-    from loramux.kernels.fused import lora_fused_triton
-
-    x, A, B, scales, meta, buf, y, sizes = _good()
-    y, x, A, B, scales, sizes = mutate(y, x, A, B, scales, sizes)
-    with pytest.raises(ValueError, match=match):
-        lora_fused_triton(y, x, A, B, scales, None, sizes, meta)
-
-
-@needs_interpreter
-def test_fused_rejects_bad_spin_limit_and_oversized_batches(monkeypatch):
-    from loramux.kernels import fused, fused_config
-
-    x, A, B, scales, meta, buf, y, sizes = _good()
-    with pytest.raises(ValueError, match="spin_limit"):
-        fused.lora_fused_triton(y, x, A, B, scales, None, sizes, meta, spin_limit=-1)
-    monkeypatch.setattr(fused_config, "SYNC_TABLE_PAIRS", 1)
-    with pytest.raises(ValueError, match="two-kernel path"):
-        fused.lora_fused_triton(y, x, A, B, scales, None, sizes, meta)
-    assert not fused.fused_fits(meta, len(sizes))
-
-
-@pytest.mark.gpu
-@needs_cuda
-@pytest.mark.parametrize("mapping", STATIC_MAPPINGS)
-def test_gpu_fused_llama8b_bf16_matches_reference(mapping, monkeypatch):
-    """bf16, Llama-3.1-8B's q/k/v, gate/up and down at 64 decode tokens over 32 slots, through
-    lora_apply (which must take the fused kernel at this size), and the consumers' fallback
-    (spin_limit=0: every consumer computes the shrink itself) within rounding of it."""
-    from loramux.kernels import fused, lora_apply
-
-    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
-    monkeypatch.delenv(fused.FUSED_MAX_TOKENS_ENV, raising=False)
-    T, S, R = 64, 32, 16
-    assert T <= fused.fused_max_tokens()
-    for H, sizes in [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]:
-        x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=H + 7)
-        slots = static_slots(mapping, T, S, ranks, gen) if mapping != "all_different" else \
-            torch.randperm(S, generator=gen).repeat(2).to(torch.int32)
-        to = lambda t: t.to("cuda", torch.bfloat16)  # noqa: E731
-        y0 = to(torch.randn(T, sum(sizes), generator=gen))
-        meta = build_lora_meta(slots.cuda(), S, static=True)
-        y = y0.clone()
-        lora_apply(y, to(x), to(A), to(B), scales.cuda(), ranks.cuda(), sizes, meta)
-        check_static_against_reference(to(x).cpu(), to(A).cpu(), to(B).cpu(), scales, ranks, sizes, slots,
-                                       y0.cpu(), y.cpu(), torch.bfloat16)
-        alone = y0.clone()
-        fused.lora_fused_triton(alone, to(x), to(A), to(B), scales.cuda(), ranks.cuda(), sizes, meta, spin_limit=0)
-        assert rel_err(alone.double() - y0.double(), y.double() - y0.double()) < 1e-2, "the fallback disagrees"
-    torch.cuda.synchronize()
-    assert int(fused._sync_table(torch.device("cuda", torch.cuda.current_device())).abs().sum()) == 0

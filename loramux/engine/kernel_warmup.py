@@ -47,7 +47,6 @@ from loramux.engine.kv_cache import kv_cache_geometry
 from loramux.kernels import LoRABatchMeta, build_lora_meta
 from loramux.kernels.attention import attention_config
 from loramux.kernels.expand import expand_launch
-from loramux.kernels.fused_config import fused_fits, fused_launch, fused_max_tokens
 from loramux.kernels.shrink import shrink_launch
 from loramux.kernels.tiles import cdiv, next_pow2
 
@@ -116,12 +115,7 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
         return set()
     meta = _one_adapter_meta(step, num_slots)
     keys: set[Hashable] = set()
-    fused = meta.num_tokens <= fused_max_tokens() and device.type == "cuda"
     for m in modules:
-        if fused and fused_fits(meta, len(m.slice_sizes)):  # what lora_apply runs at this size
-            launch = fused_launch(meta, m.in_features, m.slice_sizes, m.max_rank, m.dtype, device)
-            keys.add(("fused", m.in_features, m.slice_sizes, m.max_rank, m.dtype, launch.config, launch.split_k))
-            continue
         shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device)
         keys.add(("shrink", m.stacked_rank, m.in_features, m.dtype, shrink.config, shrink.split_k))
         cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device)[0]

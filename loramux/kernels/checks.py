@@ -71,53 +71,31 @@ def check_shrink(x, lora_a, scales, meta, ranks, dtypes=FLOAT_DTYPES) -> tuple[i
 def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES) -> tuple[int, int]:
     """Returns (n_slices, R). y: [T, sum(n_i)]; buf: [T, n_slices*R] f32; lora_b: [S, sum(n_i), R]."""
     op = "lora_expand"
-    if not isinstance(buf, torch.Tensor) or buf.dim() != 2:
-        _fail(op, f"buf must be a 2-D tensor [T, n_slices*R], got shape {tuple(getattr(buf, 'shape', ()))}")
-    n_slices, R = _check_output(op, y, lora_b, slice_sizes, meta, ranks, dtypes, [("buf", buf)])
-    T = y.shape[0]
-    if buf.shape[0] != T:
-        _fail(op, f"y has {T} rows and buf {buf.shape[0]}, but meta was built for {meta.num_tokens} tokens")
-    if buf.shape[1] != n_slices * R:
-        _fail(op, f"buf is [T, {buf.shape[1]}] but {n_slices} slices of rank {R} need [T, {n_slices * R}]")
-    if buf.dtype != torch.float32 and not (dtypes is REF_DTYPES and buf.dtype == torch.float64):
-        _fail(op, f"buf must be float32 (lora_shrink's output), got {buf.dtype}")
-    return n_slices, R
-
-
-def check_apply(y, x, lora_a, lora_b, scales, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES) -> tuple[int, int]:
-    """Returns (n_slices, R) for shrink + expand in one call (the fused kernel): the shrink's
-    checks on x / lora_a / scales, the expand's on y / lora_b / slice_sizes, and their agreement."""
-    n_slices, R = check_shrink(x, lora_a, scales, meta, ranks, dtypes)
-    n_out, R_b = _check_output("lora_apply", y, lora_b, slice_sizes, meta, ranks, dtypes, [("x", x)])
-    if n_out != n_slices:
-        _fail("lora_apply", f"{len(slice_sizes)} output slices but scales has {n_slices} columns (one per slice)")
-    if R_b != R:
-        _fail("lora_apply", f"lora_a holds rank {R} per slice but lora_b holds rank {R_b}; both come from one "
-                            "max_lora_rank")
-    if y.dtype != x.dtype:
-        _fail("lora_apply", f"y is {y.dtype} but x is {x.dtype}; LoRA runs in one activation dtype")
-    return n_slices, R
-
-
-def _check_output(op, y, lora_b, slice_sizes, meta, ranks, dtypes, others) -> tuple[int, int]:
-    """y: [T, sum(n_i)]; lora_b: [S, sum(n_i), R]; returns (n_slices, R)."""
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         _fail(op, f"y must be a 2-D tensor [T, N], got shape {tuple(getattr(y, 'shape', ()))}")
+    if not isinstance(buf, torch.Tensor) or buf.dim() != 2:
+        _fail(op, f"buf must be a 2-D tensor [T, n_slices*R], got shape {tuple(getattr(buf, 'shape', ()))}")
     if not isinstance(lora_b, torch.Tensor) or lora_b.dim() != 3:
         _fail(op, f"lora_b must be 3-D [S, N, R], got shape {tuple(getattr(lora_b, 'shape', ()))}")
     if (not isinstance(slice_sizes, (tuple, list)) or not slice_sizes
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in slice_sizes)):
         _fail(op, f"slice_sizes must be a non-empty tuple of positive ints, got {slice_sizes!r}")
-    _check_common(op, meta, ranks, lora_b.shape[0], y.device, dtypes, [("y", y), *others, ("lora_b", lora_b)])
+    _check_common(op, meta, ranks, lora_b.shape[0], y.device, dtypes,
+                  [("y", y), ("buf", buf), ("lora_b", lora_b)])
     T, N = y.shape
     S, N_b, R = lora_b.shape
-    if T != meta.num_tokens:
-        _fail(op, f"y has {T} rows, but meta was built for {meta.num_tokens} tokens")
+    n_slices = len(slice_sizes)
+    if T != meta.num_tokens or buf.shape[0] != T:
+        _fail(op, f"y has {T} rows and buf {buf.shape[0]}, but meta was built for {meta.num_tokens} tokens")
     if sum(slice_sizes) != N or N_b != N:
         _fail(op, f"sum(slice_sizes)={sum(slice_sizes)}, y width {N} and lora_b rows {N_b} must all agree")
+    if buf.shape[1] != n_slices * R:
+        _fail(op, f"buf is [T, {buf.shape[1]}] but {n_slices} slices of rank {R} need [T, {n_slices * R}]")
+    if buf.dtype != torch.float32 and not (dtypes is REF_DTYPES and buf.dtype == torch.float64):
+        _fail(op, f"buf must be float32 (lora_shrink's output), got {buf.dtype}")
     if y.dtype != lora_b.dtype:
         _fail(op, f"y is {y.dtype} but lora_b is {lora_b.dtype}; store adapter weights in the activation dtype")
-    return len(slice_sizes), R
+    return n_slices, R
 
 
 # --- paged attention and the KV write (issue 12) ------------------------------------------------

@@ -143,22 +143,14 @@ def lora_apply(
     slice_sizes: tuple[int, ...],
     meta: LoRABatchMeta,
 ) -> None:
-    """``y += B[slot](A[slot](x)) * scale[slot]`` for every token and slice, in place.
+    """``y += B[slot](A[slot](x)) * scale[slot]`` for every token and slice, in place: `lora_shrink`
+    then `lora_expand`, the float32 intermediate made and dropped inside.
 
     x: [T, H]; y: [T, sum(slice_sizes)] (any strides); lora_a: [S, n_slices*R, H];
     lora_b: [S, sum(slice_sizes), R]; scales: [S, n_slices] float32; ranks: [S] int32 or None.
-    On CUDA, decode-sized batches (T <= `fused_max_tokens()`, 128 unless LORAMUX_FUSED_MAX_TOKENS
-    says otherwise; T is known at capture time) run ONE fused kernel (`kernels/fused.py`); larger
-    ones `lora_shrink` then `lora_expand`. Either way nothing else runs (no memset, no host sync),
-    so a step captured with a static meta replays it for any mapping. Rows of slot -1 tokens, of
-    slots whose rank is 0 and (fused path) of slices whose scale is 0 are left exactly as they were.
+    Two kernels on CUDA (nothing else: no memset, no host sync), so a step captured with a static
+    meta replays it for any mapping. Rows of slot -1 tokens, and of slots whose rank is 0, are
+    left exactly as they were.
     """
-    if _use_triton(x):
-        from .fused import lora_fused_triton
-        from .fused_config import fused_fits, fused_max_tokens
-
-        if meta.num_tokens <= fused_max_tokens() and fused_fits(meta, scales.shape[-1] if scales.dim() == 2 else 1):
-            lora_fused_triton(y, x, lora_a, lora_b, scales, ranks, slice_sizes, meta)
-            return
     buf = lora_shrink(x, lora_a, scales, meta, ranks)  # [T, n_slices*R] float32
     lora_expand(y, buf, lora_b, slice_sizes, meta, ranks)
