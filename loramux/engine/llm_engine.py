@@ -24,6 +24,7 @@ import torch
 
 from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
 from loramux.engine.model_runner import ModelRunner
@@ -51,8 +52,18 @@ class LLMEngine:
     from any thread; ``step`` from one thread at a time.
     """
 
-    def __init__(self, model=None, *, enforce_eager: bool = False, compilation: bool = True, **kwargs) -> None:
-        setup: EngineSetup = build_engine_setup(model, **kwargs)
+    def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:
+        """``LLMEngine(model, **options)`` or ``LLMEngine(config=EngineConfig(...))``; the options are
+        :class:`~loramux.engine.config.EngineConfig`'s fields (an unknown one is a TypeError)."""
+        if config is None:
+            config = EngineConfig.from_kwargs(model, **kwargs)
+        elif model is not None or kwargs:
+            raise TypeError(
+                "LLMEngine takes either config=EngineConfig(...) or the model and options as keywords, "
+                f"not both (got config and {', '.join(['model'] * (model is not None) + list(kwargs))})"
+            )
+        self.config = config
+        setup: EngineSetup = build_engine_setup(config)
         self.setup = setup
         self.model = setup.model
         self.tokenizer = setup.tokenizer
@@ -70,8 +81,8 @@ class LLMEngine:
             max_num_batched_tokens=setup.max_num_batched_tokens,
             max_num_seqs=setup.max_num_seqs,
             max_model_len=setup.max_model_len,
-            enforce_eager=enforce_eager,
-            compilation=compilation,
+            enforce_eager=config.enforce_eager,
+            compilation=config.compilation,
         )
         num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
         self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
