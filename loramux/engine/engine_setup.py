@@ -105,6 +105,8 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
     if config.enable_lora:
         from loramux.engine.lora_model import LoRAModelManager
 
+        if tp_rank > 0:  # a worker's slots are written from the driver's
+            from loramux.engine.tensor_parallel.worker import WorkerLoRAManager as LoRAModelManager
         lora_config = config.lora_config
         lora_manager = LoRAModelManager(hf_model, lora_config, target_modules=config.lora_target_modules)
         if tp_rank == 0:

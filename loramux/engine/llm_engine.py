@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Mapping
 
@@ -63,30 +64,46 @@ class LLMEngine:
                 f"not both (got config and {', '.join(['model'] * (model is not None) + list(kwargs))})"
             )
         self.config = config
-        setup: EngineSetup = build_engine_setup(config)
-        self.setup = setup
-        self.model = setup.model
-        self.tokenizer = setup.tokenizer
-        self.model_name = setup.model_name
-        self.max_model_len = setup.max_model_len
-        self.vocab_size = setup.model.get_input_embeddings().weight.shape[0]  # [V, H], LoRA-wrapped or not
-        self.lora_manager = setup.lora_manager
-        self.registry = setup.registry
-        self.eos_token_ids = setup.eos_token_ids
-        self.runner = ModelRunner(
-            setup.model,
-            sampler=Sampler(setup.device, setup.seed, setup.eos_token_ids),
-            lora_manager=setup.lora_manager,
-            block_size=setup.block_size,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            max_num_seqs=setup.max_num_seqs,
-            max_model_len=setup.max_model_len,
-            enforce_eager=config.enforce_eager,
-            compilation=config.compilation,
-        )
-        num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
-        self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_graphs()  # every decode graph, now: none is captured while serving
+        self.workers = None  # tensor parallelism: ranks 1..N-1, building their shards beside ours
+        if config.tensor_parallel_size > 1:
+            from loramux.engine.tensor_parallel.workers import WorkerGroup
+
+            self.workers = WorkerGroup(config)
+            weakref.finalize(self, self.workers.shutdown)  # no orphans, even without close()
+        try:
+            setup: EngineSetup = build_engine_setup(config)
+            self.setup = setup
+            self.model = setup.model
+            self.tokenizer = setup.tokenizer
+            self.model_name = setup.model_name
+            self.max_model_len = setup.max_model_len
+            self.vocab_size = setup.model.get_input_embeddings().weight.shape[0]  # [V, H], LoRA-wrapped or not
+            self.lora_manager = setup.lora_manager
+            self.registry = setup.registry
+            self.eos_token_ids = setup.eos_token_ids
+            if self.workers is not None:
+                self.workers.wait_ready()
+                if setup.lora_manager is not None:
+                    setup.lora_manager.workers = self.workers  # slot writes reach every rank
+            self.runner = ModelRunner(
+                setup.model,
+                sampler=Sampler(setup.device, setup.seed, setup.eos_token_ids),
+                lora_manager=setup.lora_manager,
+                block_size=setup.block_size,
+                max_num_batched_tokens=setup.max_num_batched_tokens,
+                max_num_seqs=setup.max_num_seqs,
+                max_model_len=setup.max_model_len,
+                enforce_eager=config.enforce_eager,
+                compilation=config.compilation,
+                workers=self.workers,
+            )
+            num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
+            self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
+            self.runner.capture_graphs()  # every decode graph, now: none is captured while serving
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown()
+            raise
         self.block_manager = BlockManager(
             num_blocks, setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
         )
@@ -370,6 +387,8 @@ class LLMEngine:
         self.loader.shutdown()
         self.runner.release_graphs()
         self.runner.kv = self.kv_cache = None
+        if self.workers is not None:
+            self.workers.shutdown()
 
 
 def _content_digest(adapter: LoRAAdapter) -> str:
