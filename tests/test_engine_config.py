@@ -92,3 +92,25 @@ def test_device_defaults_stay_unresolved_until_setup():
     engine = LLMEngine(config=config)
     assert (engine.setup.max_num_seqs, engine.setup.max_num_batched_tokens) == (16, 1024)  # CPU's defaults
     engine.close()
+
+
+def test_serve_builds_an_engine_config_with_the_tensor_parallel_flag(monkeypatch):
+    from loramux.cli import build_parser
+    from loramux.serving import server
+
+    built = []
+
+    class Recorder:
+        model_name = "recorded"
+
+        def __init__(self, *, config):
+            built.append(config)
+
+    monkeypatch.setattr("loramux.engine.llm_engine.LLMEngine", Recorder)
+    args = build_parser().parse_args(["serve", "some/model", "-tp", "2", "--max-num-seqs", "8", "--no-enable-lora"])
+    server.build_engine(args)
+    (config,) = built
+    assert isinstance(config, EngineConfig)
+    assert (config.model, config.tensor_parallel_size, config.max_num_seqs) == ("some/model", 2, 8)
+    long_form = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "4"])
+    assert long_form.tensor_parallel_size == 4 and build_parser().parse_args(["serve"]).tensor_parallel_size == 1
