@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -20,6 +22,7 @@ from conftest import char_tokenizer, tiny_llama, tiny_model
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.tensor_parallel.group import rank_device
 from loramux.engine.tensor_parallel.sharding import RowParallelLinear, shard_model
 from loramux.engine.tensor_parallel.workers import WorkerError
 
@@ -112,7 +115,45 @@ def test_an_architecture_outside_the_mapping_is_refused():
         shard_model(tiny_model("phi3"), rank=0, size=2)
 
 
+def test_ranks_need_as_many_gpus_as_ranks_from_gpu_0():
+    with pytest.raises(ValueError, match="device='cuda:1' with tensor_parallel_size=2: the ranks take cuda:0 to cuda:1"):
+        rank_device(torch.device("cuda:1"), 0, 2)
+    if torch.cuda.device_count() < 8:
+        with pytest.raises(ValueError, match=r"tensor_parallel_size=8 needs 8 GPUs, and \d+ are visible"):
+            rank_device(torch.device("cuda"), 0, 8)
+    assert rank_device(torch.device("cpu"), 1, 2) == torch.device("cpu")
+
+
 # -- two processes over gloo ----------------------------------------------------------------------
+
+
+def test_a_failed_start_raises_the_cause_and_leaves_no_worker(model_dir):
+    import multiprocessing
+
+    before = {p.pid for p in multiprocessing.active_children()}
+    with pytest.raises(OSError, match="no-such-model"):  # the driver's own load fails; its worker's too
+        build(os.path.join(model_dir, "no-such-model"), 2)
+    assert {p.pid for p in multiprocessing.active_children()} == before
+
+
+def test_workers_exit_when_their_driver_dies(model_dir):
+    script = (
+        "import os, sys, torch\n"
+        "from loramux.engine.llm_engine import LLMEngine\n"
+        "if __name__ == '__main__':\n"
+        f"    e = LLMEngine({model_dir!r}, dtype=torch.float64, device='cpu', tensor_parallel_size=2, max_model_len=64)\n"
+        "    print(*e.workers.pids, flush=True)\n"
+        "    os._exit(0)  # no close(), no atexit: as if killed\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    pids = [int(pid) for pid in done.stdout.split()]
+    assert len(pids) == 1, done.stderr[-2000:]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
+        time.sleep(0.1)
+    assert_gone(pids)
+
 
 
 def test_a_killed_worker_fails_the_step_at_once_and_close_leaves_no_process(model_dir):
@@ -138,6 +179,11 @@ def test_tp2_greedy_equals_tp1_for_base_and_adapter_requests_in_one_batch(model_
     reference.close()
     assert len(set(map(tuple, expected.values()))) > 3  # the adapters change the output
     assert generate(tp_engine, mixed(engine_adapters, "m")) == expected
+
+
+def test_a_second_tensor_parallel_engine_in_the_process_is_refused_before_spawning(model_dir, tp_engine):
+    with pytest.raises(RuntimeError, match="process group is already open in this process.*close\\(\\) that engine"):
+        build(model_dir, 2)
 
 
 def test_adapters_load_unload_and_reload_while_requests_run(model_dir, tp_engine, engine_adapters, make_adapter):

@@ -25,6 +25,7 @@ import threading
 import time
 
 import torch
+import torch.distributed
 import torch.multiprocessing
 
 from loramux.engine.config import EngineConfig
@@ -58,6 +59,11 @@ class WorkerGroup:
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        if torch.distributed.is_initialized():  # before spawning anything
+            raise RuntimeError(
+                "a torch.distributed process group is already open in this process (another "
+                "tensor-parallel engine?); close() that engine before starting another."
+            )
         self.size = config.tensor_parallel_size
         from loramux.engine.engine_setup import _default_device
 
