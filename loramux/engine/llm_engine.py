@@ -102,7 +102,7 @@ class LLMEngine:
             self.runner.capture_graphs()  # every decode graph, now: none is captured while serving
         except BaseException:
             if self.workers is not None:
-                self.workers.shutdown()
+                self.workers.shutdown(timeout=0.0)  # they may still be building: nothing to wait for
             raise
         self.block_manager = BlockManager(
             num_blocks, setup.block_size, enable_prefix_caching=setup.enable_prefix_caching

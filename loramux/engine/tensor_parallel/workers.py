@@ -73,25 +73,27 @@ class WorkerGroup:
         self._error: WorkerError | None = None
         self._conns: list[multiprocessing.connection.Connection] = []
         self._procs: list = []
+        self._in_group = False
         context = torch.multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
         from loramux.engine.tensor_parallel.worker import run_worker
 
-        worker_config = config.for_worker()
-        for rank in range(1, self.size):
-            ours, theirs = context.Pipe(duplex=True)
-            process = context.Process(
-                target=run_worker, args=(rank, self.size, init_method, worker_config, theirs),
-                name=f"loramux-tp-rank{rank}", daemon=True,
-            )
-            process.start()
-            theirs.close()  # only the worker holds its end: its death is our end-of-file
-            self._conns.append(ours)
-            self._procs.append(process)
+        worker_config = config.for_worker()  # pickled to each worker: no registry, no tokenizer
         try:
+            for rank in range(1, self.size):
+                ours, theirs = context.Pipe(duplex=True)
+                process = context.Process(
+                    target=run_worker, args=(rank, self.size, init_method, worker_config, theirs),
+                    name=f"loramux-tp-rank{rank}", daemon=True,
+                )
+                self._conns.append(ours)
+                process.start()
+                self._procs.append(process)
+                theirs.close()  # only the worker holds its end: its death is our end-of-file
             self._join_group(init_method)
+            self._in_group = True
         except BaseException:
-            self.shutdown()
+            self.shutdown(timeout=0.0)  # the workers may still be starting: they read no message yet
             raise
 
     def _join_group(self, init_method: str) -> None:
@@ -221,7 +223,10 @@ class WorkerGroup:
         return [p.pid for p in self._procs]
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop every worker (politely, then by force) and leave the process group. Idempotent."""
+        """Stop every worker (politely, within ``timeout`` seconds, then by force; at once after a
+        failure, when they may be stuck in a collective) and leave the process group. Idempotent."""
+        if self._error is not None:
+            timeout = 0.0
         message = pickle.dumps(("shutdown", (), {}, False))
         for conn in self._conns:
             try:
@@ -237,7 +242,9 @@ class WorkerGroup:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
-        destroy_group()
+        if self._in_group:  # only ours: a later engine's group must outlive this one's finalizer
+            self._in_group = False
+            destroy_group()
 
 
 def _owned(weights):
