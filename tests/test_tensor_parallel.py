@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 import subprocess
 import sys
 import time
@@ -103,6 +104,43 @@ def test_an_architecture_outside_the_mapping_is_refused():
     fused = r"Phi3ForCausalLM has 0 of them; not plain nn.Linear .*: model.layers.0.self_attn.q_proj \(missing\)"
     with pytest.raises(ValueError, match=fused):
         shard_model(tiny_model("phi3"), rank=0, size=2)
+
+
+def lora_outputs(layer: torch.nn.Module, name: str, adapter, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` with ``adapter`` on every token, the layer wrapped for LoRA as ``name``."""
+    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.registry import LoRAConfig
+
+    parent = torch.nn.Module()
+    parent.add_module(name, layer)
+    manager = LoRAModelManager(parent, LoRAConfig(max_loras=1, max_lora_rank=8))
+    manager.validate(adapter)  # the whole adapter fits the shard: checked against the whole layer
+    manager.activate(adapter)
+    manager.set_mapping(torch.zeros(x.shape[0], dtype=torch.int32))
+    with torch.no_grad():
+        return getattr(parent, name)(x)
+
+
+@pytest.mark.parametrize("style", ["column", "row"])
+def test_sharded_lora_adds_up_to_the_whole_layers_lora(style):
+    from loramux.engine.tensor_parallel.sharding import _column_shard, _row_shard
+    from loramux.registry import LoRAAdapter, LoRAModuleWeights
+
+    torch.manual_seed(0)
+    full = torch.nn.Linear(16, 12, bias=False).double()
+    weights = LoRAModuleWeights(torch.randn(4, 16, dtype=torch.float64), torch.randn(12, 4, dtype=torch.float64), 0.5)
+    adapter = LoRAAdapter("a", Path("."), {"proj": weights}, 8, ["proj"])
+    x = torch.randn(5, 16, dtype=torch.float64)
+    want = lora_outputs(full, "proj", adapter, x)
+    if style == "column":  # each rank its rows of the output: concatenated
+        parts = [lora_outputs(_column_shard(full, rank, 2), "proj", adapter, x) for rank in range(2)]
+        got = torch.cat(parts, dim=-1)
+    else:  # each rank its columns of the input; the partial outputs (LoRA's included) summed
+        parts = [lora_outputs(_row_shard(full, "proj", rank, 2).linear, "proj", adapter, x[:, 8 * rank : 8 * rank + 8])
+                 for rank in range(2)]
+        got = parts[0] + parts[1]
+    torch.testing.assert_close(got, want)
+    assert not torch.allclose(want, full(x))  # the adapter changes the output
 
 
 def test_ranks_need_as_many_gpus_as_ranks_from_gpu_0():

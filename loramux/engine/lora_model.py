@@ -275,7 +275,7 @@ class LoRAModelManager:
         for name, layer in self.layers.items():
             weights = [adapter.modules.get(module) for module in layer.slice_names]
             if any(w is not None for w in weights):
-                layer.set_lora(slot, layer.shard_lora(weights, 0))
+                layer.set_lora(slot, layer.shard_lora(weights))  # this rank's part
                 for rank in range(1, size):
                     shards[rank][name] = layer.shard_lora(weights, rank)
             else:

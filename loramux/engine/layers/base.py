@@ -145,14 +145,16 @@ class BaseLayerWithLoRA(nn.Module):
         return self.in_features, tuple(size * shard.size for size in self.output_sizes)
 
     def shard_lora(
-        self, weights_by_slice: Sequence[LoRAModuleWeights | None], rank: int
+        self, weights_by_slice: Sequence[LoRAModuleWeights | None], rank: int | None = None
     ) -> list[LoRAModuleWeights | None]:
-        """Rank ``rank``'s part of a whole adapter's weights for this layer (S-LoRA's split):
-        column-parallel, A whole and this rank's rows of B (per slice); row-parallel, this rank's
-        columns of A and B whole. Views; unchanged for a layer that is not sharded."""
+        """Rank ``rank``'s part (default: this layer's own rank) of a whole adapter's weights for
+        this layer (S-LoRA's split): column-parallel, A whole and the rank's rows of B (per slice);
+        row-parallel, the rank's columns of A and B whole. Views; unchanged for a layer that is
+        not sharded."""
         shard = self.tp_shard
         if shard is None:
             return list(weights_by_slice)
+        rank = shard.rank if rank is None else rank
         parts: list[LoRAModuleWeights | None] = []
         for size, weights in zip(self.output_sizes, weights_by_slice):
             if weights is None:
