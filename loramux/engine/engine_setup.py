@@ -103,12 +103,12 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
     lora_manager = registry_obj = None
     requests: list[LoRARequest] = []
     if config.enable_lora:
-        from loramux.engine.lora_model import LoRAModelManager
-
         if tp_rank > 0:  # a worker's slots are written from the driver's
-            from loramux.engine.tensor_parallel.worker import WorkerLoRAManager as LoRAModelManager
+            from loramux.engine.tensor_parallel.worker import WorkerLoRAManager as manager_class
+        else:
+            from loramux.engine.lora_model import LoRAModelManager as manager_class
         lora_config = config.lora_config
-        lora_manager = LoRAModelManager(hf_model, lora_config, target_modules=config.lora_target_modules)
+        lora_manager = manager_class(hf_model, lora_config, target_modules=config.lora_target_modules)
         if tp_rank == 0:
             registry_obj = config.registry if config.registry is not None else _make_registry(
                 lora_config, name, lora_manager.validate, config.resolver_settings
