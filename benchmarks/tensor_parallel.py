@@ -5,8 +5,8 @@ Run through ``throughput.py`` on a host with N GPUs (``nvidia-h200-x2`` for N=2)
     PYTHONPATH=. python benchmarks/throughput.py --tensor-parallel-size 2 \\
         --model llama-3.1-8b --load-format dummy --num-requests 64 --json tp.json --markdown tp.md
 
-For each TP size, one engine (random weights from the config, every worker building its own
-shard) serves the same batch three ways: base requests through the LoRA engine, every request on
+For each TP size, one engine (random weights from the config; at TP=N each rank builds only its
+share, so a 70B shape fits where the whole model would not) serves the same batch three ways: base requests through the LoRA engine, every request on
 one adapter, and the requests spread over 32 adapters (rank ``--ranks``' first, all seven
 projections, random, bound in memory and warmed into slots before the clock starts). Reported per
 run: tokens/s, the median decode step holding the whole batch, and its floor: the bytes one rank

@@ -8,6 +8,7 @@ Starting workers costs a few seconds (spawn), so one engine serves several tests
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -17,7 +18,7 @@ import time
 
 import pytest
 import torch
-from conftest import char_tokenizer, tiny_llama, tiny_model
+from conftest import TINY_LLAMA, char_tokenizer, tiny_llama, tiny_model
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
@@ -91,11 +92,33 @@ def test_shards_hold_their_heads_and_the_config_says_so():
     assert (model.config.num_attention_heads, model.config.num_key_value_heads, model.config.head_dim) == (2, 1, 8)
 
 
+def test_a_prebuilt_shard_is_marked_not_sliced_again():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from loramux.engine.tensor_parallel.sharding import shard_config
+
+    config = LlamaConfig(**TINY_LLAMA)
+    shard_config(config, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.intermediate_size) == (2, 1, 32)
+    model = LlamaForCausalLM(config)
+    shard_model(model, rank=1, size=2, prebuilt=True)
+    mlp = model.model.layers[1].mlp
+    assert mlp.up_proj.weight.shape == (32, 32) and mlp.up_proj.loramux_tp.rank == 1
+    assert mlp.down_proj.linear.weight.shape == (32, 32) and mlp.down_proj.linear.loramux_tp.style == "row"
+    assert config.num_attention_heads == 2  # divided once
+
+
 def test_heads_that_do_not_divide_are_refused_naming_the_count():
     with pytest.raises(ValueError, match="tensor_parallel_size=4 does not divide the model's num_key_value_heads=2"):
         shard_model(tiny_llama(), rank=0, size=4)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads=4"):
         shard_model(tiny_llama(), rank=0, size=3)
+    from transformers import LlamaConfig
+
+    from loramux.engine.tensor_parallel.sharding import shard_config
+
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's num_attention_heads=4"):
+        shard_config(LlamaConfig(**TINY_LLAMA), 3)
 
 
 def test_an_architecture_outside_the_mapping_is_refused():
@@ -184,8 +207,13 @@ def test_workers_exit_when_their_driver_dies(model_dir):
 
 
 
-def test_a_killed_worker_fails_the_step_at_once_and_close_leaves_no_process(model_dir):
-    engine = build(model_dir, 2, max_model_len=128)
+def test_a_killed_worker_fails_the_step_at_once_and_close_leaves_no_process(tmp_path):
+    # a random-weight model from a config: each rank builds only its share (shard_config)
+    config_file = tmp_path / "tiny.json"
+    config_file.write_text(json.dumps({"model_type": "llama", **TINY_LLAMA}))
+    engine = build(str(config_file), 2, load_format="dummy", max_model_len=128)
+    q_proj = engine.model.model.layers[0].self_attn.q_proj
+    assert q_proj.weight.shape == (16, 32) and engine.kv_cache.num_kv_heads == 1  # 2 of 4 heads, 1 of 2
     pids = engine.workers.pids
     engine.add_request("long", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=100, ignore_eos=True))
     engine.step()

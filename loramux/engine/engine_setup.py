@@ -20,6 +20,7 @@ it once); on CPU a fixed budget, capped at four times what ``max_num_seqs`` sequ
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -73,12 +74,17 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
         from loramux.engine.model_loader import DEFAULT_MODEL_NAME, load_model
 
         device = torch.device(config.device) if config.device is not None else _default_device()
+        prepare_config = None
         if tp_size > 1:
             from loramux.engine.tensor_parallel.group import rank_device
+            from loramux.engine.tensor_parallel.sharding import shard_config
 
             device = rank_device(device, tp_rank, tp_size)
+            if config.load_format == "dummy":  # random weights: build this rank's share only
+                prepare_config = functools.partial(shard_config, size=tp_size)
         hf_model, loaded_tokenizer = load_model(
-            config.model, dtype=config.dtype, device=device, load_format=config.load_format
+            config.model, dtype=config.dtype, device=device, load_format=config.load_format,
+            prepare_config=prepare_config,
         )
         tokenizer = tokenizer or loaded_tokenizer
         name = DEFAULT_MODEL_NAME if config.model is None else str(config.model)
@@ -96,7 +102,8 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
     if tp_size > 1:
         from loramux.engine.tensor_parallel.sharding import shard_model
 
-        shard_model(hf_model, tp_rank, tp_size)  # before fusing: each rank fuses its own heads
+        # before fusing: each rank fuses its own heads
+        shard_model(hf_model, tp_rank, tp_size, prebuilt=config.load_format == "dummy")
     if config.fuse_projections:
         fuse_siblings(hf_model)  # before LoRA wraps the layers: one wrapper per fused group
 

@@ -29,7 +29,8 @@ from torch import nn
 
 from loramux.engine.tensor_parallel.group import all_reduce
 
-__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "SHARDED_BLOCKS", "RowParallelLinear", "ShardSpec", "shard_model"]
+__all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "SHARDED_BLOCKS", "RowParallelLinear", "ShardSpec", "shard_config",
+           "shard_model"]
 
 #: the sharded blocks, by attribute name inside one parent module: the column-parallel layers
 #: (output split over the ranks) and the row-parallel layer reading their result (input split,
@@ -69,25 +70,33 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def shard_config(config, size: int) -> None:
+    """Make ``config`` describe one rank's share of the model (``size`` ranks): a model built
+    from it *is* a shard (its heads, its MLP width), to be marked with
+    ``shard_model(..., prebuilt=True)``. So a random-weight model of any size builds in its
+    share of memory; its shards are random, not those of the TP=1 model of that config.
+
+    :raises ValueError: ``size`` does not divide a head count or the MLP width.
+    """
+    config = config.get_text_config()
+    _check_divisible(config, size)
+    _divide(config, size)
+    config.intermediate_size //= size
+
+
 @torch.no_grad()
-def shard_model(model: nn.Module, rank: int, size: int) -> list[str]:
+def shard_model(model: nn.Module, rank: int, size: int, *, prebuilt: bool = False) -> list[str]:
     """Keep, in place, rank ``rank``'s part of every declared layer of ``model``; returns their names.
+
+    With ``prebuilt`` the model was built from a `shard_config` config: its layers already have
+    a shard's sizes, and are only marked (and the row layers wrapped for their all-reduce).
 
     :raises ValueError: the head counts or the MLP width do not divide by ``size``, or the model
         has no layer of the mapping, or only some (an architecture this mapping does not cover).
     """
     config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    intermediate = getattr(config, "intermediate_size", None)
-    for what, value in (("num_attention_heads", heads), ("num_key_value_heads", kv_heads),
-                        ("intermediate_size", intermediate)):
-        if value is not None and value % size:
-            raise ValueError(
-                f"tensor_parallel_size={size} does not divide the model's {what}={value}: each rank "
-                f"must hold a whole share; use a tensor_parallel_size that divides it."
-            )
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if not prebuilt:
+        _check_divisible(config, size)
     sharded, problems = [], []
     for parent_name, parent in list(model.named_modules()):
         prefix = f"{parent_name}." if parent_name else ""
@@ -101,8 +110,8 @@ def shard_model(model: nn.Module, rank: int, size: int) -> list[str]:
                 problems.extend(odd)
                 continue
             for attr in columns:
-                setattr(parent, attr, _column_shard(layers[attr], rank, size))
-            setattr(parent, row, _row_shard(layers[row], prefix + row, rank, size))
+                setattr(parent, attr, _column_shard(layers[attr], rank, size, prebuilt))
+            setattr(parent, row, _row_shard(layers[row], prefix + row, rank, size, prebuilt))
             sharded.extend(prefix + attr for attr in (*columns, row))
     if not sharded or problems:
         found = f"; not plain nn.Linear layers of that mapping: {', '.join(problems[:4])}" if problems else ""
@@ -111,25 +120,48 @@ def shard_model(model: nn.Module, rank: int, size: int) -> list[str]:
             f"(Llama, Qwen2, Mistral, Gemma and kin); {type(model).__name__} has {len(sharded)} of them"
             f"{found}. Serve this model with tensor_parallel_size=1."
         )
-    # what the rank holds from now on: the KV cache and anything else reading the config sizes
-    # its heads by these (head_dim is pinned first, as it may have been derived from the heads)
-    config.head_dim = head_dim
-    config.num_attention_heads = heads // size
-    config.num_key_value_heads = kv_heads // size
+    if not prebuilt:
+        _divide(config, size)
     return sharded
 
 
-def _column_shard(layer: nn.Linear, rank: int, size: int) -> nn.Linear:
-    rows = layer.out_features // size
-    part = slice(rank * rows, (rank + 1) * rows)
-    shard = _linear(layer.weight[part], None if layer.bias is None else layer.bias[part])
+def _check_divisible(config, size: int) -> None:
+    heads = config.num_attention_heads
+    for what, value in (("num_attention_heads", heads),
+                        ("num_key_value_heads", getattr(config, "num_key_value_heads", None) or heads),
+                        ("intermediate_size", getattr(config, "intermediate_size", None))):
+        if value is not None and value % size:
+            raise ValueError(
+                f"tensor_parallel_size={size} does not divide the model's {what}={value}: each rank "
+                f"must hold a whole share; use a tensor_parallel_size that divides it."
+            )
+
+
+def _divide(config, size: int) -> None:
+    """What the rank holds from now on: the KV cache, and anything else reading the config,
+    sizes its heads by these (head_dim is pinned first, as it may be derived from the heads)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    config.head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    config.num_attention_heads = heads // size
+    config.num_key_value_heads = kv_heads // size
+
+
+def _column_shard(layer: nn.Linear, rank: int, size: int, prebuilt: bool = False) -> nn.Linear:
+    if prebuilt:
+        shard = layer
+    else:
+        rows = layer.out_features // size
+        part = slice(rank * rows, (rank + 1) * rows)
+        shard = _linear(layer.weight[part], None if layer.bias is None else layer.bias[part])
     shard.loramux_tp = ShardSpec("column", rank, size)
     return shard
 
 
-def _row_shard(layer: nn.Linear, name: str, rank: int, size: int) -> RowParallelLinear:
-    columns = layer.in_features // size
-    shard = _linear(layer.weight[:, rank * columns : (rank + 1) * columns], None)
+def _row_shard(layer: nn.Linear, name: str, rank: int, size: int, prebuilt: bool = False) -> RowParallelLinear:
+    columns = layer.in_features if prebuilt else layer.in_features // size
+    start = 0 if prebuilt else rank * columns
+    shard = _linear(layer.weight[:, start : start + columns], None)
     shard.loramux_tp = ShardSpec("row", rank, size)
     # LoRA wraps the inner layer, which stands for the module adapters name (PEFT's o_proj)
     shard.loramux_slices = ((name, layer.out_features),)
