@@ -61,6 +61,8 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
 
     try:
         device = torch.device(config.device) if config.device is not None else _default_device()
+        if device.type == "cpu":  # the ranks share the host's cores: oversubscribed, they spin-wait
+            torch.set_num_threads(max(1, torch.get_num_threads() // size))
         init_group(init_method, rank, size, rank_device(device, rank, size))
         setup = build_engine_setup(config, tp_rank=rank)
         runner = ModelRunner(
