@@ -234,7 +234,8 @@ class TestOneSharedEngine:
     per process at a time, and the tests before and after build their own."""
 
     @pytest.fixture(scope="class")
-    def tp_engine(self, model_dir):
+    @classmethod
+    def tp_engine(cls, model_dir):
         engine = build(model_dir, 2)
         pids = engine.workers.pids
         yield engine
