@@ -3,6 +3,7 @@ concurrency, with and without adapters, and PEFT's own mixed-batch generation.
 
     PYTHONPATH=. python benchmarks/throughput.py                      # CPU: the embedded model, small
     PYTHONPATH=. python benchmarks/throughput.py --model llama-3.1-8b --load-format dummy   # GPU
+    PYTHONPATH=. python benchmarks/throughput.py --model llama-3.1-8b --load-format dummy -tp 2   # 2 GPUs
 
 Every request has the same random prompt length and generates exactly ``--output-len`` tokens
 (``ignore_eos``), all submitted at once (``max_num_seqs`` = the number of requests, so every decode
@@ -256,11 +257,18 @@ def main() -> None:
     parser.add_argument("--concurrency", action="store_true", help="1k-token requests at max_model_len=32768")
     parser.add_argument("--startup", action="store_true", help="first and second start in fresh processes")
     parser.add_argument("--only", choices=["base", "lora", "all"], default="all")
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="measure TP=1 and TP=N instead (0, 1 and 32 adapters; benchmarks/tensor_parallel.py)")
     parser.add_argument("--json", type=Path, default=Path("throughput.json"))
     parser.add_argument("--markdown", type=Path, default=None)
     args = parser.parse_args()
     args.adapters = [int(x) for x in args.adapters.split(",")]
     args.ranks = [int(x) for x in args.ranks.split(",")]
+    if args.tensor_parallel_size:
+        import tensor_parallel  # noqa: PLC0415 -- benchmarks/ is the script's dir, so on sys.path
+
+        tensor_parallel.run(args)
+        return
     device = torch.device("cuda" if cuda else "cpu")
     t0 = time.perf_counter()
     model = load_model(args.model, dtype=args.dtype, device=device, load_format=args.load_format)[0]

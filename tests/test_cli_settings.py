@@ -76,8 +76,8 @@ def test_serve_flags_reach_the_engine_as_arguments(root, monkeypatch, capsys):
     class StopHere(ValueError):
         pass
 
-    def fake_engine(model, **kwargs):
-        seen.update(kwargs, model=model)
+    def fake_engine(model=None, *, config=None, **kwargs):  # serve builds an EngineConfig
+        seen.update(vars(config) if config is not None else dict(kwargs, model=model))
         raise StopHere("stopped before loading a model")
 
     monkeypatch.setattr("loramux.engine.llm_engine.LLMEngine", fake_engine)

@@ -5,11 +5,13 @@ The generation side is imported lazily, so that ``loramux.engine.layers`` and fr
 
 from __future__ import annotations
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "StructuredOutputsParams", "RequestOutput",
+           "CompletionOutput"]
 
 _LAZY = {
     "LLM": "loramux.engine.llm",
     "LLMEngine": "loramux.engine.llm_engine",
+    "EngineConfig": "loramux.engine.config",
     "SamplingParams": "loramux.engine.sampling_params",
     "StructuredOutputsParams": "loramux.engine.sampling_params",
     "RequestOutput": "loramux.engine.outputs",

@@ -17,6 +17,7 @@ running load.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,7 +30,17 @@ if TYPE_CHECKING:
     from loramux.engine.scheduler import ScheduledBatch
     from loramux.engine.sequence import Sequence
 
-__all__ = ["DecodeGraphs", "graph_batch_sizes"]
+__all__ = ["DecodeGraphs", "DecodeInputs", "graph_batch_sizes"]
+
+
+@dataclass
+class DecodeInputs:
+    """One replay's inputs, on the host: the padded batch size, the flattened per-row fields and
+    block tables (`DecodeGraphs._host_fields`), and the adapter slots in use."""
+
+    batch_size: int
+    host_fields: list[list[int]]
+    active_slots: list[int]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -71,10 +82,16 @@ class DecodeGraphs:
             n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in batch.chunks
         )
 
-    def _load(self, seqs: list[Sequence], lora_slots: list[int], B: int) -> None:
-        """Fill the static inputs for ``seqs`` padded to ``B`` rows: one copy of the fields, one of
-        the block tables' used columns (the kernels read no column past a row's length)."""
-        S, bs, pad = self.sizes[-1], self.runner.block_size, self.sizes[-1] - len(seqs)
+    def decode_inputs(self, seqs: list[Sequence], lora_slots: list[int]) -> DecodeInputs:
+        """The host side of a replay for ``seqs`` (all decoding): plain lists, so a tensor-parallel
+        driver can send them to its workers, whose graphs replay the same step."""
+        B = next(b for b in self.sizes if b >= len(seqs))
+        return DecodeInputs(B, self._host_fields(seqs, lora_slots, B), sorted({s for s in lora_slots if s >= 0}))
+
+    def _host_fields(self, seqs: list[Sequence], lora_slots: list[int], B: int) -> list[list[int]]:
+        """The static inputs' values for ``seqs`` padded to ``B`` rows: the five per-row fields
+        flattened, then the block tables' used columns (the kernels read no column past a row's length)."""
+        bs, pad = self.runner.block_size, self.sizes[-1] - len(seqs)
         positions = [s.num_computed for s in seqs]
         width = max((len(s.block_table) for s in seqs), default=1)
         fields = [
@@ -83,24 +100,28 @@ class DecodeGraphs:
             [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)] + [-1] * pad,
             [p + 1 for p in positions] + [0] * pad,
             list(lora_slots) + [-1] * pad,
-            [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
-            + [0] * ((B - len(seqs)) * width),
         ]
-        flat, tables = self.runner.to_device([[v for f in fields[:5] for v in f], fields[5]])
+        tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
+        return [[v for f in fields for v in f], tables + [0] * ((B - len(seqs)) * width)]
+
+    def _load(self, host_fields: list[list[int]], B: int) -> None:
+        """Fill the static inputs: one copy of the fields, one of the block tables' used columns."""
+        S = self.sizes[-1]
+        flat, tables = self.runner.to_device(host_fields)
+        width = max(1, len(host_fields[1]) // B)
         self.fields.copy_(flat.view(5, S))
         self.tables[:B, :width].copy_(tables.view(B, width))
         ids, positions, _ = self.inputs[B]
         ids.copy_(self.fields[0, :B])
         positions.copy_(self.fields[1, :B])
 
-    def replay(self, seqs: list[Sequence], lora_slots: list[int]) -> torch.Tensor:
-        """Run the step of ``seqs`` (all decoding); returns logits ``[B, V]`` (rows past len(seqs): padding)."""
-        B = next(b for b in self.sizes if b >= len(seqs))
-        active = sorted({s for s in lora_slots if s >= 0})
-        self._load(seqs, lora_slots, B)
-        if active:
-            self.runner.lora_manager.mark_used(active)
-        graph, logits = self._graphs[(B, bool(active))]
+    def replay(self, inputs: DecodeInputs) -> torch.Tensor:
+        """Run the step `decode_inputs` described; returns logits ``[B, V]`` (rows past the
+        step's sequences: padding)."""
+        self._load(inputs.host_fields, inputs.batch_size)
+        if inputs.active_slots:
+            self.runner.lora_manager.mark_used(inputs.active_slots)
+        graph, logits = self._graphs[(inputs.batch_size, bool(inputs.active_slots))]
         graph.replay()
         self.steps += 1
         return logits
@@ -113,7 +134,7 @@ class DecodeGraphs:
 
     def _capture(self, B: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         runner = self.runner
-        self._load([], [], B)  # all padding
+        self._load(self._host_fields([], [], B), B)  # all padding
         _, _, slots, lens, lora_slots = self.fields[:, :B]
         ids, pos, logits_rows = self.inputs[B]
         metadata = AttentionMetadata(

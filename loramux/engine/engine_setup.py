@@ -1,6 +1,6 @@
 """Everything an engine is built from: the model, tokenizer, LoRA manager, registry and sizes.
 
-Sizing defaults (each argument overrides its own):
+Sizing defaults (each `EngineConfig` field left at None takes its device's default):
 
 ============================  ==========================  ======================
 argument                      CUDA                        CPU
@@ -20,12 +20,13 @@ it once); on CPU a fixed budget, capped at four times what ``max_num_seqs`` sequ
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.config import EngineConfig
 from loramux.engine.siblings import fuse_siblings
 from loramux.registry import LoRAConfig, LoRARequest
 
@@ -53,83 +54,73 @@ class EngineSetup:
     lora_modules: list[LoRARequest]
     seed: int | None
     max_loading_workers: int
+    tensor_parallel_size: int = 1
 
 
-def build_engine_setup(
-    model: str | os.PathLike | torch.nn.Module | None = None,
-    *,
-    enable_lora: bool = True,
-    max_loras: int = 1,
-    max_lora_rank: int = 16,
-    max_cpu_loras: int | None = None,
-    max_cpu_lora_bytes: int | None = None,
-    lora_dtype: str | torch.dtype = "auto",
-    dtype: str | torch.dtype = "auto",
-    device: str | torch.device | None = None,
-    max_num_seqs: int | None = None,
-    max_model_len: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    load_format: str = "auto",
-    lora_modules: Mapping[str, str] | Iterable[LoRARequest | str] | None = None,
-    registry=None,
-    resolver_settings=None,
-    tokenizer=None,
-    lora_target_modules: list[str] | str | None = None,
-    seed: int | None = 0,
-    max_loading_workers: int = 4,
-    block_size: int = 16,
-    gpu_memory_utilization: float = 0.9,
-    num_gpu_blocks_override: int | None = None,
-    enable_prefix_caching: bool = True,
-    fuse_projections: bool = True,
-) -> EngineSetup:
-    if isinstance(model, torch.nn.Module):  # an already loaded Hugging Face model
-        hf_model = model.eval()
-        device = next(model.parameters()).device
-        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
+def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup:
+    """Load (or take) the model, shard it for ``tp_rank`` when ``config.tensor_parallel_size > 1``,
+    fuse its sibling projections, wrap it for LoRA and resolve the device's default sizes.
+
+    A tensor-parallel worker (``tp_rank > 0``) builds the same model and LoRA layers but no
+    registry: adapters reach it as weight shards from the driver.
+    """
+    tp_size = config.tensor_parallel_size
+    tokenizer = config.tokenizer
+    if isinstance(config.model, torch.nn.Module):  # an already loaded Hugging Face model
+        hf_model = config.model.eval()
+        device = next(hf_model.parameters()).device
+        name = getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
     else:
         from loramux.engine.model_loader import DEFAULT_MODEL_NAME, load_model
 
-        device = torch.device(device) if device is not None else _default_device()
-        hf_model, loaded_tokenizer = load_model(model, dtype=dtype, device=device, load_format=load_format)
+        device = torch.device(config.device) if config.device is not None else _default_device()
+        prepare_config = None
+        if tp_size > 1:
+            from loramux.engine.tensor_parallel.group import rank_device
+            from loramux.engine.tensor_parallel.sharding import shard_config
+
+            device = rank_device(device, tp_rank, tp_size)
+            if config.load_format == "dummy":  # random weights: build this rank's share only
+                prepare_config = functools.partial(shard_config, size=tp_size)
+        hf_model, loaded_tokenizer = load_model(
+            config.model, dtype=config.dtype, device=device, load_format=config.load_format,
+            prepare_config=prepare_config,
+        )
         tokenizer = tokenizer or loaded_tokenizer
-        name = DEFAULT_MODEL_NAME if model is None else str(model)
+        name = DEFAULT_MODEL_NAME if config.model is None else str(config.model)
     cuda = device.type == "cuda"
     text_config = hf_model.config.get_text_config()
     model_max = getattr(text_config, "max_position_embeddings", None) or 4096
-    max_num_seqs = _positive("max_num_seqs", max_num_seqs or (64 if cuda else 16))
-    max_model_len = _positive("max_model_len", max_model_len or min(model_max, 4096 if cuda else 2048))
-    max_num_batched_tokens = _positive("max_num_batched_tokens", max_num_batched_tokens or (4096 if cuda else 1024))
+    max_num_seqs = config.max_num_seqs or (64 if cuda else 16)
+    max_model_len = config.max_model_len or min(model_max, 4096 if cuda else 2048)
+    max_num_batched_tokens = config.max_num_batched_tokens or (4096 if cuda else 1024)
     if max_num_batched_tokens < max_num_seqs:
         raise ValueError(
             f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} "
             "(every running sequence decodes one token per step)"
         )
-    if not isinstance(block_size, int) or block_size < 8 or block_size & (block_size - 1):
-        raise ValueError(f"block_size: got {block_size!r}; allowed: a power of two >= 8 (default 16)")
-    if not isinstance(gpu_memory_utilization, (int, float)) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization: got {gpu_memory_utilization!r}; allowed: a number in (0, 1]")
-    if num_gpu_blocks_override is not None:
-        _positive("num_gpu_blocks_override", num_gpu_blocks_override)
-    if fuse_projections:
+    if tp_size > 1:
+        from loramux.engine.tensor_parallel.sharding import shard_model
+
+        # before fusing: each rank fuses its own heads
+        shard_model(hf_model, tp_rank, tp_size, prebuilt=config.load_format == "dummy")
+    if config.fuse_projections:
         fuse_siblings(hf_model)  # before LoRA wraps the layers: one wrapper per fused group
 
     lora_manager = registry_obj = None
     requests: list[LoRARequest] = []
-    if enable_lora:
-        from loramux.engine.lora_model import LoRAModelManager
-
-        lora_config = LoRAConfig(
-            max_loras=max_loras, max_lora_rank=max_lora_rank, max_cpu_loras=max_cpu_loras,
-            max_cpu_lora_bytes=max_cpu_lora_bytes, lora_dtype=lora_dtype,
-        )
-        lora_manager = LoRAModelManager(hf_model, lora_config, target_modules=lora_target_modules)
-        registry_obj = registry if registry is not None else _make_registry(
-            lora_config, name, lora_manager.validate, resolver_settings
-        )
-        requests = _lora_requests(lora_modules)
-    elif lora_modules:
-        raise ValueError("lora_modules were given but enable_lora=False")
+    if config.enable_lora:
+        if tp_rank > 0:  # a worker's slots are written from the driver's
+            from loramux.engine.tensor_parallel.worker import WorkerLoRAManager as manager_class
+        else:
+            from loramux.engine.lora_model import LoRAModelManager as manager_class
+        lora_config = config.lora_config
+        lora_manager = manager_class(hf_model, lora_config, target_modules=config.lora_target_modules)
+        if tp_rank == 0:
+            registry_obj = config.registry if config.registry is not None else _make_registry(
+                lora_config, name, lora_manager.validate, config.resolver_settings
+            )
+            requests = _lora_requests(config.lora_modules)
     return EngineSetup(
         model=hf_model,
         tokenizer=tokenizer,
@@ -138,29 +129,24 @@ def build_engine_setup(
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_loras=max_loras if enable_lora else 0,
-        block_size=block_size,
-        gpu_memory_utilization=float(gpu_memory_utilization),
-        num_gpu_blocks_override=num_gpu_blocks_override,
-        enable_prefix_caching=bool(enable_prefix_caching),
+        max_loras=config.max_loras if config.enable_lora else 0,
+        block_size=config.block_size,
+        gpu_memory_utilization=float(config.gpu_memory_utilization),
+        num_gpu_blocks_override=config.num_gpu_blocks_override,
+        enable_prefix_caching=bool(config.enable_prefix_caching),
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         lora_manager=lora_manager,
         registry=registry_obj,
-        registry_validates=enable_lora and registry is None,
+        registry_validates=config.enable_lora and config.registry is None,
         lora_modules=requests,
-        seed=seed,
-        max_loading_workers=max_loading_workers,
+        seed=config.seed,
+        max_loading_workers=config.max_loading_workers,
+        tensor_parallel_size=tp_size,
     )
 
 
 def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _positive(name: str, value: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name}: got {value!r}; allowed: an int >= 1")
-    return value
 
 
 def _eos_ids(model: torch.nn.Module, tokenizer) -> frozenset[int]:

@@ -18,6 +18,7 @@ from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
 
+from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine, PromptType
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
@@ -50,7 +51,11 @@ class LLM:
     :param lora_modules: adapters to register at start: ``{"name": path}`` or ``["name=path"]``.
     :param enforce_eager: no ``torch.compile`` and no CUDA graphs (on CUDA the forward is compiled
         and every decode step replays a graph captured at start, one per padded batch size).
-    :param kwargs: the rest of :class:`~loramux.engine.llm_engine.LLMEngine`'s options:
+    :param tensor_parallel_size: shard the model over this many devices (one process each; see
+        docs/architecture.md, "Tensor parallelism"); the model must then be a name or a dir.
+    :param config: all of these as one :class:`~loramux.engine.config.EngineConfig` (then give
+        no other argument).
+    :param kwargs: the rest of :class:`~loramux.engine.config.EngineConfig`'s fields:
         ``block_size`` (KV tokens per block, 16), ``gpu_memory_utilization`` (0.9: the device share
         for weights, slots, activations and KV blocks), ``num_gpu_blocks_override``,
         ``enable_prefix_caching`` (True), ``compilation`` (True: compile on CUDA),
@@ -58,12 +63,8 @@ class LLM:
         ``registry``, ``resolver_settings``, ``tokenizer``, ``lora_target_modules``, ``seed``.
     """
 
-    def __init__(
-        self, model=None, *, enable_lora: bool = True, max_loras: int = 1, enforce_eager: bool = False, **kwargs
-    ) -> None:
-        self.llm_engine = LLMEngine(
-            model, enable_lora=enable_lora, max_loras=max_loras, enforce_eager=enforce_eager, **kwargs
-        )
+    def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:
+        self.llm_engine = LLMEngine(model, config=config, **kwargs)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Mapping
 
@@ -24,6 +25,7 @@ import torch
 
 from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
 from loramux.engine.model_runner import ModelRunner
@@ -51,32 +53,58 @@ class LLMEngine:
     from any thread; ``step`` from one thread at a time.
     """
 
-    def __init__(self, model=None, *, enforce_eager: bool = False, compilation: bool = True, **kwargs) -> None:
-        setup: EngineSetup = build_engine_setup(model, **kwargs)
-        self.setup = setup
-        self.model = setup.model
-        self.tokenizer = setup.tokenizer
-        self.model_name = setup.model_name
-        self.max_model_len = setup.max_model_len
-        self.vocab_size = setup.model.get_input_embeddings().weight.shape[0]  # [V, H], LoRA-wrapped or not
-        self.lora_manager = setup.lora_manager
-        self.registry = setup.registry
-        self.eos_token_ids = setup.eos_token_ids
-        self.runner = ModelRunner(
-            setup.model,
-            sampler=Sampler(setup.device, setup.seed, setup.eos_token_ids),
-            lora_manager=setup.lora_manager,
-            block_size=setup.block_size,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            max_num_seqs=setup.max_num_seqs,
-            max_model_len=setup.max_model_len,
-            enforce_eager=enforce_eager,
-            compilation=compilation,
-        )
-        num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
-        self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
-        self.runner.capture_graphs()  # every decode graph, now: none is captured while serving
-        self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
+    def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:
+        """``LLMEngine(model, **options)`` or ``LLMEngine(config=EngineConfig(...))``; the options are
+        :class:`~loramux.engine.config.EngineConfig`'s fields (an unknown one is a TypeError)."""
+        if config is None:
+            config = EngineConfig.from_kwargs(model, **kwargs)
+        elif model is not None or kwargs:
+            raise TypeError(
+                "LLMEngine takes either config=EngineConfig(...) or the model and options as keywords, "
+                f"not both (got config and {', '.join(['model'] * (model is not None) + list(kwargs))})"
+            )
+        self.config = config
+        self.workers = None  # tensor parallelism: ranks 1..N-1, building their shards beside ours
+        if config.tensor_parallel_size > 1:
+            from loramux.engine.tensor_parallel.workers import WorkerGroup
+
+            self.workers = WorkerGroup(config)
+            weakref.finalize(self, self.workers.shutdown)  # no orphans, even without close()
+        try:
+            setup: EngineSetup = build_engine_setup(config)
+            self.setup = setup
+            self.model = setup.model
+            self.tokenizer = setup.tokenizer
+            self.model_name = setup.model_name
+            self.max_model_len = setup.max_model_len
+            self.vocab_size = setup.model.get_input_embeddings().weight.shape[0]  # [V, H], LoRA-wrapped or not
+            self.lora_manager = setup.lora_manager
+            self.registry = setup.registry
+            self.eos_token_ids = setup.eos_token_ids
+            if self.workers is not None:
+                self.workers.wait_ready()
+                if setup.lora_manager is not None:
+                    setup.lora_manager.workers = self.workers  # slot writes reach every rank
+            self.runner = ModelRunner(
+                setup.model,
+                sampler=Sampler(setup.device, setup.seed, setup.eos_token_ids),
+                lora_manager=setup.lora_manager,
+                block_size=setup.block_size,
+                max_num_batched_tokens=setup.max_num_batched_tokens,
+                max_num_seqs=setup.max_num_seqs,
+                max_model_len=setup.max_model_len,
+                enforce_eager=config.enforce_eager,
+                compilation=config.compilation,
+                workers=self.workers,
+            )
+            num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
+            self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
+            self.runner.capture_graphs()  # every decode graph, now: none is captured while serving
+            self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
+        except BaseException:
+            if self.workers is not None:
+                self.workers.shutdown(timeout=0.0)  # they may still be building: nothing to wait for
+            raise
         self.block_manager = BlockManager(
             num_blocks, setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
         )
@@ -360,6 +388,8 @@ class LLMEngine:
         self.loader.shutdown()
         self.runner.release_graphs()
         self.runner.kv = self.kv_cache = None
+        if self.workers is not None:
+            self.workers.shutdown()
 
 
 def _content_digest(adapter: LoRAAdapter) -> str:

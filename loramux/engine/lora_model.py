@@ -143,6 +143,7 @@ class LoRAModelManager:
             for layer in self.layers.values()
             for index, slice_name in enumerate(layer.slice_names)
         }
+        self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
         self._slots = SlotTable(lora_config.max_loras)
         self._adapters: dict[str, LoRAAdapter] = {}  # resident adapters, by name
         self._lock = threading.RLock()
@@ -268,16 +269,25 @@ class LoRAModelManager:
             return slot
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        for layer in self.layers.values():
-            weights = [adapter.modules.get(name) for name in layer.slice_names]
+        # with tensor parallelism this rank writes its part and each worker receives only its own
+        size = self.workers.size if self.workers is not None else 1
+        shards: list[dict[str, list[LoRAModuleWeights | None]]] = [{} for _ in range(size)]
+        for name, layer in self.layers.items():
+            weights = [adapter.modules.get(module) for module in layer.slice_names]
             if any(w is not None for w in weights):
-                layer.set_lora(slot, weights)
+                layer.set_lora(slot, layer.shard_lora(weights))  # this rank's part
+                for rank in range(1, size):
+                    shards[rank][name] = layer.shard_lora(weights, rank)
             else:
                 layer.reset_lora(slot)
+        if self.workers is not None:
+            self.workers.write_slot(slot, shards)
 
     def _clear_slot(self, slot: int) -> None:
         for layer in self.layers.values():
             layer.reset_lora(slot)
+        if self.workers is not None:
+            self.workers.clear_slot(slot)
 
     def can_activate(self, name: str) -> bool:
         """Whether `activate` would succeed for an adapter called ``name`` (if it validates)."""

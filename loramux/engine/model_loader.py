@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from filelock import FileLock
@@ -212,6 +212,7 @@ def load_model(
     dtype: DType = "auto",
     device: str | torch.device = "cpu",
     load_format: Literal["auto", "dummy"] = "auto",
+    prepare_config: Callable[[PretrainedConfig], None] | None = None,
 ) -> tuple[PreTrainedModel, Tokenizer | None]:
     """Load a causal LM and its tokenizer, in eval mode, on ``device`` in ``dtype``.
 
@@ -225,6 +226,8 @@ def load_model(
         its config with small random weights (seeded, normal with std ``initializer_range``),
         allocated directly on ``device``: nothing is read beyond the config and no weights are
         downloaded.
+    :param prepare_config: with ``load_format="dummy"``, a function that adjusts the config in
+        place before the model is built (tensor parallelism builds one rank's shard this way).
     :returns: ``(model, tokenizer)``. The tokenizer is ``None`` when a dummy model has none
         available (the shipped configs, or a config file alone); such a model takes prompts as
         ``{"prompt_token_ids": [...]}`` only.
@@ -239,6 +242,8 @@ def load_model(
         return hf_model.eval(), AutoTokenizer.from_pretrained(source)
     if load_format == "dummy":
         config, tokenizer = _dummy_config_and_tokenizer(model)
+        if prepare_config is not None:
+            prepare_config(config)
         return _build_dummy(config, torch_dtype, torch.device(device)), tokenizer
     raise ValueError(f"Unknown load_format {load_format!r}: use 'auto' (real weights) or 'dummy' (random weights).")
 

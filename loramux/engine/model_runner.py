@@ -50,6 +50,9 @@ class ModelRunner:
     :param max_model_len: the longest sequence (sizes the block tables).
     :param enforce_eager: no compile, no CUDA graphs.
     :param compilation: compile the forward on CUDA (graphs are captured either way).
+    :param workers: with tensor parallelism, the `WorkerGroup` of ranks 1..N-1 (this runner is
+        rank 0): every forward, KV-cache allocation and graph capture runs on each rank, in the
+        same order, so their collectives pair up; only rank 0 samples.
     """
 
     def __init__(
@@ -64,8 +67,10 @@ class ModelRunner:
         max_model_len: int,
         enforce_eager: bool = False,
         compilation: bool = True,
+        workers=None,
     ) -> None:
         self.model = model
+        self.workers = workers  # a tensor-parallel WorkerGroup: every forward runs on each rank
         self.sampler = sampler
         self.lora_manager = lora_manager
         self.block_size = block_size
@@ -105,19 +110,42 @@ class ModelRunner:
                          logits_to_keep=logits_indices)
         return out.logits[0]
 
+    def _on_all_ranks(self, method: str, *args, **kwargs):
+        """``self.method(*args, **kwargs)`` here and on every tensor-parallel worker; returns ours.
+
+        The workers' answers are read before returning, i.e. before anything here synchronises
+        with the device: a collective whose peer died would never complete.
+        """
+        if self.workers is None:
+            return getattr(self, method)(*args, **kwargs)
+        self.workers.call(method, *args, **kwargs)
+        try:
+            result = getattr(self, method)(*args, **kwargs)
+        except Exception:
+            self.workers.after_local_failure(method)  # a WorkerError if a worker died: the real cause
+            raise
+        self.workers.wait(method)
+        return result
+
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
+        return self._on_all_ranks("_allocate_kv_cache", num_blocks)
+
+    def _allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         config = self.model.config.get_text_config()
         dtype = next(self.model.parameters()).dtype
         self.kv = PagedKVCache(config, num_blocks=num_blocks, block_size=self.block_size, dtype=dtype, device=self.device)
         return self.kv
 
-    @torch.inference_mode()
     def profile_peak_bytes(self) -> int:
         """Activation memory of the largest step (``max_num_batched_tokens`` tokens of prefill),
         measured by running it once over a scratch cache (CUDA only; it also compiles)."""
+        return self._on_all_ranks("_profile_peak_bytes")
+
+    @torch.inference_mode()
+    def _profile_peak_bytes(self) -> int:
         assert self.device.type == "cuda"
         T = self.max_num_batched_tokens
-        self.allocate_kv_cache(blocks_needed(T, self.block_size) + 1)
+        self._allocate_kv_cache(blocks_needed(T, self.block_size) + 1)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -133,9 +161,13 @@ class ModelRunner:
         torch.cuda.empty_cache()
         return peak
 
-    @torch.inference_mode()  # the static inputs are inference tensors, as every step's inputs are
     def capture_graphs(self) -> None:
         """Capture every decode graph now (CUDA, unless eager); no graph is captured later."""
+        if self.use_graphs:
+            self._on_all_ranks("_capture_graphs")
+
+    @torch.inference_mode()  # the static inputs are inference tensors, as every step's inputs are
+    def _capture_graphs(self) -> None:
         if not self.use_graphs:
             return
         assert self.kv is not None, "allocate the KV cache before capturing graphs"
@@ -162,6 +194,9 @@ class ModelRunner:
         from loramux.engine.kernel_warmup import warm_up_kernels
 
         if self.device.type != "cuda" or not uses_triton(self.device):
+            return
+        if self.workers is not None:  # its steps run here alone, and a sharded forward needs every rank
+            logger.info("tensor parallel: no kernel warm-up; kernels compile at first use (cached on disk)")
             return
         assert self.kv is not None, "allocate the KV cache before warming up the kernels"
         started = time.perf_counter()
@@ -191,7 +226,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(batch):
             seqs = [seq for seq, _ in batch.chunks]
             slots = [-1 if s.lora_name is None else slot_of(s.lora_name) for s in seqs]
-            logits = self.graphs.replay(seqs, slots)
+            logits = self._on_all_ranks("_replay", self.graphs.decode_inputs(seqs, slots))
             return self._sample(seqs, logits[: len(seqs)])
         ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
         lora_slots, logits, logit_slots, sampled = [], [], [], []
@@ -215,13 +250,17 @@ class ModelRunner:
         prompt_plan = plan_prompt_logprobs(batch.chunks, slot_of)  # None unless a request asks for them
         if prompt_plan is not None:  # their rows come after the sampled ones
             logits, logit_slots = logits + prompt_plan.index, logit_slots + prompt_plan.slots
-        out = self._forward_packed(
-            ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens, query_start=query_start,
-            lora_slots=lora_slots if uses_lora else None, logits=logits, logit_slots=logit_slots if uses_lora else None,
+        out = self._on_all_ranks(
+            "_forward_packed", ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens,
+            query_start=query_start, lora_slots=lora_slots if uses_lora else None, logits=logits,
+            logit_slots=logit_slots if uses_lora else None,
         )
         if prompt_plan is not None:
             record_prompt_logprobs(out[len(sampled) : len(sampled) + len(prompt_plan.index)], prompt_plan)
         return self._sample(sampled, out[: len(sampled)]) if sampled else []
+
+    def _replay(self, inputs) -> torch.Tensor:
+        return self.graphs.replay(inputs)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
         tokens = self.sampler(logits, seqs).token_ids

@@ -85,6 +85,7 @@ def _fusable(members: list[nn.Module]) -> bool:
     first = members[0]
     return all(
         m.in_features == first.in_features
+        and getattr(m, "loramux_tp", None) == getattr(first, "loramux_tp", None)
         and m.weight.dtype == first.weight.dtype
         and m.weight.device == first.weight.device
         and (m.bias is None) == (first.bias is None)
@@ -113,6 +114,8 @@ def fuse_siblings(model: nn.Module, groups: tuple[tuple[str, ...], ...] = SIBLIN
                 linear.bias = nn.Parameter(torch.cat([m.bias for m in members]), requires_grad=False)
             prefix = f"{parent_name}." if parent_name else ""
             linear.loramux_slices = tuple((prefix + n, size) for n, size in zip(names, sizes))
+            if hasattr(first, "loramux_tp"):  # tensor-parallel shards: each slice holds this rank's rows
+                linear.loramux_tp = first.loramux_tp
             group = FusedSiblings(linear, sizes)
             for index, name in enumerate(names):
                 setattr(parent, name, SiblingSlice(group, index))

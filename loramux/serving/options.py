@@ -115,6 +115,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
                         help="model dtype (default: float32 on CPU, bfloat16 on GPU)")
     engine.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: CUDA if present)")
+    engine.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="shard the model over N GPUs of this host, one process each (NCCL; gloo on "
+                        "CPU); the engine and its adapter tiers run once (default: %(default)s)")
     engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
     engine.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
     engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

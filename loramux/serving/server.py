@@ -93,6 +93,7 @@ def build_engine(
         ``--lora-resolver-dir`` / ``--lora-resolver`` flags in ``args`` and the environment.
     """
     from loramux.cli import resolver_settings as settings_from_flags
+    from loramux.engine.config import EngineConfig
     from loramux.engine.llm_engine import LLMEngine
 
     if resolver_settings is None:
@@ -103,14 +104,16 @@ def build_engine(
     modules = list({name: (name, path, base) for name, path, base in modules}.values())  # a later NAME wins
     max_loras = args.max_loras or (max(1, len(modules)) if embedded else 1)
     logger.info("Loading %s ...", args.model or "the embedded default model")
-    engine = LLMEngine(
+    engine_config = EngineConfig(
         args.model, enable_lora=args.enable_lora, max_loras=max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, max_cpu_lora_bytes=args.max_cpu_lora_bytes,
         resolver_settings=resolver_settings, lora_dtype=args.lora_dtype, dtype=args.dtype, device=args.device,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_format=args.load_format,
         seed=args.seed, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager, compilation=args.compilation)
+        enforce_eager=args.enforce_eager, compilation=args.compilation,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+    engine = LLMEngine(config=engine_config)
     config = ServerConfig(
         served_model_names=args.served_model_name or [args.model or engine.model_name],
         api_key=args.api_key,

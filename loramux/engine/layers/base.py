@@ -17,6 +17,7 @@ delta of that token's slot, read from the shared `LoRAContext`. A subclass state
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -61,6 +62,9 @@ class BaseLayerWithLoRA(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        # a tensor-parallel shard (`loramux.engine.tensor_parallel.sharding.ShardSpec`): the sizes
+        # above are this rank's; adapters come whole and are split by `shard_lora`
+        self.tp_shard = getattr(base_layer, "loramux_tp", None)
         self.base_layer = base_layer
         self.module_name = module_name
         self.in_features = int(in_features)
@@ -127,8 +131,45 @@ class BaseLayerWithLoRA(nn.Module):
     # -- slots ----------------------------------------------------------------------------
 
     def describe_mismatch(self, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> str | None:
-        """Why these weights cannot go into a slot of this layer, or None when they fit."""
-        for name, out, weights in zip(self.slice_names, self.output_sizes, weights_by_slice):
+        """Why these weights (a whole adapter's, even for a tensor-parallel shard of the layer)
+        cannot go into a slot of this layer, or None when they fit."""
+        return self._mismatch(weights_by_slice, *self._adapter_sizes())
+
+    def _adapter_sizes(self) -> tuple[int, tuple[int, ...]]:
+        """``(in_features, output_sizes)`` of the whole layer, which adapters are trained for."""
+        shard = self.tp_shard
+        if shard is None:
+            return self.in_features, self.output_sizes
+        if shard.style == "row":
+            return self.in_features * shard.size, self.output_sizes
+        return self.in_features, tuple(size * shard.size for size in self.output_sizes)
+
+    def shard_lora(
+        self, weights_by_slice: Sequence[LoRAModuleWeights | None], rank: int | None = None
+    ) -> list[LoRAModuleWeights | None]:
+        """Rank ``rank``'s part (default: this layer's own rank) of a whole adapter's weights for
+        this layer (S-LoRA's split): column-parallel, A whole and the rank's rows of B (per slice);
+        row-parallel, the rank's columns of A and B whole. Views; unchanged for a layer that is
+        not sharded."""
+        shard = self.tp_shard
+        if shard is None:
+            return list(weights_by_slice)
+        rank = shard.rank if rank is None else rank
+        parts: list[LoRAModuleWeights | None] = []
+        for size, weights in zip(self.output_sizes, weights_by_slice):
+            if weights is None:
+                parts.append(None)
+            elif shard.style == "column":
+                parts.append(replace(weights, lora_b=weights.lora_b[rank * size : (rank + 1) * size]))
+            else:
+                n = self.in_features
+                parts.append(replace(weights, lora_a=weights.lora_a[:, rank * n : (rank + 1) * n]))
+        return parts
+
+    def _mismatch(
+        self, weights_by_slice: Sequence[LoRAModuleWeights | None], in_features: int, output_sizes: tuple[int, ...]
+    ) -> str | None:
+        for name, out, weights in zip(self.slice_names, output_sizes, weights_by_slice):
             if weights is None:
                 continue
             kind = "embedding LoRA (lora_embedding_A/B)" if weights.is_embedding else "LoRA (lora_A/B)"
@@ -142,7 +183,7 @@ class BaseLayerWithLoRA(nn.Module):
                     f"module {name!r} has rank {weights.rank}, above max_lora_rank="
                     f"{self.max_lora_rank}"
                 )
-            expected_a, expected_b = (weights.rank, self.in_features), (out, weights.rank)
+            expected_a, expected_b = (weights.rank, in_features), (out, weights.rank)
             got_a, got_b = tuple(weights.lora_a.shape), tuple(weights.lora_b.shape)
             if got_a != expected_a or got_b != expected_b:
                 return (
@@ -157,11 +198,12 @@ class BaseLayerWithLoRA(nn.Module):
         """Copy one adapter's weights into ``slot`` (cast to the slot dtype, zero-padded to R).
 
         ``weights_by_slice`` holds one entry per output slice; None leaves that slice without
-        LoRA. Copies from pinned host memory into a GPU slot do not block the host.
+        LoRA. A tensor-parallel shard of a layer takes its part (`shard_lora`). Copies from
+        pinned host memory into a GPU slot do not block the host.
         """
         assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
         assert len(weights_by_slice) == self.n_slices, "one weights entry per output slice"
-        problem = self.describe_mismatch(weights_by_slice)
+        problem = self._mismatch(weights_by_slice, self.in_features, self.output_sizes)
         if problem is not None:
             raise ValueError(problem)
         R = self.max_lora_rank

@@ -1,0 +1,110 @@
+"""A tensor-parallel worker process: build this rank's shard, then run what the driver sends.
+
+The worker builds the same engine setup as the driver (same model, sharded for its rank, same
+fused siblings and LoRA layers, same sizes) and a `ModelRunner` without a sampler, then loops:
+read ``(method, args)`` from its pipe, run it, answer when asked. It runs forwards, allocates
+its KV cache, captures its decode graphs, and writes the adapter parts the driver sends into
+its LoRA slots; it never schedules, loads adapters or samples. It exits on "shutdown", on
+end-of-file (the driver is gone) or on an error, which it sends to the driver first.
+"""
+
+from __future__ import annotations
+
+import pickle
+import traceback
+
+import torch
+
+from loramux.engine.config import EngineConfig
+from loramux.engine.lora_model import LoRAModelManager
+
+__all__ = ["WorkerLoRAManager", "run_worker"]
+
+#: what the driver may ask of a worker's runner (each runs on every rank, in the same order)
+RUNNER_METHODS = frozenset({"_forward_packed", "_replay", "_allocate_kv_cache", "_profile_peak_bytes",
+                            "_capture_graphs"})
+
+
+class WorkerLoRAManager(LoRAModelManager):
+    """A worker's LoRA layers. The driver owns the slot table (what sits where, pins, LRU) and
+    checks each step's slots; the worker only holds the weights it was sent, per slot."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._written: set[int] = set()
+
+    @torch.no_grad()
+    def write_shards(self, slot: int, shards: dict[str, list]) -> None:
+        """Put this rank's part of an adapter into ``slot``; layers absent from ``shards`` are cleared."""
+        for name, layer in self.layers.items():
+            if name in shards:
+                layer.set_lora(slot, shards[name])
+            else:
+                layer.reset_lora(slot)
+        self._written.add(slot)
+
+    def clear_shards(self, slot: int) -> None:
+        for layer in self.layers.values():
+            layer.reset_lora(slot)
+        self._written.discard(slot)
+
+    def mark_used(self, slots) -> None:
+        empty = [slot for slot in slots if slot not in self._written]
+        assert not empty, f"slot(s) {empty} were never written on this worker (the driver's slot writes are lost)"
+
+
+def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, conn) -> None:
+    """The worker process's entry point (see the module docstring)."""
+    from loramux.engine.engine_setup import build_engine_setup
+    from loramux.engine.model_runner import ModelRunner
+    from loramux.engine.tensor_parallel.group import destroy_group, init_group, rank_device
+
+    try:
+        device = torch.device(config.device) if config.device is not None else _default_device()
+        if device.type == "cpu":  # the ranks share the host's cores: oversubscribed, they spin-wait
+            torch.set_num_threads(max(1, torch.get_num_threads() // size))
+        init_group(init_method, rank, size, rank_device(device, rank, size))
+        setup = build_engine_setup(config, tp_rank=rank)
+        runner = ModelRunner(
+            setup.model, sampler=None, lora_manager=setup.lora_manager, block_size=setup.block_size,
+            max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
+            max_model_len=setup.max_model_len, enforce_eager=config.enforce_eager, compilation=config.compilation,
+        )
+        conn.send_bytes(pickle.dumps(("ready", None)))
+        _serve(runner, setup.lora_manager, conn)
+    except BaseException:  # noqa: BLE001 -- the driver gets the traceback, then this process exits
+        try:
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+        except OSError:
+            pass
+        raise SystemExit(1) from None
+    finally:
+        destroy_group()
+
+
+def _serve(runner, manager: WorkerLoRAManager | None, conn) -> None:
+    while True:
+        try:
+            method, args, kwargs, reply = pickle.loads(conn.recv_bytes())
+        except EOFError:  # the driver is gone
+            return
+        if method == "shutdown":
+            return
+        if method == "write_slot":
+            manager.write_shards(*args)
+        elif method == "clear_slot":
+            manager.clear_shards(*args)
+        elif method in RUNNER_METHODS:
+            getattr(runner, method)(*args, **kwargs)
+        else:
+            raise ValueError(f"unknown tensor-parallel call {method!r}")
+        if reply:
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)  # "done" means this rank's kernels finished
+            conn.send_bytes(pickle.dumps(("done", None)))
+
+
+def _default_device() -> torch.device:
+    from loramux.engine.engine_setup import _default_device
+
+    return _default_device()
