@@ -199,11 +199,11 @@ class EngineAdapters:
         handle retires when its last request ends. A pin (``pin``) moves to the new handle.
         """
         name = request.lora_name
+        old = self.registry.handle(name)
+        with self._lock:  # before the name moves: registering another path unbinds it already
+            was_pinned = old is not None and old.id in self.scheduler.user_pinned()
         if request.lora_path:
             self.registry.register(name, request.lora_path, request.base_model_name, replace=True)
-        old = self.registry.handle(name)
-        with self._lock:
-            was_pinned = old is not None and old.id in self.scheduler.user_pinned()
         adapter = self.registry.rebind(request, pin=True)
         try:
             if self._validate:

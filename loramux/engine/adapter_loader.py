@@ -47,6 +47,7 @@ class _Load:
     started: float = field(default_factory=time.perf_counter)
     seconds: float = 0.0
     settled: bool = False  # on_settled was told (for the waiters then)
+    outcome: tuple = (None, None)  # (adapter, error) once settled
 
 
 SettledCallback = Callable[[list[Sequence], LoRAAdapter | None, BaseException | None, float], None]
@@ -95,7 +96,7 @@ class AdapterLoader:
             threading.Thread(target=self._run, args=(load,), name=f"loramux-load-{request.lora_name}",
                              daemon=True).start()
         elif late and self._on_settled is not None:
-            self._on_settled([seq], *self._outcome(load), load.seconds)
+            self._on_settled([seq], *load.outcome, load.seconds)
 
     def discard(self, seq: Sequence) -> bool:
         """Forget ``seq`` (aborted); its adapter's load carries on for the others."""
@@ -130,21 +131,20 @@ class AdapterLoader:
             if not load.future.set_running_or_notify_cancel():  # shut down meanwhile
                 return
             try:
-                adapter = _guarded(self._load, load.request)
+                outcome = (_guarded(self._load, load.request), None)
             except BaseException as error:  # every waiter must hear of it, whatever it is
-                load.seconds = time.perf_counter() - load.started
-                self._settle(load, lambda: load.future.set_exception(error))
+                outcome = (None, error)
+            load.seconds = time.perf_counter() - load.started
+            with self._lock:  # a waiter joins either before (told here) or after (told by submit)
+                load.outcome, load.settled = outcome, True
+                waiters = list(load.waiters)
+            if self._on_settled is not None and waiters:  # before poll can see it: events lead outputs
+                self._on_settled(waiters, *outcome, load.seconds)
+            adapter, error = outcome
+            if error is None:
+                load.future.set_result(adapter)
             else:
-                load.seconds = time.perf_counter() - load.started
-                self._settle(load, lambda: load.future.set_result(adapter))
-
-    def _settle(self, load: _Load, resolve: Callable[[], None]) -> None:
-        with self._lock:  # a waiter joins either before (told here) or after (told by submit)
-            resolve()
-            load.settled = True
-            waiters = list(load.waiters)
-        if self._on_settled is not None and waiters:
-            self._on_settled(waiters, *self._outcome(load), load.seconds)
+                load.future.set_exception(error)
 
     def shutdown(self) -> None:
         """Forget pending loads; their threads finish (or hang) on their own, as daemons."""

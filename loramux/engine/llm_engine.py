@@ -178,7 +178,11 @@ class LLMEngine:
             if seq.request_id in self._requests:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             self._requests[seq.request_id] = seq
+            if lora_request is not None:
+                seq.status = SequenceStatus.LOADING_ADAPTER
             self._inbox.append(("add", seq))
+        if lora_request is not None:  # resolving starts now, not at the next step: a failure is
+            self.adapters.loader.submit(seq)  # reported (an event) even while a step runs
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests; each finishes with ``finish_reason="abort"`` at the next step."""
@@ -262,9 +266,7 @@ class LLMEngine:
                     continue
                 if seq.lora_request is None:
                     self.scheduler.add(seq)
-                else:
-                    seq.status = SequenceStatus.LOADING_ADAPTER
-                    self.adapters.loader.submit(seq)
+                # else: its load started in add_request; `collect` queues it when it ends
             else:
                 with self._lock:
                     seq = self._requests.get(item)
