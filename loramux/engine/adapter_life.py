@@ -53,6 +53,7 @@ class EngineAdapters:
         # LOADING_ADAPTER) and load again as references are released, oldest first
         self._deferred: list[Sequence] = []
         self._room_freed = False
+        self.prefetches = 0  # adapters copied into a GPU slot before their request was admitted
         registry.add_unbind_listener(self._on_unbind)
 
     def scheduler_callbacks(self) -> dict[str, Callable]:
@@ -114,6 +115,32 @@ class EngineAdapters:
                     self.scheduler.add(seq)  # its reference; the first one pins the CPU tier
                 self._unpin_cpu(result.adapter)  # the load's own pin: the references hold it now
         return failed
+
+    def prefetch(self) -> None:
+        """Copy the adapters of the oldest queued requests into GPU slots before admission.
+
+        At most as many handles as admission could start now (``max_loras`` less the slots in
+        use), in queue order: exactly the ones it admits next, so no cached adapter is evicted
+        for a request that could not run anyway. A held slot is never written; the copy runs on
+        the manager's side stream (CUDA) and the step waits on it only at admission.
+        """
+        in_slots = self.scheduler.handles_in_slots()
+        room = self.scheduler.max_loras - len(in_slots)
+        seen: set[int] = set()
+        for seq in self.scheduler.waiting:
+            if room <= 0:
+                return
+            handle = seq.handle
+            if handle is None or handle.id in in_slots or handle.id in seen:
+                continue
+            seen.add(handle.id)
+            room -= 1
+            if self.manager.slot_of(handle.id) is not None:
+                continue  # still resident from an earlier use
+            adapter = self.registry.cache.get(handle.id)  # referenced, so pinned in the CPU tier
+            if adapter is None or self.manager.prefetch(adapter) is None:
+                return
+            self.prefetches += 1
 
     def _room_will_free(self) -> bool:
         """Whether some queued or running request holds the CPU tier: room comes back when it

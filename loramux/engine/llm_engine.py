@@ -235,6 +235,7 @@ class LLMEngine:
                 idle = not self.scheduler.has_work()
                 for seq in self.adapters.collect(timeout=0.05 if idle else 0.0):
                     touched[seq.request_id] = seq
+                self.adapters.prefetch()  # queued requests' adapters into free slots, ahead
             batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
                 touched[seq.request_id] = seq

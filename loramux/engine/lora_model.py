@@ -155,6 +155,10 @@ class LoRAModelManager:
             self.device = first.lora_scales.device
         else:
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # prefetch copies run on a side stream (created here, at engine start, never while a
+        # graph is captured); the compute stream waits on a copy's event when its slot is held
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._copies: dict[int, torch.cuda.Event] = {}  # handle id -> its side-stream copy
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -230,6 +234,21 @@ class LoRAModelManager:
 
     # -- slots (keyed by handle id) ---------------------------------------------------------------
 
+    def prefetch(self, adapter: LoRAAdapter) -> int | None:
+        """Copy ``adapter`` into a free (or least recently used, not held) slot ahead of its use,
+        on the side stream on CUDA, so the step that admits its request does not wait for the
+        host-to-device copy; synchronous on CPU. The compute stream waits for the copy when the
+        slot is held (:meth:`hold`). A held slot (in use by the running batch) is never written.
+
+        :returns: its slot, or None when every slot is held (nothing changes).
+        """
+        with self._lock:
+            if adapter.handle is not None and adapter.handle.id in self._slots:
+                return self._slots.slot_of(adapter.handle.id)
+            if not self._slots.can_allocate():
+                return None
+            return self._activate(adapter, side_stream=self._copy_stream is not None)
+
     def activate(self, adapter: LoRAAdapter) -> int:
         """Make ``adapter`` usable in the next forward and return its slot.
 
@@ -246,6 +265,10 @@ class LoRAModelManager:
         :raises CacheFullError: every slot is held.
         """
         with self._lock:
+            return self._activate(adapter, side_stream=False)
+
+    def _activate(self, adapter: LoRAAdapter, *, side_stream: bool) -> int:
+        with self._lock:
             handle = adapter.handle or self._standalone_handle(adapter)
             slot = self._slots.slot_of(handle.id)
             if slot is not None:
@@ -259,9 +282,13 @@ class LoRAModelManager:
             slot, evicted = self._slots.allocate(handle.id, label=adapter.name)
             if evicted is not None:
                 del self._adapters[evicted]
+                self._await_copy(evicted)  # its own prefetch must land before this overwrites it
                 self.stats.evictions += 1
             try:
-                self._write_slot(slot, adapter)
+                if side_stream:
+                    self._write_slot_aside(handle.id, slot, adapter)
+                else:
+                    self._write_slot(slot, adapter)
             except BaseException:
                 self._clear_slot(slot)
                 self._slots.drop(handle.id)  # a half-written slot is never used
@@ -276,6 +303,23 @@ class LoRAModelManager:
         resident = self._resident_named(adapter.name)
         return resident.handle if resident is not None and resident.handle.source == "memory" \
             else memory_handle(adapter, adapter.name)
+
+    def _write_slot_aside(self, handle_id: int, slot: int, adapter: LoRAAdapter) -> None:
+        """The copy on the side stream, after everything the compute stream has queued so far
+        (the slot's last readers: the batch of the step that released it)."""
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._write_slot(slot, adapter)
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._copies[handle_id] = event
+
+    def _await_copy(self, handle_id: int) -> None:
+        """Make the compute stream wait for ``handle_id``'s side-stream copy, if one is pending."""
+        event = self._copies.pop(handle_id, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         for layer in self.layers.values():
@@ -320,6 +364,7 @@ class LoRAModelManager:
                     adapter=self._adapters[handle_id].name,
                     fix="Free it when the scheduler releases it (its last request ends).",
                 )
+            self._await_copy(handle_id)
             self._clear_slot(self._slots.deallocate(handle_id))
             del self._adapters[handle_id]
             return True
@@ -335,6 +380,7 @@ class LoRAModelManager:
             if handle_id not in self._slots:
                 raise ValueError(f"adapter {key!r} holds no GPU slot; activate it before holding it")
             self._slots.hold(handle_id)
+            self._await_copy(handle_id)  # before the first forward that reads this slot
             return self._slots.slot_of(handle_id)
 
     def release(self, key: int | str) -> None:

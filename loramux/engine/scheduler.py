@@ -19,6 +19,20 @@ user pin (``pin_lora``) also needs the handle's GPU slot, held from the first su
 last. At zero references the handle is released: its slot stays resident as a cache (evictable),
 its CPU-tier pin goes, and a handle whose name was rebound or unbound retires.
 
+Loading overlaps compute (the engine, before each ``schedule``): a request's adapter is resolved
+and read into the CPU tier from the moment it arrives (bounded by the tier's budget: when the
+tier is full of adapters in use, it waits for room, oldest first), and the adapters of the
+oldest queued requests are copied into free GPU slots (a side CUDA stream) before admission,
+as many as admission could start now (``max_loras`` less the slots in use), never into a slot
+in use. What admission below guarantees, with that:
+
+- FIFO among blocked adapters: the oldest request whose adapter needs a slot is admitted first,
+  and nothing behind it takes a slot before it (base-model and pinned-adapter requests aside).
+- Bounded wait: a blocked request waits at most until the running adapters' current requests
+  end (each has ``max_tokens``); new requests for running adapters cannot extend that.
+- Slots stay busy: a slot freed by a finished adapter is refilled by the next queued adapter,
+  whose weights are usually already there (prefetched).
+
 A step holds at most ``max_loras`` distinct adapters, counting the ones the user pinned
 to the GPU. A queued request whose adapter would exceed that waits, and from then on no request
 behind it may start with any adapter (new or running) until it is admitted; base-model requests
