@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from loramux.engine.events import AdapterEvent
 from loramux.engine.outputs import CompletionOutput, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
-from loramux.errors import AdapterNotFoundError, InvalidAdapterError, LoRAError
+from loramux.errors import AdapterNotFoundError, InvalidAdapterError
 from loramux.serving import ServerConfig, build_app
 
 

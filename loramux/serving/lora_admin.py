@@ -22,7 +22,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from loramux.errors import LoRAError
-from loramux.registry import LoRARequest
 from loramux.serving.errors import APIError, from_lora_error
 from loramux.serving.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from loramux.serving.state import ServerState, get_state
