@@ -36,9 +36,14 @@ def test_a_queued_requests_adapter_is_in_a_slot_before_it_is_admitted(engine_ada
     """One row: 'second' queues behind 'first'; a free slot takes its adapter while it waits."""
     eng = engine(max_loras=2, max_num_seqs=1)
     requests = {"first": "attn", "second": "mlp"}
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # outlasts the other's load
     for i, (request_id, name) in enumerate(requests.items()):
-        eng.add_request(request_id, {"prompt_token_ids": PROMPT}, GREEDY,
+        eng.add_request(request_id, {"prompt_token_ids": PROMPT}, GREEDY if i else long,
                         LoRARequest(name, i + 1, str(engine_adapters[name])))
+        for _ in range(100):  # 'first' runs before 'second' arrives, whichever load ends first
+            if i or eng._requests["first"].status is SequenceStatus.RUNNING:
+                break
+            eng.step()
     seen_waiting_in_slot = []
 
     def watch():
@@ -49,8 +54,8 @@ def test_a_queued_requests_adapter_is_in_a_slot_before_it_is_admitted(engine_ada
     finished = run_to_end(eng, watch)
     assert seen_waiting_in_slot and all(seen_waiting_in_slot)
     assert eng.adapters.prefetches >= 1
-    for request_id, name in requests.items():
-        assert finished[request_id] == peft_greedy(engine_adapters[name], PROMPT, 6)
+    assert finished["first"] == peft_greedy(engine_adapters["attn"], PROMPT, 40)
+    assert finished["second"] == peft_greedy(engine_adapters["mlp"], PROMPT, 6)
 
 
 def test_a_prefetch_never_evicts_a_slot_in_use(engine_adapters):
