@@ -15,6 +15,7 @@ __all__ = [
     "IncompatibleAdapterError",
     "AdapterDownloadError",
     "CacheFullError",
+    "CacheBusyError",
     "PluginError",
 ]
 
@@ -76,6 +77,11 @@ class AdapterDownloadError(LoRAError):
 
 class CacheFullError(LoRAError):
     """Every entry of a bounded cache tier is in use, so there is no room for another adapter now."""
+
+
+class CacheBusyError(CacheFullError):
+    """The tier has room in principle, but what it holds is in use now; room comes back as the
+    requests using it finish (the engine waits for that instead of failing the request)."""
 
 
 class PluginError(LoRAError):

@@ -16,6 +16,7 @@ from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm import LLM
 from loramux.engine.llm_engine import LLMEngine
 from loramux.errors import AdapterNotFoundError, IncompatibleAdapterError, LoRAError
+from loramux.registry import LoRAConfig, Registry
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -133,16 +134,15 @@ def test_stops_eos_stop_token_max_tokens_and_max_model_len():
 
 def test_adapter_loads_beside_the_step_loop(engine_adapters):
     """A slow adapter source delays only its own request; base requests decode meanwhile."""
-    from loramux.registry import load_adapter
 
     release = threading.Event()
 
-    class SlowRegistry:
-        def get(self, request):
+    class SlowRegistry(Registry):
+        def get(self, request, *, pin=False):
             release.wait(10)
-            return load_adapter(request.lora_path, name=request.lora_name)
+            return super().get(request, pin=pin)
 
-    eng = engine(registry=SlowRegistry())
+    eng = engine(registry=SlowRegistry(LoRAConfig(max_loras=2, max_lora_rank=8)))
     slow = LoRARequest("attn", 1, str(engine_adapters["attn"]))
     a, b = prompts(4, 5, seed=4)
     eng.add_request("slow", {"prompt_token_ids": a}, GREEDY, slow)
@@ -158,11 +158,11 @@ def test_adapter_loads_beside_the_step_loop(engine_adapters):
 
 
 def test_resolver_exception_fails_only_its_request():
-    class BrokenRegistry:
-        def get(self, request):
+    class BrokenRegistry(Registry):
+        def get(self, request, *, pin=False):
             raise RuntimeError("the bucket is on fire")
 
-    eng = engine(registry=BrokenRegistry())
+    eng = engine(registry=BrokenRegistry(LoRAConfig(max_loras=2, max_lora_rank=8)))
     a, b = prompts(4, 5, seed=5)
     eng.add_request("broken", {"prompt_token_ids": a}, GREEDY, LoRARequest("x", 1))
     eng.add_request("base", {"prompt_token_ids": b}, GREEDY)

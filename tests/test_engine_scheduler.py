@@ -9,8 +9,16 @@ from loramux.engine.block_manager import BlockManager
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.errors import CacheFullError
+from loramux.registry import AdapterHandle
 
 _arrivals = itertools.count()
+_handles: dict[str, AdapterHandle] = {}  # one handle per adapter name, as a registry would issue
+
+
+def handle(name: str) -> AdapterHandle:
+    if name not in _handles:
+        _handles[name] = AdapterHandle(len(_handles) + 1, name, f"digest-{name}", None, 8, 1024)
+    return _handles[name]
 
 
 def seq(name: str | None = None, prompt_len: int = 4, max_tokens: int = 3) -> Sequence:
@@ -22,6 +30,7 @@ def seq(name: str | None = None, prompt_len: int = 4, max_tokens: int = 3) -> Se
         params=SamplingParams(max_tokens=max_tokens),
         arrival=next(_arrivals),
         lora_request=lora,
+        handle=None if name is None else handle(name),
     )
 
 
@@ -83,24 +92,48 @@ def test_a_request_whose_adapter_is_not_resident_is_not_starved():
 
 
 def test_a_failed_activation_fails_only_that_request():
-    def activate(q):
-        if q.lora_name == "broken":
+    def activate(h):
+        if h.name == "broken":
             raise CacheFullError("no room", adapter="broken")
+        return 0
 
-    released = []
-    s = scheduler(rows=4, max_loras=2, on_adapter_start=activate, on_adapter_end=released.append)
+    ended, released = [], []
+    s = scheduler(rows=4, max_loras=2, on_adapter_start=activate, on_adapter_end=ended.append,
+                  on_adapter_released=released.append)
     ok, broken = seq("fine", max_tokens=1), seq("broken")
     s.add(broken)
     s.add(ok)
     advance(s)
     assert broken.finish_reason == "error" and s.failed == [broken]
-    assert ok.is_finished and released == ["fine"] and not s.adapter_refs
+    assert ok.is_finished and ended == [handle("fine")] and not s.adapters
+    assert released == [handle("broken"), handle("fine")]  # each reference released exactly once
     assert s.blocks.num_free_blocks == 64  # every block came back
+
+
+def test_reference_counts_follow_queue_run_preempt_and_finish():
+    """The one owner of "in use": a reference per queued or running sequence, a slot while one
+    runs; the tier callbacks fire on the transitions only."""
+    calls = []
+    s = scheduler(rows=4, max_loras=2, on_adapter_referenced=lambda h: calls.append(("ref", h.name)),
+                  on_adapter_start=lambda h: calls.append(("start", h.name)) or 1,
+                  on_adapter_end=lambda h: calls.append(("end", h.name)),
+                  on_adapter_released=lambda h: calls.append(("release", h.name)))
+    a1, a2 = seq("a", max_tokens=2), seq("a", max_tokens=4)
+    s.add(a1)
+    s.add(a2)
+    assert calls == [("ref", "a")] and s.references(handle("a").id) == 2
+    advance(s)
+    assert calls == [("ref", "a"), ("start", "a")] and a1.lora_slot == a2.lora_slot == 1
+    s._preempt(a2)  # back to the queue: keeps its reference, gives up its slot use
+    assert a2.lora_slot == -1 and s.adapters[handle("a").id].running == 1
+    while s.has_work():
+        advance(s)
+    assert calls[-2:] == [("end", "a"), ("release", "a")] and not s.adapters
 
 
 def test_pinned_adapters_hold_slots_and_skip_the_queue():
     s = scheduler(rows=8, max_loras=2)
-    s.reserved_loras = {"pinned"}
+    s.pin(handle("pinned"))
     s.add(seq("a"))
     advance(s)  # 'a' runs: both slots are in use now
     blocked, pinned_request = seq("b"), seq("pinned")
@@ -108,6 +141,10 @@ def test_pinned_adapters_hold_slots_and_skip_the_queue():
     s.add(pinned_request)
     ran = advance(s)
     assert pinned_request in ran and blocked not in ran
-    s.reserved_loras = {"pinned", "other"}  # every slot pinned: a request for another adapter fails
+    while any(q.lora_name == "a" for q in s.running):
+        advance(s)
+    s.pin(handle("other"))  # every slot pinned: a request for another adapter fails
     advance(s)
     assert blocked.finish_reason == "error" and isinstance(blocked.error, CacheFullError)
+    s.unpin(handle("other"))
+    assert handle("other").id not in s.adapters and s.references(handle("pinned").id) >= 1

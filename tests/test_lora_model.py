@@ -5,6 +5,7 @@ adapter gives, row by row, PEFT's logits for that row's adapter.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from peft import PeftModel
 
 from loramux.engine.lora_model import LoRAModelManager
 from loramux.registry import LoRAConfig, load_adapter
+from loramux.registry.handle import memory_handle
 
 ATTENTION = {
     "phi3": ["qkv_proj", "o_proj"],
@@ -174,31 +176,39 @@ def test_forward_use_refreshes_the_eviction_order(llama_setup):
     assert manager.resident() == ["attn", "mlp-rslora"]
 
 
-def test_in_place_reload_takes_effect(llama_setup, tmp_path):
+def with_handle(adapter, name):
+    """The adapter as a registry serves it: with a handle of its own (a reload is a new handle)."""
+    return dataclasses.replace(adapter, handle=memory_handle(adapter, name))
+
+
+def test_a_reload_is_a_new_handle_in_its_own_slot_beside_the_old(llama_setup, tmp_path):
+    """Slots key by handle id: the old weights keep serving their rows while the new ones serve
+    others, in one batch, until the old handle's slot is freed."""
     base, dirs, oracle = llama_setup
     model, manager = patched(base, dirs)
-    manager.activate(load_adapter(dirs["attn"], name="attn"))
+    old = with_handle(load_adapter(dirs["attn"], name="attn"), "attn")
+    old_slot = manager.activate(old)
     new_dir = save_peft_adapter(
         copy.deepcopy(base), tmp_path / "attn-v2", seed=99, r=4, target_modules=["v_proj", "up_proj"]
     )
-    new = load_adapter(new_dir, name="attn")
-    slot = manager.slot_of("attn")
-    assert manager.activate(new) == slot  # already resident: the old weights stay
+    new = with_handle(load_adapter(new_dir, name="attn"), "attn")
+    new_slot = manager.activate(new)
+    assert new_slot != old_slot and manager.slot_of(old.handle.id) == old_slot
+    assert manager.activate(new) == new_slot and manager.adapter(new.handle.id) is new  # a hit now
+    rows = [old_slot, -1, new_slot, old_slot, new_slot]
+    manager.set_mapping(torch.tensor(rows, dtype=torch.int32).repeat_interleave(INPUT.shape[1]))
     with torch.no_grad():
-        old_expected = oracle(INPUT, adapter_names=["attn"] * 5).logits
-    torch.testing.assert_close(run(model, manager, INPUT, ["attn"] * 5), old_expected)
-
-    assert manager.activate(new, replace=True) == slot
-    assert manager.adapter("attn") is new
+        got = model(INPUT).logits
     oracle.load_adapter(new_dir, adapter_name="attn-v2")
     with torch.no_grad():
-        expected = oracle(INPUT, adapter_names=["attn-v2", "__base__"] * 2 + ["attn-v2"]).logits
-    got = run(model, manager, INPUT, ["attn", None] * 2 + ["attn"])
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        expected = oracle(INPUT, adapter_names=["attn", "__base__", "attn-v2", "attn", "attn-v2"]).logits
     oracle.delete_adapter("attn-v2")
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert manager.deactivate(old.handle.id) and manager.resident() == ["attn"]
+    assert manager.slot_of("attn") == new_slot  # by name: the one resident adapter of that name
 
 
-def test_pinned_slots_are_never_evicted(llama_setup):
+def test_held_slots_are_never_evicted(llama_setup):
     from loramux.errors import CacheFullError, LoRAError
 
     base, dirs, _ = llama_setup
@@ -206,22 +216,22 @@ def test_pinned_slots_are_never_evicted(llama_setup):
     adapters = {name: load_adapter(path, name=name) for name, path in dirs.items()}
     manager.activate(adapters["attn"])
     manager.activate(adapters["embed"])
-    manager.pin("attn")
-    manager.pin("embed")
+    manager.hold("attn")
+    manager.hold("embed")
     assert not manager.can_activate("mlp-rslora") and manager.can_activate("attn")
-    with pytest.raises(CacheFullError, match="mlp-rslora.*all 2 GPU LoRA slots.*attn, embed"):
+    with pytest.raises(CacheFullError, match="mlp-rslora.*all 2 GPU LoRA slots"):
         manager.activate(adapters["mlp-rslora"])
     assert manager.resident() == ["attn", "embed"]
     with pytest.raises(LoRAError, match="in use by running requests"):
         manager.deactivate("embed")
-    manager.pin("embed")  # pins are counted: two unpins needed now
-    manager.unpin("embed")
-    assert manager.is_pinned("embed")
-    manager.unpin("attn")
-    manager.activate(adapters["mlp-rslora"])  # evicts attn, the only unpinned one
+    assert manager.is_held("embed")
+    manager.release("attn")
+    manager.activate(adapters["mlp-rslora"])  # evicts attn, the only one not held
     assert manager.resident() == ["embed", "mlp-rslora"]
     with pytest.raises(ValueError, match="holds no GPU slot"):
-        manager.pin("attn")
+        manager.hold("attn")
+    with pytest.raises(ValueError, match="is not held"):
+        manager.release("mlp-rslora")
 
 
 def _snapshot(manager):
@@ -386,7 +396,8 @@ def test_slot_reuse_and_reload_bf16_gpu(llama_setup, tmp_path, monkeypatch):
     assert manager.resident() == ["attn", "embed"]
     check(["embed", "attn", None, "embed", "attn"])
     new_dir = save_peft_adapter(copy.deepcopy(base), tmp_path / "v2", seed=7, r=4, target_modules=["o_proj"])
-    manager.activate(load_adapter(new_dir, name="attn").pin_memory(), replace=True)
+    assert manager.deactivate("attn")  # the old handle retired: its slot is free
+    manager.activate(with_handle(load_adapter(new_dir, name="attn").pin_memory(), "attn"))
     oracle.load_adapter(new_dir, adapter_name="v2")
     oracle.to("cuda", torch.bfloat16)
     check(["attn", "embed", None, "attn", "embed"], ["v2", "embed", "__base__", "v2", "embed"])

@@ -7,6 +7,7 @@ server process with the real engine.
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -20,9 +21,10 @@ pytest.importorskip("fastapi", reason="the serve extras are not installed: pip i
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
+from loramux.engine.events import AdapterEvent
 from loramux.engine.outputs import CompletionOutput, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
-from loramux.errors import AdapterNotFoundError, InvalidAdapterError, LoRAError
+from loramux.errors import AdapterNotFoundError, InvalidAdapterError
 from loramux.serving import ServerConfig, build_app
 
 
@@ -37,12 +39,20 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """Echoes ``<adapter>|<prompt>`` one character per step; adapters in ``known`` exist."""
+    """Echoes ``<adapter>|<prompt>`` one character per step; adapters in ``known`` exist (found by
+    a resolver "fake-hub" on demand). Keeps the engine's adapter contract: names bound to handles,
+    reload and unload rebind, a handle retires (an event) when its last request ends."""
 
     def __init__(self, known=("fake-a", "fake-b")):
         self.tokenizer = FakeTokenizer()
         self.known = set(known)
         self.loaded: dict[str, str] = {}
+        self.handles: dict[str, SimpleNamespace] = {}  # name -> the handle it is bound to
+        self.unbound: dict[int, SimpleNamespace] = {}  # handles that lost their name, still in use
+        self.retired: list[int] = []
+        self.remove_calls = 0
+        self.listeners = []
+        self._ids = itertools.count(1)
         self.requests: dict[str, dict] = {}
         self.aborted: list[str] = []
         self.thread_ids: set[int] = set()
@@ -61,37 +71,46 @@ class FakeEngine:
             prompt_ids = [ord(c) for c in prompt]
         name = lora_request.lora_name if lora_request else None
         target = "x" * 10**6 if prompt == "forever" else f"{name or 'base'}|{prompt}"
+        if name in self.known and name not in self.handles:  # found on demand
+            self.handles[name] = SimpleNamespace(id=next(self._ids), name=name, source="fake-hub")
         self.requests[request_id] = dict(prompt=prompt, ids=prompt_ids, params=params, name=name,
-                                         target=target, sent=0)
+                                         target=target, sent=0, handle=self.handles.get(name))
 
     def has_unfinished_requests(self):
         return bool(self.requests)
 
     def abort_request(self, request_id):
         self._mark()
-        if self.requests.pop(request_id, None) is not None:
+        r = self.requests.pop(request_id, None)
+        if r is not None:
             self.aborted.append(request_id)
+            self._ended(r)
 
     def step(self):
         self._mark()
         if self.explode:
             raise RuntimeError("boom")
-        if self.hang.is_set():
+        hang = self.hang.is_set()  # requests make no progress; failures still come out
+        if hang:
             time.sleep(0.001)
-            return []
         outputs = []
         for request_id, r in list(self.requests.items()):
             name = r["name"]
             error = None
-            if name is not None and name not in self.known and name not in self.loaded:
+            if name is not None and r["handle"] is None:
                 error = AdapterNotFoundError("no resolver has it.", adapter=name, fix="Check the name.")
             if name == "broken":
                 error = InvalidAdapterError("adapter_config.json is not JSON.", adapter=name)
             if error is not None:
                 del self.requests[request_id]
+                self._emit(AdapterEvent("failed", name, (request_id,), error=error, seconds=0.01))
                 outputs.append(RequestOutput(request_id, r["prompt"], r["ids"],
                                              [CompletionOutput(0, "", [], "error")], True, error))
                 continue
+            if hang:
+                continue
+            if name is not None and r["sent"] == 0:
+                self._emit(AdapterEvent("ready", name, (request_id,), handle=r["handle"], seconds=0.25))
             r["sent"] += 1
             text = r["target"][: r["sent"]]
             reason = None
@@ -104,25 +123,65 @@ class FakeEngine:
                     text, reason = text[: text.index(stop)], "stop"
             if reason:
                 del self.requests[request_id]
+                self._ended(r)
             outputs.append(RequestOutput(request_id, r["prompt"], r["ids"],
                                          [CompletionOutput(0, text, list(range(r["sent"])), reason)],
                                          reason is not None))
         return outputs
 
     def add_lora(self, lora_request):
+        name = lora_request.lora_name
         if "invalid" in lora_request.lora_path:
-            raise InvalidAdapterError("adapter_config.json is missing.", adapter=lora_request.lora_name,
-                                      path=lora_request.lora_path)
-        self.loaded[lora_request.lora_name] = lora_request.lora_path
+            raise InvalidAdapterError("adapter_config.json is missing.", adapter=name, path=lora_request.lora_path)
+        old = self.handles.get(name)
+        self.handles[name] = SimpleNamespace(id=next(self._ids), name=name, source="path")
+        self.loaded[name] = lora_request.lora_path
+        if old is not None:
+            self._unbind(old)
         return True
 
     def remove_lora(self, name_or_id):
-        if any(r["name"] == name_or_id for r in self.requests.values()):
-            raise LoRAError("it is in use by running requests.", adapter=name_or_id)
-        return self.loaded.pop(name_or_id, None) is not None
+        """Unbind and return at once; never raises "in use"."""
+        self.remove_calls += 1
+        self.loaded.pop(name_or_id, None)
+        old = self.handles.pop(name_or_id, None)
+        if old is not None:
+            self._unbind(old)
+        return old is not None
+
+    def lora_handle(self, name):
+        return self.handles.get(name)
 
     def list_loras(self):
         return sorted(self.loaded)
+
+    def add_event_listener(self, listener):
+        self.listeners.append(listener)
+
+    def remove_event_listener(self, listener):
+        self.listeners.remove(listener)
+
+    def _emit(self, event):
+        for listener in list(self.listeners):
+            listener(event)
+
+    def _in_use(self, handle):
+        return any(r["handle"] is handle for r in list(self.requests.values()))
+
+    def _unbind(self, handle):
+        if self._in_use(handle):
+            self.unbound[handle.id] = handle
+        else:
+            self._retire(handle)
+
+    def _ended(self, request):
+        handle = request["handle"]
+        if handle is not None and handle.id in self.unbound and not self._in_use(handle):
+            self._retire(self.unbound.pop(handle.id))
+
+    def _retire(self, handle):
+        self.retired.append(handle.id)
+        self._emit(AdapterEvent("retired", handle.name, handle=handle))
 
 
 def make_client(engine=None, **config):
@@ -284,35 +343,46 @@ def test_load_unload_and_inplace(fake):
     assert complete(client, "new").json()["choices"][0]["text"] == "new|hi"
     again = client.post("/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": "/p/new2"})
     assert again.status_code == 400 and again.json()["error"]["code"] == "adapter_exists"
+    old = engine.handles["new"]
     inplace = client.post("/v1/load_lora_adapter",
                           json={"lora_name": "new", "lora_path": "/p/new2", "load_inplace": True})
     assert inplace.status_code == 200, inplace.text
-    # the new weights live under a versioned engine name; the old ones left the engine
-    (engine_name,) = [name for name in engine.loaded if name.startswith("new")]
-    assert engine_name.startswith("new@") and engine.loaded[engine_name] == "/p/new2"
-    assert complete(client, "new").json()["choices"][0]["text"] == f"{engine_name}|hi"
+    # the name is rebound to new weights (a new handle); the old handle, unused, retired at once
+    assert engine.loaded == {"static-a": "/p/a", "new": "/p/new2"} and engine.handles["new"] is not old
+    assert engine.retired == [old.id]
+    assert complete(client, "new").json()["choices"][0]["text"] == "new|hi"
     bad = client.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": "/p/invalid"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "lora_path"
     assert "bad" not in [m["id"] for m in client.get("/v1/models").json()["data"]]
     assert client.post("/v1/unload_lora_adapter", json={"lora_name": "new"}).status_code == 200
-    assert engine_name not in engine.loaded
+    assert "new" not in engine.loaded and engine.remove_calls == 1
     assert complete(client, "new").status_code == 404
     missing = client.post("/v1/unload_lora_adapter", json={"lora_name": "new"})
     assert missing.status_code == 404 and missing.json()["error"]["param"] == "lora_name"
 
 
-def test_unloading_an_adapter_in_use_waits_for_its_requests(fake):
+def test_unloading_an_adapter_in_use_retires_it_when_its_last_request_ends(fake, caplog):
+    """No polling: the unload answers at once with one remove_lora call, and the server hears of
+    the retirement from the engine's event, exactly when the last request ends."""
     engine, client = fake
     assert client.post("/v1/load_lora_adapter", json={"lora_name": "busy", "lora_path": "/p/b"}).status_code == 200
+    handle = engine.handles["busy"]
     engine.hang.set()  # requests stay running
     running = ThreadPoolExecutor(1).submit(complete, client, "busy")
-    assert wait_for(lambda: any(r["name"] == "busy" for r in engine.requests.values()))
-    assert client.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200
-    assert complete(client, "busy").status_code == 404  # gone for new requests at once...
-    assert "busy" in engine.loaded  # ...but the engine keeps it for the running one
-    engine.hang.clear()
-    assert running.result(timeout=10).json()["choices"][0]["text"] == "busy|hi"
-    assert wait_for(lambda: "busy" not in engine.loaded)
+    assert wait_for(lambda: any(r["name"] == "busy" for r in list(engine.requests.values())))
+    state = client.app.state.loramux
+    with caplog.at_level("INFO", logger="loramux.serving"):
+        try:
+            assert client.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}).status_code == 200
+            assert complete(client, "busy").status_code == 404  # gone for new requests at once...
+            time.sleep(0.05)
+            assert engine.retired == [] and len(state.background) == 1  # ...the running one keeps it
+        finally:
+            engine.hang.clear()
+        assert running.result(timeout=10).json()["choices"][0]["text"] == "busy|hi"
+        assert wait_for(lambda: not state.background)  # the awaited event came
+    assert engine.retired == [handle.id] and engine.remove_calls == 1
+    assert f"handle {handle.id}) left the engine" in caplog.text
 
 
 def wait_for(condition, timeout=10.0):
@@ -389,4 +459,42 @@ def test_metrics_count_requests_tokens_and_resolutions(fake):
     assert 'loramux_adapter_resolutions_total{outcome="found"} 1.0' in text
     assert 'loramux_adapter_resolutions_total{outcome="not_found"} 2.0' in text
     assert "loramux_queue_depth 0.0" in text
-    assert "loramux_adapter_load_seconds_bucket" in text
+    # resolve + load as the engine's "ready" event measured it, under the resolver that found it
+    assert 'loramux_adapter_load_seconds_count{kind="on_demand",source="fake-hub"} 1.0' in text
+    assert 'loramux_adapter_load_seconds_sum{kind="on_demand",source="fake-hub"} 0.25' in text
+
+
+def test_a_failed_resolution_answers_before_any_other_requests_token():
+    """The real engine, its step stuck in another request's forward: a request for an adapter no
+    resolver has still gets its 404, from the engine's "failed" event (sent by the loading
+    thread), not from a step."""
+    from conftest import tiny_llama
+
+    from loramux.engine.llm_engine import LLMEngine
+    from loramux.registry import LoRAConfig, Registry
+
+    engine = LLMEngine(tiny_llama(), max_loras=1, max_lora_rank=8, max_num_seqs=2, max_model_len=64,
+                       registry=Registry(LoRAConfig(max_loras=1, max_lora_rank=8), resolvers=[]))
+    in_forward, release, resumed = threading.Event(), threading.Event(), threading.Event()
+    run = engine.runner.run
+
+    def stuck(batch):
+        in_forward.set()
+        release.wait(30)
+        resumed.set()
+        return run(batch)
+
+    engine.runner.run = stuck
+    _, client = make_client(engine)
+    with client:
+        base = ThreadPoolExecutor(1).submit(
+            client.post, "/v1/completions", json={"model": "fake-base", "prompt": [5, 6, 7], "max_tokens": 2})
+        try:
+            assert in_forward.wait(10)
+            missing = client.post("/v1/completions", json={"model": "nobody", "prompt": [5, 6], "max_tokens": 2})
+            answered_while_stuck = not resumed.is_set()
+        finally:
+            release.set()
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+        assert answered_while_stuck
+        assert base.result(timeout=30).status_code == 200

@@ -9,7 +9,9 @@ Each step: take the requests and aborts that arrived (``add_request`` and ``abor
 safe from any thread), collect the adapter loads that finished beside the loop, schedule, run the
 model once, sample, detokenize, check stops. A request naming an adapter that is not loaded waits
 for its load while the others keep decoding; a failed load finishes only that request, with
-``finish_reason="error"`` and the error.
+``finish_reason="error"`` and the error. Adapter events ("ready", "failed", "retired") reach
+listeners as they happen (:meth:`LLMEngine.add_event_listener`); the adapter's life from name to
+handle to slot is in :mod:`loramux.engine.adapter_life`.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
-from loramux.engine.adapter_loader import AdapterLoader
+from loramux.engine.adapter_life import EngineAdapters
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.events import AdapterEvent
 from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
 from loramux.engine.model_runner import ModelRunner
 from loramux.engine.outputs import RequestOutput
@@ -36,7 +39,7 @@ from loramux.engine.scheduler import Scheduler
 from loramux.engine.structured_output import StructuredOutputs
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import LoRAError
-from loramux.registry import LoRAAdapter, LoRARequest
+from loramux.registry import AdapterHandle, LoRARequest
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -114,22 +117,27 @@ class LLMEngine:
             "max_model_len=%d", num_blocks, setup.block_size, tokens, self.kv_cache.nbytes / 2**30,
             tokens / setup.max_model_len, setup.max_model_len,
         )
+        self._lock = threading.Lock()  # guards the inbox and the request table
+        self._step_lock = threading.RLock()  # one step, or one adapter operation, at a time
+        self.adapters: EngineAdapters | None = None
+        if setup.lora_manager is not None:
+            self.adapters = EngineAdapters(
+                setup.registry, setup.lora_manager, lock=self._step_lock,
+                validate=not setup.registry_validates, max_workers=setup.max_loading_workers,
+            )
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=setup.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
             max_loras=setup.max_loras,
-            on_adapter_start=self._activate,
-            on_adapter_end=lambda name: self.lora_manager.unpin(name),
+            **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
         )
+        if self.adapters is not None:
+            self.adapters.scheduler = self.scheduler
         self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids)
-        self.loader = AdapterLoader(self._load_adapter, max_workers=setup.max_loading_workers)
-        self._lock = threading.Lock()  # guards the inbox and the request table
-        self._step_lock = threading.RLock()  # one step, or one adapter operation, at a time
         self._inbox: deque[tuple[str, object]] = deque()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        self._lora_names: dict[int, str] = {}  # lora_int_id -> name, for remove_lora(id)
         for request in setup.lora_modules:
             self.add_lora(request)
 
@@ -199,9 +207,11 @@ class LLMEngine:
             if seq.request_id in self._requests:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
             self._requests[seq.request_id] = seq
-            self._inbox.append(("add", seq))
             if lora_request is not None:
-                self._lora_names[lora_request.lora_int_id] = lora_request.lora_name
+                seq.status = SequenceStatus.LOADING_ADAPTER
+            self._inbox.append(("add", seq))
+        if lora_request is not None:  # resolving starts now, not at the next step: a failure is
+            self.adapters.loader.submit(seq)  # reported (an event) even while a step runs
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests; each finishes with ``finish_reason="abort"`` at the next step."""
@@ -250,21 +260,17 @@ class LLMEngine:
         with self._step_lock:
             touched: dict[str, Sequence] = {}
             self._drain_inbox(touched)
-            idle = not self.scheduler.has_work()
-            for seq, adapter, error in self.loader.poll(timeout=0.05 if idle else 0.0):
-                if error is not None:
-                    seq.fail(error if isinstance(error, LoRAError) else LoRAError(str(error), adapter=seq.lora_name))
+            if self.adapters is not None:
+                idle = not self.scheduler.has_work()
+                for seq in self.adapters.collect(timeout=0.05 if idle else 0.0):
                     touched[seq.request_id] = seq
-                else:
-                    seq.adapter = adapter
-                    seq.cache_salt = _content_digest(adapter)  # prefix-cache blocks key on content
-                    self.scheduler.add(seq)
+                self.adapters.prefetch()  # queued requests' adapters into free slots, ahead
             batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
                 touched[seq.request_id] = seq
             self.scheduler.failed.clear()
             if len(batch):
-                sampled = self.runner.run(batch, self.lora_manager.slot_of if self.lora_manager else None)
+                sampled = self.runner.run(batch)
                 for seq, n in batch.chunks:
                     seq.num_computed += n
                 for seq, token in sampled:
@@ -290,41 +296,38 @@ class LLMEngine:
                     continue
                 if seq.lora_request is None:
                     self.scheduler.add(seq)
-                else:
-                    seq.status = SequenceStatus.LOADING_ADAPTER
-                    self.loader.submit(seq)
+                # else: its load started in add_request; `collect` queues it when it ends
             else:
                 with self._lock:
                     seq = self._requests.get(item)
                 if seq is None or seq.is_finished:
                     continue
                 if seq.status is SequenceStatus.LOADING_ADAPTER:
-                    self.loader.discard(seq)
+                    self.adapters.discard(seq)
                 seq.finish("abort")
                 touched[seq.request_id] = seq
 
     # -- adapters ------------------------------------------------------------------------------
 
-    def _load_adapter(self, request: LoRARequest) -> LoRAAdapter:
-        """Resolve, load and validate (a worker thread, or the caller of ``add_lora``)."""
-        adapter = self.registry.get(request)
-        if not self.setup.registry_validates:  # a registry we did not build: check it fits here
-            self.lora_manager.validate(adapter)
-        return adapter
+    def add_event_listener(self, listener: Callable[[AdapterEvent], None]) -> None:
+        """Call ``listener(event)`` for every adapter event: "ready" and "failed" per request as
+        its adapter's load ends, "retired" when a handle that lost its name has no request left
+        (see :mod:`loramux.engine.events`). It runs in the thread where the event happens: keep
+        it quick and thread-safe."""
+        self._require_lora()
+        self.adapters.events.add(listener)
 
-    def _activate(self, seq: Sequence) -> None:
-        """First running request of an adapter: put it in a GPU slot and pin it there."""
-        adapter = seq.adapter or self.lora_manager.adapter(seq.lora_name)
-        if adapter is None:  # evicted from the GPU since; the CPU tier or its source has it
-            adapter = self._load_adapter(seq.lora_request)
-        self.lora_manager.activate(adapter)
-        self.lora_manager.pin(seq.lora_name)
+    def remove_event_listener(self, listener: Callable[[AdapterEvent], None]) -> None:
+        self._require_lora()
+        self.adapters.events.remove(listener)
 
     def _name_of(self, name_or_id: str | int) -> str:
         if isinstance(name_or_id, int):
-            if name_or_id not in self._lora_names:
-                raise LoRAError(f"no adapter with lora_int_id={name_or_id} was seen by this engine.")
-            return self._lora_names[name_or_id]
+            name = self.registry.name_of_id(name_or_id)
+            if name is None:
+                raise LoRAError(f"no adapter with lora_int_id={name_or_id} is bound in this engine.",
+                                fix="Name it by its lora_name, or add it with add_lora first.")
+            return name
         return name_or_id
 
     def _require_lora(self) -> None:
@@ -332,71 +335,47 @@ class LLMEngine:
             raise ValueError("LoRA is disabled; build the engine with enable_lora=True")
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register and load an adapter now (blocking), so requests naming it start at once."""
+        """Load an adapter now (blocking) and bind its name to it, so requests naming it start at
+        once. An adapter already bound is reloaded: the name gets the new weights (a new handle)
+        for new requests, running ones finish on the old weights, and the old handle retires
+        (a "retired" event) when its last request ends."""
         self._require_lora()
-        if lora_request.lora_path:
-            self.registry.register(lora_request.lora_name, lora_request.lora_path, lora_request.base_model_name)
-        self._load_adapter(lora_request)
-        with self._lock:
-            self._lora_names[lora_request.lora_int_id] = lora_request.lora_name
+        self.adapters.add(lora_request)
         return True
 
     def remove_lora(self, name_or_id: str | int) -> bool:
-        """Forget an adapter: unregister it and free its GPU slot and CPU entry.
-
-        :raises LoRAError: running requests use it.
-        """
+        """Unload: unbind the name and return at once (whether it was bound). Requests running
+        with it finish; its handle retires, freeing its GPU slot and CPU entry, when the last one
+        ends, and a "retired" event says so (see :meth:`add_event_listener`)."""
         self._require_lora()
-        name = self._name_of(name_or_id)
-        with self._step_lock:
-            if self.scheduler.adapter_refs.get(name):
-                raise LoRAError("it is in use by running requests.", adapter=name, fix="Retry when they finish.")
-            if name in self.scheduler.reserved_loras:
-                self.scheduler.reserved_loras.discard(name)
-                self.lora_manager.unpin(name)
-            removed = self.lora_manager.deactivate(name)
-            return bool(self.registry.unregister(name)) or removed
+        try:
+            name = self._name_of(name_or_id)
+        except LoRAError:
+            return False
+        return self.adapters.remove(name)
 
     def pin_lora(self, name_or_id: str | int) -> bool:
-        """Keep an adapter in a GPU slot until ``remove_lora``; it counts against ``max_loras``."""
+        """Keep an adapter in a GPU slot until ``remove_lora``; it counts against ``max_loras``
+        (a reference the engine holds; a reload moves it to the new weights)."""
         self._require_lora()
-        name = self._name_of(name_or_id)
-        request = next((LoRARequest(name, i) for i, n in self._lora_names.items() if n == name), None)
-        adapter = self._load_adapter(request or name)
-        with self._step_lock:
-            if name in self.scheduler.reserved_loras:
-                return True
-            in_use = self.scheduler.loras_in_use()
-            if name not in in_use and len(in_use) >= self.scheduler.max_loras:
-                raise LoRAError(
-                    f"all {self.scheduler.max_loras} GPU slots are in use by running or pinned adapters.",
-                    adapter=name,
-                    fix="Raise max_loras, or remove a pinned adapter.",
-                )
-            self.lora_manager.activate(adapter)
-            self.lora_manager.pin(name)
-            self.scheduler.reserved_loras.add(name)
-            return True
+        return self.adapters.pin(self._name_of(name_or_id))
+
+    def lora_handle(self, name: str) -> AdapterHandle | None:
+        """The handle ``name`` is bound to now (None: not loaded, or unknown)."""
+        self._require_lora()
+        return self.registry.handle(name)
 
     def list_loras(self) -> list[str]:
-        """Adapters this engine knows: registered, loaded on the CPU tier or in a GPU slot."""
+        """Adapter names this engine serves: registered, or found by a resolver and loaded."""
         self._require_lora()
-        return sorted(set(self.registry.list()) | set(self.lora_manager.resident()))
+        return self.registry.list()
 
     def close(self) -> None:
         """Stop loading and give the device memory back (graphs, KV cache): the engine is done."""
-        self.loader.shutdown()
+        if self.adapters is not None:
+            self.adapters.loader.shutdown()
         self.runner.release_graphs()
         self.runner.kv = self.kv_cache = None
         if self.workers is not None:
             self.workers.shutdown()
 
-
-def _content_digest(adapter: LoRAAdapter) -> str:
-    """The adapter's content digest: its handle's (our registry issues one with every adapter);
-    hashed here only for an adapter from a registry that issues none."""
-    if adapter.handle is not None:
-        return adapter.handle.digest
-    from loramux.registry.handle import combine_digest, tensors_digest
-
-    return combine_digest(b"unregistered", tensors_digest(adapter.modules))

@@ -2,113 +2,32 @@
 
     manager = LoRAModelManager(model, LoRAConfig(max_loras=4, max_lora_rank=16))
     slot = manager.activate(adapter)               # copy into a free or least recently used slot
+                                                   # (keyed by adapter.handle.id)
     manager.set_mapping(token_slots)               # [T] slot per token, -1 = base model; per forward
     logits = model(input_ids).logits
 
-Patching replaces each eligible layer in place by the wrapper the ``create_lora_layer`` hook
-returns (plugins first, loramux's built-ins last). Every wrapper reads the same `LoRAContext`,
+Patching (`loramux.engine.lora_patch`) replaces each eligible layer in place by the wrapper the
+``create_lora_layer`` hook returns (plugins first, loramux's built-ins last). Every wrapper reads the same `LoRAContext`,
 so the per-forward kernel metadata is built once.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Sequence
-from typing import Callable
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
+from loramux.engine.lora_patch import create_lora_layer, matches_target, patch_model
 from loramux.engine.slots import SlotTable
-from loramux.errors import IncompatibleAdapterError, LoRAError, PluginError
-from loramux.registry import CacheStats, LoRAAdapter, LoRAConfig, LoRAModuleWeights
+from loramux.errors import IncompatibleAdapterError, LoRAError
+from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig, LoRAModuleWeights
+from loramux.registry.handle import memory_handle
 
-__all__ = ["LoRAModelManager", "create_lora_layer", "patch_model"]
-
-LayerFactory = Callable[[nn.Module, str, LoRAConfig], "BaseLayerWithLoRA | None"]
-
-
-def create_lora_layer(
-    base_layer: nn.Module, module_name: str, lora_config: LoRAConfig
-) -> BaseLayerWithLoRA | None:
-    """The wrapper for one layer, from the ``create_lora_layer`` hook (built-ins answer last).
-
-    A plugin's wrapper that is not a `BaseLayerWithLoRA` cannot hold slots: it is reported as a
-    broken plugin and loramux's own wrapper (if any) is used for that layer instead.
-    """
-    from loramux.engine.layers.plugin import builtin_lora_layer
-    from loramux.plugins.layers import create_lora_layer as ask_plugins
-    from loramux.plugins.manager import report_plugin_error
-
-    layer = ask_plugins(base_layer, module_name, lora_config)
-    if layer is None or isinstance(layer, BaseLayerWithLoRA):
-        return layer
-    report_plugin_error(
-        PluginError(
-            f"a plugin's create_lora_layer returned {type(layer).__name__} for {module_name!r}, "
-            "which is not a loramux.engine.layers.BaseLayerWithLoRA.",
-            fix="Skipped it for this layer; subclass BaseLayerWithLoRA in the plugin.",
-        )
-    )
-    return builtin_lora_layer(base_layer, module_name, lora_config)
-
-
-def _matches(name: str, target_modules: Sequence[str] | str | None) -> bool:
-    """PEFT's rule: a regex must match the whole name; a list entry matches a dotted suffix."""
-    if target_modules is None:
-        return True
-    if isinstance(target_modules, str):
-        return re.fullmatch(target_modules, name) is not None
-    return any(name == key or name.endswith("." + key) for key in target_modules)
-
-
-def patch_model(
-    model: nn.Module,
-    lora_config: LoRAConfig,
-    context: LoRAContext,
-    *,
-    target_modules: Sequence[str] | str | None = None,
-    create: LayerFactory = create_lora_layer,
-) -> dict[str, BaseLayerWithLoRA]:
-    """Replace, in place, every layer of ``model`` that ``create`` wraps; return them by name.
-
-    Modules are offered parents first; the children of a wrapped module are not offered. The
-    model is changed only once every wrapper was built, so a failing plugin leaves it as it was.
-    """
-    modules = list(model.named_modules())
-    for name, module in modules:
-        if isinstance(module, BaseLayerWithLoRA):
-            raise ValueError(f"{name!r} is already a LoRA layer: this model was patched before")
-    wrapped: dict[str, BaseLayerWithLoRA] = {}
-    for name, module in modules:
-        # a fused layer stands for the modules it declares (``loramux_slices``)
-        names = [n for n, _ in getattr(module, "loramux_slices", ())] or [name]
-        if not name or not any(_matches(n, target_modules) for n in names):
-            continue
-        if any(parent in wrapped for parent in _ancestors(name)):
-            continue  # inside a layer a plugin wrapped whole
-        wrapper = create(module, name, lora_config)
-        if wrapper is None:
-            continue
-        if not isinstance(wrapper, BaseLayerWithLoRA) or wrapper.get_base_layer() is not module:
-            raise PluginError(
-                f"create_lora_layer returned {type(wrapper).__name__} for {name!r}, which is not "
-                "a BaseLayerWithLoRA (loramux.engine.layers) wrapping that layer.",
-                fix="Fix the plugin's create_lora_layer, or uninstall it.",
-            )
-        wrapped[name] = wrapper
-    for name, wrapper in wrapped.items():
-        wrapper.lora_context = context
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, wrapper)
-    return wrapped
-
-
-def _ancestors(name: str) -> list[str]:
-    parts = name.split(".")
-    return [".".join(parts[:i]) for i in range(1, len(parts))]
+__all__ = ["LoRAModelManager", "create_lora_layer", "patch_model"]  # the latter two: lora_patch.py
 
 
 class LoRAModelManager:
@@ -145,7 +64,7 @@ class LoRAModelManager:
         }
         self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
         self._slots = SlotTable(lora_config.max_loras)
-        self._adapters: dict[str, LoRAAdapter] = {}  # resident adapters, by name
+        self._adapters: dict[int, LoRAAdapter] = {}  # resident adapters, by handle id
         self._lock = threading.RLock()
         self.stats = CacheStats()  # the GPU tier's counters, as the CPU tier keeps them
         first = next(iter(self.layers.values()), None)
@@ -153,6 +72,10 @@ class LoRAModelManager:
             self.device = first.lora_scales.device
         else:
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # prefetch copies run on a side stream (created here, at engine start, never while a
+        # graph is captured); the compute stream waits on a copy's event when its slot is held
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._copies: dict[int, torch.cuda.Event] = {}  # handle id -> its side-stream copy
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -176,7 +99,7 @@ class LoRAModelManager:
         """
         for module_name, weights in adapter.modules.items():
             target = self._targets.get(module_name)
-            if target is None or not _matches(module_name, self.target_modules):
+            if target is None or not matches_target(module_name, self.target_modules):
                 raise self._not_wrapped_error(adapter, module_name)
             layer, index = target
             if weights.rank > layer.max_lora_rank:
@@ -208,7 +131,7 @@ class LoRAModelManager:
                 path=adapter.path,
                 fix="Serve it with the base model it was trained for.",
             )
-        if not _matches(module_name, self.target_modules):
+        if not matches_target(module_name, self.target_modules):
             return IncompatibleAdapterError(
                 f"it targets module {module_name!r}, which lora_target_modules="
                 f"{self.target_modules!r} leaves without LoRA.",
@@ -226,47 +149,94 @@ class LoRAModelManager:
             "(hook create_lora_layer), or use an adapter that does not target it.",
         )
 
-    # -- slots ---------------------------------------------------------------------------------
+    # -- slots (keyed by handle id) ---------------------------------------------------------------
 
-    def activate(self, adapter: LoRAAdapter, *, replace: bool = False) -> int:
-        """Make ``adapter`` usable in the next forward and return its slot.
+    def prefetch(self, adapter: LoRAAdapter) -> int | None:
+        """Copy ``adapter`` into a free (or least recently used, not held) slot ahead of its use,
+        on the side stream on CUDA, so the step that admits its request does not wait for the
+        host-to-device copy; synchronous on CPU. The compute stream waits for the copy when the
+        slot is held (:meth:`hold`). A held slot (in use by the running batch) is never written.
 
-        An adapter already resident keeps its slot (it becomes the most recently used), unless
-        ``replace=True``: then its new weights are copied into that same slot (an in-place
-        reload under the same name). Otherwise a free slot, or the least recently used one that
-        no running request pins, receives a copy (asynchronous from pinned host memory).
-
-        :raises IncompatibleAdapterError: ``adapter`` does not fit this model (nothing changes).
-        :raises CacheFullError: every slot holds a pinned adapter.
+        :returns: its slot, or None when every slot is held (nothing changes).
         """
         with self._lock:
-            name = adapter.name
-            slot = self._slots.slot_of(name)
-            if slot is not None and not replace:
-                self._slots.touch(name)
+            if adapter.handle is not None and adapter.handle.id in self._slots:
+                return self._slots.slot_of(adapter.handle.id)
+            if not self._slots.can_allocate():
+                return None
+            return self._activate(adapter, side_stream=self._copy_stream is not None)
+
+    def activate(self, adapter: LoRAAdapter) -> int:
+        """Make ``adapter`` usable in the next forward and return its slot.
+
+        Slots are keyed by ``adapter.handle.id``: an adapter already resident keeps its slot (it
+        becomes the most recently used); a reload is a new handle, so it gets a slot of its own
+        while the old one finishes its requests. Otherwise a free slot, or the least recently
+        used one nobody holds, receives a copy (asynchronous from pinned host memory).
+
+        An adapter with a handle was validated by the registry, once, at the border; one without
+        (this manager used on its own) is validated here and given a handle, and an adapter
+        without a handle whose name is resident already is a hit on it.
+
+        :raises IncompatibleAdapterError: ``adapter`` does not fit this model (nothing changes).
+        :raises CacheFullError: every slot is held.
+        """
+        with self._lock:
+            return self._activate(adapter, side_stream=False)
+
+    def _activate(self, adapter: LoRAAdapter, *, side_stream: bool) -> int:
+        with self._lock:
+            handle = adapter.handle or self._standalone_handle(adapter)
+            slot = self._slots.slot_of(handle.id)
+            if slot is not None:
+                self._slots.touch(handle.id)
                 self.stats.hits += 1
                 return slot
             self.stats.misses += 1
-            if adapter.handle is None:  # a handle means the registry validated it, once, at the border
+            if adapter.handle is None:
                 self.validate(adapter)
-            if slot is None:
-                slot, evicted = self._slots.allocate(name)
-                if evicted is not None:
-                    del self._adapters[evicted]
-                    self.stats.evictions += 1
-            else:
-                self._slots.touch(name)
+                adapter = replace(adapter, handle=handle)
+            slot, evicted = self._slots.allocate(handle.id, label=adapter.name)
+            if evicted is not None:
+                del self._adapters[evicted]
+                self._await_copy(evicted)  # its own prefetch must land before this overwrites it
+                self.stats.evictions += 1
             try:
-                self._write_slot(slot, adapter)
+                if side_stream:
+                    self._write_slot_aside(handle.id, slot, adapter)
+                else:
+                    self._write_slot(slot, adapter)
             except BaseException:
                 self._clear_slot(slot)
-                self._adapters.pop(name, None)
-                self._slots.drop(name)  # a half-written slot is never used
+                self._slots.drop(handle.id)  # a half-written slot is never used
                 self.stats.load_failures += 1
                 raise
-            self._adapters[name] = adapter
+            self._adapters[handle.id] = adapter
             self.stats.loads += 1
             return slot
+
+    def _standalone_handle(self, adapter: LoRAAdapter) -> AdapterHandle:
+        """The handle of a resident handle-less adapter of this name, or a new one (no registry)."""
+        resident = self._resident_named(adapter.name)
+        return resident.handle if resident is not None and resident.handle.source == "memory" \
+            else memory_handle(adapter, adapter.name)
+
+    def _write_slot_aside(self, handle_id: int, slot: int, adapter: LoRAAdapter) -> None:
+        """The copy on the side stream, after everything the compute stream has queued so far
+        (the slot's last readers: the batch of the step that released it)."""
+        stream = self._copy_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._write_slot(slot, adapter)
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._copies[handle_id] = event
+
+    def _await_copy(self, handle_id: int) -> None:
+        """Make the compute stream wait for ``handle_id``'s side-stream copy, if one is pending."""
+        event = self._copies.pop(handle_id, None)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         # with tensor parallelism this rank writes its part and each worker receives only its own
@@ -289,54 +259,85 @@ class LoRAModelManager:
         if self.workers is not None:
             self.workers.clear_slot(slot)
 
-    def can_activate(self, name: str) -> bool:
-        """Whether `activate` would succeed for an adapter called ``name`` (if it validates)."""
+    def _resident_named(self, name: str) -> LoRAAdapter | None:
+        """The most recently used resident adapter called ``name`` (standalone use by name)."""
+        return next((self._adapters[i] for i in reversed(self._slots.ids()) if self._adapters[i].name == name), None)
+
+    def _id(self, key: int | str) -> int | None:
+        """A handle id, or a name meaning the most recently used resident adapter of that name."""
+        if isinstance(key, str):
+            adapter = self._resident_named(key)
+            return adapter.handle.id if adapter is not None else None
+        return key
+
+    def can_activate(self, key: int | str) -> bool:
+        """Whether `activate` would succeed for this handle id or name (if it validates)."""
         with self._lock:
-            return name in self._slots or self._slots.can_allocate()
+            return self._id(key) in self._slots or self._slots.can_allocate()
 
-    def deactivate(self, name: str) -> bool:
-        """Free ``name``'s slot; returns whether it was resident.
+    def deactivate(self, key: int | str) -> bool:
+        """Free the slot of a handle id (or a name); returns whether it was resident.
 
-        :raises LoRAError: a running request pins it.
+        :raises LoRAError: it is held (running requests or a user pin use it).
         """
         with self._lock:
-            if name not in self._slots:
+            handle_id = self._id(key)
+            if handle_id not in self._slots:
                 return False
-            if self._slots.is_pinned(name):
+            if self._slots.is_held(handle_id):
                 raise LoRAError(
                     "it is in use by running requests, so its GPU slot cannot be freed now.",
-                    adapter=name,
-                    fix="Retry when those requests finish.",
+                    adapter=self._adapters[handle_id].name,
+                    fix="Free it when the scheduler releases it (its last request ends).",
                 )
-            self._clear_slot(self._slots.deallocate(name))
-            del self._adapters[name]
+            self._await_copy(handle_id)
+            self._clear_slot(self._slots.deallocate(handle_id))
+            del self._adapters[handle_id]
             return True
 
-    def pin(self, name: str) -> None:
-        """Keep ``name`` in its slot until as many `unpin` calls (the batch in flight uses it)."""
-        with self._lock:
-            if name not in self._slots:
-                raise ValueError(f"adapter {name!r} holds no GPU slot; activate it before pinning")
-            self._slots.pin(name)
+    def hold(self, key: int | str) -> int:
+        """Keep a resident handle (or name) in its slot until :meth:`release`; returns the slot.
 
-    def unpin(self, name: str) -> None:
+        Not counted: the scheduler counts the requests and pins that use a handle, and calls
+        this on the first and :meth:`release` after the last.
+        """
         with self._lock:
-            if not self._slots.is_pinned(name):
-                raise ValueError(f"adapter {name!r} is not pinned")
-            self._slots.unpin(name)
+            handle_id = self._id(key)
+            if handle_id not in self._slots:
+                raise ValueError(f"adapter {key!r} holds no GPU slot; activate it before holding it")
+            self._slots.hold(handle_id)
+            self._await_copy(handle_id)  # before the first forward that reads this slot
+            return self._slots.slot_of(handle_id)
 
-    def is_pinned(self, name: str) -> bool:
+    def release(self, key: int | str) -> None:
+        """The slot of this handle (or name) may be evicted again; it stays resident until then."""
         with self._lock:
-            return self._slots.is_pinned(name)
+            handle_id = self._id(key)
+            if handle_id is None or not self._slots.is_held(handle_id):
+                raise ValueError(f"adapter {key!r} is not held")
+            self._slots.release(handle_id)
 
-    def slot_of(self, name: str) -> int | None:
+    def is_held(self, key: int | str) -> bool:
         with self._lock:
-            return self._slots.slot_of(name)
+            handle_id = self._id(key)
+            return handle_id is not None and self._slots.is_held(handle_id)
+
+    def slot_of(self, key: int | str) -> int | None:
+        """The slot of a handle id (or of the resident adapter of a name), or None."""
+        with self._lock:
+            handle_id = self._id(key)
+            return None if handle_id is None else self._slots.slot_of(handle_id)
 
     def resident(self) -> list[str]:
-        """Adapters in GPU slots, least recently used first."""
+        """Names of the adapters in GPU slots, least recently used first (a name shows twice
+        while an old handle of it finishes its requests beside the new one)."""
         with self._lock:
-            return self._slots.names()
+            return [self._adapters[i].name for i in self._slots.ids()]
+
+    def resident_handles(self) -> list[AdapterHandle]:
+        """Handles in GPU slots, least recently used first."""
+        with self._lock:
+            return [self._adapters[i].handle for i in self._slots.ids()]
 
     @property
     def nbytes(self) -> int:
@@ -344,10 +345,11 @@ class LoRAModelManager:
         with self._lock:
             return sum(adapter.nbytes for adapter in self._adapters.values())
 
-    def adapter(self, name: str) -> LoRAAdapter | None:
-        """The resident adapter called ``name``, or None."""
+    def adapter(self, key: int | str) -> LoRAAdapter | None:
+        """The resident adapter of a handle id (or name), or None."""
         with self._lock:
-            return self._adapters.get(name)
+            handle_id = self._id(key)
+            return None if handle_id is None else self._adapters.get(handle_id)
 
     # -- per-forward mapping ---------------------------------------------------------------------
 
@@ -359,7 +361,7 @@ class LoRAModelManager:
         with self._lock:
             slots = []
             for name in adapter_names:
-                slot = -1 if not name else self._slots.slot_of(name)
+                slot = -1 if not name else self.slot_of(name)
                 if slot is None:
                     raise ValueError(f"adapter {name!r} holds no GPU slot; activate it first")
                 slots.append(slot)
@@ -404,7 +406,7 @@ class LoRAModelManager:
         """Check that every slot in ``slots`` holds an adapter and move those adapters to the end
         of the eviction order (``set_mapping`` does it for the slots it finds)."""
         with self._lock:
-            by_slot = {self._slots.slot_of(name): name for name in self._slots.names()}
+            by_slot = {self._slots.slot_of(i): i for i in self._slots.ids()}
             empty = [slot for slot in slots if slot not in by_slot]
             if empty:
                 raise ValueError(f"token_slots names slot(s) {empty}, which hold no adapter")

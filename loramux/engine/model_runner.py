@@ -218,14 +218,14 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, slot_of) -> list[tuple[Sequence, int]]:
+    def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
         """Compute the scheduled tokens and sample for every sequence whose last token was among them.
 
-        ``slot_of(name) -> slot`` gives each adapter's GPU slot.
+        Each sequence's GPU slot is ``seq.lora_slot`` (set by the scheduler at admission).
         """
         if self.graphs is not None and self.graphs.fits(batch):
             seqs = [seq for seq, _ in batch.chunks]
-            slots = [-1 if s.lora_name is None else slot_of(s.lora_name) for s in seqs]
+            slots = [s.lora_slot for s in seqs]
             logits = self._on_all_ranks("_replay", self.graphs.decode_inputs(seqs, slots))
             return self._sample(seqs, logits[: len(seqs)])
         ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
@@ -233,7 +233,7 @@ class ModelRunner:
         bs = self.block_size
         for seq, n in batch.chunks:
             start, end = seq.num_computed, seq.num_computed + n
-            slot = -1 if seq.lora_name is None else slot_of(seq.lora_name)
+            slot = seq.lora_slot
             table = seq.block_table
             ids.extend(seq.tokens(start, end))
             positions.extend(range(start, end))
@@ -247,7 +247,7 @@ class ModelRunner:
                 logit_slots.append(slot)
                 sampled.append(seq)
         uses_lora = any(s >= 0 for s in lora_slots)
-        prompt_plan = plan_prompt_logprobs(batch.chunks, slot_of)  # None unless a request asks for them
+        prompt_plan = plan_prompt_logprobs(batch.chunks)  # None unless a request asks for them
         if prompt_plan is not None:  # their rows come after the sampled ones
             logits, logit_slots = logits + prompt_plan.index, logit_slots + prompt_plan.slots
         out = self._on_all_ranks(

@@ -9,7 +9,7 @@ changes are: ask for the plan, keep its rows after the sampled ones, hand their 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence as Seq
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 import torch
@@ -29,8 +29,7 @@ class PromptLogprobPlan:
     targets: list[tuple[object, int]] = field(default_factory=list)
 
 
-def plan_prompt_logprobs(chunks: Seq[tuple[object, int]], slot_of: Callable[[str], int | None] | None
-                         ) -> PromptLogprobPlan | None:
+def plan_prompt_logprobs(chunks: Seq[tuple[object, int]]) -> PromptLogprobPlan | None:
     """The rows to keep for ``chunks`` (in the order the runner packs them), or None when no
     sequence in the step asks for prompt logprobs (the common case: one pass over the chunks)."""
     if not any(seq.params.prompt_logprobs is not None for seq, _ in chunks):
@@ -41,7 +40,7 @@ def plan_prompt_logprobs(chunks: Seq[tuple[object, int]], slot_of: Callable[[str
         if seq.params.prompt_logprobs is not None:
             if seq.prompt_logprobs is None:  # the first prompt token has no logprob
                 seq.prompt_logprobs = [None] * seq.num_prompt_tokens
-            slot = -1 if seq.lora_name is None else slot_of(seq.lora_name)
+            slot = seq.lora_slot
             start = seq.num_computed
             # the last prompt position's logits are the sampled row (they score the first output token)
             for position in range(start, min(start + n, seq.num_prompt_tokens - 1)):

@@ -12,7 +12,28 @@ to the front of the queue with the tokens it has; on readmission it is prefilled
 (recompute; the prefix cache usually still holds its blocks), so its output is unchanged and
 nothing is lost or sent twice.
 
-Adapters: a step holds at most ``max_loras`` distinct adapters, counting the ones the user pinned
+Adapters: the scheduler's per-handle reference count is the one owner of "in use". A sequence
+holds a reference to its adapter handle from the moment it is queued with it until it finishes
+(the engine keeps the handle pinned in the CPU tier while referenced); a running sequence or a
+user pin (``pin_lora``) also needs the handle's GPU slot, held from the first such use to the
+last. At zero references the handle is released: its slot stays resident as a cache (evictable),
+its CPU-tier pin goes, and a handle whose name was rebound or unbound retires.
+
+Loading overlaps compute (the engine, before each ``schedule``): a request's adapter is resolved
+and read into the CPU tier from the moment it arrives (bounded by the tier's budget: when the
+tier is full of adapters in use, it waits for room, oldest first), and the adapters of the
+oldest queued requests are copied into free GPU slots (a side CUDA stream) before admission,
+as many as admission could start now (``max_loras`` less the slots in use), never into a slot
+in use. What admission below guarantees, with that:
+
+- FIFO among blocked adapters: the oldest request whose adapter needs a slot is admitted first,
+  and nothing behind it takes a slot before it (base-model and pinned-adapter requests aside).
+- Bounded wait: a blocked request waits at most until the running adapters' current requests
+  end (each has ``max_tokens``); new requests for running adapters cannot extend that.
+- Slots stay busy: a slot freed by a finished adapter is refilled by the next queued adapter,
+  whose weights are usually already there (prefetched).
+
+A step holds at most ``max_loras`` distinct adapters, counting the ones the user pinned
 to the GPU. A queued request whose adapter would exceed that waits, and from then on no request
 behind it may start with any adapter (new or running) until it is admitted; base-model requests
 and requests for pinned adapters still may, as they take no slot that could free up. Running adapters therefore drain as their requests end
@@ -24,15 +45,15 @@ ones.
 from __future__ import annotations
 
 import bisect
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import CacheFullError, LoRAError
+from loramux.registry import AdapterHandle
 
-__all__ = ["Scheduler", "ScheduledBatch"]
+__all__ = ["AdapterUse", "Scheduler", "ScheduledBatch"]
 
 
 @dataclass
@@ -49,13 +70,37 @@ class ScheduledBatch:
         return len(self.chunks)
 
 
+@dataclass
+class AdapterUse:
+    """Who uses one adapter handle now: the scheduler's reference count, split by what each use needs."""
+
+    handle: AdapterHandle
+    sequences: int = 0  # queued or running sequences with this handle (each needs its weights)
+    running: int = 0  # of those, running (each needs its GPU slot)
+    user_pins: int = 0  # pin_lora: a reference the engine holds (weights and slot)
+    slot: int | None = None  # its GPU slot while it needs one
+
+    @property
+    def references(self) -> int:
+        return self.sequences + self.user_pins
+
+    @property
+    def needs_slot(self) -> bool:
+        return self.running + self.user_pins > 0
+
+
 class Scheduler:
     """Queue and running set of sequences whose adapters are loaded (or who need none).
 
-    :param on_adapter_start: called with a sequence whose adapter has no running sequence yet,
-        just before it is admitted (the engine puts the adapter in a GPU slot and pins it); if it
-        raises a ``LoRAError`` the sequence fails instead.
-    :param on_adapter_end: called with an adapter name when its last running sequence leaves.
+    :param on_adapter_referenced: called with a handle when its first reference appears (the
+        engine pins it in the CPU tier).
+    :param on_adapter_start: called with a handle when it first needs a GPU slot (a sequence is
+        about to be admitted, or a user pin); returns the slot it now holds. If it raises a
+        ``LoRAError`` the sequence fails instead.
+    :param on_adapter_end: called with a handle when it no longer needs its slot (the slot stays
+        resident, evictable).
+    :param on_adapter_released: called with a handle when its last reference goes (the engine
+        unpins it from the CPU tier, and retires it if its name was rebound or unbound).
     """
 
     def __init__(
@@ -65,34 +110,77 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_loras: int,
-        on_adapter_start: Callable[[Sequence], None] = lambda seq: None,
-        on_adapter_end: Callable[[str], None] = lambda name: None,
+        on_adapter_referenced: Callable[[AdapterHandle], None] = lambda handle: None,
+        on_adapter_start: Callable[[AdapterHandle], int] = lambda handle: 0,
+        on_adapter_end: Callable[[AdapterHandle], None] = lambda handle: None,
+        on_adapter_released: Callable[[AdapterHandle], None] = lambda handle: None,
     ) -> None:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence must fit one decode token"
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_loras = max_loras
-        self.reserved_loras: set[str] = set()  # pinned by the user: hold a slot even when idle
+        self.on_adapter_referenced = on_adapter_referenced
         self.on_adapter_start = on_adapter_start
         self.on_adapter_end = on_adapter_end
+        self.on_adapter_released = on_adapter_released
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
-        self.adapter_refs: Counter[str] = Counter()  # running sequences per adapter
+        self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
         self.failed: list[Sequence] = []  # failed at admission; the engine reports them
         self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        """Queue a new sequence; it references its adapter handle (if any) until it finishes."""
+        if seq.handle is not None:
+            self._reference(seq.handle).sequences += 1
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        seq.lora_slot = -1
         bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def loras_in_use(self) -> set[str]:
-        return set(self.adapter_refs) | self.reserved_loras
+    def handles_in_slots(self) -> set[int]:
+        """Handle ids that hold a GPU slot now (running sequences or user pins)."""
+        return {i for i, use in self.adapters.items() if use.needs_slot}
+
+    def user_pinned(self) -> set[int]:
+        return {i for i, use in self.adapters.items() if use.user_pins}
+
+    def references(self, handle_id: int) -> int:
+        """Sequences and user pins that use ``handle_id`` now (0: none, it may retire)."""
+        use = self.adapters.get(handle_id)
+        return 0 if use is None else use.references
+
+    # -- user pins (pin_lora): a reference the engine holds ------------------------------------
+
+    def pin(self, handle: AdapterHandle) -> int:
+        """Hold ``handle`` in a GPU slot until :meth:`unpin`; returns its slot.
+
+        :raises LoRAError: every slot is in use (from ``on_adapter_start``); nothing changed.
+        """
+        use = self._reference(handle)
+        if not use.needs_slot:
+            try:
+                use.slot = self.on_adapter_start(handle)
+            except BaseException:
+                self._maybe_release(use)
+                raise
+        use.user_pins += 1
+        return use.slot
+
+    def unpin(self, handle: AdapterHandle) -> None:
+        use = self.adapters.get(handle.id)
+        assert use is not None and use.user_pins > 0, f"{handle!r} is not pinned"
+        use.user_pins -= 1
+        self._maybe_end(use)
+        self._maybe_release(use)
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -126,27 +214,28 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[Sequence]:
         admitted, blocked = [], False
-        in_use = self.loras_in_use()
+        in_slots = self.handles_in_slots()
+        pinned = self.user_pinned()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs or not self.blocks.can_allocate(seq):
                 break  # capacity is first come first served
-            name = seq.lora_name
-            if name is not None:
-                if name not in self.reserved_loras:  # a pinned adapter's requests never wait for a slot
-                    if len(self.reserved_loras) >= self.max_loras:
+            handle = seq.handle
+            if handle is not None:
+                if handle.id not in pinned:  # a pinned adapter's requests never wait for a slot
+                    if len(pinned) >= self.max_loras:
+                        names = ", ".join(sorted(self.adapters[i].handle.name for i in pinned))
                         self._fail(seq, CacheFullError(
-                            f"all {self.max_loras} GPU slots hold pinned adapters "
-                            f"({', '.join(sorted(self.reserved_loras))}).",
-                            adapter=name,
+                            f"all {self.max_loras} GPU slots hold pinned adapters ({names}).",
+                            adapter=handle.name,
                             fix="Remove a pinned adapter (remove_lora) or raise max_loras.",
                         ))
                         continue
-                    if blocked or (name not in in_use and len(in_use) >= self.max_loras):
+                    if blocked or (handle.id not in in_slots and len(in_slots) >= self.max_loras):
                         blocked = True  # hold back every adapter request behind the oldest blocked one
                         continue
                 if not self._start(seq):
                     continue
-                in_use.add(name)
+                in_slots.add(handle.id)
             self.waiting.remove(seq)
             self.blocks.allocate(seq)
             seq.num_computed = seq.num_cached_tokens  # the prefix cache holds these tokens' K/V
@@ -158,45 +247,77 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it again; it is recomputed when readmitted."""
-        self._release(seq)
+        self._stop(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.add(seq)
+        self._enqueue(seq)  # it keeps its reference to its adapter
 
     def _start(self, seq: Sequence) -> bool:
-        name = seq.lora_name
-        if self.adapter_refs[name] == 0:
+        """``seq`` is about to run: its handle needs its GPU slot (the first running use gets it)."""
+        use = self.adapters[seq.handle.id]
+        if not use.needs_slot:
             try:
-                self.on_adapter_start(seq)
+                use.slot = self.on_adapter_start(seq.handle)
             except LoRAError as error:
                 self._fail(seq, error)
                 return False
-        self.adapter_refs[name] += 1
-        seq.adapter = None  # resident in a GPU slot now; the slot's pin keeps it
+        use.running += 1
+        seq.lora_slot = use.slot
         return True
 
     def _fail(self, seq: Sequence, error: LoRAError) -> None:
         self.waiting.remove(seq)
+        self._unreference(seq)
         seq.fail(error)
         self.failed.append(seq)
 
     # -- after a step --------------------------------------------------------------------------
 
     def finish(self, seq: Sequence) -> None:
-        """Release what ``seq`` holds (its blocks, its adapter reference); it is already finished."""
+        """Release what ``seq`` holds (its blocks, its adapter reference); it is already finished.
+        A sequence the scheduler does not hold (aborted while its adapter loaded) is a no-op."""
         if seq in self.waiting:
             self.waiting.remove(seq)
-        self._release(seq)
+        elif seq in self.running:
+            self._stop(seq)
+        else:
+            return
+        self._unreference(seq)
 
-    def _release(self, seq: Sequence) -> None:
+    def _stop(self, seq: Sequence) -> None:
+        """Take ``seq`` out of the running set: its blocks, and its use of its adapter's slot."""
         if seq.block_table:
             self.blocks.deallocate(seq)
-        if seq in self.running:
-            self.running.remove(seq)
-            name = seq.lora_name
-            if name is not None:
-                self.adapter_refs[name] -= 1
-                if self.adapter_refs[name] == 0:
-                    del self.adapter_refs[name]
-                    self.on_adapter_end(name)
+        self.running.remove(seq)
+        seq.lora_slot = -1
+        if seq.handle is not None:
+            use = self.adapters[seq.handle.id]
+            use.running -= 1
+            self._maybe_end(use)
+
+    # -- reference counts ------------------------------------------------------------------------
+
+    def _reference(self, handle: AdapterHandle) -> AdapterUse:
+        use = self.adapters.get(handle.id)
+        if use is None:
+            use = self.adapters[handle.id] = AdapterUse(handle)
+            self.on_adapter_referenced(handle)
+        return use
+
+    def _unreference(self, seq: Sequence) -> None:
+        if seq.handle is not None:
+            use = self.adapters[seq.handle.id]
+            use.sequences -= 1
+            self._maybe_release(use)
+
+    def _maybe_end(self, use: AdapterUse) -> None:
+        if use.slot is not None and not use.needs_slot:
+            use.slot = None
+            self.on_adapter_end(use.handle)
+
+    def _maybe_release(self, use: AdapterUse) -> None:
+        assert use.sequences >= 0 and use.running >= 0 and use.user_pins >= 0, use
+        if use.references == 0:
+            del self.adapters[use.handle.id]
+            self.on_adapter_released(use.handle)

@@ -13,7 +13,7 @@ from loramux.engine.outputs import CompletionOutput, FinishReason, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.structured_output import GrammarState
 from loramux.errors import LoRAError
-from loramux.registry import LoRAAdapter, LoRARequest
+from loramux.registry import AdapterHandle, LoRARequest
 
 __all__ = ["Sequence", "SequenceStatus"]
 
@@ -34,7 +34,8 @@ class Sequence:
     token, the step samples a new one. A decode is just a chunk of one token. ``block_table``
     lists the KV blocks it holds (`BlockManager`); ``num_cached_tokens`` of them came from the
     prefix cache. ``cache_salt`` is the adapter's identity in prefix-cache hashes (its content
-    digest; None for the base model).
+    digest; None for the base model). ``handle`` is the adapter it runs with: the one its name
+    was bound to when it was resolved, kept to the end even if the name is rebound meanwhile.
     """
 
     request_id: str
@@ -50,7 +51,10 @@ class Sequence:
     num_cached_tokens: int = 0  # leading tokens found in the prefix cache at allocation
     cache_salt: str | bytes | None = None  # the adapter's content digest; None for the base model
     num_preemptions: int = 0
-    adapter: LoRAAdapter | None = None  # held from load to admission, so a CPU eviction can't lose it
+    # its adapter, once the registry resolved it (the scheduler's reference keeps it in the CPU
+    # tier), and the GPU slot it runs in (set at admission; -1 for the base model or while queued)
+    handle: AdapterHandle | None = None
+    lora_slot: int = -1
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None

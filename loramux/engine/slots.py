@@ -1,9 +1,15 @@
-"""The GPU slot tier's bookkeeping: which adapter sits in which of the ``max_loras`` slots.
+"""The GPU slot tier's bookkeeping: which adapter handle sits in which of the ``max_loras`` slots.
 
-Modelled on nano-vllm's ``block_manager.py``: a plain class, a deque of free slots, reference
-counts (pins) for what the batch in flight uses, the vocabulary ``can_allocate / allocate /
-deallocate``, and asserts on its invariants. It holds no tensors; `LoRAModelManager` copies the
-weights. Not thread-safe on its own: the manager serialises calls.
+Modelled on nano-vllm's ``block_manager.py``: a plain class, a deque of free slots, the
+vocabulary ``can_allocate / allocate / deallocate``, and asserts on its invariants. It holds no
+tensors; `LoRAModelManager` copies the weights. Not thread-safe on its own: the manager
+serialises calls.
+
+Slots are keyed by :attr:`AdapterHandle.id <loramux.registry.AdapterHandle.id>`. Whether a
+slot is *in use* is not counted here: the scheduler's per-handle reference count is the one
+owner of that number, and it tells this table only the transitions (``hold`` when a handle
+gains its first running request or user pin, ``release`` when it loses its last). A held slot
+is never evicted; a released one stays resident as a cache, least recently used out first.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ __all__ = ["SlotTable"]
 
 
 class SlotTable:
-    """``num_slots`` slots, least recently used evicted first, pinned adapters never.
+    """``num_slots`` slots, least recently used evicted first, held ones never.
 
     :param num_slots: how many adapters fit at once (``max_loras``).
     """
@@ -25,55 +31,57 @@ class SlotTable:
         assert num_slots >= 1, f"num_slots must be >= 1, got {num_slots}"
         self.num_slots = num_slots
         self.free_slots: deque[int] = deque(range(num_slots))
-        self._slots: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recent first
-        self._pins: dict[str, int] = {}  # name -> pin count (absent = 0)
+        self._slots: OrderedDict[int, int] = OrderedDict()  # handle id -> slot, least recent first
+        self._held: set[int] = set()  # handle ids the batch in flight (or a user pin) uses
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._slots
+    def __contains__(self, handle_id: int) -> bool:
+        return handle_id in self._slots
 
     def __len__(self) -> int:
         return len(self._slots)
 
-    def slot_of(self, name: str) -> int | None:
-        return self._slots.get(name)
+    def slot_of(self, handle_id: int) -> int | None:
+        return self._slots.get(handle_id)
 
-    def names(self) -> list[str]:
-        """Resident adapters, least recently used first."""
+    def ids(self) -> list[int]:
+        """Resident handle ids, least recently used first."""
         return list(self._slots)
 
-    def name_in(self, slot: int) -> str | None:
-        for name, held in self._slots.items():
+    def id_in(self, slot: int) -> int | None:
+        """The handle id whose weights are in ``slot``, or None for a free slot."""
+        for handle_id, held in self._slots.items():
             if held == slot:
-                return name
+                return handle_id
         return None
 
-    def is_pinned(self, name: str) -> bool:
-        return self._pins.get(name, 0) > 0
+    def is_held(self, handle_id: int) -> bool:
+        return handle_id in self._held
 
-    def pinned(self) -> list[str]:
-        return [name for name in self._slots if self.is_pinned(name)]
+    def held(self) -> list[int]:
+        return [handle_id for handle_id in self._slots if handle_id in self._held]
 
-    def victim(self) -> str | None:
-        """The adapter `allocate` would evict now, or None when a slot is free or all are pinned."""
+    def victim(self) -> int | None:
+        """The handle `allocate` would evict now, or None when a slot is free or all are held."""
         if self.free_slots:
             return None
-        return next((name for name in self._slots if not self.is_pinned(name)), None)
+        return next((i for i in self._slots if i not in self._held), None)
 
     # -- allocation -------------------------------------------------------------------------
 
     def can_allocate(self) -> bool:
-        """Whether `allocate` would succeed: a free slot, or a resident adapter nobody pins."""
+        """Whether `allocate` would succeed: a free slot, or a resident handle nobody holds."""
         return bool(self.free_slots) or self.victim() is not None
 
-    def allocate(self, name: str) -> tuple[int, str | None]:
-        """Give ``name`` a slot: a free one, else the least recently used unpinned one.
+    def allocate(self, handle_id: int, *, label: str | None = None) -> tuple[int, int | None]:
+        """Give ``handle_id`` a slot: a free one, else the least recently used one not held.
 
-        :returns: ``(slot, evicted)``, ``evicted`` being the adapter that held the slot, if any.
-        :raises CacheFullError: every slot holds a pinned adapter.
+        :param label: how to name the adapter in an error (its name).
+        :returns: ``(slot, evicted)``, ``evicted`` being the handle id that held the slot, if any.
+        :raises CacheFullError: every slot is held.
         """
-        assert name not in self._slots, f"{name!r} already holds slot {self._slots[name]}"
+        assert handle_id not in self._slots, f"handle {handle_id} already holds slot {self._slots[handle_id]}"
         evicted = None
         if self.free_slots:
             slot = self.free_slots.popleft()
@@ -82,48 +90,47 @@ class SlotTable:
             if evicted is None:
                 raise CacheFullError(
                     f"all {self.num_slots} GPU LoRA slots hold adapters in use by running "
-                    f"requests ({', '.join(self.pinned())}).",
-                    adapter=name,
+                    f"requests or pinned (handles {', '.join(map(str, self.held()))}).",
+                    adapter=label if label is not None else str(handle_id),
                     fix="Retry when a request finishes, or raise max_loras (--max-loras).",
                 )
             slot = self._slots.pop(evicted)
-        self._slots[name] = slot
+        self._slots[handle_id] = slot
         self._check()
         return slot, evicted
 
-    def deallocate(self, name: str) -> int:
-        """Free ``name``'s slot and return it; ``name`` must not be pinned."""
-        assert name in self._slots, f"{name!r} holds no slot"
-        assert not self.is_pinned(name), f"{name!r} is pinned by a running request"
-        slot = self._slots.pop(name)
+    def deallocate(self, handle_id: int) -> int:
+        """Free ``handle_id``'s slot and return it; it must not be held."""
+        assert handle_id in self._slots, f"handle {handle_id} holds no slot"
+        assert handle_id not in self._held, f"handle {handle_id} is held by running requests"
+        slot = self._slots.pop(handle_id)
         self.free_slots.append(slot)
         self._check()
         return slot
 
-    def drop(self, name: str) -> int:
-        """Free ``name``'s slot even if pinned (its copy failed half way, so it must not be used)."""
-        self._pins.pop(name, None)
-        return self.deallocate(name)
+    def drop(self, handle_id: int) -> int:
+        """Free ``handle_id``'s slot even if held (its copy failed half way, so it must not be used)."""
+        self._held.discard(handle_id)
+        return self.deallocate(handle_id)
 
-    def touch(self, name: str) -> None:
-        """Mark ``name`` as just used (moves it last in the eviction order)."""
-        self._slots.move_to_end(name)
+    def touch(self, handle_id: int) -> None:
+        """Mark ``handle_id`` as just used (moves it last in the eviction order)."""
+        self._slots.move_to_end(handle_id)
 
-    # -- pins ------------------------------------------------------------------------------
+    # -- in use (told by the scheduler, which counts) ---------------------------------------
 
-    def pin(self, name: str) -> None:
-        assert name in self._slots, f"{name!r} holds no slot"
-        self._pins[name] = self._pins.get(name, 0) + 1
+    def hold(self, handle_id: int) -> None:
+        """``handle_id`` is in use from now on: never evict it until :meth:`release`."""
+        assert handle_id in self._slots, f"handle {handle_id} holds no slot"
+        assert handle_id not in self._held, f"handle {handle_id} is already held"
+        self._held.add(handle_id)
 
-    def unpin(self, name: str) -> None:
-        count = self._pins.get(name, 0)
-        assert count > 0, f"{name!r} is not pinned"
-        if count == 1:
-            del self._pins[name]
-        else:
-            self._pins[name] = count - 1
+    def release(self, handle_id: int) -> None:
+        """``handle_id`` is no longer in use; its slot stays resident, evictable."""
+        assert handle_id in self._held, f"handle {handle_id} is not held"
+        self._held.discard(handle_id)
 
     def _check(self) -> None:
         assert len(self._slots) + len(self.free_slots) == self.num_slots
         assert len(set(self._slots.values())) == len(self._slots), "two adapters share a slot"
-        assert set(self._pins) <= set(self._slots), "a pin outlived its slot"
+        assert self._held <= set(self._slots), "a hold outlived its slot"

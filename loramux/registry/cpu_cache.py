@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loramux.errors import CacheFullError, LoRAError
+from loramux.errors import CacheBusyError, CacheFullError, LoRAError
 from loramux.registry.adapter import LoRAAdapter
 from loramux.registry.handle import AdapterHandle
 
@@ -170,7 +170,7 @@ class CPUAdapterCache:
         too_many = len(kept) + 1 > self.max_loras
         too_big = self.max_bytes is not None and kept_bytes + handle.nbytes > self.max_bytes
         if too_many or too_big:
-            raise CacheFullError(
+            raise CacheBusyError(
                 f"the CPU tier is full of adapters in use ({len(kept)} pinned, {kept_bytes:,} "
                 f"bytes; limits {self.max_loras} adapters, {self.max_bytes or 0:,} bytes), so there "
                 "is no room for it now.",
@@ -219,6 +219,11 @@ class CPUAdapterCache:
             del self._pins[handle_id]
             gone = [self._drop(handle_id)] if handle_id in self._retired else []
         self._notify(gone)
+
+    def num_pinned(self) -> int:
+        """How many resident adapters are pinned now."""
+        with self._lock:
+            return len(self._pins)
 
     def is_pinned(self, handle_id: int) -> bool:
         with self._lock:

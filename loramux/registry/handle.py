@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AdapterHandle", "config_digest", "combine_digest", "next_handle_id", "tensors_digest"]
+__all__ = ["AdapterHandle", "config_digest", "combine_digest", "memory_handle", "next_handle_id", "tensors_digest"]
 
 # The PEFT config fields that change what an adapter's weights compute (or where they apply).
 SCALING_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern",
@@ -113,3 +113,14 @@ def tensors_digest(modules: dict) -> bytes:
             digest.update(f"{tensor.dtype}{tuple(tensor.shape)}\0".encode())
             digest.update(memoryview(tensor.view(torch.uint8).reshape(-1).numpy()))
     return digest.digest()
+
+
+def memory_handle(adapter, name: str, *, load_seconds: float = 0.0) -> AdapterHandle:
+    """A new handle for an adapter built in memory (no files): digested from its tensors.
+
+    :meth:`Registry.bind <loramux.registry.Registry.bind>` issues these; so does a
+    ``LoRAModelManager`` used on its own, without a registry, for the adapters it is handed.
+    """
+    digest = combine_digest(b"memory", tensors_digest(adapter.modules))
+    return AdapterHandle(next_handle_id(), name, digest, None, adapter.rank, adapter.nbytes,
+                         source="memory", load_seconds=load_seconds)

@@ -30,7 +30,7 @@ from loramux.errors import IncompatibleAdapterError
 from loramux.registry.adapter import LoRAAdapter
 from loramux.registry.config import LoRAConfig
 from loramux.registry.cpu_cache import CPUAdapterCache
-from loramux.registry.handle import AdapterHandle, combine_digest, next_handle_id, tensors_digest
+from loramux.registry.handle import AdapterHandle, memory_handle, next_handle_id
 from loramux.registry.loader import load_adapter_with_digest
 from loramux.registry.request import LoRARequest
 from loramux.registry.sources import (
@@ -55,6 +55,7 @@ class _Binding:
     source: AdapterSource | None = None  # None: the resolvers find it by name
     handle: AdapterHandle | None = None  # None: not loaded yet
     held: bool = False  # bound from memory: the registry pins it, as nothing could reload it
+    lora_int_id: int | None = None  # the border's id for the name (LoRARequest), for remove_lora(id)
 
 
 class Registry:
@@ -111,7 +112,7 @@ class Registry:
         )
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._validate = validate
-        self._on_unbind = on_unbind
+        self._unbind_listeners: list[Callable[[AdapterHandle], None]] = [on_unbind] if on_unbind else []
         self._bindings: dict[str, _Binding] = {}
         self._loading: dict[str, Future[LoRAAdapter]] = {}
         self._lock = threading.Lock()
@@ -174,6 +175,20 @@ class Registry:
             stale = self._unbind_handle(binding) if binding is not None else None
         self._retire(stale)
         return binding is not None
+
+    def add_unbind_listener(self, listener: Callable[[AdapterHandle], None]) -> None:
+        """Also call ``listener(handle)`` whenever a handle loses its name (as ``on_unbind``).
+
+        The engine subscribes here: a handle that lost its name *retires* once no request uses it.
+        Called in the thread that rebound or unbound the name, outside the registry's lock.
+        """
+        with self._lock:
+            self._unbind_listeners.append(listener)
+
+    def name_of_id(self, lora_int_id: int) -> str | None:
+        """The name a ``LoRARequest`` with this ``lora_int_id`` last asked for, if still bound."""
+        with self._lock:
+            return next((name for name, b in self._bindings.items() if b.lora_int_id == lora_int_id), None)
 
     def handle(self, name: str) -> AdapterHandle | None:
         """The handle ``name`` is bound to now, or None (unknown, or not loaded yet)."""
@@ -248,11 +263,7 @@ class Registry:
         first = next(iter(adapter.modules.values()), None)
         if self.pin_memory and first is not None and first.lora_a.device.type == "cpu":
             adapter = adapter if adapter.is_pinned else adapter.pin_memory()
-        digest = combine_digest(b"memory", tensors_digest(adapter.modules))
-        handle = AdapterHandle(
-            next_handle_id(), name, digest, None, adapter.rank, adapter.nbytes,
-            source="memory", load_seconds=time.perf_counter() - started,
-        )
+        handle = memory_handle(adapter, name, load_seconds=time.perf_counter() - started)
         adapter = replace(adapter, name=name, handle=handle)
         self.cache.put(adapter, pin=True)
         with self._lock:
@@ -374,8 +385,10 @@ class Registry:
         if handle is None:
             return
         self.cache.retire(handle.id)
-        if self._on_unbind is not None:
-            self._on_unbind(handle)
+        with self._lock:
+            listeners = list(self._unbind_listeners)
+        for listener in listeners:
+            listener(handle)
 
     def _name_of(self, name_or_request: str | LoRARequest) -> str:
         if isinstance(name_or_request, LoRARequest):
@@ -386,5 +399,8 @@ class Registry:
                     known = binding.source if binding is not None else None
                 if known is None or known.location != normalize_location(request.lora_path):
                     self.register(request.lora_name, request.lora_path, request.base_model_name)
+            with self._lock:
+                binding = self._bindings.setdefault(check_name(request.lora_name), _Binding())
+                binding.lora_int_id = request.lora_int_id
             return request.lora_name
         return check_name(name_or_request)

@@ -6,10 +6,10 @@ by a client and found on demand through the resolvers (an empty path). Each name
 ``LoRARequest`` (one ``lora_int_id``) for as long as it is known, so concurrent requests for a
 new name share one resolution in the engine (single-flight).
 
-The engine knows adapters by ``LoRARequest.lora_name``. That is the public name, except after
-an in-place reload or while an unloaded adapter still serves running requests: the new weights
-then go to the engine under ``<name>@<id>``, so requests already running keep the old weights
-until they finish and the old version is removed ("retired"). Used on the event loop only.
+What a name *means* (which weights) lives in the engine's registry, its one name -> handle
+binding: a reload rebinds the name there and an unload unbinds it, while requests already running
+finish on the handle they started with. This book keeps only what the server serves and lists.
+Used on the event loop only.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ __all__ = ["AdapterBook", "AdapterEntry"]
 
 @dataclass
 class AdapterEntry:
-    request: LoRARequest  # what the engine gets; its lora_name may be versioned (<name>@<id>)
+    request: LoRARequest  # what the engine gets (its lora_name is the public name)
     source: str  # "static" (--lora-modules), "runtime" (load_lora_adapter), "resolved" (on demand)
     confirmed: bool = True  # a resolved name is listed in /v1/models once a request with it ran
     path: str | None = None  # where it was loaded from, when known
@@ -43,7 +43,6 @@ class AdapterBook:
             raise ValueError("the base model needs at least one served name")
         self.served_names = list(served_names)
         self._entries: dict[str, AdapterEntry] = {}  # public name -> entry
-        self._retiring: set[str] = set()  # engine names of adapters leaving the engine
         self._ids = itertools.count(1)
 
     @property
@@ -55,18 +54,14 @@ class AdapterBook:
     def lookup(self, model: str) -> LoRARequest | None:
         """The adapter ``model`` names (None for the base model), creating an on-demand entry.
 
-        :raises APIError: 400 when ``model`` is not a valid adapter name; 404 while an unloaded
-            adapter of that name still finishes its running requests.
+        :raises APIError: 400 when ``model`` is not a valid adapter name.
         """
         if model in self.served_names:
             return None
         entry = self._entries.get(model)
         if entry is not None:
             return entry.request
-        if model in self._retiring:  # an on-demand entry would reuse that engine name
-            raise APIError(404, f"the adapter {model!r} is being unloaded; it can be loaded again once "
-                           "its running requests finish", param="model", code="model_not_found")
-        request = self._new_request(model, model, "", param="model")
+        request = self._new_request(model, "", param="model")
         self._entries[model] = AdapterEntry(request, "resolved", confirmed=False)
         return request
 
@@ -99,8 +94,7 @@ class AdapterBook:
 
         :raises APIError: 400 when the name is invalid or the base model's.
         """
-        engine_name = f"{name}@{next(self._ids)}" if self._engine_name_taken(name) else name
-        return self._new_request(name, engine_name, path, base_model_name, param="lora_name")
+        return self._new_request(name, path, base_model_name, param="lora_name")
 
     def commit(self, name: str, request: LoRARequest, *, source: str, path: str) -> AdapterEntry | None:
         """Make ``name`` serve ``request`` from now on; returns the entry it replaced."""
@@ -109,16 +103,8 @@ class AdapterBook:
         return previous
 
     def remove(self, name: str) -> AdapterEntry | None:
-        """Stop serving ``name``; the caller retires its engine adapter (``retire``)."""
+        """Stop serving ``name`` (the caller unloads it from the engine)."""
         return self._entries.pop(name, None)
-
-    def retire(self, request: LoRARequest) -> None:
-        """``request``'s adapter is on its way out of the engine: keep its engine name reserved."""
-        self._retiring.add(request.lora_name)
-
-    def retired(self, request: LoRARequest) -> None:
-        """The engine dropped ``request``'s adapter."""
-        self._retiring.discard(request.lora_name)
 
     def get(self, name: str) -> AdapterEntry | None:
         return self._entries.get(name)
@@ -129,18 +115,14 @@ class AdapterBook:
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def _engine_name_taken(self, engine_name: str) -> bool:
-        return engine_name in self._retiring or any(
-            entry.request.lora_name == engine_name for entry in self._entries.values())
-
-    def _new_request(self, name: str, engine_name: str, path: str, base_model_name: str | None = None,
+    def _new_request(self, name: str, path: str, base_model_name: str | None = None,
                      *, param: str) -> LoRARequest:
         if name in self.served_names:
             raise APIError(400, f"{name!r} is the base model's name; pick another name for the adapter",
                            param=param, code="invalid_adapter_name")
         try:
             validate_adapter_name(name)
-            return LoRARequest(engine_name, next(self._ids), path, base_model_name)
+            return LoRARequest(name, next(self._ids), path, base_model_name)
         except ValueError as error:
             raise APIError(400, f"invalid adapter name: {error}", param=param,
                            code="invalid_adapter_name") from error

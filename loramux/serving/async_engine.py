@@ -1,14 +1,22 @@
 """The bridge between asyncio request handlers and the engine's synchronous step loop.
 
-The ``LLMEngine``'s requests are driven by one thread, the engine thread: it alone calls
-``add_request``, ``abort_request`` and ``step``. Handlers hand it requests and aborts through a
-command queue and never wait on the engine themselves; the engine thread hands each step's outputs
+The ``LLMEngine``'s step loop runs in one thread, the engine thread: it alone calls ``step``.
+Handlers hand requests and aborts to a second thread, the intake thread, through a command queue
+(so they reach the engine in order, and tokenizing stays off the event loop) and never wait on
+the engine themselves; ``add_request`` is thread-safe and starts an adapter's resolution at
+once, so a request for a missing adapter is answered even while a long step runs; the engine thread hands each step's outputs
 back to the event loop, coalesced so that at most one delivery waits on the loop. (Adapter operations such as
 ``add_lora``, which block while an adapter loads and which the engine allows from any thread, run
 in worker threads instead, so they never hold up the step loop.)
 
 Outputs are cumulative (text and token ids so far), so a handler that reads slowly does not need
 every one: a request keeps only its latest output, and a reader always sees the newest state.
+
+Adapter events (``LLMEngine.add_event_listener``) come from whatever thread they happen in and
+reach the loop with ``loop.call_soon_threadsafe``: "failed" fails the requests it names at once
+(a 404/400 before any token of any request is needed), "ready" records the load on the group
+(resolve + load time, the resolver), and "retired" resolves the future :meth:`AsyncEngine.retirement`
+handed out for that handle.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ logger = logging.getLogger(__name__)
 # With unfinished requests that produced nothing (all waiting for an adapter to load, say), the
 # loop waits this long for a command instead of spinning on step().
 _IDLE_STEP_WAIT_S = 0.005
+# With no unfinished request, the loop sleeps until a command wakes it (this bounds a missed wake).
+_IDLE_WAIT_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -59,6 +69,7 @@ class RequestGroup:
         self.last_token_at: list[float | None] = [None] * len(self.requests)
         self.inter_token_gaps: list[float] = []  # seconds between consecutive tokens, all choices
         self._tokens_seen = [0] * len(self.requests)
+        self.adapter_event: Any = None  # the engine's "ready" event for this group's adapter
         self._changed: set[int] = set()
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -125,8 +136,12 @@ class AsyncEngine:
         self._groups: dict[str, tuple[RequestGroup, int]] = {}  # request id -> (group, index); loop only
         self._pending: dict[str, Any] = {}  # request id -> latest output not yet on the loop
         self._pending_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        self._thread: threading.Thread | None = None  # the step loop
+        self._intake_thread: threading.Thread | None = None  # runs commands in order
+        self._wake = threading.Event()  # a command ran: the step loop may have work
         self._stopping = False
+        self._retirements: dict[int, asyncio.Future] = {}  # handle id -> resolved when it retires; loop only
+        self._listening = False
 
     # -- lifecycle (event loop) -----------------------------------------------------------------
 
@@ -135,8 +150,17 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
+        add_listener = getattr(self.engine, "add_event_listener", None)
+        if add_listener is not None:
+            try:
+                add_listener(self._on_engine_event)
+                self._listening = True
+            except ValueError:  # LoRA disabled: no adapter events
+                pass
         self._thread = threading.Thread(target=self._run, name="loramux-engine", daemon=True)
         self._thread.start()
+        self._intake_thread = threading.Thread(target=self._intake, name="loramux-intake", daemon=True)
+        self._intake_thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stop the engine thread (waiting handlers get an error) and join it."""
@@ -144,8 +168,13 @@ class AsyncEngine:
             return
         self._stopping = True
         self._commands.put(None)
+        self._wake.set()
+        self._intake_thread.join(timeout)
         self._thread.join(timeout)
-        self._thread = None
+        self._thread = self._intake_thread = None
+        if self._listening:
+            self.engine.remove_event_listener(self._on_engine_event)
+            self._listening = False
 
     @property
     def in_flight(self) -> int:
@@ -185,7 +214,25 @@ class AsyncEngine:
         if unfinished and self.dead is None:
             self._commands.put(lambda: self._abort(unfinished))
 
+    def retirement(self, handle_id: int) -> asyncio.Future:
+        """A future resolved (with the event) when the engine retires ``handle_id``: its name was
+        rebound or unbound and its last request ended. Ask before the call that unbinds it."""
+        future = self._retirements.get(handle_id)
+        if future is None:
+            future = self._retirements[handle_id] = asyncio.get_running_loop().create_future()
+        return future
+
+    def forget_retirement(self, handle_id: int) -> None:
+        """Stop waiting for ``handle_id`` (it kept its name: a reload of the same content)."""
+        future = self._retirements.pop(handle_id, None)
+        if future is not None:
+            future.cancel()
+
     # -- engine thread --------------------------------------------------------------------------
+
+    def _on_engine_event(self, event: Any) -> None:
+        """An adapter event, in the engine's (or a loading) thread: hand it to the loop."""
+        self._to_loop(self._deliver_event, event)
 
     def _add(self, requests: list[SubRequest]) -> None:
         for request in requests:
@@ -205,11 +252,11 @@ class AsyncEngine:
                 logger.debug("abort_request(%s) failed", request_id, exc_info=True)
 
     def _run(self) -> None:
-        while True:
-            busy = self._engine_busy()
-            if not self._run_commands(block=not busy, timeout=None):
-                return
+        """The step loop: step while the engine has work, else sleep until a command arrives."""
+        while not self._stopping:
+            self._wake.clear()  # before looking: a command that lands after this wakes the wait
             if not self._engine_busy():
+                self._wake.wait(_IDLE_WAIT_S)
                 continue
             started = time.monotonic()
             try:
@@ -222,8 +269,7 @@ class AsyncEngine:
             if outputs:
                 self._publish(outputs)
             elif time.monotonic() - started < _IDLE_STEP_WAIT_S:
-                if not self._run_commands(block=True, timeout=_IDLE_STEP_WAIT_S):
-                    return
+                self._wake.wait(_IDLE_STEP_WAIT_S)
 
     def _engine_busy(self) -> bool:
         try:
@@ -232,24 +278,19 @@ class AsyncEngine:
             logger.exception("has_unfinished_requests() raised")
             return False
 
-    def _run_commands(self, *, block: bool, timeout: float | None) -> bool:
-        """Run queued commands (waiting for one first when ``block``); False once stopped."""
-        try:
-            command = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return not self._stopping
+    def _intake(self) -> None:
+        """Run commands (adds, aborts) in order, beside the step loop: ``add_request`` is
+        thread-safe and starts an adapter's resolution at once, even while a step runs."""
         while True:
+            command = self._commands.get()
             if command is None or self._stopping:
                 self._shutdown()
-                return False
+                return
             try:
                 command()
             except Exception:
                 logger.exception("An engine command raised")
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return True
+            self._wake.set()
 
     def _shutdown(self) -> None:
         self._to_loop(self._fail_all, EngineDeadError("the server is shutting down"))
@@ -286,6 +327,22 @@ class AsyncEngine:
             if entry is not None:  # None: released (client gone) while this step ran
                 group, index = entry
                 group._update(index, output)
+
+    def _deliver_event(self, event: Any) -> None:
+        if event.kind == "retired":
+            future = self._retirements.pop(event.handle.id, None)
+            if future is not None and not future.done():
+                future.set_result(event)
+            return
+        for request_id in event.request_ids:
+            entry = self._groups.get(request_id)
+            if entry is None:
+                continue
+            group, _ = entry
+            if event.kind == "failed":
+                group._fail(event.error)
+            elif group.adapter_event is None:
+                group.adapter_event = event
 
     def _fail_request(self, request_id: str, error: BaseException) -> None:
         entry = self._groups.get(request_id)

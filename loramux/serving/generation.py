@@ -1,8 +1,9 @@
 """Completions and chat completions: API request -> engine requests -> JSON or server-sent events.
 
 One HTTP request becomes one engine request per choice (``n`` per prompt). Before anything is
-sent the handler waits for the first output, so a request whose adapter cannot be found or loaded
-gets a plain HTTP error (404/400/...) even with ``stream: true``; after that, a failure arrives as
+sent the handler waits for the first output (or the engine's "adapter failed" event, which comes
+the moment the load fails), so a request whose adapter cannot be found or loaded gets a plain
+HTTP error (404/400/...) even with ``stream: true``; after that, a failure arrives as
 an SSE ``error`` event, which the ``openai`` client raises. A client that goes away aborts its
 engine requests (``AsyncEngine.release``), both while waiting and mid-stream.
 """
@@ -259,14 +260,20 @@ async def run_generation(state: Any, http_request: Request, gen: Generation) -> 
 def _settle_adapter(state: Any, gen: Generation, group: RequestGroup, error: BaseException | None) -> None:
     """Record how the adapter lookup ended: confirm or forget an on-demand name.
 
-    The first request to settle a name found on demand counts the resolution and its latency.
+    The first request to settle a name found on demand counts the resolution and its latency:
+    resolve + load as the engine's "ready" event measured it, under the resolver that found it
+    (an engine without events: until the first output, source "unknown").
     """
     if gen.lora_request is None:
         return
     if state.book.settle(gen.model, gen.lora_request, error):
         state.metrics.resolutions.labels(_resolution_outcome(error)).inc()
-        if error is None and group.first_output_at is not None:
-            state.metrics.load_seconds.labels("on_demand").observe(group.first_output_at - group.submitted_at)
+        ready = group.adapter_event
+        if error is None and ready is not None and ready.seconds is not None:
+            state.metrics.load_seconds.labels("on_demand", ready.source or "unknown").observe(ready.seconds)
+        elif error is None and group.first_output_at is not None:
+            state.metrics.load_seconds.labels("on_demand", "unknown").observe(
+                group.first_output_at - group.submitted_at)
 
 
 # ---------------------------------------------------------------------------------------------

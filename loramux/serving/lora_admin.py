@@ -5,8 +5,10 @@ adapter before answering (400 invalid or incompatible, 404 path not found); ``lo
 replaces a loaded adapter's weights. ``POST /v1/unload_lora_adapter {lora_name}`` stops serving a
 name at once. Both need ``--allow-runtime-lora-updating`` (else 403).
 
-Requests already running keep the weights they started with: a replaced or unloaded adapter
-leaves the engine only once they finish (retried in the background until the engine agrees).
+Requests already running keep the weights they started with. A reload rebinds the name to new
+weights (a new handle) in the engine's registry and an unload unbinds it; both answer at once.
+The old handle leaves the engine when its last request ends: the engine says so with a
+"retired" event, which a background task awaits (and logs); nothing polls.
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from loramux.errors import LoRAError
-from loramux.registry import LoRARequest
 from loramux.serving.errors import APIError, from_lora_error
 from loramux.serving.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from loramux.serving.state import ServerState, get_state
@@ -28,8 +29,6 @@ from loramux.serving.state import ServerState, get_state
 __all__ = ["register_static_adapters", "router"]
 
 logger = logging.getLogger("loramux.serving")
-
-_RETIRE_RETRY_S = 0.2
 
 router = APIRouter()
 
@@ -62,17 +61,25 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
                            "to replace its weights, or unload it first", param="lora_name",
                            code="adapter_exists")
         lora = state.book.prepare(name, body.lora_path, body.base_model_name)
+        old = _bound_handle(state, name)
+        retired = _retirement(state, old)  # asked before the engine can retire it
         started = time.monotonic()
         try:  # loads and validates; blocks on I/O, so not on the event loop nor the engine thread
             await asyncio.to_thread(state.engine.engine.add_lora, lora)
-        except LoRAError as error:
-            raise from_lora_error(error, param="lora_path") from error
-        except ValueError as error:  # e.g. LoRA is disabled in this engine
-            raise APIError(400, str(error), param="lora_path", code="invalid_request") from error
-        state.metrics.load_seconds.labels("explicit").observe(time.monotonic() - started)
-        previous = state.book.commit(name, lora, source="runtime", path=body.lora_path)
-        if previous is not None:
-            await _retire(state, name, previous.request)
+        except (LoRAError, ValueError) as error:
+            if old is not None:
+                state.engine.forget_retirement(old.id)
+            if isinstance(error, LoRAError):
+                raise from_lora_error(error, param="lora_path") from error
+            raise APIError(400, str(error), param="lora_path", code="invalid_request") from error  # LoRA off
+        new = _bound_handle(state, name)
+        source = getattr(new, "source", None) or "path"
+        state.metrics.load_seconds.labels("explicit", source).observe(time.monotonic() - started)
+        state.book.commit(name, lora, source="runtime", path=body.lora_path)
+        if old is not None and new == old:  # the same content again: the same handle, nothing retires
+            state.engine.forget_retirement(old.id)
+        elif retired is not None:
+            _log_when_retired(state, name, retired)
     verb = "reloaded" if replacing else "added"
     logger.info("Adapter %r %s from %s", name, verb, body.lora_path)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' {verb} successfully.")
@@ -88,35 +95,35 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
         if entry is None or not entry.confirmed:
             raise APIError(404, f"no adapter named {name!r} is loaded; GET /v1/models lists the loaded "
                            "ones", param="lora_name", code="model_not_found")
+        handle = _bound_handle(state, name)
+        retired = _retirement(state, handle)
         state.book.remove(name)
-        await _retire(state, name, entry.request)
+        await asyncio.to_thread(state.engine.engine.remove_lora, name)  # unbinds; returns at once
+        if retired is not None:
+            _log_when_retired(state, name, retired)
     logger.info("Adapter %r unloaded", name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-async def _retire(state: ServerState, name: str, lora: LoRARequest) -> None:
-    """Take ``lora`` out of the engine now, or once the requests running with it finish."""
-    state.book.retire(lora)
-    if await _try_remove(state, lora):
-        return
-    logger.info("Adapter %r is in use by running requests; it leaves the engine when they finish", name)
+def _bound_handle(state: ServerState, name: str) -> Any:
+    """The handle the engine's registry binds ``name`` to (None: not loaded, or an engine
+    without handles)."""
+    lookup = getattr(state.engine.engine, "lora_handle", None)
+    return lookup(name) if lookup is not None else None
 
-    async def keep_trying() -> None:
-        while not await _try_remove(state, lora):
-            await asyncio.sleep(_RETIRE_RETRY_S)
 
-    task = asyncio.create_task(keep_trying())
+def _retirement(state: ServerState, handle: Any) -> asyncio.Future | None:
+    return state.engine.retirement(handle.id) if handle is not None else None
+
+
+def _log_when_retired(state: ServerState, name: str, retired: asyncio.Future) -> None:
+    """Await the engine's "retired" event for the old handle in the background (no polling)."""
+
+    async def wait() -> None:
+        event = await retired
+        logger.info("Adapter %r: the old weights (handle %d) left the engine as their last request "
+                    "ended", name, event.handle.id)
+
+    task = asyncio.create_task(wait())
     state.background.add(task)
     task.add_done_callback(state.background.discard)
-
-
-async def _try_remove(state: ServerState, lora: LoRARequest) -> bool:
-    """True once the engine no longer holds ``lora`` (False: running requests still use it)."""
-    try:
-        await asyncio.to_thread(state.engine.engine.remove_lora, lora.lora_name)
-    except LoRAError:  # in use by running requests
-        return False
-    except Exception:  # nothing sensible left to do with it; do not retry forever
-        logger.exception("Removing adapter %r from the engine failed", lora.lora_name)
-    state.book.retired(lora)
-    return True

@@ -171,9 +171,10 @@ class Metrics:
                                    "by outcome (found, not_found, invalid, error).", ["outcome"], registry=r)
         self.load_seconds = Histogram(
             "loramux_adapter_load_seconds",
-            "Time from asking for an adapter that was not loaded to its first use (resolve, "
-            "download, load, validate), or to load one through /v1/load_lora_adapter.",
-            ["kind"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
+            "Time to resolve and load an adapter (resolve, download, read, validate; no queueing "
+            "or prefill): on demand for a request (kind=on_demand) or through "
+            "/v1/load_lora_adapter (kind=explicit), by the resolver that found it (source).",
+            ["kind", "source"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120), registry=r)
         self.request_seconds = Histogram("loramux_request_duration_seconds",
                                          "Time from a generation request's arrival to its last token.",
                                          ["endpoint"], registry=r)

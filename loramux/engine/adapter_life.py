@@ -1,0 +1,278 @@
+"""An adapter's life inside the engine: name -> handle -> slot, with one owner per piece of state.
+
+    border (LoRARequest) --AdapterLoader--> Registry.get: handle (validated once), CPU-tier pin
+        --> Scheduler.add: a reference per queued sequence (the scheduler counts; one CPU pin)
+        --> admission: the handle's GPU slot, held while it runs (seq.lora_slot, no name lookup)
+        --> last reference gone: slot released (stays as cache), CPU pin released
+        --> name rebound or unbound meanwhile: the handle *retires* (slot and CPU entry freed),
+            and the engine emits a "retired" event, exactly then.
+
+`EngineAdapters` is the glue between the registry (names, handles, the CPU tier), the
+scheduler (reference counts), the `LoRAModelManager` (GPU slots) and the event listeners. Its
+state changes run under the engine's step lock, so the step loop, API threads (``add_lora``,
+``remove_lora``, ``pin_lora``) and the registry's unbind callback never interleave.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from loramux.engine.adapter_loader import AdapterLoader
+from loramux.engine.events import AdapterEvent, EventListeners
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import Sequence
+from loramux.errors import CacheBusyError, LoRAError
+from loramux.registry import AdapterHandle, LoRAAdapter, LoRARequest
+
+__all__ = ["EngineAdapters"]
+
+
+class EngineAdapters:
+    """Loads, references, slots, reloads, unloads and events of the engine's adapters.
+
+    :param registry: a :class:`~loramux.registry.Registry` (names, handles, the CPU tier).
+    :param manager: the ``LoRAModelManager`` (GPU slots, keyed by handle id).
+    :param lock: the engine's step lock (reentrant): held for every state change here.
+    :param validate: whether to validate what the registry returns (a registry the engine did
+        not build, which does not run the engine's ``validate`` callback itself).
+    :param max_workers: loads that may run at once beside the step loop.
+    """
+
+    def __init__(self, registry, manager, *, lock: threading.RLock, validate: bool = False,
+                 max_workers: int = 4) -> None:
+        self.registry = registry
+        self.manager = manager
+        self.events = EventListeners()
+        self.loader = AdapterLoader(self._load, max_workers=max_workers, on_settled=self._settled)
+        self.scheduler: Scheduler | None = None
+        self._lock = lock
+        self._validate = validate
+        self._unbound: set[int] = set()  # handle ids that lost their name while still referenced
+        # requests whose adapter found the CPU tier full of adapters in use: they wait (status
+        # LOADING_ADAPTER) and load again as references are released, oldest first
+        self._deferred: list[Sequence] = []
+        self._room_freed = False
+        self.prefetches = 0  # adapters copied into a GPU slot before their request was admitted
+        registry.add_unbind_listener(self._on_unbind)
+
+    def scheduler_callbacks(self) -> dict[str, Callable]:
+        """The ``Scheduler`` keyword arguments that tie its reference counts to the tiers."""
+        return dict(on_adapter_referenced=self._referenced, on_adapter_start=self._start,
+                    on_adapter_end=self._end, on_adapter_released=self._released)
+
+    # -- loading beside the loop (step thread, except _load and _settled) --------------------
+
+    def _load(self, request: LoRARequest) -> LoRAAdapter:
+        """Resolve, load and validate; pin in the CPU tier (a worker thread, or ``add``'s caller)."""
+        adapter = self.registry.get(request, pin=True)
+        try:
+            if adapter.handle is None:
+                raise LoRAError("the registry returned it without a handle.", adapter=request.lora_name,
+                                fix="Pass a loramux.registry.Registry (it issues handles).")
+            if self._validate:  # a registry we did not build: check it fits here
+                self.manager.validate(adapter)
+        except BaseException:
+            self._unpin_cpu(adapter)
+            raise
+        return adapter
+
+    def _settled(self, waiters: list[Sequence], adapter: LoRAAdapter | None, error: BaseException | None,
+                 seconds: float) -> None:
+        """A load ended (its worker thread): tell the listeners now, before any step."""
+        ids = tuple(seq.request_id for seq in waiters if not seq.is_finished)
+        if not ids or isinstance(error, CacheBusyError):  # it waits for room; collect decides
+            return
+        name = waiters[0].lora_name
+        if error is None:
+            self.events.emit(AdapterEvent("ready", name, ids, handle=adapter.handle, seconds=seconds))
+        else:
+            self.events.emit(AdapterEvent("failed", name, ids, error=_as_lora_error(error, name), seconds=seconds))
+
+    def collect(self, timeout: float) -> list[Sequence]:
+        """Queue the requests whose adapter loaded; return those that failed (finished now)."""
+        failed = []
+        self._retry_deferred()
+        for result in self.loader.poll(timeout=timeout):
+            waiters = [seq for seq in result.waiters if not seq.is_finished]
+            if isinstance(result.error, CacheBusyError) and self._room_will_free():
+                self._deferred.extend(waiters)  # no room in the CPU tier until requests end
+                continue
+            if result.error is not None:
+                for seq in waiters:
+                    seq.fail(_as_lora_error(result.error, seq.lora_name))
+                failed.extend(waiters)
+                if isinstance(result.error, CacheBusyError) and waiters:  # not told by _settled
+                    self.events.emit(AdapterEvent("failed", waiters[0].lora_name,
+                                                  tuple(seq.request_id for seq in waiters),
+                                                  error=result.error, seconds=result.seconds))
+                continue
+            handle = result.adapter.handle
+            with self._lock:
+                for seq in waiters:
+                    seq.handle = handle
+                    seq.cache_salt = handle.digest  # prefix-cache blocks key on content, not name
+                    self.scheduler.add(seq)  # its reference; the first one pins the CPU tier
+                self._unpin_cpu(result.adapter)  # the load's own pin: the references hold it now
+        return failed
+
+    def prefetch(self) -> None:
+        """Copy the adapters of the oldest queued requests into GPU slots before admission.
+
+        At most as many handles as admission could start now (``max_loras`` less the slots in
+        use), in queue order: exactly the ones it admits next, so no cached adapter is evicted
+        for a request that could not run anyway. A held slot is never written; the copy runs on
+        the manager's side stream (CUDA) and the step waits on it only at admission.
+        """
+        in_slots = self.scheduler.handles_in_slots()
+        room = self.scheduler.max_loras - len(in_slots)
+        seen: set[int] = set()
+        for seq in self.scheduler.waiting:
+            if room <= 0:
+                return
+            handle = seq.handle
+            if handle is None or handle.id in in_slots or handle.id in seen:
+                continue
+            seen.add(handle.id)
+            room -= 1
+            if self.manager.slot_of(handle.id) is not None:
+                continue  # still resident from an earlier use
+            adapter = self.registry.cache.get(handle.id)  # referenced, so pinned in the CPU tier
+            if adapter is None or self.manager.prefetch(adapter) is None:
+                return
+            self.prefetches += 1
+
+    def _room_will_free(self) -> bool:
+        """Whether some queued or running request holds the CPU tier: room comes back when it
+        ends. (Only user pins left: nothing will free; the request fails with the error.)"""
+        return any(use.sequences for use in self.scheduler.adapters.values())
+
+    def _retry_deferred(self) -> None:
+        """Load again, oldest first, as many deferred adapters as the CPU tier has unpinned room."""
+        self._deferred = [seq for seq in self._deferred if not seq.is_finished]
+        if not self._deferred:
+            return
+        if not self._room_freed and self._room_will_free():
+            return
+        self._room_freed = False
+        cache = self.registry.cache
+        room = max(1, cache.max_loras - cache.num_pinned())
+        retry, kept, names = [], [], set()
+        for seq in sorted(self._deferred, key=lambda q: q.arrival):
+            if seq.lora_name in names or len(names) < room:
+                names.add(seq.lora_name)
+                retry.append(seq)
+            else:
+                kept.append(seq)
+        self._deferred = kept
+        for seq in retry:
+            self.loader.submit(seq)
+
+    def discard(self, seq: Sequence) -> None:
+        """Forget an aborted request that waits for its adapter."""
+        if seq in self._deferred:
+            self._deferred.remove(seq)
+        self.loader.discard(seq)
+
+    def __len__(self) -> int:
+        """Requests waiting for their adapter (loading, or deferred for room)."""
+        return len(self.loader) + len(self._deferred)
+
+    # -- the scheduler's reference counts, mirrored on the tiers (under the step lock) --------
+
+    def _referenced(self, handle: AdapterHandle) -> None:
+        self.registry.cache.pin(handle.id)
+
+    def _start(self, handle: AdapterHandle) -> int:
+        adapter = self.registry.cache.get(handle.id)  # pinned while referenced, so resident
+        if adapter is None:
+            raise LoRAError("its weights left the CPU tier while a request referenced them.",
+                            adapter=handle.name, fix="This is a bug in loramux; please report it.")
+        self.manager.activate(adapter)
+        return self.manager.hold(handle.id)
+
+    def _end(self, handle: AdapterHandle) -> None:
+        self.manager.release(handle.id)
+
+    def _released(self, handle: AdapterHandle) -> None:
+        self.registry.cache.unpin(handle.id)  # a retired handle leaves the CPU tier here
+        self._room_freed = True
+        if handle.id in self._unbound:
+            self._retire(handle)
+        elif self.registry.handle(handle.name) != handle:  # unbound before it was referenced
+            self.manager.deactivate(handle.id)
+
+    # -- reload and unload: rebinding; retirement ---------------------------------------------
+
+    def _on_unbind(self, handle: AdapterHandle) -> None:
+        """The registry unbound ``handle`` from its name (any thread): retire it when unused."""
+        with self._lock:
+            self._unbound.add(handle.id)
+            use = self.scheduler.adapters.get(handle.id) if self.scheduler is not None else None
+            for _ in range(use.user_pins if use is not None else 0):  # a pin is by name: it goes too
+                self.scheduler.unpin(handle)
+            if handle.id in self._unbound and self.scheduler.references(handle.id) == 0:
+                self._retire(handle)
+
+    def _retire(self, handle: AdapterHandle) -> None:
+        self._unbound.discard(handle.id)
+        self.manager.deactivate(handle.id)
+        self.events.emit(AdapterEvent("retired", handle.name, handle=handle))
+
+    def add(self, request: LoRARequest) -> AdapterHandle:
+        """Load ``request``'s adapter now and bind its name to it (a reload if already bound).
+
+        Requests running on the old handle finish on it; new requests get the new one; the old
+        handle retires when its last request ends. A pin (``pin``) moves to the new handle.
+        """
+        name = request.lora_name
+        old = self.registry.handle(name)
+        with self._lock:  # before the name moves: registering another path unbinds it already
+            was_pinned = old is not None and old.id in self.scheduler.user_pinned()
+        if request.lora_path:
+            self.registry.register(name, request.lora_path, request.base_model_name, replace=True)
+        adapter = self.registry.rebind(request, pin=True)
+        try:
+            if self._validate:
+                self.manager.validate(adapter)
+            if was_pinned and adapter.handle != old:
+                self.pin(adapter)
+        finally:
+            self._unpin_cpu(adapter)
+        return adapter.handle
+
+    def remove(self, name: str) -> bool:
+        """Unload: unbind ``name`` and return at once; its handle retires when unused (event)."""
+        return self.registry.unregister(name)
+
+    def pin(self, name_or_adapter: str | LoRARequest | LoRAAdapter) -> bool:
+        """Keep an adapter in a GPU slot (a reference the engine holds) until it is removed.
+
+        :raises LoRAError: every slot is in use by running or pinned adapters.
+        """
+        adapter = name_or_adapter if isinstance(name_or_adapter, LoRAAdapter) else self._load(name_or_adapter)
+        handle = adapter.handle
+        try:
+            with self._lock:
+                if handle.id in self.scheduler.user_pinned():
+                    return True
+                in_slots = self.scheduler.handles_in_slots()
+                if handle.id not in in_slots and len(in_slots) >= self.scheduler.max_loras:
+                    raise LoRAError(
+                        f"all {self.scheduler.max_loras} GPU slots are in use by running or pinned adapters.",
+                        adapter=handle.name,
+                        fix="Raise max_loras, or remove a pinned adapter.",
+                    )
+                self.scheduler.pin(handle)
+                return True
+        finally:
+            if not isinstance(name_or_adapter, LoRAAdapter):
+                self._unpin_cpu(adapter)
+
+    def _unpin_cpu(self, adapter: LoRAAdapter) -> None:
+        if adapter.handle is not None and self.registry.cache.is_pinned(adapter.handle.id):
+            self.registry.cache.unpin(adapter.handle.id)
+
+
+def _as_lora_error(error: BaseException, name: str | None) -> LoRAError:
+    return error if isinstance(error, LoRAError) else LoRAError(str(error), adapter=name)

@@ -1,0 +1,85 @@
+"""Overlap loading with compute (issue 10, item 2) on CPU: a queued request's adapter is copied
+into a free GPU slot before its request is admitted, and a prefetch never evicts a slot in use."""
+
+from __future__ import annotations
+
+from conftest import peft_greedy, tiny_llama
+
+from loramux import LoRARequest, SamplingParams
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.sequence import SequenceStatus
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+PROMPT = [(7 * i) % 120 + 3 for i in range(9)]
+
+
+def engine(**kwargs) -> LLMEngine:
+    options = dict(max_lora_rank=8, max_model_len=64)
+    options.update(kwargs)
+    return LLMEngine(tiny_llama(), **options)
+
+
+def run_to_end(eng: LLMEngine, watch) -> dict[str, list[int]]:
+    finished = {}
+    for _ in range(300):
+        if not eng.has_unfinished_requests():
+            break
+        watch()
+        for out in eng.step():
+            if out.finished:
+                assert out.error is None, out.error
+                finished[out.request_id] = out.outputs[0].token_ids
+    return finished
+
+
+def test_a_queued_requests_adapter_is_in_a_slot_before_it_is_admitted(engine_adapters):
+    """One row: 'second' queues behind 'first'; a free slot takes its adapter while it waits."""
+    eng = engine(max_loras=2, max_num_seqs=1)
+    requests = {"first": "attn", "second": "mlp"}
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # outlasts the other's load
+    for i, (request_id, name) in enumerate(requests.items()):
+        eng.add_request(request_id, {"prompt_token_ids": PROMPT}, GREEDY if i else long,
+                        LoRARequest(name, i + 1, str(engine_adapters[name])))
+        for _ in range(100):  # 'first' runs before 'second' arrives, whichever load ends first
+            if i or eng._requests["first"].status is SequenceStatus.RUNNING:
+                break
+            eng.step()
+    seen_waiting_in_slot = []
+
+    def watch():
+        seq = eng._requests.get("second")
+        if seq is not None and seq.status is SequenceStatus.WAITING and seq.handle is not None:
+            seen_waiting_in_slot.append(eng.lora_manager.slot_of(seq.handle.id) is not None)
+
+    finished = run_to_end(eng, watch)
+    assert seen_waiting_in_slot and all(seen_waiting_in_slot)
+    assert eng.adapters.prefetches >= 1
+    assert finished["first"] == peft_greedy(engine_adapters["attn"], PROMPT, 40)
+    assert finished["second"] == peft_greedy(engine_adapters["mlp"], PROMPT, 6)
+
+
+def test_a_prefetch_never_evicts_a_slot_in_use(engine_adapters):
+    """One slot, held by the running request: the queued adapter waits for it instead."""
+    eng = engine(max_loras=1, max_cpu_loras=2, max_num_seqs=2)  # room to prefetch into the CPU tier
+    requests = {"running": "attn", "queued": "all"}
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # outlasts the other's load
+    for i, (request_id, name) in enumerate(requests.items()):
+        eng.add_request(request_id, {"prompt_token_ids": PROMPT}, GREEDY if i else long,
+                        LoRARequest(name, i + 1, str(engine_adapters[name])))
+        for _ in range(100):  # 'running' runs before 'queued' arrives, whichever load ends first
+            if i or eng._requests["running"].status is SequenceStatus.RUNNING:
+                break
+            eng.step()
+    checks = []
+
+    def watch():
+        running, queued = eng._requests.get("running"), eng._requests.get("queued")
+        if running is not None and running.status is SequenceStatus.RUNNING and queued.handle is not None:
+            checks.append(eng.lora_manager.slot_of(running.handle.id) == running.lora_slot
+                          and eng.lora_manager.slot_of(queued.handle.id) is None)
+
+    finished = run_to_end(eng, watch)
+    assert checks and all(checks)
+    assert eng.lora_manager.stats.evictions == 1  # 'running' left only once its request ended
+    assert finished["running"] == peft_greedy(engine_adapters["attn"], PROMPT, 40)
+    assert finished["queued"] == peft_greedy(engine_adapters["all"], PROMPT, 6)
