@@ -12,8 +12,8 @@ timeout "${THROUGHPUT_S:-200}" python benchmarks/throughput.py --ranks 16 --adap
     --json "$OUT/throughput.json" --markdown "$OUT/throughput.md" > "$OUT/throughput.log" 2>&1
 echo "throughput rc=$?" >> "$OUT/status.txt"
 timeout "${MANY_S:-200}" python benchmarks/many_adapters.py --tag h100 --out "$OUT" \
-    --adapter-dir /var/tmp/loramux-adapters --num-requests "${MANY_REQUESTS:-192}" \
-    --saturated-requests "${MANY_SATURATED:-128}" > "$OUT/many_adapters.log" 2>&1
+    --adapter-dir /var/tmp/loramux-adapters --adapters "${MANY_N:-4,32,1000}" --num-requests "${MANY_REQUESTS:-128}" \
+    --saturated-requests "${MANY_SATURATED:-96}" > "$OUT/many_adapters.log" 2>&1
 echo "many_adapters rc=$?" >> "$OUT/status.txt"
 rm -rf /var/tmp/loramux-adapters
 timeout "${TESTS_S:-120}" python -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_compilation.py \

@@ -356,6 +356,8 @@ def main(argv=None) -> None:
     mode = "eager" if args.enforce_eager or args.device.type != "cuda" else "compiled + graphs"
     print(f"{device_name(args.device)}: engine ready in {time.perf_counter() - started:.0f} s ({mode})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.adapter_dir:
+        Path(args.adapter_dir).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="many-adapters-", dir=args.adapter_dir) as tmp:
         root = Path(tmp)
         disk = measure_disk(engine, args, root)
