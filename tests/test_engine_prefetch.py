@@ -32,18 +32,22 @@ def run_to_end(eng: LLMEngine, watch) -> dict[str, list[int]]:
     return finished
 
 
+def start_one_then_queue_another(eng, adapters, first: tuple[str, str], second: tuple[str, str]) -> None:
+    """(request id, adapter) each: the first runs 40 tokens (outlasting the other's load) before the
+    second arrives, whichever load ends first."""
+    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eng.add_request(first[0], {"prompt_token_ids": PROMPT}, long, LoRARequest(first[1], 1, str(adapters[first[1]])))
+    for _ in range(100):
+        if eng._requests[first[0]].status is SequenceStatus.RUNNING:
+            break
+        eng.step()
+    eng.add_request(second[0], {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest(second[1], 2, str(adapters[second[1]])))
+
+
 def test_a_queued_requests_adapter_is_in_a_slot_before_it_is_admitted(engine_adapters):
     """One row: 'second' queues behind 'first'; a free slot takes its adapter while it waits."""
     eng = engine(max_loras=2, max_num_seqs=1)
-    requests = {"first": "attn", "second": "mlp"}
-    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # outlasts the other's load
-    for i, (request_id, name) in enumerate(requests.items()):
-        eng.add_request(request_id, {"prompt_token_ids": PROMPT}, GREEDY if i else long,
-                        LoRARequest(name, i + 1, str(engine_adapters[name])))
-        for _ in range(100):  # 'first' runs before 'second' arrives, whichever load ends first
-            if i or eng._requests["first"].status is SequenceStatus.RUNNING:
-                break
-            eng.step()
+    start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "mlp"))
     seen_waiting_in_slot = []
 
     def watch():
@@ -61,15 +65,7 @@ def test_a_queued_requests_adapter_is_in_a_slot_before_it_is_admitted(engine_ada
 def test_a_prefetch_never_evicts_a_slot_in_use(engine_adapters):
     """One slot, held by the running request: the queued adapter waits for it instead."""
     eng = engine(max_loras=1, max_cpu_loras=2, max_num_seqs=2)  # room to prefetch into the CPU tier
-    requests = {"running": "attn", "queued": "all"}
-    long = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # outlasts the other's load
-    for i, (request_id, name) in enumerate(requests.items()):
-        eng.add_request(request_id, {"prompt_token_ids": PROMPT}, GREEDY if i else long,
-                        LoRARequest(name, i + 1, str(engine_adapters[name])))
-        for _ in range(100):  # 'running' runs before 'queued' arrives, whichever load ends first
-            if i or eng._requests["running"].status is SequenceStatus.RUNNING:
-                break
-            eng.step()
+    start_one_then_queue_another(eng, engine_adapters, ("running", "attn"), ("queued", "all"))
     checks = []
 
     def watch():
