@@ -131,3 +131,4 @@ def test_queued_requests_wait_for_room_in_a_cpu_tier_full_of_adapters_in_use(eng
     for name in names:
         assert rec.finished[name][1] == peft_greedy(engine_adapters[name], PROMPT, 10), name
     assert eng.registry.cache.num_pinned() == 0 and not eng.scheduler.adapters
+    assert eng.registry.cache.stats.load_failures == 0  # a load that waited for room did not fail

@@ -129,8 +129,8 @@ def reference_greedy(adapter_path, prompts: list[list[int]], max_new_tokens: int
 
 def test_churn_with_many_more_adapters_than_tiers(make_adapter, monkeypatch):
     """Issue 10, item 1 on CPU: 12 adapters of four kinds (ranks 2-8; q/v, q/k/v/o, all seven, MLP
-    only) over 2 GPU slots and 3 CPU entries, power-law popularity, requests arriving over many
-    steps while adapter loads run beside the loop (slowed, so they overlap decode steps) and batch
+    only) over 2 GPU slots and 3 CPU entries, power-law popularity then each adapter once, requests
+    arriving over many steps while adapter loads run beside the loop (slowed, so they overlap decode steps) and batch
     shapes keep changing. Every request completes with the eager float64 reference's tokens."""
     adapters = {f"c{i}": make_adapter(f"c{i}", seed=100 + i, **CHURN_KINDS[i % len(CHURN_KINDS)]) for i in range(12)}
     rng = random.Random(3)
@@ -141,6 +141,10 @@ def test_churn_with_many_more_adapters_than_tiers(make_adapter, monkeypatch):
         lora = None if name is None else LoRARequest(name, names.index(name), str(adapters[name]))
         requests.append((f"r{i}", [rng.randrange(3, 128) for _ in range(rng.randint(2, 20))], lora))
     assert len({lora.lora_name for _, _, lora in requests if lora}) > 5  # more than both tiers hold
+    # then every adapter once: the tiers hold 3 of the 6+ used so far, so 3+ of them are read again
+    for name in adapters:
+        lora = LoRARequest(name, names.index(name), str(adapters[name]))
+        requests.append((f"r{len(requests)}", [rng.randrange(3, 128) for _ in range(rng.randint(2, 20))], lora))
 
     eng = engine(torch.float64, max_loras=2, max_cpu_loras=3, max_num_seqs=5)
     load_spans, decoding_spans = [], []  # (start, end) of each adapter load and each step that decoded

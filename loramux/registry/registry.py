@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loramux.errors import IncompatibleAdapterError
+from loramux.errors import CacheBusyError, IncompatibleAdapterError
 from loramux.registry.adapter import LoRAAdapter
 from loramux.registry.config import LoRAConfig
 from loramux.registry.cpu_cache import CPUAdapterCache
@@ -303,7 +303,8 @@ class Registry:
         except BaseException as error:
             with self._lock:
                 del self._loading[name]
-            self.cache.record_load_failure()
+            if not isinstance(error, CacheBusyError):  # waiting for room is no failure: it is retried
+                self.cache.record_load_failure()
             future.set_exception(error)
             raise
         with self._lock:
