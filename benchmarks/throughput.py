@@ -171,6 +171,7 @@ def lora_runs(args, model, prompts, rank: int, record, result) -> None:
             engine.registry.bind(adapter)  # built on the device already: served as it is
             requests[label].append(LoRARequest(adapter.name, len(requests[label]) + 1))
     warm_up(engine, [None], vocab)
+    run_workload(engine, prompts, [None] * len(prompts), min(args.output_len, 16))  # first-use costs, as for base
     record({"scenario": "base via LoRA engine", "rank": rank, "adapters": 0,
             **run_workload(engine, prompts, [None] * len(prompts), args.output_len)}, [])
     for label, group in requests.items():
