@@ -132,3 +132,37 @@ def test_queued_requests_wait_for_room_in_a_cpu_tier_full_of_adapters_in_use(eng
         assert rec.finished[name][1] == peft_greedy(engine_adapters[name], PROMPT, 10), name
     assert eng.registry.cache.num_pinned() == 0 and not eng.scheduler.adapters
     assert eng.registry.cache.stats.load_failures == 0  # a load that waited for room did not fail
+
+
+def test_a_load_that_finds_the_tier_pinned_by_loads_not_collected_yet_waits(engine_adapters, monkeypatch):
+    """Two loads have pinned the whole CPU tier but not handed their adapters to the step loop yet
+    (their threads still run) when a third finds no room: it waits for them, it does not fail."""
+    import threading
+    import time
+
+    eng = engine(max_loras=2, max_cpu_loras=2, max_num_seqs=2)
+    get, release = eng.registry.get, threading.Event()
+
+    def get_then_hold(request, **kwargs):  # inserted and pinned, then the thread lingers
+        adapter = get(request, **kwargs)
+        if request.lora_name != "mlp":
+            release.wait(5)
+        return adapter
+
+    monkeypatch.setattr(eng.registry, "get", get_then_hold)
+    names = ["attn", "all", "mlp"]
+    for i, name in enumerate(names[:2]):
+        eng.add_request(name, {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest(name, i + 1, str(engine_adapters[name])))
+    for _ in range(500):  # both loads have pinned their adapter in the tier
+        if eng.registry.cache.num_pinned() == 2:
+            break
+        time.sleep(0.01)
+    eng.add_request("mlp", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("mlp", 3, str(engine_adapters["mlp"])))
+    rec = Recorder(eng)
+    for _ in range(5):  # the third load found the tier busy; the first two are not collected yet
+        rec.step()
+    release.set()
+    rec.until(lambda: not eng.has_unfinished_requests())
+    for name in names:
+        assert rec.finished[name][1] == peft_greedy(engine_adapters[name], PROMPT, 10), name
+    assert not rec.of_kind("failed") and eng.registry.cache.stats.load_failures == 0

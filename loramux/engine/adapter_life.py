@@ -93,7 +93,9 @@ class EngineAdapters:
         """Queue the requests whose adapter loaded; return those that failed (finished now)."""
         failed = []
         self._retry_deferred()
-        for result in self.loader.poll(timeout=timeout):
+        # loads that succeeded first: their requests' references are what a load that found the
+        # CPU tier busy waits on
+        for result in sorted(self.loader.poll(timeout=timeout), key=lambda r: r.error is not None):
             waiters = [seq for seq in result.waiters if not seq.is_finished]
             if isinstance(result.error, CacheBusyError) and self._room_will_free():
                 self._deferred.extend(waiters)  # no room in the CPU tier until requests end
@@ -143,9 +145,10 @@ class EngineAdapters:
             self.prefetches += 1
 
     def _room_will_free(self) -> bool:
-        """Whether some queued or running request holds the CPU tier: room comes back when it
-        ends. (Only user pins left: nothing will free; the request fails with the error.)"""
-        return any(use.sequences for use in self.scheduler.adapters.values())
+        """Whether some queued or running request, or a load not collected yet, holds the CPU tier:
+        room comes back when it ends. (Only user pins left: nothing will free; the request fails
+        with the error.)"""
+        return any(use.sequences for use in self.scheduler.adapters.values()) or self.loader.in_flight() > 0
 
     def _retry_deferred(self) -> None:
         """Load again, oldest first, as many deferred adapters as the CPU tier has unpinned room."""

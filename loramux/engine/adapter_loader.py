@@ -80,6 +80,11 @@ class AdapterLoader:
         with self._lock:
             return sum(len(load.waiters) for load in self._loads.values())
 
+    def in_flight(self) -> int:
+        """Loads not collected yet (running, or done and not polled): each may hold a CPU-tier pin."""
+        with self._lock:
+            return len(self._loads)
+
     def submit(self, seq: Sequence) -> None:
         """Start (or join) the load of ``seq``'s adapter."""
         request = seq.lora_request
