@@ -95,8 +95,8 @@ def test_warm_up_runs_each_planned_step_and_leaves_no_trace(engine_adapters, mon
     eng = engine()
     runner, manager = eng.runner, eng.lora_manager
     forwards, lora_rows = [], []
-    real_forward, real_apply = runner._forward, BaseLayerWithLoRA.apply_lora
-    monkeypatch.setattr(runner, "_forward", lambda ids, *a: forwards.append(len(ids)) or real_forward(ids, *a))
+    real_forward, real_apply = runner._model_forward, BaseLayerWithLoRA.apply_lora
+    monkeypatch.setattr(runner, "_model_forward", lambda ids, *a: forwards.append(len(ids)) or real_forward(ids, *a))
 
     def apply(layer, x, y, meta):
         lora_rows.append(meta.num_tokens)
@@ -123,7 +123,7 @@ def test_warm_up_runs_each_planned_step_and_leaves_no_trace(engine_adapters, mon
 def test_warm_up_can_be_switched_off(monkeypatch):
     eng = engine()
     monkeypatch.setenv(kernel_warmup.ENV_VAR, "0")
-    monkeypatch.setattr(eng.runner, "_forward", lambda *a: pytest.fail("no step runs when switched off"))
+    monkeypatch.setattr(eng.runner, "_model_forward", lambda *a: pytest.fail("no step runs when switched off"))
     assert warm_up_kernels(eng.runner) == 0
 
 
@@ -141,7 +141,7 @@ def test_a_planning_failure_skips_the_warm_up_with_a_warning(monkeypatch, caplog
         raise TypeError("attention_config() got an unexpected keyword argument")
 
     monkeypatch.setattr(kernel_warmup, "plan_warmup", broken)
-    monkeypatch.setattr(eng.runner, "_forward", lambda *a: pytest.fail("no step runs without a plan"))
+    monkeypatch.setattr(eng.runner, "_model_forward", lambda *a: pytest.fail("no step runs without a plan"))
     with caplog.at_level("WARNING", logger="loramux.engine.kernel_warmup"):
         assert warm_up_kernels(eng.runner) == 0
     assert "kernel warm-up skipped" in caplog.text and "TypeError" in caplog.text

@@ -150,7 +150,7 @@ class DecodeGraphs:
                 else:
                     manager.set_mapping(None)
             with forward_context(metadata):
-                return runner._forward(ids, pos, logits_rows)
+                return runner._model_forward(ids, pos, logits_rows)
 
         # warm up outside the capture (compilation, autotuning, lazily made tables)
         stream = torch.cuda.Stream(runner.device)

@@ -90,7 +90,6 @@ class ModelRunner:
         capacity = 6 * T + 4 * S + 4 + S * self.max_blocks + FIELD_ALIGN * 16  # + each field's padding
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
-        self._forward = self._model_forward
         self.graphs: DecodeGraphs | None = None
         #: start-up seconds by stage ("capture", "warmup"; compile time is in `regions`)
         self.startup_seconds: dict[str, float] = {}
@@ -295,9 +294,10 @@ class ModelRunner:
             block_tables=t_tables.view(len(tables), width), seq_lens=t_lens, query_start_loc=t_qsl,
         )
         with forward_context(metadata):
-            # whole tensors, not views of the transfer buffer: the graphs' inputs are whole
-            # tensors too, so compiled code is guarded alike (a view's offset would be guarded)
-            return self._forward(t_ids.clone(), t_pos.clone(), t_logits.clone())
+            # whole tensors, not views of the transfer buffer: the graphs' inputs are whole tensors
+            # too, and the position ids reach every compiled layer, where a view's storage offset
+            # would be guarded (a recompile per offset)
+            return self._model_forward(t_ids.clone(), t_pos.clone(), t_logits.clone())
 
     def to_device(self, fields: list[list[int]]) -> list[torch.Tensor]:
         """Copy int lists to the device in one transfer through the pinned buffer; views per field."""
