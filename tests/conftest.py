@@ -115,6 +115,23 @@ def tiny_model(arch: str, seed: int = 0):
 # --------------------------------------------------------------------------------------------------
 
 
+def step_to_end(engine, *, max_steps: int = 2000, each_step=None) -> dict[str, list[int]]:
+    """Step ``engine`` until no request is left (at most ``max_steps``), calling ``each_step()``
+    before every step; the generated tokens per request id. A request that ends with an error
+    fails the test."""
+    finished = {}
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            break
+        if each_step is not None:
+            each_step()
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                finished[out.request_id] = out.outputs[0].token_ids
+    return finished
+
+
 def peft_greedy(adapter_path, prompt_ids: list[int], max_new_tokens: int, *, model=None) -> list[int]:
     """The oracle: transformers (+ PEFT for an adapter) greedy ``generate`` on one prompt."""
     from peft import PeftModel

@@ -8,7 +8,7 @@ import time
 
 import pytest
 import torch
-from conftest import peft_greedy, tiny_llama, tiny_model
+from conftest import peft_greedy, step_to_end, tiny_llama, tiny_model
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
@@ -21,14 +21,7 @@ def run(engine: LLMEngine, requests, max_steps: int = 2000) -> dict[str, list[in
     """Add ``(id, prompt, lora_request)`` and step to the end; the generated tokens per id."""
     for request_id, prompt, lora in requests:
         engine.add_request(request_id, {"prompt_token_ids": prompt}, GREEDY, lora)
-    finished = {}
-    for _ in range(max_steps):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                finished[out.request_id] = out.outputs[0].token_ids
+    finished = step_to_end(engine, max_steps=max_steps)
     assert not engine.has_unfinished_requests()
     return finished
 

@@ -3,7 +3,7 @@ into a free GPU slot before its request is admitted, and a prefetch never evicts
 
 from __future__ import annotations
 
-from conftest import peft_greedy, tiny_llama
+from conftest import peft_greedy, step_to_end, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
@@ -17,19 +17,6 @@ def engine(**kwargs) -> LLMEngine:
     options = dict(max_lora_rank=8, max_model_len=64)
     options.update(kwargs)
     return LLMEngine(tiny_llama(), **options)
-
-
-def run_to_end(eng: LLMEngine, watch) -> dict[str, list[int]]:
-    finished = {}
-    for _ in range(300):
-        if not eng.has_unfinished_requests():
-            break
-        watch()
-        for out in eng.step():
-            if out.finished:
-                assert out.error is None, out.error
-                finished[out.request_id] = out.outputs[0].token_ids
-    return finished
 
 
 def start_one_then_queue_another(eng, adapters, first: tuple[str, str], second: tuple[str, str]) -> None:
@@ -55,7 +42,7 @@ def test_a_queued_requests_adapter_is_in_a_slot_before_it_is_admitted(engine_ada
         if seq is not None and seq.status is SequenceStatus.WAITING and seq.handle is not None:
             seen_waiting_in_slot.append(eng.lora_manager.slot_of(seq.handle.id) is not None)
 
-    finished = run_to_end(eng, watch)
+    finished = step_to_end(eng, max_steps=300, each_step=watch)
     assert seen_waiting_in_slot and all(seen_waiting_in_slot)
     assert eng.adapters.prefetches >= 1
     assert finished["first"] == peft_greedy(engine_adapters["attn"], PROMPT, 40)
@@ -74,7 +61,7 @@ def test_a_prefetch_never_evicts_a_slot_in_use(engine_adapters):
             checks.append(eng.lora_manager.slot_of(running.handle.id) == running.lora_slot
                           and eng.lora_manager.slot_of(queued.handle.id) is None)
 
-    finished = run_to_end(eng, watch)
+    finished = step_to_end(eng, max_steps=300, each_step=watch)
     assert checks and all(checks)
     assert eng.lora_manager.stats.evictions == 1  # 'running' left only once its request ended
     assert finished["running"] == peft_greedy(engine_adapters["attn"], PROMPT, 40)

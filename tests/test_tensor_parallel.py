@@ -18,7 +18,7 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_LLAMA, char_tokenizer, tiny_llama, tiny_model
+from conftest import TINY_LLAMA, char_tokenizer, step_to_end, tiny_llama, tiny_model
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
@@ -53,15 +53,7 @@ def generate(engine: LLMEngine, requests) -> dict[str, list[int]]:
     """``requests``: ``(id, prompt, lora_request)``; step to the end, return the tokens per id."""
     for request_id, prompt, lora in requests:
         engine.add_request(request_id, {"prompt_token_ids": prompt}, GREEDY, lora)
-    done = {}
-    for _ in range(500):
-        if not engine.has_unfinished_requests():
-            break
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                done[out.request_id] = out.outputs[0].token_ids
-    return done
+    return step_to_end(engine, max_steps=500)
 
 
 def mixed(adapters: dict, tag: str) -> list:
