@@ -29,6 +29,7 @@ lora_decode.md (device named) to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -49,7 +50,7 @@ TOKENS = (1, 8, 64, 128, 256)
 RANKS = (16, 64)
 MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
-PATHS = ("base", "two")
+PATHS = ("base", "two", "overlap", "sideall")
 LORA_PATHS = PATHS[1:]
 TOL = 2e-2
 #: q/v-only adapters: the (module, slice) pairs they target, per layout
@@ -131,16 +132,48 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
 
     sizes = [s for _, _, s in layers.mods]
 
+    side = torch.cuda.Stream(xs[0].device) if xs[0].is_cuda else None
+
+    def fork():
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream(xs[0].device))
+        return torch.cuda.stream(side) if side is not None else contextlib.nullcontext()
+
+    def join():
+        if side is not None:
+            torch.cuda.current_stream(xs[0].device).wait_stream(side)
+
     def run():
         if path != "base":
             meta = build_lora_meta(slots_buf, layers.S, static=True)
         for layer in layers.layers:
             for w, x, y, sz in zip(layer, xs, ys, sizes):
-                if base:
-                    torch.mm(x, w["W"].t(), out=y)
                 if path == "two":
+                    if base:
+                        torch.mm(x, w["W"].t(), out=y)
                     buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
+                elif path == "overlap":  # shrink on a side stream beside the base GEMM
+                    buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
+                    with fork():
+                        lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], out=buf)
+                    if base:
+                        torch.mm(x, w["W"].t(), out=y)
+                    join()
+                    lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
+                elif path == "sideall":  # the whole delta on a side stream, one add after the join
+                    buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
+                    delta = torch.empty_like(y)
+                    with fork():
+                        delta.zero_()
+                        lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], out=buf)
+                        lora_expand_triton(delta, buf, w["B"], tuple(sz), meta, w["ranks"])
+                    if base:
+                        torch.mm(x, w["W"].t(), out=y)
+                    join()
+                    y.add_(delta)
+                elif base:
+                    torch.mm(x, w["W"].t(), out=y)
 
     return run
 

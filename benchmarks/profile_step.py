@@ -38,12 +38,73 @@ def kernel_table(prof, steps: int, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+def ttft_profile(model, args) -> None:
+    """Time to first token of one 128-token request: base, an adapter already in a GPU slot, and
+    one that must first be copied into a slot (max_loras=1); wall time of each repeat, then
+    host (CPU op self time) and device (kernels) profiles of the resident-adapter case."""
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    adapters = [random_adapter(model.config, name, 16, ALL_SEVEN, i, device, dtype)
+                for i, name in enumerate("ab")]
+    engine = LLMEngine(model, enable_lora=True, max_loras=1, max_cpu_loras=4, max_lora_rank=16, max_num_seqs=args.batch,
+                       max_model_len=1100, max_num_batched_tokens=8192)
+    for adapter in adapters:
+        engine.registry.bind(adapter)
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(1, vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+
+    def ttft(lora, n=[0]):
+        n[0] += 1
+        engine.add_request(f"t{n[0]}", {"prompt_token_ids": prompt}, params, lora)
+        sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return 1e3 * (time.perf_counter() - t0)
+
+    a, b = LoRARequest("a", 1), LoRARequest("b", 2)
+    report = []
+    for label, lora in (("base", None), ("adapter a (first use)", a), ("adapter a (resident)", a),
+                        ("base", None), ("adapter b (slot swap)", b), ("adapter a (slot swap)", a),
+                        ("adapter a (resident)", a), ("base", None)):
+        report.append(f"{label:28s} {ttft(lora):8.1f} ms")
+    for label, lora in (("base", None), ("adapter a (resident)", a)):
+        ttft(lora)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            wall = ttft(lora)
+        report += ["", f"== TTFT {label}: {wall:.1f} ms", kernel_table(prof, 1),
+                   prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]
+    import cProfile
+    import io
+    import pstats
+
+    ttft(a)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    wall = ttft(a)
+    profiler.disable()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(45)
+    report += ["", f"== cProfile, TTFT adapter a (resident): {wall:.1f} ms", stream.getvalue()]
+    text = "\n".join(report)
+    args.out.write_text(text + "\n")
+    print(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3.1-8b")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("profile.txt"))
+    parser.add_argument("--ttft", action="store_true", help="only: one 128-token request's time to first token")
     args = parser.parse_args()
+    if args.ttft:  # runs on the CPU too (embedded model): a check of the script
+        cuda = torch.cuda.is_available()
+        model = load_model(args.model if cuda else None, dtype="bfloat16" if cuda else "float32",
+                           device="cuda" if cuda else "cpu", load_format="dummy" if cuda else "auto")[0]
+        return ttft_profile(model, args)
     model = load_model(args.model, dtype="bfloat16", device="cuda", load_format="dummy")[0]
     adapter = random_adapter(model.config, "a", 16, ALL_SEVEN, 1, "cuda", torch.bfloat16)
     t0 = time.perf_counter()
