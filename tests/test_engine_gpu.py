@@ -73,10 +73,14 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters):
                   max_num_batched_tokens=16, enforce_eager=eager)
         runner = llm.llm_engine.runner
         captured = runner.num_graphs
+        steps, run = [0], runner.run
+        runner.run = lambda batch: steps.__setitem__(0, steps[0] + 1) or run(batch)
         runs[eager] = _greedy(llm, prompts, requests)
         assert runner.use_graphs is not eager and runner.compiled is not eager
-        if not eager:  # (2, 4) x (base, LoRA), all captured at start, none while serving
-            assert captured == 4 and runner.num_graphs == captured and runner.graph_steps > 10
+        if not eager:  # (2, 4, 8, 16 tokens) x (base, LoRA), all captured at start, none while serving;
+            # prefill chunks and mixed steps replay them too (16 tokens = max_num_batched_tokens)
+            assert captured == 8 and runner.num_graphs == captured and runner.graph_steps > 10
+            assert runner.graph_steps == steps[0]
     assert runs[False] == runs[True]
     for name, prompt, tokens in zip(names, prompts, runs[False]):
         path = None if name is None else engine_adapters[name]
@@ -98,7 +102,7 @@ def test_decode_graphs_bf16_base_and_lora_match_eager(engine_adapters):
     runs = {}
     for eager in (True, False):
         llm = LLM(tiny_llama().to("cuda", torch.bfloat16), max_loras=1, max_lora_rank=8, max_num_seqs=20,
-                  max_model_len=48, enforce_eager=eager)
+                  max_model_len=48, max_graph_tokens=20, enforce_eager=eager)
         runs[eager] = [
             [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                 lora_request=lora, use_tqdm=False)]

@@ -73,6 +73,14 @@ def test_plan_without_lora_has_attention_keys_only(h100_heuristics):
     assert plan[0] == WarmupStep(1, 1, False)
 
 
+def test_plan_leaves_the_steps_graphs_serve_to_them(h100_heuristics):
+    everything, _ = plan_warmup(max_num_batched_tokens=1024, max_num_seqs=8, **EIGHT_B)
+    eager, reached = plan_warmup(max_num_batched_tokens=1024, max_num_seqs=8, min_tokens=513, **EIGHT_B)
+    assert eager and min(step.num_tokens for step in eager) >= 513
+    assert len(eager) < len(everything)
+    assert plan_warmup(max_num_batched_tokens=512, max_num_seqs=8, min_tokens=513, **EIGHT_B) == ([], set())
+
+
 def engine() -> LLMEngine:
     return LLMEngine(tiny_llama(), enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=4,
                      max_model_len=64, max_num_batched_tokens=32)

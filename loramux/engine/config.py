@@ -62,6 +62,7 @@ class EngineConfig:
     # the forward
     enforce_eager: bool = False
     compilation: bool = True
+    max_graph_tokens: int = 512
     seed: int | None = 0
 
     def __post_init__(self) -> None:
@@ -69,6 +70,7 @@ class EngineConfig:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         _check_positive("max_loading_workers", self.max_loading_workers)
+        _check_positive("max_graph_tokens", self.max_graph_tokens)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):

@@ -1,14 +1,22 @@
-"""Decode steps as CUDA graphs, every one captured at start, none while serving.
+"""Steps as CUDA graphs, every one captured at start, none while serving.
 
-One graph per padded batch size ``B`` (2, 4, 8, then steps of 16 up to ``max_num_seqs``), and
-with LoRA enabled a second one per size for batches that use adapters (the base graph launches
-no LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step). The
-graphs' inputs are the step's token ids, positions, cache slots, sequence lengths, adapter slots
-and block tables, in static device tensors filled before each replay (one transfer; the tables'
-used columns only, so a long ``max_model_len`` costs nothing per step); padding
-rows write no K/V (slot -1), read no keys (length 0) and use no adapter. The LoRA kernel metadata
-is built inside the graph from the adapter slots (no host sync; launch grids independent of the
-adapter mix), so one graph serves any mix of adapters and base rows. Graphs share one memory pool.
+One graph per padded token count ``T``: the decode sizes (2, 4, 8, then steps of 16 up to
+``max_num_seqs``) and, above them, powers of two up to ``max_graph_tokens`` (default 512), so a
+short prefill or a mixed step of prefill chunks and decodes replays a graph too (eagerly, the
+Python of a step's 32 layers costs several times the GPU's time for a 128-token prompt). With
+LoRA enabled each size has a second graph for steps that use adapters (the base graph launches no
+LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step).
+
+A graph of ``T`` tokens holds up to ``T`` sequences (each has at least one token). Its inputs are
+static device tensors filled before each replay in one transfer: per token the id, position,
+cache slot and adapter slot; per sequence the length, the end of its tokens, the logits row it
+samples from and that row's adapter slot; the block tables' used columns (a long
+``max_model_len`` costs nothing per step). Padding tokens are one-token sequences of length 0:
+they write no K/V, read no keys (attention gives zeros) and use no adapter; padding sequences
+past them hold no token. The attention and LoRA kernels size their grids from shapes alone and
+the LoRA kernel metadata is built inside the graph from the adapter slots (no host sync), so one
+graph serves any mix of decodes, prefill chunks, adapters and base rows. Graphs share one memory
+pool. Steps that ask for prompt logprobs (logits for every prompt row) run eagerly.
 
 Captures run in ``thread_local`` error mode and only before the engine serves: loader threads
 (pinning host memory is a CUDA call) cannot invalidate a capture, and no capture ever meets a
@@ -17,6 +25,7 @@ running load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,134 +33,180 @@ import torch
 from tqdm.auto import tqdm
 
 from loramux.engine.forward_context import AttentionMetadata, forward_context
+from loramux.engine.prompt_logprobs import plan_prompt_logprobs
 
 if TYPE_CHECKING:
     from loramux.engine.model_runner import ModelRunner
     from loramux.engine.scheduler import ScheduledBatch
     from loramux.engine.sequence import Sequence
 
-__all__ = ["DecodeGraphs", "DecodeInputs", "graph_batch_sizes"]
+__all__ = ["StepGraphs", "StepInputs", "graph_batch_sizes", "graph_token_sizes"]
+
+#: Rows of the per-token and per-sequence fields: ids, positions, cache slots, adapter slots;
+#: sequence lengths, token ends, logits rows, logits rows' adapter slots
+_FIELDS = 8
 
 
 @dataclass
-class DecodeInputs:
-    """One replay's inputs, on the host: the padded batch size, the flattened per-row fields and
-    block tables (`DecodeGraphs._host_fields`), and the adapter slots in use."""
+class StepInputs:
+    """One replay's inputs, on the host: the padded token count, the flattened fields and block
+    tables (`StepGraphs._host_fields`), and the adapter slots in use. Plain lists, so a
+    tensor-parallel driver can send them to its workers, whose graphs replay the same step."""
 
-    batch_size: int
+    num_tokens: int
+    num_seqs: int
     host_fields: list[list[int]]
     active_slots: list[int]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """The padded batch sizes decode graphs are captured for: 2, 4, 8, 16, 32, 48, ... (a batch of
-    one runs as two rows: size-1 dims would need a compiled graph of their own)."""
+    """The padded decode batch sizes graphs are captured for: 2, 4, 8, 16, 32, 48, ... (a batch
+    of one runs as two rows: size-1 dims would need a compiled graph of their own)."""
     sizes = {b for b in (2, 4, 8) if b < max_num_seqs} | set(range(16, max_num_seqs, 16)) | {max(2, max_num_seqs)}
     return sorted(sizes)
 
 
-class DecodeGraphs:
-    """The decode graphs of one runner: ``capture_all()`` once, then ``replay(seqs, slots)``."""
+def graph_token_sizes(max_num_seqs: int, max_graph_tokens: int) -> list[int]:
+    """Every padded token count a graph is captured for: the decode sizes, then powers of two
+    above ``max_num_seqs`` and ``max_graph_tokens`` itself (a step of more tokens runs eagerly)."""
+    sizes = graph_batch_sizes(max_num_seqs)
+    size = 1 << sizes[-1].bit_length()  # the first power of two above the largest decode size
+    while size < max_graph_tokens:
+        sizes.append(size)
+        size *= 2
+    if max_graph_tokens > sizes[-1]:
+        sizes.append(max_graph_tokens)
+    return sizes
+
+
+class StepGraphs:
+    """The step graphs of one runner: ``capture_all()`` once, then ``replay(step_inputs(batch))``."""
 
     def __init__(self, runner: ModelRunner, sizes: list[int]) -> None:
         self.runner = runner
         self.sizes = sizes
         S, device = sizes[-1], runner.device
-        # per row: token ids, positions, cache slots, lengths, adapter slots; each graph reads the
-        # first B columns (views at the same offsets whatever B: nothing for dynamo to specialise on)
-        self.fields = torch.zeros(5, S, dtype=torch.int32, device=device)
+        # each graph reads the first T columns of every row (views at the same offsets whatever T:
+        # nothing for dynamo to specialise on)
+        self.fields = torch.zeros(_FIELDS, S, dtype=torch.int32, device=device)
         self.tables = torch.zeros(S, runner.max_blocks, dtype=torch.int32, device=device)
-        self.query_start = torch.arange(S + 1, dtype=torch.int32, device=device)  # one token per row
+        self.query_start = torch.zeros(S + 1, dtype=torch.int32, device=device)  # [0] stays 0
         # the compiled forward's own inputs (token ids, positions, logits rows): whole tensors of
         # each size, not views, as in eager steps, so both calls pass the same guards
-        self.inputs = {B: (torch.zeros(B, dtype=torch.int32, device=device),
-                           torch.zeros(B, dtype=torch.int32, device=device),
-                           torch.arange(B, dtype=torch.int32, device=device)) for B in sizes}
+        self.inputs = {T: tuple(torch.zeros(T, dtype=torch.int32, device=device) for _ in range(3)) for T in sizes}
         self.variants = (False, True) if runner.lora_manager is not None else (False,)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self.steps = 0  # decode steps served by a replay (tests and benchmarks read it)
+        self.steps = 0  # steps served by a replay (tests and benchmarks read it)
 
     @property
     def num_graphs(self) -> int:
         return len(self._graphs)
 
     def fits(self, batch: ScheduledBatch) -> bool:
-        """A decode-only step no larger than the largest graph."""
-        return 0 < len(batch.chunks) <= self.sizes[-1] and all(
-            n == 1 and seq.num_computed + 1 == seq.num_tokens for seq, n in batch.chunks
-        )
+        """A step of at most the largest graph's tokens that asks for no prompt logprobs."""
+        tokens = sum(n for _, n in batch.chunks)
+        return 0 < tokens <= self.sizes[-1] and plan_prompt_logprobs(batch.chunks) is None
 
-    def decode_inputs(self, seqs: list[Sequence], lora_slots: list[int]) -> DecodeInputs:
-        """The host side of a replay for ``seqs`` (all decoding): plain lists, so a tensor-parallel
-        driver can send them to its workers, whose graphs replay the same step."""
-        B = next(b for b in self.sizes if b >= len(seqs))
-        return DecodeInputs(B, self._host_fields(seqs, lora_slots, B), sorted({s for s in lora_slots if s >= 0}))
+    def step_inputs(self, chunks: list[tuple[Sequence, int]]) -> StepInputs:
+        """The host side of a replay for the scheduled ``chunks`` (sequence, tokens this step)."""
+        tokens = sum(n for _, n in chunks)
+        T = next(t for t in self.sizes if t >= tokens)
+        slots = sorted({seq.lora_slot for seq, _ in chunks if seq.lora_slot >= 0})
+        return StepInputs(T, len(chunks), self._host_fields(chunks, T), slots)
 
-    def _host_fields(self, seqs: list[Sequence], lora_slots: list[int], B: int) -> list[list[int]]:
-        """The static inputs' values for ``seqs`` padded to ``B`` rows: the five per-row fields
-        flattened, then the block tables' used columns (the kernels read no column past a row's length)."""
-        bs, pad = self.runner.block_size, self.sizes[-1] - len(seqs)
-        positions = [s.num_computed for s in seqs]
-        width = max((len(s.block_table) for s in seqs), default=1)
-        fields = [
-            [s.token_at(p) for s, p in zip(seqs, positions)] + [0] * pad,
-            positions + [0] * pad,
-            [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)] + [-1] * pad,
-            [p + 1 for p in positions] + [0] * pad,
-            list(lora_slots) + [-1] * pad,
-        ]
-        tables = [b for s in seqs for b in s.block_table + [0] * (width - len(s.block_table))]
-        return [[v for f in fields for v in f], tables + [0] * ((B - len(seqs)) * width)]
+    def _host_fields(self, chunks: list[tuple[Sequence, int]], T: int) -> list[list[int]]:
+        """The static inputs' values for ``chunks`` padded to ``T`` tokens: the fields' rows
+        flattened, then the sequences' block tables' used columns (the kernels read no column past
+        a row's length, and padding rows none)."""
+        bs, S = self.runner.block_size, self.sizes[-1]
+        ids, positions, cache_slots, lora_slots = [], [], [], []
+        lens, ends, logits_rows, logits_slots = [], [], [], []
+        width = max((len(seq.block_table) for seq, _ in chunks), default=1)
+        tables = []
+        for seq, n in chunks:
+            start, end = seq.num_computed, seq.num_computed + n
+            table = seq.block_table
+            ids.extend(seq.tokens(start, end))
+            positions.extend(range(start, end))
+            cache_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            lora_slots.extend([seq.lora_slot] * n)
+            lens.append(end)
+            ends.append(len(ids))
+            tables.extend(table + [0] * (width - len(table)))
+            if end == seq.num_tokens:  # the chunk reaches the last token: sample after it
+                logits_rows.append(len(ids) - 1)
+                logits_slots.append(seq.lora_slot)
+        real = len(ids)
+        # padding tokens: one-token sequences of length 0; then sequences of no token up to S
+        lens += [0] * (S - len(lens))
+        ends += list(range(real + 1, T + 1))
+        ends += [T] * (S - len(ends))
+        rows = [ids, positions, cache_slots, lora_slots, lens, ends, logits_rows, logits_slots]
+        pads = [0, 0, -1, -1, 0, T, 0, -1]
+        flat = [v for row, pad in zip(rows, pads) for v in row + [pad] * (S - len(row))]
+        return [flat, tables]
 
-    def _load(self, host_fields: list[list[int]], B: int) -> None:
+    def _load(self, inputs: StepInputs) -> None:
         """Fill the static inputs: one copy of the fields, one of the block tables' used columns."""
-        S = self.sizes[-1]
-        flat, tables = self.runner.to_device(host_fields)
-        width = max(1, len(host_fields[1]) // B)
-        self.fields.copy_(flat.view(5, S))
-        self.tables[:B, :width].copy_(tables.view(B, width))
-        ids, positions, _ = self.inputs[B]
-        ids.copy_(self.fields[0, :B])
-        positions.copy_(self.fields[1, :B])
+        S, T, B = self.sizes[-1], inputs.num_tokens, inputs.num_seqs
+        flat, tables = self.runner.to_device(inputs.host_fields)
+        self.fields.copy_(flat.view(_FIELDS, S))
+        self.query_start[1:].copy_(self.fields[5])
+        if B:
+            width = len(inputs.host_fields[1]) // B
+            self.tables[:B, :width].copy_(tables.view(B, width))
+        ids, positions, logits_rows = self.inputs[T]
+        ids.copy_(self.fields[0, :T])
+        positions.copy_(self.fields[1, :T])
+        logits_rows.copy_(self.fields[6, :T])
 
-    def replay(self, inputs: DecodeInputs) -> torch.Tensor:
-        """Run the step `decode_inputs` described; returns logits ``[B, V]`` (rows past the
-        step's sequences: padding)."""
-        self._load(inputs.host_fields, inputs.batch_size)
+    def replay(self, inputs: StepInputs) -> torch.Tensor:
+        """Run the step `step_inputs` described; returns logits ``[T, V]``: the sampled
+        sequences' rows first, in their order (the rest is padding)."""
+        self._load(inputs)
         if inputs.active_slots:
             self.runner.lora_manager.mark_used(inputs.active_slots)
-        graph, logits = self._graphs[(inputs.batch_size, bool(inputs.active_slots))]
+        graph, logits = self._graphs[(inputs.num_tokens, bool(inputs.active_slots))]
         graph.replay()
         self.steps += 1
         return logits
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        keys = [(B, lora) for B in reversed(self.sizes) for lora in self.variants]  # largest first: pool reuse
-        for B, lora in tqdm(keys, desc="Capturing decode graphs", unit="graph", leave=False):
-            self._graphs[(B, lora)] = self._capture(B, lora)
+        keys = [(T, lora) for T in reversed(self.sizes) for lora in self.variants]  # largest first: pool reuse
+        for T, lora in tqdm(keys, desc="Capturing step graphs", unit="graph", leave=False):
+            self._graphs[(T, lora)] = self._capture(T, lora)
 
-    def _capture(self, B: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def forward_fn(self, T: int, lora: bool) -> Callable[[], torch.Tensor]:
+        """The forward a graph of ``T`` tokens captures, reading the static inputs (which it
+        builds, for LoRA, the kernel metadata from inside the graph); ``lora``: the adapter variant.
+        Runs without a capture too (tests compare it with the eager step on the CPU)."""
         runner = self.runner
-        self._load(self._host_fields([], [], B), B)  # all padding
-        _, _, slots, lens, lora_slots = self.fields[:, :B]
-        ids, pos, logits_rows = self.inputs[B]
+        _, _, cache_slots, lora_slots, lens, _, _, logits_slots = self.fields[:, :T]
+        ids, pos, logits_rows = self.inputs[T]
         metadata = AttentionMetadata(
-            k_cache=runner.kv.k, v_cache=runner.kv.v, slot_mapping=slots, block_tables=self.tables[:B],
-            seq_lens=lens, query_start_loc=self.query_start[: B + 1],
+            k_cache=runner.kv.k, v_cache=runner.kv.v, slot_mapping=cache_slots, block_tables=self.tables[:T],
+            seq_lens=lens, query_start_loc=self.query_start[: T + 1],
         )
         manager = runner.lora_manager
 
         def forward() -> torch.Tensor:
             if manager is not None:  # the kernel metadata is built inside the graph from the slots
-                if lora:
-                    manager.set_mapping(lora_slots, static=True)
+                if lora:  # the logits rows' own slots only for a model whose LM head has LoRA
+                    manager.set_mapping(lora_slots, logits_slots if manager.has_logits_layer else None, static=True)
                 else:
                     manager.set_mapping(None)
             with forward_context(metadata):
                 return runner._model_forward(ids, pos, logits_rows)
 
+        return forward
+
+    def _capture(self, T: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        runner = self.runner
+        manager = runner.lora_manager
+        self._load(StepInputs(T, 0, self._host_fields([], T), []))  # all padding
+        forward = self.forward_fn(T, lora)
         # warm up outside the capture (compilation, autotuning, lazily made tables)
         stream = torch.cuda.Stream(runner.device)
         stream.wait_stream(torch.cuda.current_stream(runner.device))
@@ -168,7 +223,7 @@ class DecodeGraphs:
                 logits = forward()
         except Exception as exc:
             raise RuntimeError(
-                f"capturing the decode graph for batch size {B} failed ({type(exc).__name__}: {exc}); "
+                f"capturing the step graph for {T} tokens failed ({type(exc).__name__}: {exc}); "
                 "pass enforce_eager=True to run without graphs"
             ) from exc
         finally:

@@ -6,8 +6,8 @@ segments, `attention_config` from the token and sequence counts. Each distinct s
 distinct Triton compile, seconds each on first use: before this warm-up, the first requests of
 a fresh process paid them (time to first token 1.27 s for the first base request on an H100).
 
-Decode graphs are captured at start and compile their own shapes. For the other steps,
-`plan_warmup` enumerates the steps serving runs, computes for each the launch-configuration keys
+Step graphs (steps of up to ``max_graph_tokens`` tokens) are captured at start and compile
+their own shapes. For the larger steps, which run eagerly, `plan_warmup` enumerates the steps serving runs, computes for each the launch-configuration keys
 its kernels would use (from the kernels' own config functions, on the host: no launch), and keeps
 one step for each key not seen before; `warm_up_kernels` runs those steps through the runner's
 forward (compiled or eager, as serving runs it), over the scratch KV block 0 (slot -1: nothing is
@@ -20,7 +20,8 @@ written; every block table row points at block 0). The candidate steps:
 
 Not covered (each compiles on first use, once per machine: Triton's cache is on disk): batches
 whose adapter segments differ from one adapter over the whole step (several adapters in one
-prefill step), and split-KV shapes of long contexts.
+prefill step), split-KV shapes of long contexts, and steps a graph would serve but that run
+eagerly because they ask for prompt logprobs.
 
 Triton compiles one kernel at a time when a launch needs it. Where Triton has an asynchronous
 compile mode (``triton.runtime._async_compile``), a first pass runs the plan with every launch
@@ -140,8 +141,10 @@ _ONE_ADAPTER_META: dict[int, LoRABatchMeta] = {}
 
 def plan_warmup(*, max_num_batched_tokens: int, max_num_seqs: int, num_heads: int, num_kv_heads: int,
                 head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                lora_modules: Iterable[LoRAModuleShape] = (), num_slots: int = 1) -> tuple[list[WarmupStep], set]:
-    """The warm-up steps (see the module docstring) and the launch keys they reach together.
+                lora_modules: Iterable[LoRAModuleShape] = (), num_slots: int = 1,
+                min_tokens: int = 1) -> tuple[list[WarmupStep], set]:
+    """The warm-up steps (see the module docstring) and the launch keys they reach together:
+    steps of ``min_tokens`` tokens or more (the smaller ones replay graphs).
 
     A candidate is kept when it reaches a key no earlier candidate did, so every key any
     candidate reaches is reached by the plan, with one step per new key at most.
@@ -159,6 +162,8 @@ def plan_warmup(*, max_num_batched_tokens: int, max_num_seqs: int, num_heads: in
     by_tokens: dict[int, set] = {}  # LoRA keys depend on the token count only (one adapter on all)
     plan, reached = [], set()
     for step in candidates:
+        if step.num_tokens < min_tokens:
+            continue
         if step.num_tokens not in by_tokens:
             by_tokens[step.num_tokens] = lora_keys(step, lora_modules, num_slots=num_slots, device=device)
         keys = attention_keys(step, **geometry) | by_tokens[step.num_tokens]
@@ -201,6 +206,7 @@ def warm_up_kernels(runner: ModelRunner) -> int:
             num_heads=config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
             block_size=runner.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
             num_slots=manager.lora_config.max_loras if manager is not None else 1,
+            min_tokens=runner.graphs.sizes[-1] + 1 if runner.graphs is not None else 1,
         )
     except Exception as exc:  # host arithmetic only: the engine serves without it, slower on first use
         logger.warning(

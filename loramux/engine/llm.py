@@ -50,7 +50,8 @@ class LLM:
     :param load_format: ``"auto"`` (real weights) or ``"dummy"`` (random, from a config).
     :param lora_modules: adapters to register at start: ``{"name": path}`` or ``["name=path"]``.
     :param enforce_eager: no ``torch.compile`` and no CUDA graphs (on CUDA the forward is compiled
-        and every decode step replays a graph captured at start, one per padded batch size).
+        and every step of up to ``max_graph_tokens`` tokens replays a graph captured at start,
+        one per padded token count).
     :param tensor_parallel_size: shard the model over this many devices (one process each; see
         docs/architecture.md, "Tensor parallelism"); the model must then be a name or a dir.
     :param config: all of these as one :class:`~loramux.engine.config.EngineConfig` (then give
@@ -59,6 +60,7 @@ class LLM:
         ``block_size`` (KV tokens per block, 16), ``gpu_memory_utilization`` (0.9: the device share
         for weights, slots, activations and KV blocks), ``num_gpu_blocks_override``,
         ``enable_prefix_caching`` (True), ``compilation`` (True: compile on CUDA),
+        ``max_graph_tokens`` (512: steps of up to this many tokens replay CUDA graphs),
         ``fuse_projections`` (True: q/k/v and gate/up as one GEMM each), ``max_cpu_lora_bytes``,
         ``registry``, ``resolver_settings``, ``tokenizer``, ``lora_target_modules``, ``seed``.
     """

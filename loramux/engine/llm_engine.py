@@ -98,11 +98,12 @@ class LLMEngine:
                 max_model_len=setup.max_model_len,
                 enforce_eager=config.enforce_eager,
                 compilation=config.compilation,
+                max_graph_tokens=config.max_graph_tokens,
                 workers=self.workers,
             )
             num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
             self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
-            self.runner.capture_graphs()  # every decode graph, now: none is captured while serving
+            self.runner.capture_graphs()  # every step graph, now: none is captured while serving
             self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
         except BaseException:
             if self.workers is not None:

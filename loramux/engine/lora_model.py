@@ -368,6 +368,11 @@ class LoRAModelManager:
         rows = torch.tensor(slots, dtype=torch.int32)
         return rows.repeat_interleave(seq_len).to(self.device)
 
+    @property
+    def has_logits_layer(self) -> bool:
+        """Whether the model's LM head carries LoRA (its rows then need their own slots)."""
+        return any(layer.computes_logits for layer in self.layers.values())
+
     def set_mapping(
         self,
         token_slots: torch.Tensor | None,

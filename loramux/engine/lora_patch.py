@@ -87,8 +87,12 @@ def patch_model(
                 fix="Fix the plugin's create_lora_layer, or uninstall it.",
             )
         wrapped[name] = wrapper
+    get_output = getattr(model, "get_output_embeddings", None)
+    lm_head = get_output() if callable(get_output) else None
     for name, wrapper in wrapped.items():
         wrapper.lora_context = context
+        # its rows are the logits rows, whose slots the context holds apart from the tokens'
+        wrapper.computes_logits = lm_head is not None and wrapper.get_base_layer() is lm_head
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapper)
     return wrapped

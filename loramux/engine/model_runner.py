@@ -7,8 +7,9 @@ model once with every token packed into one row, and reads the sampled tokens ba
 
 On CUDA the model's decoder layer is compiled with ``torch.compile`` (regional compilation: one
 graph every layer shares, see `loramux.engine.compilation`; elementwise chains of the modeling
-code fuse; attention and LoRA are custom ops the compiled graph calls), and decode-only steps
-replay a CUDA graph captured at start for each padded batch size (`DecodeGraphs`). After capture,
+code fuse; attention and LoRA are custom ops the compiled graph calls), and every step of up to
+``max_graph_tokens`` tokens (decodes, short prefills, mixed steps) replays a CUDA graph captured at
+start for its padded token count (`StepGraphs`). After capture,
 `warm_up_kernels` runs one step per distinct Triton launch configuration a step can use, so no
 request pays for a kernel's JIT compile (`loramux.engine.kernel_warmup`). ``enforce_eager=True``
 runs everything eagerly; ``compilation=False`` keeps the graphs without compiling. CPU is eager.
@@ -24,7 +25,7 @@ import torch
 from loramux.engine.block_manager import blocks_needed
 from loramux.engine.compilation import (CompiledRegions, compile_repeated_blocks, configure_compile_caches,
                                         restore_eager_blocks)
-from loramux.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from loramux.engine.cuda_graphs import StepGraphs, graph_batch_sizes, graph_token_sizes
 from loramux.engine.forward_context import AttentionMetadata, forward_context
 from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
 from loramux.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
@@ -33,7 +34,7 @@ from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
 from loramux.kernels.dispatch import uses_triton
 
-__all__ = ["ModelRunner", "graph_batch_sizes"]
+__all__ = ["ModelRunner", "graph_batch_sizes", "graph_token_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,8 @@ class ModelRunner:
     :param max_model_len: the longest sequence (sizes the block tables).
     :param enforce_eager: no compile, no CUDA graphs.
     :param compilation: compile the forward on CUDA (graphs are captured either way).
+    :param max_graph_tokens: steps of up to this many tokens (at least ``max_num_seqs``, at most
+        ``max_num_batched_tokens``) replay CUDA graphs; larger ones run eagerly.
     :param workers: with tensor parallelism, the `WorkerGroup` of ranks 1..N-1 (this runner is
         rank 0): every forward, KV-cache allocation and graph capture runs on each rank, in the
         same order, so their collectives pair up; only rank 0 samples.
@@ -67,6 +70,7 @@ class ModelRunner:
         max_model_len: int,
         enforce_eager: bool = False,
         compilation: bool = True,
+        max_graph_tokens: int = 512,
         workers=None,
     ) -> None:
         self.model = model
@@ -76,6 +80,7 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_graph_tokens = min(max_graph_tokens, max_num_batched_tokens)
         self.max_blocks = blocks_needed(max_model_len, block_size)
         self.device = next(model.parameters()).device
         self.kv: PagedKVCache | None = None
@@ -87,10 +92,11 @@ class ModelRunner:
         # per token: id, position, slot, adapter slot, and up to two logits rows with their slots
         # (prompt logprobs); per sequence: length, offset, a logits row and its slot; block tables
         T, S = max_num_batched_tokens + 1, max_num_seqs + 1
-        capacity = 6 * T + 4 * S + 4 + S * self.max_blocks + FIELD_ALIGN * 16  # + each field's padding
+        # (a graph's step: 8 fields per padded token, StepGraphs)
+        capacity = max(6 * T + 4 * S + 4, 8 * self.max_graph_tokens) + S * self.max_blocks + FIELD_ALIGN * 16
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: StepGraphs | None = None
         #: start-up seconds by stage ("capture", "warmup"; compile time is in `regions`)
         self.startup_seconds: dict[str, float] = {}
         self.regions: CompiledRegions | None = None
@@ -161,7 +167,7 @@ class ModelRunner:
         return peak
 
     def capture_graphs(self) -> None:
-        """Capture every decode graph now (CUDA, unless eager); no graph is captured later."""
+        """Capture every step graph now (CUDA, unless eager); no graph is captured later."""
         if self.use_graphs:
             self._on_all_ranks("_capture_graphs")
 
@@ -171,10 +177,10 @@ class ModelRunner:
             return
         assert self.kv is not None, "allocate the KV cache before capturing graphs"
         started = time.perf_counter()
-        self.graphs = DecodeGraphs(self, graph_batch_sizes(self.max_num_seqs))
+        self.graphs = StepGraphs(self, graph_token_sizes(self.max_num_seqs, self.max_graph_tokens))
         self.graphs.capture_all()
         self.startup_seconds["capture"] = time.perf_counter() - started
-        logger.info("captured %d decode graphs in %.1f s", self.graphs.num_graphs, self.startup_seconds["capture"])
+        logger.info("captured %d step graphs in %.1f s", self.graphs.num_graphs, self.startup_seconds["capture"])
         self.log_compilation()
 
     def log_compilation(self) -> None:
@@ -223,10 +229,9 @@ class ModelRunner:
         Each sequence's GPU slot is ``seq.lora_slot`` (set by the scheduler at admission).
         """
         if self.graphs is not None and self.graphs.fits(batch):
-            seqs = [seq for seq, _ in batch.chunks]
-            slots = [s.lora_slot for s in seqs]
-            logits = self._on_all_ranks("_replay", self.graphs.decode_inputs(seqs, slots))
-            return self._sample(seqs, logits[: len(seqs)])
+            sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
+            logits = self._on_all_ranks("_replay", self.graphs.step_inputs(batch.chunks))
+            return self._sample(sampled, logits[: len(sampled)]) if sampled else []
         ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
         lora_slots, logits, logit_slots, sampled = [], [], [], []
         bs = self.block_size

@@ -111,7 +111,7 @@ def build_engine(
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_format=args.load_format,
         seed=args.seed, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
-        enforce_eager=args.enforce_eager, compilation=args.compilation,
+        enforce_eager=args.enforce_eager, compilation=args.compilation, max_graph_tokens=args.max_graph_tokens,
         tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     engine = LLMEngine(config=engine_config)
     config = ServerConfig(

@@ -91,6 +91,7 @@ class BaseLayerWithLoRA(nn.Module):
         self.register_buffer("lora_ranks", torch.zeros(S, dtype=torch.int32, device=device), persistent=False)
         self._host_ranks = [0] * S  # lora_ranks on the host: skip layers no active slot touches
         self.lora_context: LoRAContext | None = None  # set by the model manager
+        self.computes_logits = False  # the model's LM head (set by patch_model): its rows are the logits rows
         self.layer_id = register_layer(self)  # how the apply_lora op finds this layer
 
     # -- the wrapped layer -------------------------------------------------------------------
@@ -261,7 +262,8 @@ class BaseLayerWithLoRA(nn.Module):
 
     def add_lora_delta(self, x: torch.Tensor, output: torch.Tensor) -> None:
         """``output += delta`` in place, for the mapping the `LoRAContext` holds now."""
-        meta = self.lora_context.meta_for(self.rows_shape(x))
+        rows = self.rows_shape(x)
+        meta = self.lora_context.logits_meta_for(rows) if self.computes_logits else self.lora_context.meta_for(rows)
         if meta is None:
             return
         if not meta.static and not any(self._host_ranks[slot] for slot in meta.active_slots_host):

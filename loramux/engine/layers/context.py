@@ -62,9 +62,7 @@ class LoRAContext:
         meta = self.meta
         if meta is None:
             return None
-        rows = 1
-        for dim in rows_shape:
-            rows *= dim
+        rows = _rows(rows_shape)
         if rows == meta.num_tokens:
             return meta
         if self._logits_meta is not None and rows == self._logits_meta.num_tokens:
@@ -74,6 +72,15 @@ class LoRAContext:
             derived = self._derive(rows_shape)
             self._derived[rows_shape] = derived
         return derived
+
+    def logits_meta_for(self, rows_shape: tuple[int, ...]) -> LoRABatchMeta | None:
+        """The metadata for the LM head's input: the logits rows' own slots when the caller gave
+        them for this many rows (a CUDA graph's step may have as many logits rows as tokens, and
+        they are not the same rows), else as `meta_for`."""
+        logits_meta = self._logits_meta
+        if logits_meta is not None and _rows(rows_shape) == logits_meta.num_tokens:
+            return logits_meta
+        return self.meta_for(rows_shape)
 
     def _derive(self, rows_shape: tuple[int, ...]) -> LoRABatchMeta:
         batch, keep = (rows_shape[0], rows_shape[1]) if len(rows_shape) == 2 else (0, 0)
@@ -88,3 +95,10 @@ class LoRAContext:
         return build_lora_meta(
             self.token_slots.reshape(batch, -1)[:, -keep:].reshape(-1), self.num_slots, static=self.meta.static
         )
+
+
+def _rows(rows_shape: tuple[int, ...]) -> int:
+    rows = 1
+    for dim in rows_shape:
+        rows *= dim
+    return rows

@@ -3,7 +3,7 @@
 The worker builds the same engine setup as the driver (same model, sharded for its rank, same
 fused siblings and LoRA layers, same sizes) and a `ModelRunner` without a sampler, then loops:
 read ``(method, args)`` from its pipe, run it, answer when asked. It runs forwards, allocates
-its KV cache, captures its decode graphs, and writes the adapter parts the driver sends into
+its KV cache, captures its step graphs, and writes the adapter parts the driver sends into
 its LoRA slots; it never schedules, loads adapters or samples. It exits on "shutdown", on
 end-of-file (the driver is gone) or on an error, which it sends to the driver first.
 """
@@ -69,6 +69,7 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
             setup.model, sampler=None, lora_manager=setup.lora_manager, block_size=setup.block_size,
             max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
             max_model_len=setup.max_model_len, enforce_eager=config.enforce_eager, compilation=config.compilation,
+            max_graph_tokens=config.max_graph_tokens,
         )
         conn.send_bytes(pickle.dumps(("ready", None)))
         _serve(runner, setup.lora_manager, conn)

@@ -1,0 +1,87 @@
+"""Step graphs' inputs on the CPU: the forward a graph captures, fed from its padded static inputs,
+gives the eager step's logits for decodes, prefill chunks and mixed steps, with and without
+adapters (the LM head's included). The capture itself needs CUDA (tests/test_engine_gpu.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import step_to_end, tiny_llama
+
+from loramux import LoRARequest, SamplingParams
+from loramux.engine.cuda_graphs import StepGraphs, graph_token_sizes
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.scheduler import ScheduledBatch
+
+
+def test_graph_token_sizes_cover_decodes_then_powers_of_two():
+    assert graph_token_sizes(64, 512) == [2, 4, 8, 16, 32, 48, 64, 128, 256, 512]
+    assert graph_token_sizes(48, 300) == [2, 4, 8, 16, 32, 48, 64, 128, 256, 300]
+    assert graph_token_sizes(4, 16) == [2, 4, 8, 16]
+    assert graph_token_sizes(64, 64) == graph_token_sizes(64, 1) == [2, 4, 8, 16, 32, 48, 64]
+
+
+@pytest.fixture(scope="module")
+def head_adapter(make_adapter):
+    """An adapter on the LM head too: its rows need the logits rows' own slots."""
+    return make_adapter("head", seed=21, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])
+
+
+def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter):
+    engine = LLMEngine(tiny_llama(), max_loras=3, max_lora_rank=8, max_num_seqs=4, max_model_len=64,
+                       max_num_batched_tokens=16)
+    runner = engine.runner
+    assert runner.graphs is None  # the CPU runs eagerly: this test feeds the graphs' forward by hand
+    graphs = StepGraphs(runner, graph_token_sizes(4, 16))
+    adapters = {"attn": engine_adapters["attn"], "all": engine_adapters["all"], "head": head_adapter}
+    requests = [None, "head", "all", None, "attn", "head", "all", None, "head"]
+    generator = torch.Generator().manual_seed(3)
+    for i, name in enumerate(requests):
+        prompt = torch.randint(3, 128, (int(torch.randint(1, 23, (1,), generator=generator)),), generator=generator)
+        lora = None if name is None else LoRARequest(name, 1 + list(adapters).index(name), str(adapters[name]))
+        engine.add_request(f"r{i}", {"prompt_token_ids": prompt.tolist()},
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), lora)
+
+    eager_logits = []
+    sample = runner._sample
+    runner._sample = lambda seqs, logits: eager_logits.append(logits.clone()) or sample(seqs, logits)
+    run = runner.run
+    seen = {"mixed": 0, "unsampled chunk": 0, "lora": 0, "padded": 0}
+
+    def checked_run(batch: ScheduledBatch):
+        assert graphs.fits(batch)  # every step of this engine fits the 16-token graph
+        sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
+        inputs = graphs.step_inputs(batch.chunks)
+        graphs._load(inputs)
+        # both variants of the graph: the LoRA one must give base rows exactly the base model
+        by_variant = {lora: graphs.forward_fn(inputs.num_tokens, lora)()[: len(sampled)].clone()
+                      for lora in (True, bool(inputs.active_slots))}
+        eager_logits.clear()
+        result = run(batch)  # eager; writes the same K/V the graph forward wrote
+        if sampled:
+            for logits in by_variant.values():
+                torch.testing.assert_close(logits, eager_logits[0], rtol=1e-4, atol=1e-4)
+        prefills = [n for _, n in batch.chunks if n > 1]
+        seen["mixed"] += bool(prefills) and len(prefills) < len(batch.chunks)
+        seen["unsampled chunk"] += len(sampled) < len(batch.chunks)
+        seen["lora"] += bool(inputs.active_slots)
+        seen["padded"] += inputs.num_tokens > batch.num_tokens
+        return result
+
+    runner.run = checked_run
+    finished = step_to_end(engine)
+    assert len(finished) == len(requests) and all(len(t) == 6 for t in finished.values())
+    assert all(count > 0 for count in seen.values()), seen
+
+
+def test_graphs_do_not_take_prompt_logprob_steps_or_oversized_ones():
+    engine = LLMEngine(tiny_llama(), enable_lora=False, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
+    graphs = StepGraphs(engine.runner, graph_token_sizes(4, 16))
+    engine.add_request("plain", {"prompt_token_ids": list(range(3, 19))}, SamplingParams(max_tokens=1))
+    engine.add_request("scored", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1, prompt_logprobs=1))
+    engine.add_request("long", {"prompt_token_ids": list(range(3, 23))}, SamplingParams(max_tokens=1))
+    seqs = dict(engine._requests)  # Sequence by request id
+    assert graphs.fits(ScheduledBatch([(seqs["plain"], 16)]))
+    assert not graphs.fits(ScheduledBatch([(seqs["plain"], 16), (seqs["scored"], 3)]))  # prompt logprobs
+    assert not graphs.fits(ScheduledBatch([(seqs["long"], 20)]))  # more tokens than the largest graph
+    assert not graphs.fits(ScheduledBatch([]))
