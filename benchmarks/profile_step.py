@@ -88,9 +88,39 @@ def ttft_profile(model, args) -> None:
     stream = io.StringIO()
     pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(45)
     report += ["", f"== cProfile, TTFT adapter a (resident): {wall:.1f} ms", stream.getvalue()]
+    report += slot_write_profile(engine, model, sync)
     text = "\n".join(report)
     args.out.write_text(text + "\n")
     print(text)
+
+
+def slot_write_profile(engine, model, sync) -> list[str]:
+    """Copying a pinned host adapter (as the CPU tier holds them) into a GPU slot: wall time of
+    each write, then a host profile of one."""
+    import cProfile
+    import io
+    import pstats
+
+    manager = engine.lora_manager
+    dtype, cuda = next(model.parameters()).dtype, torch.cuda.is_available()
+    adapters = [random_adapter(model.config, f"pinned{i}", 16, ALL_SEVEN, 50 + i, "cpu", dtype) for i in range(2)]
+    adapters = [engine.registry.bind(a.pin_memory() if cuda else a) for a in adapters]
+    report = ["", f"== slot writes of a pinned rank-16 adapter ({adapters[0].nbytes / 1e6:.0f} MB), 1 slot"]
+    for i in range(4):
+        sync()
+        t0 = time.perf_counter()
+        manager.activate(adapters[i % 2])
+        host = time.perf_counter() - t0
+        sync()
+        report.append(f"write {i}: host {1e3 * host:.1f} ms, until the copy landed {1e3 * (time.perf_counter() - t0):.1f} ms")
+    profiler = cProfile.Profile()
+    profiler.enable()
+    manager.activate(adapters[0])
+    sync()
+    profiler.disable()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(20)
+    return report + [stream.getvalue()]
 
 
 def main() -> None:

@@ -199,8 +199,11 @@ class BaseLayerWithLoRA(nn.Module):
         """Copy one adapter's weights into ``slot`` (cast to the slot dtype, zero-padded to R).
 
         ``weights_by_slice`` holds one entry per output slice; None leaves that slice without
-        LoRA. A tensor-parallel shard of a layer takes its part (`shard_lora`). Copies from
-        pinned host memory into a GPU slot do not block the host.
+        LoRA. A tensor-parallel shard of a layer takes its part (`shard_lora`). Nothing here
+        blocks the host: weights come by asynchronous copies from pinned host memory, scales and
+        ranks by fills (a pageable host-to-device copy would wait for the stream's queue, on the
+        copy stream that is the running step), and padding past the rank is cleared only where
+        the slot's last adapter wrote it.
         """
         assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
         assert len(weights_by_slice) == self.n_slices, "one weights entry per output slice"
@@ -210,7 +213,10 @@ class BaseLayerWithLoRA(nn.Module):
         R = self.max_lora_rank
         lora_a = self.lora_a_stacked[slot]  # [n_slices*R, in]
         lora_b = self.lora_b_stacked[slot]  # [out, R]
-        scales, rank = [], 0
+        written = self._host_ranks[slot]  # rows/columns past it are zero already
+        # until this write completes, a failure's reset_lora must clear whatever it reached
+        self._host_ranks[slot] = max([written] + [w.rank for w in weights_by_slice if w is not None])
+        rank = 0
         offset = 0
         for i, (size, weights) in enumerate(zip(self.output_sizes, weights_by_slice)):
             a_rows = lora_a[i * R : (i + 1) * R]  # [R, in]
@@ -220,12 +226,12 @@ class BaseLayerWithLoRA(nn.Module):
             if r:
                 a_rows[:r].copy_(weights.lora_a, non_blocking=_async(weights.lora_a, a_rows))
                 b_cols[:, :r].copy_(weights.lora_b, non_blocking=_async(weights.lora_b, b_cols))
-            a_rows[r:].zero_()
-            b_cols[:, r:].zero_()
-            scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
+            if r < written:
+                a_rows[r:].zero_()
+                b_cols[:, r:].zero_()
+            self.lora_scales[slot, i].fill_(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
             rank = max(rank, r)
-        self.lora_scales[slot].copy_(torch.tensor(scales, dtype=torch.float32))
-        self.lora_ranks[slot] = rank
+        self.lora_ranks[slot].fill_(rank)
         self._host_ranks[slot] = rank
 
     @torch.no_grad()
