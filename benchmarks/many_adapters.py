@@ -17,7 +17,11 @@ first: a saturated burst over 4 warm adapters (busy, not drowning). Per N: outpu
 p50/p99, cold against warm TTFT, failed requests, tier loads and evictions under Poisson arrivals;
 then, from cold tiers and page cache again, ``--saturated-requests`` over the same adapters all at
 once: the throughput at saturation (under Poisson arrivals an engine that keeps up just serves the
-rate). The issue's targets: saturated throughput at the largest N within 5% of the smallest, p99
+rate). Then the same burst once more with new prompts, its adapters now in host memory (the CPU
+tier, and the page cache for those it had to evict): S-LoRA's setting, whose mark (2,000 adapters
+within ~5% of 5) kept every adapter in host memory; the cold burst is bound by the disk instead.
+The issue's targets: saturated throughput at the largest N within 5% of the smallest (judged on
+the host-warm bursts; the cold ratio is reported beside it), p99
 TTFT at the largest N at most 2x the smallest's, cold TTFT p50 at most warm p50 + 1.5 x (adapter
 bytes / disk read bandwidth), the bandwidth measured in this run by reading fresh adapter files
 with the page cache dropped.
@@ -31,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -53,6 +58,8 @@ from benchmarks._common import (  # noqa: E402
 from benchmarks.adapter_trace import (  # noqa: E402
     DEFAULT_MIX,
     AdapterKind,
+    Trace,
+    TraceRequest,
     adapter_nbytes,
     make_trace,
     run_trace,
@@ -171,14 +178,28 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
     unload(engine, used, paths)
     if burst is not None:  # throughput at saturation: what S-LoRA's mark compares
         saturated = summarize(run_trace(engine, burst, paths, max_tokens=args.output_len))
-        result.update(saturated_requests=saturated["requests"], saturated_failed=saturated["failed"],
-                      saturated_tokens_per_s=saturated["tokens_per_s"])
-        result["failed"] += saturated["failed"]
-        print(f"  N={n} saturated: {saturated['tokens_per_s']:.0f} tok/s over {saturated['requests']} requests; "
-              f"{saturated['failed']} failed", flush=True)
+        warm = summarize(run_trace(engine, with_new_prompts(burst, vocab, args.seed + index), paths,
+                                   max_tokens=args.output_len))
+        result.update(saturated_requests=saturated["requests"], saturated_failed=saturated["failed"] + warm["failed"],
+                      saturated_tokens_per_s=saturated["tokens_per_s"],
+                      saturated_warm_tokens_per_s=warm["tokens_per_s"])
+        result["failed"] += saturated["failed"] + warm["failed"]
+        print(f"  N={n} saturated: {saturated['tokens_per_s']:.0f} tok/s from cold tiers, {warm['tokens_per_s']:.0f} "
+              f"tok/s host-warm, over {saturated['requests']} requests; {saturated['failed'] + warm['failed']} failed",
+              flush=True)
         unload(engine, used, paths)
     shutil.rmtree(root / f"n{n}")
     return result
+
+
+def with_new_prompts(trace: Trace, vocab: int, seed: int) -> Trace:
+    """The same requests over the same adapters with fresh prompts (no prefix-cache hits)."""
+    rng = random.Random(seed)
+    return Trace(trace.adapters, [
+        TraceRequest(f"{r.request_id}-again", r.arrival_s, r.adapter,
+                     [rng.randrange(1, vocab) for _ in r.prompt_token_ids])
+        for r in trace.requests
+    ])
 
 
 def unload(engine, adapters, paths: dict[str, Path]) -> None:
@@ -194,11 +215,15 @@ def check_targets(results: list[dict], disk_bytes_per_s: float) -> dict:
     small, large = results[0], results[-1]
     checks = {"no_failed_requests": {"failed": sum(r["failed"] for r in results),
                                      "passed": all(r["failed"] == 0 for r in results)}}
-    # at saturation where measured: under Poisson arrivals an engine that keeps up serves the rate
-    key = "saturated_tokens_per_s" if small.get("saturated_tokens_per_s") else "tokens_per_s"
+    # at saturation where measured (under Poisson arrivals an engine that keeps up serves the rate),
+    # adapters in host memory as in S-LoRA's mark; from cold tiers and disk beside it
+    key = "saturated_warm_tokens_per_s" if small.get("saturated_warm_tokens_per_s") else "tokens_per_s"
     if len(results) > 1 and small[key] and large.get(key):
         ratio = large[key] / small[key]
         checks["throughput_within_5pct"] = {"largest_over_smallest": ratio, "measured": key, "passed": ratio >= 0.95}
+        if small.get("saturated_tokens_per_s") and large.get("saturated_tokens_per_s"):
+            checks["throughput_within_5pct"]["cold_tiers_largest_over_smallest"] = (
+                large["saturated_tokens_per_s"] / small["saturated_tokens_per_s"])
     if len(results) > 1 and small["ttft_p99_ms"] and large["ttft_p99_ms"] is not None:
         ratio = large["ttft_p99_ms"] / small["ttft_p99_ms"]
         checks["p99_ttft_at_most_2x"] = {"largest_over_smallest": ratio, "passed": ratio <= 2.0}
@@ -229,16 +254,18 @@ def markdown(report: dict) -> str:
         f"GB/s (page cache dropped), sequential {disk['disk_bytes_per_s'] / GB:.2f} GB/s. Host load average "
         f"(1 min) after each N: {loads} on {os.cpu_count()} CPUs.",
         "",
-        "| N | used | GB on disk | tokens/s (Poisson) | saturated tokens/s | vs first | TTFT p50 (ms) | p99 (ms) | "
+        "| N | used | GB on disk | tokens/s (Poisson) | saturated tokens/s, cold tiers | saturated, host-warm | "
+        "vs first | TTFT p50 (ms) | p99 (ms) | "
         "cold req. | cold p50 (ms) | warm p50 (ms) | CPU loads | CPU evictions | GPU evictions | failed |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    key = "saturated_tokens_per_s" if report["results"][0].get("saturated_tokens_per_s") else "tokens_per_s"
+    key = "saturated_warm_tokens_per_s" if report["results"][0].get("saturated_warm_tokens_per_s") else "tokens_per_s"
     first = report["results"][0][key]
     for r in report["results"]:
         lines.append(
             f"| {r['adapters']} | {r['adapters_used']} | {r['adapter_bytes_written'] / GB:.2f} | "
             f"{fmt(r['tokens_per_s'])} | {fmt(r.get('saturated_tokens_per_s'))} | "
+            f"{fmt(r.get('saturated_warm_tokens_per_s'))} | "
             f"{fmt(r[key] / first if first and r.get(key) else None, '{:.3f}x')} | "
             f"{fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | {r['cold_requests']} | {fmt(r['cold_ttft_p50_ms'])} | "
             f"{fmt(r['warm_ttft_p50_ms'])} | {r.get('cpu_loads', '')} | {r.get('cpu_evictions', '')} | "
@@ -264,7 +291,9 @@ def plot(json_path: Path) -> Path:
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.plot(n, [r["tokens_per_s"] for r in results], "o-", label="Poisson arrivals")
     if all(r.get("saturated_tokens_per_s") for r in results):
-        left.plot(n, [r["saturated_tokens_per_s"] for r in results], "s-", label="saturated")
+        left.plot(n, [r["saturated_tokens_per_s"] for r in results], "s-", label="saturated, cold tiers")
+    if all(r.get("saturated_warm_tokens_per_s") for r in results):
+        left.plot(n, [r["saturated_warm_tokens_per_s"] for r in results], "^-", label="saturated, host-warm")
     left.legend()
     left.set(xscale="log", xlabel="adapters (N)", ylabel="output tokens/s", title="throughput")
     left.set_ylim(bottom=0)
