@@ -39,6 +39,8 @@ def lora_shrink(
     scales: torch.Tensor,
     meta: LoRABatchMeta,
     ranks: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """buf[t, i*R:(i+1)*R] = (x[t] @ A[slot(t), i*R:(i+1)*R].T) * scales[slot(t), i].
 
@@ -47,12 +49,21 @@ def lora_shrink(
     must be zero padding; they are skipped). Returns buf: [T, n_slices*R] float32, zeros past a
     slot's rank; rows of slot -1 tokens are unspecified. One kernel, no memset before it, no host
     sync (with a static meta it can be captured in a CUDA graph).
+
+    out: buf's memory, given by the caller (a float32 [T, n_slices*R] tensor on x's device), so a
+    shrink launched on a side stream writes into memory the main stream allocated; returned.
     """
     if _use_triton(x):
         from .shrink import lora_shrink_triton
 
-        return lora_shrink_triton(x, lora_a, scales, meta, ranks)
-    return reference.lora_shrink_ref(x, lora_a, scales, meta, ranks)
+        return lora_shrink_triton(x, lora_a, scales, meta, ranks, out=out)
+    buf = reference.lora_shrink_ref(x, lora_a, scales, meta, ranks)
+    if out is None:
+        return buf
+    if out.shape != buf.shape or out.dtype != buf.dtype or out.device != buf.device:
+        raise ValueError(f"lora_shrink: out must be a {buf.dtype} {list(buf.shape)} tensor on {buf.device}, "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}")
+    return out.copy_(buf)
 
 
 def lora_expand(

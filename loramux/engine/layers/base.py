@@ -9,14 +9,18 @@ an adapter per GPU slot, in the layouts the kernels take:
     lora_ranks      [max_loras] int32   (0: the slot's adapter does not touch this layer)
 
 with R = ``max_lora_rank``. ``forward`` is the base layer's output plus, for every token, the
-delta of that token's slot, read from the shared `LoRAContext`. A subclass states its sizes in
-``__init__`` and, when its input is not ``[..., in_features]`` activations, overrides
-``apply_lora``.
+delta of that token's slot, read from the shared `LoRAContext`, all in one custom op
+(``loramux::lora_layer``, `lora_forward`): on CUDA a projection's shrink runs on a side stream
+beside its base GEMM. A subclass states its sizes in ``__init__`` and, when its input is not
+``[..., in_features]`` activations, overrides ``apply_lora`` (its delta then runs after the base
+layer, in order) and, when its base layer's output is not ``rows_shape(x) + (out_features,)``
+in x's dtype, ``rows_shape`` and ``base_output_spec``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -24,7 +28,8 @@ from torch import nn
 
 from loramux.engine.layers.context import LoRAContext
 from loramux.engine.layers.lora_op import register_layer
-from loramux.kernels import LoRABatchMeta, lora_apply
+from loramux.engine.layers.side_stream import shrink_beside_base, side_stream
+from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
 __all__ = ["BaseLayerWithLoRA"]
@@ -92,7 +97,7 @@ class BaseLayerWithLoRA(nn.Module):
         self._host_ranks = [0] * S  # lora_ranks on the host: skip layers no active slot touches
         self.lora_context: LoRAContext | None = None  # set by the model manager
         self.computes_logits = False  # the model's LM head (set by patch_model): its rows are the logits rows
-        self.layer_id = register_layer(self)  # how the apply_lora op finds this layer
+        self.layer_id = register_layer(self)  # how the lora_layer op finds this layer
 
     # -- the wrapped layer -------------------------------------------------------------------
 
@@ -256,37 +261,94 @@ class BaseLayerWithLoRA(nn.Module):
         """The leading dims of ``x`` that index tokens (all but the feature dim)."""
         return tuple(x.shape[:-1])
 
-    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        output = self.base_layer(x, *args, **kwargs)
-        if self.lora_context is None:
-            return output
-        output = output.contiguous()
-        # one opaque op: torch.compile traces no per-step Python state, and a CUDA graph captured
-        # without adapters launches nothing here (see `add_lora_delta`)
-        torch.ops.loramux.apply_lora(output, x, self.layer_id)
-        return output
+    def base_output_spec(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of ``base_layer(x)``, which ``torch.compile`` needs before the layer runs:
+        ``rows_shape(x) + (out_features,)``, in x's dtype, or autocast's when it is on (a
+        projection is a matmul). A wrapper whose base layer returns otherwise overrides it."""
+        device_type = x.device.type
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
+        return (*self.rows_shape(x), self.out_features), dtype
 
-    def add_lora_delta(self, x: torch.Tensor, output: torch.Tensor) -> None:
-        """``output += delta`` in place, for the mapping the `LoRAContext` holds now."""
-        rows = self.rows_shape(x)
-        meta = self.lora_context.logits_meta_for(rows) if self.computes_logits else self.lora_context.meta_for(rows)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_context is None:
+            return self.base_layer(x)
+        # one opaque op for the whole layer (see `lora_forward`): torch.compile traces no per-step
+        # Python state and cannot reorder the base GEMM and the shrink launched beside it
+        shape, dtype = self.base_output_spec(x)
+        return torch.ops.loramux.lora_layer(x, self.layer_id, shape, dtype)
+
+    def lora_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``base_layer(x)`` plus the delta for the mapping the `LoRAContext` holds now, in a new
+        contiguous tensor: the body of the ``loramux::lora_layer`` op.
+
+        With nothing to add (no mapping, or no active slot touches this layer) it is the base
+        layer's output alone: a CUDA graph captured without adapters holds no LoRA kernel and no
+        stream fork. On CUDA with the Triton kernels (`shrink_beside_base`), a projection forks:
+
+            main:  alloc buf ─┬─ base GEMM ──────── wait(side) ─ expand into output
+            side:             └─ wait(main) ─ shrink into buf ─┘
+
+        The shrink is latency-bound at decode, so it hides beside the GEMM (numbers in
+        `loramux.engine.layers.side_stream`). Every fork is joined before the op returns, so a
+        CUDA-graph capture gets a parallel branch that ends inside the layer. Elsewhere, and for
+        a subclass that overrides `apply_lora` (its delta is not our shrink + expand: the
+        embedding's gather, a plugin's kernels), base then delta in order.
+        """
+        meta = self._lora_meta(x)
         if meta is None:
-            return
-        if not meta.static and not any(self._host_ranks[slot] for slot in meta.active_slots_host):
-            return  # no token of this batch uses an adapter that touches this layer
-        y = output.view(-1, self.out_features)  # [T, out], shares memory with output
-        if y.dtype != self.lora_b_stacked.dtype:  # e.g. autocast: add in the slot dtype
-            delta_y = y.to(self.lora_b_stacked.dtype)
-            self.apply_lora(x, delta_y, meta)
-            y.copy_(delta_y)
-        else:
+            return self.base_layer(x).contiguous()
+        if type(self).apply_lora is BaseLayerWithLoRA.apply_lora and shrink_beside_base(x.device):
+            return self._forward_shrink_beside_base(x, meta)
+        output = self.base_layer(x).contiguous()
+        with self._rows_in_slot_dtype(output) as y:
             self.apply_lora(x, y, meta)
+        return output
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
         """``y [T, out] += delta``, in place, for activations ``x [..., in_features]``."""
-        x = x.reshape(-1, self.in_features).to(self.lora_a_stacked.dtype)  # [T, in]
-        lora_apply(y, x, self.lora_a_stacked, self.lora_b_stacked, self.lora_scales, self.lora_ranks,
-                   self.output_sizes, meta)
+        lora_apply(y, self._lora_input(x), self.lora_a_stacked, self.lora_b_stacked, self.lora_scales,
+                   self.lora_ranks, self.output_sizes, meta)
+
+    def _forward_shrink_beside_base(self, x: torch.Tensor, meta: LoRABatchMeta) -> torch.Tensor:
+        # buf is allocated on the main stream, before the fork, so the main stream owns its memory
+        buf = torch.empty(meta.num_tokens, self.n_slices * self.max_lora_rank, dtype=torch.float32,
+                          device=x.device)  # [T, n_slices*R]
+        main, side = torch.cuda.current_stream(x.device), side_stream(x.device)
+        side.wait_stream(main)  # x is made on the main stream
+        with torch.cuda.stream(side):
+            # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only
+            lora_shrink(self._lora_input(x), self.lora_a_stacked, self.lora_scales, meta, self.lora_ranks, out=buf)
+        output = self.base_layer(x).contiguous()  # on the main stream, beside the shrink
+        main.wait_stream(side)  # the join: buf is written, and x's memory is not reused before the shrink read it
+        with self._rows_in_slot_dtype(output) as y:
+            lora_expand(y, buf, self.lora_b_stacked, self.output_sizes, meta, self.lora_ranks)
+        return output
+
+    def _lora_meta(self, x: torch.Tensor) -> LoRABatchMeta | None:
+        """The kernel metadata for input ``x``, or None when no token gets a delta from this layer."""
+        rows = self.rows_shape(x)
+        meta = self.lora_context.logits_meta_for(rows) if self.computes_logits else self.lora_context.meta_for(rows)
+        if meta is None:
+            return None
+        if not meta.static and not any(self._host_ranks[slot] for slot in meta.active_slots_host):
+            return None  # no token of this batch uses an adapter that touches this layer
+        return meta
+
+    def _lora_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, self.in_features).to(self.lora_a_stacked.dtype)  # [T, in]
+
+    @contextmanager
+    def _rows_in_slot_dtype(self, output: torch.Tensor) -> Iterator[torch.Tensor]:
+        """``output`` as ``[T, out]`` rows for the kernels to add into: a view, or, when the slot
+        dtype differs from the output's (``lora_dtype``, autocast), a copy in the slot dtype that
+        is written back on exit."""
+        y = output.view(-1, self.out_features)  # [T, out], shares memory with output
+        if y.dtype == self.lora_b_stacked.dtype:
+            yield y
+            return
+        delta_y = y.to(self.lora_b_stacked.dtype)
+        yield delta_y
+        y.copy_(delta_y)
 
 
 def _async(source: torch.Tensor, target: torch.Tensor) -> bool:

@@ -3,7 +3,8 @@
 PEFT's embedding LoRA is ``delta = A.T[token_id] @ B.T * scaling`` with A ``[r, vocab]`` and
 B ``[dim, r]``: the shrink is a gather of one column of A per token, the expand is the usual
 kernel. An embedding that scales its own output (``embed_scale``, Gemma) scales the delta too,
-as PEFT does.
+as PEFT does. A lookup is no GEMM to hide a shrink behind: the delta runs after it, on the main
+stream (it overrides ``apply_lora``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ class EmbeddingWithLoRA(BaseLayerWithLoRA):
 
     def rows_shape(self, x: torch.Tensor) -> tuple[int, ...]:
         return tuple(x.shape)  # token ids: every dim indexes tokens
+
+    def base_output_spec(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+        return (*x.shape, self.out_features), self.base_layer.weight.dtype  # a lookup: no autocast
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
         token_ids = x.reshape(-1).long()  # [T]
