@@ -11,7 +11,7 @@ kernels per step (and inside a CUDA graph their launches cost nothing).
 Two things would make that one graph many:
 
 - The custom ops take a per-layer int (``loramux::attention(..., module.layer_idx, ...)`` and
-  ``loramux::apply_lora(output, x, layer.layer_id)``), and dynamo bakes an ``nn.Module``'s int
+  ``loramux::lora_layer(x, layer.layer_id, ...)``), and dynamo bakes an ``nn.Module``'s int
   attributes into the graph as constants: one recompile per layer. We let dynamo treat those
   ints as symbolic (``allow_unspec_int_on_nn_module``) and name them dynamic from the first
   compile (``torch.compiler.config.dynamic_sources``), so they are graph inputs. Torch versions

@@ -270,6 +270,8 @@ class BaseLayerWithLoRA(nn.Module):
         return (*self.rows_shape(x), self.out_features), dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``base_layer(x)`` plus each token's delta; the base layer alone until the model manager
+        gives the layer its `LoRAContext`."""
         if self.lora_context is None:
             return self.base_layer(x)
         # one opaque op for the whole layer (see `lora_forward`): torch.compile traces no per-step
@@ -340,8 +342,8 @@ class BaseLayerWithLoRA(nn.Module):
     @contextmanager
     def _rows_in_slot_dtype(self, output: torch.Tensor) -> Iterator[torch.Tensor]:
         """``output`` as ``[T, out]`` rows for the kernels to add into: a view, or, when the slot
-        dtype differs from the output's (``lora_dtype``, autocast), a copy in the slot dtype that
-        is written back on exit."""
+        dtype differs from the output's (autocast, a wrapper built with another ``dtype``), a copy
+        in the slot dtype, written back on exit."""
         y = output.view(-1, self.out_features)  # [T, out], shares memory with output
         if y.dtype == self.lora_b_stacked.dtype:
             yield y

@@ -1,0 +1,266 @@
+"""Issue 13: a LoRA projection's shrink runs on a side CUDA stream beside its base GEMM, inside one
+custom op (``loramux::lora_layer``). CPU tests: the decision, the fork/join order (with recording
+stand-ins for the CUDA streams), equality with the sequential path, the op under torch.compile;
+the real streams run in tests/test_layer_side_stream_gpu.py."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.testing import CompileCounterWithBackend
+
+import loramux.engine.layers.base as base_module
+from loramux.engine.layers import EmbeddingWithLoRA, LinearWithLoRA, LoRAContext
+from loramux.engine.layers.side_stream import shrink_beside_base
+from loramux.kernels import build_lora_meta, lora_shrink
+from loramux.registry import LoRAConfig, LoRAModuleWeights
+
+CONFIG = LoRAConfig(max_loras=3, max_lora_rank=8)
+SLOTS = torch.tensor([0, -1, 1, 1, -1, 0], dtype=torch.int32)  # adapters and base rows mixed
+
+
+def with_adapters(layer, ranks=(4, 8)):
+    """``layer`` with a context and one random adapter per slot of ``ranks`` (rank 0: none)."""
+    layer.lora_context = LoRAContext(CONFIG.max_loras)
+    generator = torch.Generator().manual_seed(len(ranks))
+    for slot, rank in enumerate(ranks):
+        layer.set_lora(slot, [None if rank == 0 else LoRAModuleWeights(
+            torch.randn(rank, layer.in_features, generator=generator),
+            torch.randn(size, rank, generator=generator), scaling=0.5 + slot, is_embedding=layer.is_embedding)
+            for size in layer.output_sizes])
+    return layer
+
+
+def linear(dtype=torch.float32):
+    torch.manual_seed(0)
+    return with_adapters(LinearWithLoRA(nn.Linear(16, 12).to(dtype), "proj", CONFIG))
+
+
+# -- the decision -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("device", "kernels", "beside"), [
+    ("cuda", None, True), ("cuda:1", None, True), ("cuda", "triton", True),
+    ("cuda", "torch", False),  # the torch reference on a GPU: sequential
+    ("cpu", None, False), ("cpu", "triton", False),  # Triton's interpreter on the CPU: no streams there
+])
+def test_the_shrink_goes_beside_the_base_gemm_only_on_cuda_with_the_triton_kernels(
+        device, kernels, beside, monkeypatch):
+    if kernels is None:
+        monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+    else:
+        monkeypatch.setenv("LORAMUX_KERNELS", kernels)
+    assert shrink_beside_base(device) is beside
+    assert shrink_beside_base(torch.device(device)) is beside
+
+
+# -- the fork and the join, with recording stand-ins for the CUDA streams ------------------------------
+
+
+class Streams:
+    """Stand-ins for ``torch.cuda.current_stream``/``stream`` and the side stream that log, in
+    order, every wait and which stream each LoRA kernel and base GEMM was launched on."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.log: list[str] = []
+        self.current = "main"
+        self.main, self.side = _Stream("main", self.log), _Stream("side", self.log)
+        monkeypatch.setattr(base_module, "shrink_beside_base", lambda device: True)  # as on CUDA
+        monkeypatch.setattr(base_module, "side_stream", lambda device: self.side)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(self, self.current))
+        monkeypatch.setattr(torch.cuda, "stream", self._on)
+        for name in ("lora_shrink", "lora_expand", "lora_apply"):
+            monkeypatch.setattr(base_module, name, self._logged(name, getattr(base_module, name)))
+
+    @contextlib.contextmanager
+    def _on(self, stream):
+        before, self.current = self.current, stream.name
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def _logged(self, name, kernel):
+        def run(*args, **kwargs):
+            self.log.append(f"{name} on {self.current}")
+            if "out" in kwargs:
+                self.out = kwargs["out"]
+            return kernel(*args, **kwargs)
+
+        return run
+
+    def watch(self, layer) -> None:
+        layer.base_layer.register_forward_hook(lambda *_: self.log.append(f"base on {self.current}"))
+
+
+class _Stream:
+    def __init__(self, name: str, log: list[str]) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append(f"{self.name} waits {other.name}")
+
+
+def sequential(layer, x):
+    """The layer's output with the shrink after the base layer, on one stream."""
+    original = base_module.shrink_beside_base
+    base_module.shrink_beside_base = lambda device: False
+    try:
+        return layer(x)
+    finally:
+        base_module.shrink_beside_base = original
+
+
+# bfloat16 base with float32 slots: the delta is added in the slot dtype and written back
+@pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
+def test_a_projection_forks_its_shrink_before_the_base_gemm_and_joins_before_the_expand(base_dtype, monkeypatch):
+    layer = linear()
+    layer.base_layer.to(base_dtype)
+    x = torch.randn(2, 3, 16, dtype=base_dtype)  # [B, S, in]: T = 6 rows
+    layer.lora_context.set(SLOTS)
+    expected = sequential(layer, x)
+    assert not torch.equal(expected, layer.base_layer(x))  # the adapters change it
+
+    streams = Streams(monkeypatch)
+    streams.watch(layer)
+    got = layer(x)
+    assert streams.log == ["side waits main", "lora_shrink on side", "base on main", "main waits side",
+                           "lora_expand on main"]
+    assert streams.out.dtype == torch.float32 and streams.out.shape == (6, 8)  # buf: [T, n_slices*R]
+    assert got.dtype == base_dtype and got.shape == (2, 3, 12) and got.is_contiguous()
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same kernels, same order of sums
+
+
+def test_nothing_forks_without_adapters_for_a_rank_0_layer_or_for_an_embedding(monkeypatch):
+    streams = Streams(monkeypatch)
+    layer = linear()
+    streams.watch(layer)
+    x = torch.randn(6, 16)
+    layer.lora_context.set(None)  # a base-only step: the base GEMM alone
+    torch.testing.assert_close(layer(x), layer.base_layer(x), rtol=0, atol=0)
+    assert streams.log == ["base on main", "base on main"]
+
+    streams.log.clear()
+    untouched = with_adapters(LinearWithLoRA(nn.Linear(16, 12), "proj", CONFIG), ranks=(0, 0))
+    streams.watch(untouched)
+    untouched.lora_context.set(SLOTS)  # the active adapters do not touch this layer
+    assert torch.equal(untouched(x), untouched.base_layer(x)) and streams.log == ["base on main", "base on main"]
+
+    streams.log.clear()
+    embedding = with_adapters(EmbeddingWithLoRA(nn.Embedding(50, 12), "embed", CONFIG))
+    streams.watch(embedding)
+    embedding.lora_context.set(SLOTS)
+    ids = torch.tensor([3, 7, 7, 0, 49, 12])
+    got = embedding(ids)  # a lookup hides nothing: base, then its own delta, on the main stream
+    assert streams.log == ["base on main"]
+    assert not torch.equal(got, embedding.base_layer(ids)) and got.dtype == embedding.weight.dtype
+
+
+def test_on_the_cpu_a_layer_never_touches_cuda_streams(monkeypatch):
+    def no_streams(*args, **kwargs):
+        pytest.fail("a CPU forward asked for a CUDA stream")
+
+    monkeypatch.setattr(base_module, "side_stream", no_streams)
+    monkeypatch.setattr(torch.cuda, "current_stream", no_streams)
+    layer = linear()
+    layer.lora_context.set(SLOTS)
+    x = torch.randn(6, 16)
+    assert not torch.equal(layer(x), layer.base_layer(x))
+
+
+# -- the op's contract ----------------------------------------------------------------------------
+
+
+def test_the_op_under_autocast_returns_autocasts_dtype():
+    layer = linear()
+    layer.lora_context.set(SLOTS)
+    x = torch.randn(6, 16)
+    expected = layer(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x)  # the base GEMM runs in bfloat16; the delta is added in the slots' float32
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=5e-2)
+
+
+class _Float64Out(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(16, 12)
+        self.weight = self.inner.weight
+
+    def forward(self, x):
+        return self.inner(x).double()
+
+
+def test_a_base_layer_returning_other_than_its_spec_names_the_fix():
+    wrapper = with_adapters(_wrap(_Float64Out()))
+    wrapper.lora_context.set(SLOTS)
+    with pytest.raises(ValueError, match=r"'odd'.*returned torch.float64 \[6, 12\].*said torch.float32 \[6, 12\]"
+                                         r".*override base_output_spec"):
+        wrapper(torch.randn(6, 16))
+
+
+def _wrap(base_layer):
+    from loramux.engine.layers import BaseLayerWithLoRA
+
+    return BaseLayerWithLoRA(base_layer, "odd", CONFIG, in_features=16, output_sizes=(12,))
+
+
+def test_lora_shrink_writes_into_out_and_rejects_an_out_of_the_wrong_dtype_or_shape():
+    generator = torch.Generator().manual_seed(0)
+    x, lora_a = torch.randn(6, 16, generator=generator), torch.randn(3, 8, 16, generator=generator)
+    scales = torch.ones(3, 1)
+    meta = build_lora_meta(SLOTS, 3)
+    out = torch.empty(6, 8)
+    assert lora_shrink(x, lora_a, scales, meta, out=out) is out
+    torch.testing.assert_close(out, lora_shrink(x, lora_a, scales, meta), rtol=0, atol=0)
+    for bad in (torch.empty(6, 8, dtype=torch.float64), torch.empty(5, 8)):
+        with pytest.raises(ValueError, match=r"out must be a torch.float32 \[6, 8\] tensor on cpu, got"):
+            lora_shrink(x, lora_a, scales, meta, out=bad)
+
+
+# -- under torch.compile ----------------------------------------------------------------------------
+
+
+class TwoProjections(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = with_adapters(EmbeddingWithLoRA(nn.Embedding(50, 16), "embed", CONFIG))
+        self.up = with_adapters(LinearWithLoRA(nn.Linear(16, 12), "up", CONFIG))
+        self.down = with_adapters(LinearWithLoRA(nn.Linear(12, 16), "down", CONFIG), ranks=(0, 2))
+        context = self.embed.lora_context  # one context for the model, as the model manager does
+        self.up.lora_context = self.down.lora_context = context
+
+    def forward(self, ids):
+        return self.down(torch.relu(self.up(self.embed(ids))))
+
+
+def test_compiled_layers_do_not_recompile_as_adapters_come_and_go():
+    torch._dynamo.reset()
+    model = TwoProjections()
+    counter = CompileCounterWithBackend("aot_eager")  # functionalizes the op, as inductor does
+    compiled = torch.compile(model, backend=counter, fullgraph=True)
+    ids = torch.tensor([3, 7, 7, 0, 49, 12])
+    context = model.embed.lora_context
+    weights = LoRAModuleWeights(torch.randn(3, 16), torch.randn(12, 3), scaling=2.0)
+    steps = [
+        lambda: context.set(None),  # no adapter: the base layers alone
+        lambda: context.set(SLOTS),  # two adapters and base rows
+        lambda: context.set(torch.tensor([1, 1, 1, 1, 1, 1], dtype=torch.int32)),  # one adapter
+        lambda: model.up.set_lora(2, [weights]),  # an adapter arrives in a new slot ...
+        lambda: context.set(torch.tensor([2, -1, 2, 0, -1, -1], dtype=torch.int32)),
+        lambda: model.up.reset_lora(0),  # ... and one leaves
+        lambda: context.set(torch.tensor([-1, -1, -1, -1, -1, -1], dtype=torch.int32)),  # base rows only
+    ]
+    outputs = set()
+    for change in steps:
+        change()
+        got = compiled(ids)
+        torch.testing.assert_close(got, model(ids), rtol=0, atol=0)
+        outputs.add(got.sum().item())
+    assert counter.frame_count == 1 and counter.op_count > 0
+    assert len(outputs) >= 5  # the adapters did change the output, step after step
