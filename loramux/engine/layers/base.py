@@ -315,6 +315,8 @@ class BaseLayerWithLoRA(nn.Module):
         # buf is allocated on the main stream, before the fork, so the main stream owns its memory
         buf = torch.empty(meta.num_tokens, self.n_slices * self.max_lora_rank, dtype=torch.float32,
                           device=x.device)  # [T, n_slices*R]
+        # one side stream per device for every layer: shrinks run one after another there, so two
+        # split-K shrinks (sharing the device's counter table) never run at once
         main, side = torch.cuda.current_stream(x.device), side_stream(x.device)
         side.wait_stream(main)  # x is made on the main stream
         with torch.cuda.stream(side):
