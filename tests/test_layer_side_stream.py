@@ -13,7 +13,7 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import loramux.engine.layers.base as base_module
-from loramux.engine.layers import EmbeddingWithLoRA, LinearWithLoRA, LoRAContext
+from loramux.engine.layers import BaseLayerWithLoRA, EmbeddingWithLoRA, LinearWithLoRA, LoRAContext
 from loramux.engine.layers.side_stream import shrink_beside_base
 from loramux.kernels import build_lora_meta, lora_shrink
 from loramux.registry import LoRAConfig, LoRAModuleWeights
@@ -196,17 +196,11 @@ class _Float64Out(nn.Module):
 
 
 def test_a_base_layer_returning_other_than_its_spec_names_the_fix():
-    wrapper = with_adapters(_wrap(_Float64Out()))
+    wrapper = with_adapters(BaseLayerWithLoRA(_Float64Out(), "odd", CONFIG, in_features=16, output_sizes=(12,)))
     wrapper.lora_context.set(SLOTS)
     with pytest.raises(ValueError, match=r"'odd'.*returned torch.float64 \[6, 12\].*said torch.float32 \[6, 12\]"
                                          r".*override base_output_spec"):
         wrapper(torch.randn(6, 16))
-
-
-def _wrap(base_layer):
-    from loramux.engine.layers import BaseLayerWithLoRA
-
-    return BaseLayerWithLoRA(base_layer, "odd", CONFIG, in_features=16, output_sizes=(12,))
 
 
 def test_lora_shrink_writes_into_out_and_rejects_an_out_of_the_wrong_dtype_or_shape():
