@@ -36,9 +36,6 @@ def test_a_captured_step_with_the_shrink_beside_the_base_gemm_equals_eager_and_s
     device = torch.device("cuda")
     assert base_module.shrink_beside_base(device)
     model = tiny_llama().to(device, torch.bfloat16)
-    # transformers builds the SDPA mask differently while a stream captures (it may not read tensors
-    # then), which can pick another SDPA kernel; eager attention runs the same kernels either way
-    model.set_attn_implementation("eager")
     manager = LoRAModelManager(model, LoRAConfig(max_loras=2, max_lora_rank=8))
     for name in ("attn", "all"):
         manager.activate(load_adapter(engine_adapters[name], name=name))
@@ -51,9 +48,22 @@ def test_a_captured_step_with_the_shrink_beside_the_base_gemm_equals_eager_and_s
 
     real_shrink_beside_base = base_module.shrink_beside_base
 
+    def forward() -> torch.Tensor:
+        """Every wrapped projection of every layer, chained as the layer chains them (attention
+        itself left out: transformers builds its mask with host copies, which a capture refuses);
+        [B, features], one row per sequence."""
+        h = model.model.embed_tokens(ids)  # [B, S, H]
+        outs = []
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            outs += [attn.k_proj(h), attn.v_proj(h)]
+            h = h + attn.o_proj(attn.q_proj(h))
+            h = h + layer.mlp(h)
+        return torch.cat([t.reshape(B, -1) for t in (h, *outs)], dim=1)
+
     def step() -> torch.Tensor:  # the kernel metadata is built inside the graph, as the engine does
         manager.set_mapping(slots, static=True)
-        return model(ids, use_cache=False).logits  # [B, S, V]
+        return forward()
 
     def sequential() -> torch.Tensor:
         monkeypatch.setattr(base_module, "shrink_beside_base", lambda dev: False)
@@ -63,7 +73,7 @@ def test_a_captured_step_with_the_shrink_beside_the_base_gemm_equals_eager_and_s
             monkeypatch.setattr(base_module, "shrink_beside_base", real_shrink_beside_base)
 
     manager.set_mapping(None)
-    base_logits = model(ids, use_cache=False).logits
+    base_out = forward()
 
     # warm up outside the capture (Triton compiles, the split-K table, the side stream), as cuda_graphs does
     warm = torch.cuda.Stream(device)
@@ -90,6 +100,6 @@ def test_a_captured_step_with_the_shrink_beside_the_base_gemm_equals_eager_and_s
         torch.testing.assert_close(got, eager, rtol=0, atol=0, msg=f"{label}: replay != eager")
         for row, name in enumerate(names):
             if name is None:  # base rows are left exactly as the base model computes them
-                torch.testing.assert_close(got[row], base_logits[row], rtol=0, atol=0, msg=f"{label}: row {row}")
+                torch.testing.assert_close(got[row], base_out[row], rtol=0, atol=0, msg=f"{label}: row {row}")
             else:
-                assert (got[row] - base_logits[row]).abs().max() > 0.05, f"{label}: adapter row {row} unchanged"
+                assert (got[row] - base_out[row]).abs().max() > 0.01, f"{label}: adapter row {row} unchanged"
