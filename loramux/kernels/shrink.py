@@ -9,11 +9,7 @@ Split-K without a zeroed buffer: each split stores its float32 partial product i
 tensor [SPLIT_K, T, NR] (torch.empty, never cleared), then bumps a per-(tile, rank block) counter
 in a device-wide table with one acquire-release atomic; the program that finds the count at
 SPLIT_K - 1 is the last, sums the partials in split order (deterministic) and stores buf, then
-puts the counter back to 0. The atomic is one thread's, so every thread fences at GPU scope on
-both sides of it (`_gpu_fence`: after storing its partial, and before the last program reads
-them): without the fences the last program read some 16-byte pieces of the others' partials
-stale on an H100 (relative error 0.44 at 32 adapters, tests/test_kernels.py
-``test_gpu_graph_captured_with_all_base_rows_replays_any_mix``), whatever the scratch held before. The table is zeroed once when made and every launch leaves it zero,
+puts the counter back to 0. The table is zeroed once when made and every launch leaves it zero,
 so no launch needs a memset before it (one node less per projection in a CUDA graph). buf's
 rows of tokens with an adapter are stored by exactly one program, zeros past a slot's rank.
 Launches of the same device share the table: do not run two split-K shrinks at once on
@@ -37,7 +33,7 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, interpreting, next_pow2, segment_tile, static_block_m,
+from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, static_block_m,
                     target_programs)
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
@@ -46,17 +42,6 @@ MAX_SPLIT_K = 64
 #: have a few thousand at most (decode: tiles <= min(S, T) + T / BLOCK_M); a launch needing more
 #: runs without split-K.
 LOCK_TABLE_SIZE = 1 << 15
-
-
-@triton.jit
-def _gpu_fence(x, FENCE: tl.constexpr):
-    """``fence.acq_rel.gpu`` in every thread holding part of ``x`` (int32), which comes back
-    unchanged but opaque to the compiler, so memory accesses addressed from the result cannot move
-    above the fence. A no-op under the interpreter (its programs run one after another)."""
-    if FENCE:
-        x = tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32,
-                                      is_pure=False, pack=1)
-    return x
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
@@ -68,7 +53,6 @@ def _shrink_kernel(
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn, stride_bm, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    FENCE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(NR, BLOCK_N)
@@ -126,13 +110,10 @@ def _shrink_kernel(
         # partials: [SPLIT_K, T, NR] float32, contiguous; rows of this tile's tokens only
         part_off = tok[:, None] * NR + offs_n[None, :]
         tl.store(part_ptr + pid_k * T * NR + part_off, acc, mask=out_mask)
-        offs_n = _gpu_fence(offs_n, FENCE)  # release: this thread's partial is visible GPU-wide
-        tl.debug_barrier()  # every thread has fenced before the count below says so
+        tl.debug_barrier()  # every thread's partial is written before the release below
         lock = lock_ptr + pid_m * n_blocks + pid_n
         arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last split of this (tile, block): reduce, in split order
-            # acquire, in every thread: the loads below are addressed from the fence's result
-            part_off = tok[:, None] * NR + _gpu_fence(offs_n, FENCE)[None, :]
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for s in tl.static_range(SPLIT_K):
                 # .cg: read from L2, where the other programs' partials are (never a stale L1 line)
@@ -312,7 +293,7 @@ def lora_shrink_triton(
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
         A_PAD=max(32, next_pow2(meta.num_slots)), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
-        PRECISION=dot_precision(x.dtype), FENCE=not interpreting(),
+        PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return buf
