@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass
 
 import pytest
+import numpy as np
 import torch
 
 from loramux.kernels import LoRABatchMeta, build_lora_meta, lora_expand, lora_shrink, reference
@@ -893,3 +894,21 @@ def test_gpu_graph_captured_with_all_base_rows_replays_any_mix():
             if not base_rows.all():
                 err = rel_err(y.double().cpu() - y0.double().cpu(), y_ref - y0.double().cpu())
                 assert err < 2e-2, (mapping[:4].tolist(), sizes, err)
+
+
+def test_reference_reads_each_ranks_tensor_it_is_given():
+    """Two modules' ranks, each a fresh temporary (the second may take the first's freed memory),
+    with one meta: each call masks with its own ranks (a cache keyed by address mixed them up)."""
+    from loramux.kernels import reference
+
+    T, S, R, H = 8, 4, 4, 16
+    slots = torch.arange(T, dtype=torch.int32) % S
+    meta = build_lora_meta(slots, S)
+    x = torch.randn(T, H, dtype=torch.float64)
+    A = torch.randn(S, R, H, dtype=torch.float64)
+    scales = torch.ones(S, 1, dtype=torch.float64)
+    memory = np.zeros(S, dtype=np.int32)  # every ranks tensor below lives at this one address
+    for rank in (1, 3, 2, 4):
+        memory[:] = rank  # a write torch does not see (no version bump), as a freed-and-reused block
+        buf = reference.lora_shrink_ref(x, A, scales, meta, torch.from_numpy(memory))
+        assert bool((buf[:, rank:] == 0).all()) and bool((buf[:, :rank] != 0).all()), rank

@@ -30,13 +30,16 @@ def _slot_ranks(ranks: torch.Tensor | None, meta: LoRABatchMeta, R: int) -> list
     meta = meta.exact()
     if ranks is None:
         return [R] * meta.num_active
-    key = ("ref_ranks", ranks.data_ptr(), ranks._version, R)
+    # one small copy per (meta, ranks), not per layer call. The entry holds the tensor itself: a
+    # key of its address alone matched a new temporary (``ranks.cpu()`` per call) that took a freed
+    # one's memory, and handed it the old ranks
+    key = ("ref_ranks", id(ranks), ranks._version, R)
     cached = meta._cache.get(key)
-    if cached is None:  # one small copy per (meta, ranks), not per layer call
+    if cached is None or cached[0] is not ranks:
         r_all = ranks.tolist()
-        cached = [max(0, min(R, int(r_all[s]))) for s in meta.active_slots_host]
+        cached = (ranks, [max(0, min(R, int(r_all[s]))) for s in meta.active_slots_host])
         meta._cache[key] = cached
-    return cached
+    return cached[1]
 
 
 def lora_shrink_ref(
