@@ -119,7 +119,7 @@ class StepGraphs:
         """The static inputs' values for ``chunks`` padded to ``T`` tokens: the fields' rows
         flattened, then the sequences' block tables' used columns (the kernels read no column past
         a row's length, and padding rows none)."""
-        bs, S = self.runner.block_size, self.sizes[-1]
+        bs = self.runner.block_size
         ids, positions, cache_slots, lora_slots = [], [], [], []
         lens, ends, logits_rows, logits_slots = [], [], [], []
         width = max((len(seq.block_table) for seq, _ in chunks), default=1)
@@ -138,21 +138,21 @@ class StepGraphs:
                 logits_rows.append(len(ids) - 1)
                 logits_slots.append(seq.lora_slot)
         real = len(ids)
-        # padding tokens: one-token sequences of length 0; then sequences of no token up to S
-        lens += [0] * (S - len(lens))
+        # padding tokens: one-token sequences of length 0; then sequences of no token up to T
+        # (a graph of T tokens reads T columns of each row: the host builds no more, whatever
+        # the largest graph, since this runs before every step)
         ends += list(range(real + 1, T + 1))
-        ends += [T] * (S - len(ends))
         rows = [ids, positions, cache_slots, lora_slots, lens, ends, logits_rows, logits_slots]
         pads = [0, 0, -1, -1, 0, T, 0, -1]
-        flat = [v for row, pad in zip(rows, pads) for v in row + [pad] * (S - len(row))]
+        flat = [v for row, pad in zip(rows, pads) for v in row + [pad] * (T - len(row))]
         return [flat, tables]
 
     def _load(self, inputs: StepInputs) -> None:
         """Fill the static inputs: one copy of the fields, one of the block tables' used columns."""
-        S, T, B = self.sizes[-1], inputs.num_tokens, inputs.num_seqs
+        T, B = inputs.num_tokens, inputs.num_seqs
         flat, tables = self.runner.to_device(inputs.host_fields)
-        self.fields.copy_(flat.view(_FIELDS, S))
-        self.query_start[1:].copy_(self.fields[5])
+        self.fields[:, :T].copy_(flat.view(_FIELDS, T))
+        self.query_start[1 : T + 1].copy_(self.fields[5, :T])
         if B:
             width = len(inputs.host_fields[1]) // B
             self.tables[:B, :width].copy_(tables.view(B, width))
