@@ -93,7 +93,12 @@ class StepGraphs:
         self.query_start = torch.zeros(S + 1, dtype=torch.int32, device=device)  # [0] stays 0
         # the compiled forward's own inputs (token ids, positions, logits rows): whole tensors of
         # each size, not views, as in eager steps, so both calls pass the same guards
-        self.inputs = {T: tuple(torch.zeros(T, dtype=torch.int32, device=device) for _ in range(3)) for T in sizes}
+        # logits rows: one per sequence that samples, at most max_num_seqs (a big graph holds many
+        # more tokens, and the LM head on all of them would cost a prefill's worth of work)
+        rows = {T: min(T, max(2, runner.max_num_seqs)) for T in sizes}
+        self.inputs = {T: (torch.zeros(T, dtype=torch.int32, device=device),
+                           torch.zeros(T, dtype=torch.int32, device=device),
+                           torch.zeros(rows[T], dtype=torch.int32, device=device)) for T in sizes}
         self.variants = (False, True) if runner.lora_manager is not None else (False,)
         self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
@@ -159,11 +164,11 @@ class StepGraphs:
         ids, positions, logits_rows = self.inputs[T]
         ids.copy_(self.fields[0, :T])
         positions.copy_(self.fields[1, :T])
-        logits_rows.copy_(self.fields[6, :T])
+        logits_rows.copy_(self.fields[6, : len(logits_rows)])
 
     def replay(self, inputs: StepInputs) -> torch.Tensor:
-        """Run the step `step_inputs` described; returns logits ``[T, V]``: the sampled
-        sequences' rows first, in their order (the rest is padding)."""
+        """Run the step `step_inputs` described; returns logits ``[min(T, max_num_seqs), V]``: the
+        sampled sequences' rows first, in their order (the rest is padding)."""
         self._load(inputs)
         if inputs.active_slots:
             self.runner.lora_manager.mark_used(inputs.active_slots)
@@ -185,6 +190,7 @@ class StepGraphs:
         runner = self.runner
         _, _, cache_slots, lora_slots, lens, _, _, logits_slots = self.fields[:, :T]
         ids, pos, logits_rows = self.inputs[T]
+        logits_slots = logits_slots[: len(logits_rows)]
         metadata = AttentionMetadata(
             k_cache=runner.kv.k, v_cache=runner.kv.v, slot_mapping=cache_slots, block_tables=self.tables[:T],
             seq_lens=lens, query_start_loc=self.query_start[: T + 1],
