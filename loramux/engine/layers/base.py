@@ -95,6 +95,7 @@ class BaseLayerWithLoRA(nn.Module):
         self.register_buffer("lora_scales", torch.zeros(S, n, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("lora_ranks", torch.zeros(S, dtype=torch.int32, device=device), persistent=False)
         self._host_ranks = [0] * S  # lora_ranks on the host: skip layers no active slot touches
+        self._views: dict[int, tuple] = {}  # slot -> its views, see _slot_views
         self.lora_context: LoRAContext | None = None  # set by the model manager
         self.computes_logits = False  # the model's LM head (set by patch_model): its rows are the logits rows
         self.layer_id = register_layer(self)  # how the lora_layer op finds this layer
@@ -216,28 +217,38 @@ class BaseLayerWithLoRA(nn.Module):
         if problem is not None:
             raise ValueError(problem)
         R = self.max_lora_rank
-        lora_a = self.lora_a_stacked[slot]  # [n_slices*R, in]
-        lora_b = self.lora_b_stacked[slot]  # [out, R]
         written = self._host_ranks[slot]  # rows/columns past it are zero already
         # until this write completes, a failure's reset_lora must clear whatever it reached
         self._host_ranks[slot] = max([written] + [w.rank for w in weights_by_slice if w is not None])
         rank = 0
-        offset = 0
-        for i, (size, weights) in enumerate(zip(self.output_sizes, weights_by_slice)):
-            a_rows = lora_a[i * R : (i + 1) * R]  # [R, in]
-            b_cols = lora_b[offset : offset + size]  # [size, R]
-            offset += size
+        slices, rank_cell = self._slot_views(slot)
+        for (a_rows, b_cols, scale_cell), weights in zip(slices, weights_by_slice):
             r = 0 if weights is None else weights.rank
-            if r:
-                a_rows[:r].copy_(weights.lora_a, non_blocking=_async(weights.lora_a, a_rows))
-                b_cols[:, :r].copy_(weights.lora_b, non_blocking=_async(weights.lora_b, b_cols))
+            if r:  # non_blocking: asynchronous from pinned memory, a staged copy from pageable
+                (a_rows if r == R else a_rows[:r]).copy_(weights.lora_a, non_blocking=True)
+                (b_cols if r == R else b_cols[:, :r]).copy_(weights.lora_b, non_blocking=True)
             if r < written:
                 a_rows[r:].zero_()
                 b_cols[:, r:].zero_()
-            self.lora_scales[slot, i].fill_(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
+            scale_cell.fill_(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
             rank = max(rank, r)
-        self.lora_ranks[slot].fill_(rank)
+        rank_cell.fill_(rank)
         self._host_ranks[slot] = rank
+
+    def _slot_views(self, slot: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """``slot``'s per-slice views (A rows [R, in], B columns [size, R], scale) and its rank
+        cell, made once: a slot write runs for every wrapped layer, and slicing was most of its
+        host time. Made again when the buffers were replaced (``module.to``)."""
+        cached = self._views.get(slot)
+        if cached is not None and cached[0] is self.lora_a_stacked:
+            return cached[1], cached[2]
+        R = self.max_lora_rank
+        lora_a, lora_b, scales = self.lora_a_stacked[slot], self.lora_b_stacked[slot], self.lora_scales[slot]
+        offsets = [sum(self.output_sizes[:i]) for i in range(self.n_slices)]
+        slices = [(lora_a[i * R : (i + 1) * R], lora_b[offset : offset + size], scales[i])
+                  for i, (offset, size) in enumerate(zip(offsets, self.output_sizes))]
+        self._views[slot] = (self.lora_a_stacked, slices, self.lora_ranks[slot])
+        return slices, self.lora_ranks[slot]
 
     @torch.no_grad()
     def reset_lora(self, slot: int) -> None:
@@ -354,6 +365,3 @@ class BaseLayerWithLoRA(nn.Module):
         yield delta_y
         y.copy_(delta_y)
 
-
-def _async(source: torch.Tensor, target: torch.Tensor) -> bool:
-    return target.is_cuda and source.device.type == "cpu" and source.is_pinned()
