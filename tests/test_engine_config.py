@@ -30,6 +30,8 @@ SMALL = dict(max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64, max
         (dict(load_format="safetensors"), ValueError, "load_format: got 'safetensors'; allowed: 'auto'"),
         (dict(seed="7"), ValueError, "seed: got '7'; allowed: an int or None"),
         (dict(max_loading_workers=0), ValueError, "max_loading_workers: got 0"),
+        (dict(max_graph_tokens=0), ValueError, "max_graph_tokens: got 0; allowed: an int >= 1"),
+        (dict(max_graph_tokens=True), ValueError, "max_graph_tokens: got True"),
         (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size: got 0; allowed: an int >= 1"),
         (dict(max_loras=0), ValueError, "max_loras"),
         (dict(max_lora_rank=4096), ValueError, "max_lora_rank"),
