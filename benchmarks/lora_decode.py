@@ -15,9 +15,12 @@ graph for any mix still launches every module's kernels).
 Paths, each ONE CUDA graph of the whole step (static meta build + every layer), captured with
 every row base (-1) and replayed for every mix, 20+ times after warm-up:
 - base: the base projections alone (y = x @ W.T) (--no-base drops it and the GEMMs of the others);
-- two: lora_shrink + lora_expand per module (two launches, no memset), what lora_apply runs.
-The LoRA path includes the base GEMMs, so "two - base" is what LoRA costs a step. (A fused
-one-launch kernel was tried here and removed: docs/benchmarks/engine-h100.md.)
+- two: lora_shrink + lora_expand per module (two launches, no memset), what lora_apply runs;
+- overlap: the same, with the shrink on a side stream forked before the base GEMM and joined
+  before the expand, as the engine's LoRA layers run it (engine/layers/side_stream.py).
+The LoRA paths include the base GEMMs, so "two - base" is what LoRA costs a step. (A fused
+one-launch kernel, and the whole delta on the side stream with one add after the join, were
+tried here and removed: docs/benchmarks/engine-h100.md.)
 Before timing a mix, layer 0 of each LoRA path runs eagerly and is compared with the torch
 reference in bf16 (relative error of the delta, base rows bit-exact): a path over 2e-2 stops the run.
 Also reported: the bytes-read floor of the LoRA work (the active adapters' A and B, x, and y
@@ -50,7 +53,7 @@ TOKENS = (1, 8, 64, 128, 256)
 RANKS = (16, 64)
 MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
-PATHS = ("base", "two", "overlap", "sideall")
+PATHS = ("base", "two", "overlap")
 LORA_PATHS = PATHS[1:]
 TOL = 2e-2
 #: q/v-only adapters: the (module, slice) pairs they target, per layout
@@ -153,7 +156,7 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                         torch.mm(x, w["W"].t(), out=y)
                     buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
-                elif path == "overlap":  # shrink on a side stream beside the base GEMM
+                elif path == "overlap":  # the engine's path: the shrink on a side stream beside the base GEMM
                     buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
                     with fork():
                         lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], out=buf)
@@ -161,17 +164,6 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                         torch.mm(x, w["W"].t(), out=y)
                     join()
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
-                elif path == "sideall":  # the whole delta on a side stream, one add after the join
-                    buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
-                    delta = torch.empty_like(y)
-                    with fork():
-                        delta.zero_()
-                        lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], out=buf)
-                        lora_expand_triton(delta, buf, w["B"], tuple(sz), meta, w["ranks"])
-                    if base:
-                        torch.mm(x, w["W"].t(), out=y)
-                    join()
-                    y.add_(delta)
                 elif base:
                     torch.mm(x, w["W"].t(), out=y)
 
