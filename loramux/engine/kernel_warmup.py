@@ -7,9 +7,10 @@ distinct Triton compile, seconds each on first use: before this warm-up, the fir
 a fresh process paid them (time to first token 1.27 s for the first base request on an H100).
 
 Step graphs (steps of up to ``max_graph_tokens`` tokens) are captured at start and compile
-their own shapes. For the larger steps, which run eagerly, `plan_warmup` enumerates the steps serving runs, computes for each the launch-configuration keys
-its kernels would use (from the kernels' own config functions, on the host: no launch), and keeps
-one step for each key not seen before; `warm_up_kernels` runs those steps through the runner's
+their own shapes. For the larger steps, which run eagerly, `plan_warmup` enumerates the steps
+serving runs, computes for each the launch-configuration keys its kernels would use (from the
+kernels' own config functions, on the host: no launch), and keeps one step for each key not seen
+before; `warm_up_kernels` runs those steps through the runner's
 forward (compiled or eager, as serving runs it), over the scratch KV block 0 (slot -1: nothing is
 written; every block table row points at block 0). The candidate steps:
 

@@ -6,6 +6,8 @@ kernel metadata (one host sync) is built once per step, not once per layer.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from loramux.kernels import LoRABatchMeta, build_lora_meta
@@ -62,7 +64,7 @@ class LoRAContext:
         meta = self.meta
         if meta is None:
             return None
-        rows = _rows(rows_shape)
+        rows = math.prod(rows_shape)
         if rows == meta.num_tokens:
             return meta
         if self._logits_meta is not None and rows == self._logits_meta.num_tokens:
@@ -78,7 +80,7 @@ class LoRAContext:
         them for this many rows (a CUDA graph's step may have as many logits rows as tokens, and
         they are not the same rows), else as `meta_for`."""
         logits_meta = self._logits_meta
-        if logits_meta is not None and _rows(rows_shape) == logits_meta.num_tokens:
+        if logits_meta is not None and math.prod(rows_shape) == logits_meta.num_tokens:
             return logits_meta
         return self.meta_for(rows_shape)
 
@@ -95,10 +97,3 @@ class LoRAContext:
         return build_lora_meta(
             self.token_slots.reshape(batch, -1)[:, -keep:].reshape(-1), self.num_slots, static=self.meta.static
         )
-
-
-def _rows(rows_shape: tuple[int, ...]) -> int:
-    rows = 1
-    for dim in rows_shape:
-        rows *= dim
-    return rows
