@@ -12,7 +12,8 @@ decode steps that hold the full batch. The floor of a decode step is the bytes i
 (weights, the active adapters, the KV in use at the median step) over the device-copy bandwidth
 measured in this run. Adapters are random, on all seven projections or on q/v only, put in the CPU
 tier and warmed into GPU slots before the clock starts. Also: prefill tokens/s (8 x 1024-token
-prompts), time to first token of one 128-token request (base, resident adapter, cold adapter from
+prompts), time to first token of one 128-token request on a fresh prompt (base; an adapter in host
+memory that must first take a GPU slot; the same adapter then resident; a cold adapter from
 disk), the engine's start-up (load, compile, graph capture, kernel warm-up; ``--startup`` measures a
 first and a second start in fresh processes, see benchmarks/startup_check.py), and how many 1k-token requests run at once at
 ``max_model_len=32768`` (``--concurrency``). Writes JSON and a markdown table naming the device.
