@@ -7,6 +7,9 @@ kernels grouped by name, for the base model and one adapter (GPU; 8B dummy by de
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -20,6 +23,17 @@ from benchmarks.throughput import ALL_SEVEN, random_adapter  # noqa: E402
 from loramux import LoRARequest, SamplingParams  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
 from loramux.engine.model_loader import load_model  # noqa: E402
+
+
+def host_profile(fn, top: int):
+    """``fn()`` under cProfile: (its result, the ``top`` functions by own time, as text)."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    result = fn()
+    profiler.disable()
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(top)
+    return result, stream.getvalue()
 
 
 def kernel_table(prof, steps: int, top: int = 25) -> str:
@@ -76,18 +90,9 @@ def ttft_profile(model, args) -> None:
             wall = ttft(lora)
         report += ["", f"== TTFT {label}: {wall:.1f} ms", kernel_table(prof, 1),
                    prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)]
-    import cProfile
-    import io
-    import pstats
-
     ttft(a)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    wall = ttft(a)
-    profiler.disable()
-    stream = io.StringIO()
-    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(45)
-    report += ["", f"== cProfile, TTFT adapter a (resident): {wall:.1f} ms", stream.getvalue()]
+    wall, table = host_profile(lambda: ttft(a), 45)
+    report += ["", f"== cProfile, TTFT adapter a (resident): {wall:.1f} ms", table]
     report += slot_write_profile(engine, model, sync)
     text = "\n".join(report)
     args.out.write_text(text + "\n")
@@ -97,10 +102,6 @@ def ttft_profile(model, args) -> None:
 def slot_write_profile(engine, model, sync) -> list[str]:
     """Copying a pinned host adapter (as the CPU tier holds them) into a GPU slot: wall time of
     each write, then a host profile of one."""
-    import cProfile
-    import io
-    import pstats
-
     manager = engine.lora_manager
     dtype, cuda = next(model.parameters()).dtype, torch.cuda.is_available()
     adapters = [random_adapter(model.config, f"pinned{i}", 16, ALL_SEVEN, 50 + i, "cpu", dtype) for i in range(2)]
@@ -113,14 +114,8 @@ def slot_write_profile(engine, model, sync) -> list[str]:
         host = time.perf_counter() - t0
         sync()
         report.append(f"write {i}: host {1e3 * host:.1f} ms, until the copy landed {1e3 * (time.perf_counter() - t0):.1f} ms")
-    profiler = cProfile.Profile()
-    profiler.enable()
-    manager.activate(adapters[0])
-    sync()
-    profiler.disable()
-    stream = io.StringIO()
-    pstats.Stats(profiler, stream=stream).sort_stats("tottime").print_stats(20)
-    return report + [stream.getvalue()]
+    _, table = host_profile(lambda: (manager.activate(adapters[0]), sync()), 20)
+    return report + [table]
 
 
 def main() -> None:
