@@ -17,10 +17,13 @@ every row base (-1) and replayed for every mix, 20+ times after warm-up:
 - base: the base projections alone (y = x @ W.T) (--no-base drops it and the GEMMs of the others);
 - two: lora_shrink + lora_expand per module (two launches, no memset), what lora_apply runs;
 - overlap: the same, with the shrink on a side stream forked before the base GEMM and joined
-  before the expand, as the engine's LoRA layers run it (engine/layers/side_stream.py).
+  before the expand, as the engine's LoRA layers run it (engine/layers/side_stream.py);
+- delta: shrink, zeroing and expand all on the side stream, into a delta buffer of their own, beside
+  the base GEMM; the step adds nothing after the join (the compiled layer would fold `y + delta`
+  into the pointwise kernel that reads y next: RoPE, SiLU-mul, the residual add and norm).
 The LoRA paths include the base GEMMs, so "two - base" is what LoRA costs a step. (A fused
 one-launch kernel, and the whole delta on the side stream with one add after the join, were
-tried here and removed: docs/benchmarks/engine-h100.md.)
+tried here and removed: docs/benchmarks/engine-h100.md; "delta" is that idea without the add.)
 Before timing a mix, layer 0 of each LoRA path runs eagerly and is compared with the torch
 reference in bf16 (relative error of the delta, base rows bit-exact): a path over 2e-2 stops the run.
 Also reported: the bytes-read floor of the LoRA work (the active adapters' A and B, x, and y
@@ -53,7 +56,7 @@ TOKENS = (1, 8, 64, 128, 256)
 RANKS = (16, 64)
 MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
-PATHS = ("base", "two", "overlap")
+PATHS = ("base", "two", "overlap", "delta")
 LORA_PATHS = PATHS[1:]
 TOL = 2e-2
 #: q/v-only adapters: the (module, slice) pairs they target, per layout
@@ -136,6 +139,7 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
     sizes = [s for _, _, s in layers.mods]
 
     side = torch.cuda.Stream(xs[0].device) if xs[0].is_cuda else None
+    deltas: dict = {}
 
     def fork():
         if side is not None:
@@ -164,6 +168,18 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                         torch.mm(x, w["W"].t(), out=y)
                     join()
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
+                elif path == "delta":  # the whole delta beside the GEMM into its own buffer; no add
+                    # here: the engine's compiled layer folds it into the consumer's pointwise kernel
+                    dy = deltas.setdefault(id(y), torch.empty_like(y))
+                    with fork():
+                        buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
+                        dy.zero_()
+                        lora_expand_triton(dy, buf, w["B"], tuple(sz), meta, w["ranks"])
+                    if base:
+                        torch.mm(x, w["W"].t(), out=y)
+                    join()
+                    if not base or not x.is_cuda:  # the reference check reads y
+                        y.add_(dy)
                 elif base:
                     torch.mm(x, w["W"].t(), out=y)
 

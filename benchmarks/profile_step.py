@@ -151,6 +151,8 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
         report += ["", f"== decode, batch {args.batch}, {label}", kernel_table(prof, 5)]
+        # the timeline (kernels inside the graph replays, both streams): chrome://tracing or perfetto
+        prof.export_chrome_trace(str(args.out.with_suffix(f".decode-{label.replace(' ', '-')}.trace.json")))
         while engine.has_unfinished_requests():
             engine.step()
         # one prefill step of 8 x 1024 tokens (a first round warms its kernels up)
