@@ -20,7 +20,9 @@ every row base (-1) and replayed for every mix, 20+ times after warm-up:
   before the expand, as the engine's LoRA layers run it (engine/layers/side_stream.py);
 - delta: shrink, zeroing and expand all on the side stream, into a delta buffer of their own, beside
   the base GEMM; the step adds nothing after the join (the compiled layer would fold `y + delta`
-  into the pointwise kernel that reads y next: RoPE, SiLU-mul, the residual add and norm).
+  into the pointwise kernel that reads y next: RoPE, SiLU-mul, the residual add and norm);
+- overlap_exact: overlap with an exact meta (grids sized from this mix's tiles, a graph captured
+  per mix): what the static grid's one-size launch costs against launches fitted to the batch.
 The LoRA paths include the base GEMMs, so "two - base" is what LoRA costs a step. (A fused
 one-launch kernel, and the whole delta on the side stream with one add after the join, were
 tried here and removed: docs/benchmarks/engine-h100.md; "delta" is that idea without the add.)
@@ -56,7 +58,7 @@ TOKENS = (1, 8, 64, 128, 256)
 RANKS = (16, 64)
 MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
-PATHS = ("base", "two", "overlap", "delta")
+PATHS = ("base", "two", "overlap", "delta", "overlap_exact")
 LORA_PATHS = PATHS[1:]
 TOL = 2e-2
 #: q/v-only adapters: the (module, slice) pairs they target, per layout
@@ -150,9 +152,11 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
         if side is not None:
             torch.cuda.current_stream(xs[0].device).wait_stream(side)
 
+    exact = build_lora_meta(slots_buf, layers.S) if path.endswith("exact") else None  # this mix only
+
     def run():
         if path != "base":
-            meta = build_lora_meta(slots_buf, layers.S, static=True)
+            meta = exact or build_lora_meta(slots_buf, layers.S, static=True)
         for layer in layers.layers:
             for w, x, y, sz in zip(layer, xs, ys, sizes):
                 if path == "two":
@@ -160,7 +164,7 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                         torch.mm(x, w["W"].t(), out=y)
                     buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
-                elif path == "overlap":  # the engine's path: the shrink on a side stream beside the base GEMM
+                elif path in ("overlap", "overlap_exact"):  # the engine's path: the shrink on a side stream beside the base GEMM
                     buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
                     with fork():
                         lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], out=buf)
@@ -323,12 +327,16 @@ def run(args, device, dtype, env, save):
                 slots_buf = torch.full((T,), -1, dtype=torch.int32, device=device)
                 graphs = {"base": Graph(step_fn("base", layers, xs, ys, slots_buf, True), device)} if args.base else {}
                 for path in LORA_PATHS:  # captured with every row base: one graph for every mix
-                    graphs[path] = Graph(step_fn(path, layers, xs, ys, slots_buf, args.base), device)
+                    if not path.endswith("exact"):
+                        graphs[path] = Graph(step_fn(path, layers, xs, ys, slots_buf, args.base), device)
                 for mix in args.mixes:
                     layers.target(qv_only=mix.endswith("-qv"))
                     slots = mix_slots(mix, T, S, gen).to(device)
                     slots_buf.copy_(slots)
                     distinct = len(set(int(s) for s in slots.tolist() if s >= 0))
+                    for path in LORA_PATHS:  # exact grids: captured for this mix
+                        if path.endswith("exact"):
+                            graphs[path] = Graph(step_fn(path, layers, xs, ys, slots_buf, args.base), device)
                     row = dict(layout=layout, R=R, T=T, mix=mix, distinct=distinct, layers=args.layers)
                     for path in graphs:
                         if path != "base":
