@@ -76,8 +76,9 @@ def run_driver(workdir: Path, *flags: str, timeout: float = CHILD_TIMEOUT_S) -> 
     try:
         done = subprocess.run([sys.executable, str(DRIVER), "--workdir", str(workdir), *flags], env=env,
                               capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as timed_out:
-        output = (timed_out.stdout or b"").decode() if isinstance(timed_out.stdout, bytes) else timed_out.stdout
+    except subprocess.TimeoutExpired as timed_out:  # its output may come back as bytes, even with text=True
+        output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
+                         for part in (timed_out.stdout, timed_out.stderr) if part)
         pytest.fail(f"the driver ran past {timeout} s (a hang is a failure too); its output:\n{output}")
     output = done.stdout + done.stderr
     lines = [line for line in done.stdout.splitlines() if line.startswith(driver.RESULT_PREFIX)]
