@@ -788,29 +788,6 @@ def test_triton_interpreter_static_meta_matches_reference(mapping, dtype, monkey
 
 
 @needs_interpreter
-@pytest.mark.parametrize("adapters", [1, 3, 8])
-def test_triton_interpreter_static_meta_picks_its_split_and_chunks_on_the_device(adapters, monkeypatch):
-    """One static grid (its K split and column chunks sized for one adapter) serves batches of 1,
-    3 and 8 adapters, each launch choosing its own split and chunk width from its real tile
-    count (the shrink's target of 48 programs: splits of 8, 8 and 6 of 16 K steps; the expand's
-    of 4: chunks of 1, 1 and 8 column blocks)."""
-    from loramux.kernels import expand, shrink
-
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    monkeypatch.setattr(shrink, "target_programs", lambda device: 48)
-    monkeypatch.setattr(expand, "target_programs", lambda device: 4)
-    T, H, S, R, sizes = 40, 1024, 8, 8, (96, 40)
-    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=adapters)
-    ranks[:], scales[:] = R, 0.5  # every slot of rank R on both slices
-    slots = (torch.arange(T) % adapters).to(torch.int32)[torch.randperm(T, generator=gen)]
-    y0 = torch.randn(T, sum(sizes), generator=gen)
-    y, meta = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S)
-    s_launch, (e_cfg, e_grid, _) = static_launches(meta, H, R, sizes, torch.float32)
-    assert (s_launch.split_k, e_cfg.group) == (8, 1)  # the grid the graph holds, whatever the mix
-    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
-
-
-@needs_interpreter
 @pytest.mark.parametrize("mapping", ["one_slot", "mixed"])
 def test_triton_interpreter_static_meta_more_tokens_than_slots(mapping, monkeypatch):
     """40 tokens on 2 slots: one slot's 40 tokens need 3 tiles of 16, the grid's bound holds them."""

@@ -8,9 +8,8 @@ rank), then walks its chunk block by block with the next blocks' y and B already
 an adapter are never touched, nor are rows of a slot whose rank is 0 for this module.
 
 The grid is linear and tile-major. For a static meta its shape comes from T and the module's
-shape only (`static_expand_config`), so one CUDA graph serves every mapping: the grid holds the
-one-adapter batch's chunks, each launch widens its chunks on the device by the batch's real tile
-count (`_expand_shape`'s rule), and the programs it does not need exit after one round of loads.
+shape only (`static_expand_config`), so one CUDA graph serves every mapping: the programs of
+tiles past the batch's last one exit after one round of loads.
 """
 
 from __future__ import annotations
@@ -24,48 +23,39 @@ import triton.language as tl
 
 from .checks import check_expand
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, select_tile, static_block_m,
-                    target_programs, tile_table)
+from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, static_block_m,
+                    target_programs)
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
-@triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group", "target"])
+@triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group"])
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, ranks_ptr, slice_tab_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
-    n_slices, R, n_units, group, target,
+    n_slices, R, n_units, group,
     stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
-    W_VEC: tl.constexpr, STAGES: tl.constexpr, GROUP_ON_DEVICE: tl.constexpr,
+    W_VEC: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    cnt, sts, sls, first, cum_t, n_tiles = tile_table(counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
-    # slice table: [2, SL_PAD] int32 = (sizes, offsets), loaded beside the slot vectors
-    s_idx = tl.arange(0, SL_PAD)
-    sizes = tl.load(slice_tab_ptr + s_idx, mask=s_idx < n_slices, other=0)
-    offsets = tl.load(slice_tab_ptr + SL_PAD + s_idx, mask=s_idx < n_slices, other=0)
-    if GROUP_ON_DEVICE:
-        # a static grid holds the one-adapter batch's chunks; a batch with more tiles takes more
-        # column blocks per program, by `_expand_shape`'s rule on its real tile count
-        for _ in tl.static_range(3):
-            wider = tl.sum((sizes + 2 * BLOCK_N * group - 1) // (2 * BLOCK_N * group), 0)
-            group = tl.where((group < 8) & (n_tiles * wider >= 2 * target), 2 * group, group)
-        n_units = tl.sum((sizes + BLOCK_N * group - 1) // (BLOCK_N * group), 0)
     pid_m = pid // n_units
     unit = pid % n_units
-    if pid_m >= n_tiles:  # a program past the batch's last tile (static grid): nothing to do
+    slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
+    if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
         return
-    slot, start, count, m0 = select_tile(pid_m, cnt, sts, sls, first, cum_t, BLOCK_M, A_PAD)
     rank = R
     if HAS_RANKS:
         rank = tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
         if rank <= 0:  # the slot's adapter does not touch this module: y stays bit-exact
             return
 
-    # this unit's slice and chunk
+    # slice table: [2, SL_PAD] int32 = (sizes, offsets); find this unit's slice and chunk
     chunk = BLOCK_N * group
+    s_idx = tl.arange(0, SL_PAD)
+    sizes = tl.load(slice_tab_ptr + s_idx, mask=s_idx < n_slices, other=0)
+    offsets = tl.load(slice_tab_ptr + SL_PAD + s_idx, mask=s_idx < n_slices, other=0)
     n_chunks = (sizes + chunk - 1) // chunk
     cum = tl.cumsum(n_chunks, 0)
     i = tl.sum((cum <= unit).to(tl.int32), 0)
@@ -229,12 +219,12 @@ def lora_expand_triton(
     _expand_kernel[grid](
         y, buf, lora_b, ranks if ranks is not None else tab, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
-        n_slices, R, n_units, cfg.group, target_programs(y.device),
+        n_slices, R, n_units, cfg.group,
         sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
         A_PAD=max(32, next_pow2(meta.num_slots)), SL_PAD=sl_pad,
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
-        STAGES=cfg.num_stages, GROUP_ON_DEVICE=meta.static,
+        STAGES=cfg.num_stages,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

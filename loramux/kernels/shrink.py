@@ -17,12 +17,9 @@ different streams.
 
 Launch shape: from this batch's tiles (`shrink_config`, exact meta), or, for a static meta, from
 T, S and the module's shape alone (`static_shrink_config`), so the grid is the same for every
-mapping of T tokens: one CUDA graph serves any mix of adapters. The grid there holds the split
-count of the one-adapter case (the fewest real tiles, which want the most parallelism in K), and
-each launch picks its split on the device from the batch's real tile count, by the rule the host
-uses for an exact meta: a batch of many adapters splits K only until its programs fill the GPU,
-and the programs it does not need exit at once. (On an H100, 64 decode tokens over 32 adapters:
-the LoRA work of a layer fell from 87 to 61 us, `benchmarks/lora_decode.py`.)
+mapping of T tokens: one CUDA graph serves any mix of adapters. The split count there is sized
+for the one-adapter case (the fewest real tiles), which wants the most parallelism in K; a
+mixed batch gets more real tiles from the same grid.
 """
 
 from __future__ import annotations
@@ -36,8 +33,8 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, select_tile, static_block_m,
-                    target_programs, tile_table)
+from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, static_block_m,
+                    target_programs)
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
 MAX_SPLIT_K = 64
@@ -48,34 +45,24 @@ LOCK_TABLE_SIZE = 1 << 15
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
-@triton.jit(do_not_specialize=["num_active", "k_per_split", "T", "target"])
+@triton.jit(do_not_specialize=["num_active", "k_per_split", "T"])
 def _shrink_kernel(
     x_ptr, a_ptr, scales_ptr, ranks_ptr, buf_ptr, part_ptr, lock_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
-    T, H, NR, R, k_per_split, target,
+    T, H, NR, R, k_per_split,
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn, stride_bm, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    SPLIT_ON_DEVICE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(NR, BLOCK_N)
-    cnt, sts, sls, first, cum, n_tiles = tile_table(counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
-    split = SPLIT_K
-    if SPLIT_ON_DEVICE:
-        # a static grid holds SPLIT_K splits, sized for the one-adapter batch; a batch with more
-        # tiles splits K only until its programs fill the GPU (`_split_for`, on this batch's tiles)
-        programs = n_tiles * n_blocks
-        split = tl.where(programs >= target, 1, tl.minimum(target // tl.maximum(programs, 1), SPLIT_K))
-        k_per_split = tl.cdiv(tl.cdiv(H, BLOCK_K), split) * BLOCK_K
-        split = tl.cdiv(H, k_per_split)  # drop splits that would be empty
-    per_tile = n_blocks * split
+    per_tile = n_blocks * SPLIT_K
     pid_m = pid // per_tile  # tile-major: programs with work come first
-    pid_n = (pid % per_tile) // split
-    pid_k = pid % split
-    if pid_m >= n_tiles:  # a program past the batch's last tile (static grid): nothing to do
+    pid_n = (pid % per_tile) // SPLIT_K
+    pid_k = pid % SPLIT_K
+    slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
+    if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
         return
-    slot, start, count, m0 = select_tile(pid_m, cnt, sts, sls, first, cum, BLOCK_M, A_PAD)
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
@@ -117,7 +104,7 @@ def _shrink_kernel(
 
     sc = tl.load(scales_ptr + slot64 * stride_ss + (offs_n // R) * stride_sn, mask=n_in, other=0.0)
     acc = acc * sc[None, :]  # columns past the rank are exact zeros (A masked)
-    if split == 1:
+    if SPLIT_K == 1:
         tl.store(buf_ptrs, acc, mask=out_mask)
     else:
         # partials: [SPLIT_K, T, NR] float32, contiguous; rows of this tile's tokens only
@@ -126,14 +113,11 @@ def _shrink_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         lock = lock_ptr + pid_m * n_blocks + pid_n
         arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == split - 1:  # the last split of this (tile, block): reduce, in split order
+        if arrived == SPLIT_K - 1:  # the last split of this (tile, block): reduce, in split order
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # unrolled: the partials' loads are all in flight at once
+            for s in tl.static_range(SPLIT_K):
                 # .cg: read from L2, where the other programs' partials are (never a stale L1 line)
-                part = tl.load(part_ptr + s * T * NR + part_off, mask=out_mask, other=0.0, cache_modifier=".cg")
-                if SPLIT_ON_DEVICE:  # splits past this launch's count hold another launch's partials
-                    part = tl.where(s < split, part, 0.0)
-                total += part
+                total += tl.load(part_ptr + s * T * NR + part_off, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(buf_ptrs, total, mask=out_mask)
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # leave the table zero for the next launch
 
@@ -305,11 +289,11 @@ def lora_shrink_triton(
     _shrink_kernel[launch.grid](
         x, lora_a, scales, ranks if ranks is not None else scales, buf, parts, locks,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
-        T, H, NR, R, launch.k_per_split, target_programs(x.device),
+        T, H, NR, R, launch.k_per_split,
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
         A_PAD=max(32, next_pow2(meta.num_slots)), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
-        PRECISION=dot_precision(x.dtype), SPLIT_ON_DEVICE=meta.static and launch.split_k > 1,
+        PRECISION=dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return buf

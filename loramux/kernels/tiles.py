@@ -19,13 +19,18 @@ from .metadata import LoRABatchMeta
 
 
 @triton.jit
-def tile_table(counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
-    """This batch's tiles: the active slots' (count, start, slot) vectors, each slot's first tile
-    and tile count, and the total number of tiles (a grid sized from a bound has more programs).
+def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
+                 BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
+    """Map tile index pid_m to (slot, segment start, segment length, first row in segment).
 
-    Each active slot's segment is cut into ceil(count / BLOCK_M) tiles, numbered slot after slot.
-    The three slot vectors are loaded side by side (one round trip, not three dependent ones) and
-    masked by num_active, so they need no padding past num_active entries.
+    Each active slot's segment is cut into ceil(count / BLOCK_M) tiles; tiles are numbered slot
+    after slot. Found with one vector load and a prefix sum, so no per-tile-size table is needed.
+
+    The three slot vectors are loaded side by side (one round trip, not two dependent ones).
+    A tile past the last real one (a grid sized from a bound, as for a CUDA graph, rather than
+    from this batch's counts) finds `a` = A_PAD, past the end of the slot vectors: it gets count 0
+    and slot/start 0, and the callers exit (`count <= m0`). Loads are masked by num_active, so the
+    vectors need no padding past num_active entries.
     """
     a_idx = tl.arange(0, A_PAD)
     real = a_idx < num_active
@@ -34,20 +39,13 @@ def tile_table(counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M: tl.conste
     sls = tl.load(slots_ptr + a_idx, mask=real, other=0)
     ntile = (cnt + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(ntile, 0)  # inclusive
-    return cnt, sts, sls, cum - ntile, cum, tl.sum(ntile, 0)
-
-
-@triton.jit
-def select_tile(pid_m, cnt, sts, sls, first, cum, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
-    """(slot, segment start, segment length, first row in segment) of tile pid_m of a
-    `tile_table`. A tile past the last real one finds `a` = A_PAD, past the end of the vectors:
-    it gets count 0 and slot/start 0, and the callers exit (``count <= m0``)."""
     a = tl.sum((cum <= pid_m).to(tl.int32), 0)
-    sel = tl.arange(0, A_PAD) == a
+    sel = a_idx == a
+    first_tile = tl.sum(tl.where(sel, cum - ntile, 0), 0)
     count = tl.sum(tl.where(sel, cnt, 0), 0)
     slot = tl.sum(tl.where(sel, sls, 0), 0)
     start = tl.sum(tl.where(sel, sts, 0), 0)
-    return slot, start, count, (pid_m - tl.sum(tl.where(sel, first, 0), 0)) * BLOCK_M
+    return slot, start, count, (pid_m - first_tile) * BLOCK_M
 
 
 def cdiv(a: int, b: int) -> int:
