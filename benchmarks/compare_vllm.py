@@ -372,6 +372,10 @@ def main(argv=None):
            # what vLLM's own loader found for this device (its name as vLLM spells it)
            "vllm_config_source": config_sources(mods, torch.cuda.get_device_name(device))}
     print(env, flush=True)
+    if args.vllm_configs == "tuned" and "default" in env["vllm_config_source"].values():
+        print(f"NOTE: no tuned vLLM config for {props.name!r} in {config_dir} for "
+              f"{[op for op, src in env['vllm_config_source'].items() if src == 'default']}: vLLM runs its "
+              "defaults there (vLLM ships none; make them with benchmarks/tune_vllm_lora.py)", flush=True)
     timer = Timer(device)
     layers = args.only.split(",") if args.only else CMP_LAYERS
     tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TOKENS

@@ -15,15 +15,18 @@ Why VLLM_VERSION is what it is: 0.33.0 is the newest release on PyPI (2026-11). 
 import nothing beyond torch, triton and the shimmed `vllm.*` names, and use `tl.extra.cuda.gdc_wait`
 / `gdc_launch_dependents` only under a constexpr that is off unless VLLM_LORA_ENABLE_DUAL_STREAM is
 set (both exist since Triton 3.4). It imports and passes `compare_vllm.py --check-cpu` under the
-Triton interpreter with Triton 3.6.0 (the GPU machine's) and 3.9.0 (this project's CPU venv).
+Triton interpreter with Triton 3.6.0 (the GPU machine's; its interpreter needs numpy < 2.4) and
+3.9.0 (this project's CPU venv).
 The wheel pins torch 2.14, but only for vLLM itself: these files use plain torch ops
 (sort, unique, cumsum, inference_mode) that torch 2.11 has.
 
 Tuned configs: vLLM reads them from the folder named by VLLM_TUNED_CONFIG_FOLDER, file
 `<torch.cuda.get_device_name() with " " and "-" -> "_">_SHRINK.json` and `..._EXPAND_<TRUE|FALSE>.json`
 (vllm/lora/ops/triton_ops/utils.py, `load_lora_op_config`). No released wheel ships such files
-(0.8.0 - 0.11.0 and 0.33.0 checked: none under vllm/lora/); the script says so and leaves
-`configs/` empty, and compare_vllm.py then reports vLLM's config source as "default".
+(none under vllm/lora/ in 0.7.2, 0.7.3, 0.8.0, 0.8.5, 0.9.2, 0.10.1.1, 0.10.2, 0.11.0, 0.15.0,
+0.20.0, 0.25.0, 0.30.0, 0.32.0, 0.33.0): the script says so and leaves `configs/` empty,
+compare_vllm.py then reports vLLM's config source as "default", and benchmarks/tune_vllm_lora.py
+makes the files on the GPU.
 """
 
 from __future__ import annotations

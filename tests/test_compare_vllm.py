@@ -194,3 +194,56 @@ def test_check_cpu_tuned_lookup_passes(vllm_mods, tuned_env, capsys):
 
     assert compare_vllm.check_tuned_cpu(vllm_mods)
     assert "FAIL" not in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/tune_vllm_lora.py: the search and the files it writes
+
+
+def test_coordinate_search_finds_the_minimum_and_skips_configs_that_do_not_run():
+    import tune_vllm_lora as tune
+
+    target = {"a": 4, "b": 32}
+    space = {"a": (1, 2, 4, 8), "b": (16, 32, 64)}
+
+    def measure(cfg):
+        if cfg["a"] == 8:
+            return None  # e.g. out of shared memory
+        return abs(cfg["a"] - target["a"]) + abs(cfg["b"] - target["b"]) + 1.0
+
+    best, us, timed = tune.coordinate_search({"a": 1, "b": 16, "fixed": 0}, space, measure)
+    assert best == {"a": 4, "b": 32, "fixed": 0} and us == 1.0
+    assert timed[tuple(sorted({"a": 8, "b": 16, "fixed": 0}.items()))] is None
+
+
+def test_coordinate_search_refuses_a_default_that_does_not_run():
+    import tune_vllm_lora as tune
+
+    with pytest.raises(RuntimeError, match="default config .* does not run"):
+        tune.coordinate_search({"a": 1}, {"a": (1, 2)}, lambda cfg: None)
+
+
+@needs_vllm_ops
+def test_tuned_files_merge_and_vllm_reads_each_case_back(vllm_mods, tmp_path, tuned_env):
+    import tune_vllm_lora as tune
+
+    def keys(op, T, S, slices):
+        k = dict(op_type=op, max_loras=S + 1, batch=T, hidden_size=4096, rank=16, num_slices=slices)
+        return dict(k, add_inputs=True) if op == "expand" else k
+
+    cfg = {"block_m": 16, "block_n": 16, "block_k": 64, "split_k": 8, "num_warps": 4, "num_ctas": 1,
+           "num_stages": 3, "max_nreg": None}
+    cases = [(1, 1, 3), (4096, 32, 3), (64, 32, 1)]
+    for i, (T, S, n) in enumerate(cases):  # one save per case: later runs merge into the files
+        tables = {"shrink": {}, "expand": {}}
+        for op in tables:
+            tune.insert_entry(tables[op], keys(op, T, S, n), dict(cfg, block_m=16 * (i + 1)))
+        tune.save_tables(tables, str(tmp_path), H100)
+    assert sorted(os.listdir(tmp_path)) == ["NVIDIA_H100_80GB_HBM3_EXPAND_TRUE.json",
+                                            "NVIDIA_H100_80GB_HBM3_SHRINK.json"]
+    vllm_lora_ops.use_configs("tuned", str(tmp_path))
+    vllm_lora_ops.reset_config_caches(vllm_mods)
+    with vllm_lora_ops.device_named(H100):
+        for i, (T, S, n) in enumerate(cases):
+            got = vllm_lora_ops.kernel_configs(vllm_mods, {op: keys(op, T, S, n) for op in ("shrink", "expand")})
+            assert {op: c["block_m"] for op, c in got.items()} == {"shrink": 16 * (i + 1), "expand": 16 * (i + 1)}
