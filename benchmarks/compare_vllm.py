@@ -29,7 +29,6 @@ the two. Errors are relative (Frobenius) to a float32 reference over the tokens 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os

@@ -42,7 +42,7 @@ EXPAND_SPACE = dict(block_m=(16, 32, 64, 128), block_n=(32, 64, 128, 256), block
 SPACES = {"shrink": SHRINK_SPACE, "expand": EXPAND_SPACE}
 OP_MODULES = {"shrink": "lora_shrink_op", "expand": "lora_expand_op"}
 ROUNDS = 2
-MAX_ERR = 1e-2  # a candidate whose output differs more than this from the default config's is wrong
+MAX_ERR = 5e-2  # a candidate further than this from the default config's output is broken (bf16 noise: ~4e-3)
 
 
 def coordinate_search(start: dict, space: dict, measure, rounds: int = ROUNDS) -> tuple[dict, float, dict]:
