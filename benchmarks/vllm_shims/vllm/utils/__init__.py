@@ -1,0 +1,1 @@
+"""Stand-ins for the two `vllm.utils` submodules the LoRA ops import."""
