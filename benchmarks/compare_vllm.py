@@ -49,6 +49,7 @@ RANKS = (16, 64)
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
 ADAPTERS = (1, 32)
 DECODE_MAX, PREFILL_MIN = 256, 1024
+GRAPH_MAX = 512  # EngineConfig.max_graph_tokens' default: steps up to it replay a graph (static meta)
 SCALE = 2.0  # vLLM's shrink takes one float scaling for all adapters; ours gets 2.0 per slot too
 
 
@@ -150,6 +151,10 @@ def run_case(mods, layer, R, T, S, device, timer):
 
     row["ours_shrink_us"] = timer(lambda: lora_shrink_triton(x, A, scales, meta))
     row["ours_expand_us"] = timer(lambda: lora_expand_triton(y, buf_o, B, sizes, meta))
+    if T <= GRAPH_MAX:  # the engine's CUDA-graph steps launch with a static meta: time that launch too
+        static = build_lora_meta(slots, S, static=True)
+        row["ours_graph_shrink_us"] = timer(lambda: lora_shrink_triton(x, A, scales, static))
+        row["ours_graph_expand_us"] = timer(lambda: lora_expand_triton(y, buf_o, B, sizes, static))
     row["vllm_shrink_us"] = timer(lambda: v.shrink(x))
     row["vllm_expand_us"] = timer(lambda: v.expand(y, buf_v))
     vs = VLLMSide(mods, x, A, B, sizes, slots, S, specialize=True)
@@ -159,6 +164,8 @@ def run_case(mods, layer, R, T, S, device, timer):
         best = min(row[f"vllm_{op}_us"], row[f"vllm_spec_{op}_us"])
         row[f"vllm_best_{op}_us"] = best
         row[f"speedup_{op}"] = best / row[f"ours_{op}_us"]
+        if f"ours_graph_{op}_us" in row:
+            row[f"speedup_graph_{op}"] = best / row[f"ours_graph_{op}_us"]
     return row
 
 
@@ -168,9 +175,10 @@ def summarize(rows):
         for name, sel in (("decode", lambda r: r["T"] <= DECODE_MAX), ("prefill", lambda r: r["T"] >= PREFILL_MIN),
                           ("all", lambda r: True)):
             sp = [r[f"speedup_{op}"] for r in rows if sel(r)]
-            if sp:
-                out[f"{op}_{name}_geomean"] = math.exp(sum(math.log(s) for s in sp) / len(sp))
-                out[f"{op}_{name}_wins"] = f"{sum(s > 1 for s in sp)}/{len(sp)}"
+            out[f"{op}_{name}_geomean"] = math.exp(sum(math.log(s) for s in sp) / len(sp)) if sp else float("nan")
+            out[f"{op}_{name}_wins"] = f"{sum(s > 1 for s in sp)}/{len(sp)}"
+        graph = [r[f"speedup_graph_{op}"] for r in rows if f"speedup_graph_{op}" in r]
+        out[f"{op}_graph_wins"] = f"{sum(s > 1 for s in graph)}/{len(graph)}"
         worst = min(rows, key=lambda r: r[f"speedup_{op}"])
         best = max(rows, key=lambda r: r[f"speedup_{op}"])
         keys = ("layer", "R", "T", "adapters", f"ours_{op}_us", f"vllm_best_{op}_us", f"speedup_{op}")
@@ -187,21 +195,27 @@ def markdown(rows, summ, env):
          f"{len(rows)} cases; times in us (graph replay, cold L2, median).", "",
          f"vLLM {env.get('vllm_version')} (--vllm-configs {env.get('vllm_configs')}): kernel configs from "
          f"shrink: {src.get('shrink')}, expand: {src.get('expand')}.", "",
-         "| layer | R | T | adapters | shrink ours | shrink vLLM (default / spec.) | speedup | "
-         "expand ours | expand vLLM (default / spec.) | speedup |",
+         f"'ours' launches with an exact meta (eager steps); 'graph' with the static meta the engine's "
+         f"CUDA graphs use (T <= {GRAPH_MAX}); speedup = vLLM's better time / ours.", "",
+         "| layer | R | T | adapters | shrink ours / graph | shrink vLLM (default / spec.) | speedup (graph) | "
+         "expand ours / graph | expand vLLM (default / spec.) | speedup (graph) |",
          "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def cells(r, op):
+        graph = f" / {r[f'ours_graph_{op}_us']:.1f}" if f"ours_graph_{op}_us" in r else ""
+        graph_sp = f" ({r[f'speedup_graph_{op}']:.2f}x)" if f"speedup_graph_{op}" in r else ""
+        return (f"{r[f'ours_{op}_us']:.1f}{graph} | {r[f'vllm_{op}_us']:.1f} / {r[f'vllm_spec_{op}_us']:.1f} | "
+                f"{r[f'speedup_{op}']:.2f}x{graph_sp}")
+
     for r in rows:
-        L.append(f"| {r['layer']} | {r['R']} | {r['T']} | {r['adapters']} | {r['ours_shrink_us']:.1f} | "
-                 f"{r['vllm_shrink_us']:.1f} / {r['vllm_spec_shrink_us']:.1f} | {r['speedup_shrink']:.2f}x | "
-                 f"{r['ours_expand_us']:.1f} | {r['vllm_expand_us']:.1f} / {r['vllm_spec_expand_us']:.1f} | "
-                 f"{r['speedup_expand']:.2f}x |")
-    L += ["", "| op | decode (T <= 256) geomean | wins | prefill (T >= 1024) geomean | wins | all | worst case |",
-          "|---|---|---|---|---|---|---|"]
+        L.append(f"| {r['layer']} | {r['R']} | {r['T']} | {r['adapters']} | {cells(r, 'shrink')} | {cells(r, 'expand')} |")
+    L += ["", "| op | decode (T <= 256) geomean | wins | prefill (T >= 1024) geomean | wins | all | graph launch wins | "
+          "worst case |", "|---|---|---|---|---|---|---|---|"]
     for op in ("shrink", "expand"):
         w = summ[f"{op}_worst"]
         L.append(f"| {op} | {summ[f'{op}_decode_geomean']:.2f}x | {summ[f'{op}_decode_wins']} | "
                  f"{summ[f'{op}_prefill_geomean']:.2f}x | {summ[f'{op}_prefill_wins']} | "
-                 f"{summ[f'{op}_all_geomean']:.2f}x | "
+                 f"{summ[f'{op}_all_geomean']:.2f}x | {summ[f'{op}_graph_wins']} | "
                  f"{w['layer']} r{w['R']} T={w['T']} a={w['adapters']}: {w[f'speedup_{op}']:.2f}x "
                  f"({w[f'ours_{op}_us']:.1f} vs {w[f'vllm_best_{op}_us']:.1f} us) |")
     L.append("")
