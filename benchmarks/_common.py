@@ -16,7 +16,7 @@ import torch
 
 __all__ = [
     "ALL_SEVEN", "QV", "QKVO", "copy_bandwidth", "device_name", "disk_bandwidth", "drop_from_page_cache",
-    "filesystem_of", "projection_shapes", "random_adapter", "read_seconds", "save_peft_files", "sync",
+    "filesystem_of", "kernel_device_times", "projection_shapes", "random_adapter", "read_seconds", "save_peft_files", "sync",
 ]
 
 ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -60,6 +60,19 @@ def copy_bandwidth(device: torch.device) -> float | None:
 
 
 # -- the disk ------------------------------------------------------------------------------------
+
+
+def kernel_device_times(prof, steps: int) -> dict[str, tuple[float, int]]:
+    """Device time per kernel name in a ``torch.profiler`` run of ``steps`` steps (graph replays
+    included): {name (90 chars): (us per step, launches per step)}, largest first."""
+    totals: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = totals.setdefault(event.name[:90], [0.0, 0])
+            entry[0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {name: (us / steps, n // steps) for name, (us, n) in ranked}
 
 
 def drop_from_page_cache(*paths: Path) -> None:

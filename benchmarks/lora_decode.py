@@ -30,6 +30,8 @@ Before timing a mix, layer 0 of each LoRA path runs eagerly and is compared with
 reference in bf16 (relative error of the delta, base rows bit-exact): a path over 2e-2 stops the run.
 Also reported: the bytes-read floor of the LoRA work (the active adapters' A and B, x, and y
 read + written on the rows with an adapter) over the device-copy bandwidth measured in the run.
+`--kernel-times` also profiles each graph's replays and stores the device time per kernel name in
+the JSON rows (`<path>_kernels_us_per_step`): where a path's time goes, kernel by kernel.
 Writes lora_decode.json (everything, the kernels' registers and spills included) and
 lora_decode.md (device named) to --out.
 """
@@ -230,6 +232,16 @@ class Graph:
             fn()
         sync(device)
 
+    def kernel_times(self, replays: int = 5) -> dict:
+        """Device time per kernel name, per replay: {name: (us, launches)} (a captured graph)."""
+        from benchmarks._common import kernel_device_times
+
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                self.replay()
+            sync(self.device)
+        return kernel_device_times(prof, replays)
+
     def replay(self):
         if self.graph is None:
             self.fn()
@@ -345,6 +357,8 @@ def run(args, device, dtype, env, save):
                     for name, g in graphs.items():
                         row[f"{name}_step_us"] = g.time_us(args.reps)
                         row[f"{name}_us_per_layer"] = row[f"{name}_step_us"] / args.layers
+                        if args.kernel_times and g.graph is not None:
+                            row[f"{name}_kernels_us_per_step"] = g.kernel_times()
                     nb = layers.lora_bytes(slots.cpu())
                     row["lora_bytes_per_layer"] = nb
                     row["floor_us_per_layer"] = nb / (bw * 1e3) if bw == bw else float("nan")
@@ -417,6 +431,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=150,
                     help="start no new (layout, rank) block after this many seconds (0: no limit); results are "
                          "written after every block")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="also profile each graph's replays: device time per kernel name, into the JSON rows")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (1/64), 2 layers: a CPU check of the script")
     args = ap.parse_args(argv)
     args.layouts = args.layouts.split(",")

@@ -12,13 +12,13 @@ import io
 import pstats
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._common import kernel_device_times  # noqa: E402
 from benchmarks.throughput import ALL_SEVEN, random_adapter  # noqa: E402
 from loramux import LoRARequest, SamplingParams  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
@@ -38,17 +38,11 @@ def host_profile(fn, top: int):
 
 def kernel_table(prof, steps: int, top: int = 25) -> str:
     """Device time per kernel name (per step), largest first."""
-    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals[event.name[:90]]
-            entry[0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-            entry[1] += 1
-    rows = sorted(totals.items(), key=lambda kv: -kv[1][0])
-    total = sum(v[0] for v in totals.values())
-    lines = [f"device time per step: {total / steps / 1e3:.3f} ms over {sum(v[1] for v in totals.values()) // steps} kernels"]
-    for name, (us, n) in rows[:top]:
-        lines.append(f"{us / steps:9.1f} us  {n // steps:5d}x  {name}")
+    times = kernel_device_times(prof, steps)
+    lines = [f"device time per step: {sum(us for us, _ in times.values()) / 1e3:.3f} ms over "
+             f"{sum(n for _, n in times.values())} kernels"]
+    for name, (us, n) in list(times.items())[:top]:
+        lines.append(f"{us:9.1f} us  {n:5d}x  {name}")
     return "\n".join(lines)
 
 
