@@ -16,7 +16,8 @@ import torch
 
 __all__ = [
     "ALL_SEVEN", "QV", "QKVO", "copy_bandwidth", "device_name", "disk_bandwidth", "drop_from_page_cache",
-    "filesystem_of", "kernel_device_times", "projection_shapes", "random_adapter", "read_seconds", "save_peft_files", "sync",
+    "filesystem_of", "kernel_device_times", "projection_shapes", "random_adapter", "read_seconds",
+    "save_peft_files", "sync",
 ]
 
 ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -59,9 +60,6 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * src.nbytes / min(times)
 
 
-# -- the disk ------------------------------------------------------------------------------------
-
-
 def kernel_device_times(prof, steps: int) -> dict[str, tuple[float, int]]:
     """Device time per kernel name in a ``torch.profiler`` run of ``steps`` steps (graph replays
     included): {name (90 chars): (us per step, launches per step)}, largest first."""
@@ -73,6 +71,9 @@ def kernel_device_times(prof, steps: int) -> dict[str, tuple[float, int]]:
             entry[1] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
     return {name: (us / steps, n // steps) for name, (us, n) in ranked}
+
+
+# -- the disk ------------------------------------------------------------------------------------
 
 
 def drop_from_page_cache(*paths: Path) -> None:

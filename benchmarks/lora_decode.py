@@ -166,7 +166,7 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                         torch.mm(x, w["W"].t(), out=y)
                     buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
-                elif path in ("overlap", "overlap_exact"):  # the engine's path: the shrink on a side stream beside the base GEMM
+                elif path in ("overlap", "overlap_exact"):  # the engine's: the shrink on a side stream
                     buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
                     with fork():
                         lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], out=buf)
@@ -174,8 +174,8 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                         torch.mm(x, w["W"].t(), out=y)
                     join()
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
-                elif path == "delta":  # the whole delta beside the GEMM into its own buffer; no add
-                    # here: the engine's compiled layer folds it into the consumer's pointwise kernel
+                elif path == "delta":  # the whole delta beside the GEMM into its own buffer, no add: what
+                    # a layer folding `y + delta` into its next pointwise kernel would cost
                     dy = deltas.setdefault(id(y), torch.empty_like(y))
                     with fork():
                         buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
