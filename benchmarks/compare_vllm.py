@@ -346,6 +346,19 @@ def check_cpu(mods):
     return check_tuned_cpu(mods) and ok
 
 
+def add_case_options(ap: argparse.ArgumentParser) -> None:
+    """The case selection this script and tune_vllm_lora.py share (`selected_cases` reads it)."""
+    ap.add_argument("--only", help="comma-separated layers")
+    ap.add_argument("--tokens", help="comma-separated token counts")
+    ap.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
+
+
+def selected_cases(args) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(layers, token counts) named by --only / --tokens, all of them by default."""
+    layers = tuple(args.only.split(",")) if args.only else CMP_LAYERS
+    return layers, tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TOKENS
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--vllm-ops", default=".thirdparty/vllm_lora",
@@ -358,9 +371,7 @@ def main(argv=None):
                          "default: $VLLM_TUNED_CONFIG_FOLDER, else <vllm-ops>/configs")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for compare_vllm.json / .md")
     ap.add_argument("--check-cpu", action="store_true", help="tiny layout/agreement check (TRITON_INTERPRET=1)")
-    ap.add_argument("--only", help="comma-separated layers")
-    ap.add_argument("--tokens", help="comma-separated token counts")
-    ap.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
+    add_case_options(ap)
     args = ap.parse_args(argv)
     mods = load_vllm(args.vllm_ops)
     if args.check_cpu:
@@ -390,8 +401,7 @@ def main(argv=None):
               f"{[op for op, src in env['vllm_config_source'].items() if src == 'default']}: vLLM runs its "
               "defaults there (vLLM ships none; make them with benchmarks/tune_vllm_lora.py)", flush=True)
     timer = Timer(device)
-    layers = args.only.split(",") if args.only else CMP_LAYERS
-    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TOKENS
+    layers, tokens = selected_cases(args)
     rows, t0 = [], time.time()
     for layer in layers:
         for R in RANKS:

@@ -30,7 +30,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from compare_vllm import ADAPTERS, CMP_LAYERS, RANKS, TOKENS, VLLMSide, make_case  # noqa: E402
+from compare_vllm import (ADAPTERS, RANKS, VLLMSide, add_case_options, make_case,  # noqa: E402
+                          selected_cases)
 from kernels import Timer, rel_err, sync  # noqa: E402
 from vllm_lora_ops import load_vllm, reset_config_caches, tuned_config_name, use_configs  # noqa: E402
 
@@ -211,11 +212,9 @@ def main(argv=None):
     ap.add_argument("--config-dir", help="where vLLM's tuned files go (default: <vllm-ops>/configs)")
     ap.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for a copy of the files and the log")
     ap.add_argument("--check-cpu", action="store_true", help="tiny search and read-back (TRITON_INTERPRET=1)")
-    ap.add_argument("--only", help="comma-separated layers")
-    ap.add_argument("--tokens", help="comma-separated token counts")
     ap.add_argument("--reps", type=int, default=10, help="timed replays per candidate (median)")
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="coordinate-search rounds (1 compiles fewer kernels)")
-    ap.add_argument("--budget-s", type=float, default=0, help="stop starting new cases after this many seconds")
+    add_case_options(ap)
     args = ap.parse_args(argv)
     mods = load_vllm(args.vllm_ops)
     if args.check_cpu:
@@ -226,8 +225,7 @@ def main(argv=None):
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)
     timer = Timer(device, reps=args.reps)
-    layers = args.only.split(",") if args.only else CMP_LAYERS
-    tokens = tuple(int(t) for t in args.tokens.split(",")) if args.tokens else TOKENS
+    layers, tokens = selected_cases(args)
     tables, log, t0 = {"shrink": {}, "expand": {}}, [], time.time()
     for layer in layers:
         for R in RANKS:
