@@ -11,8 +11,8 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 timeout "${THROUGHPUT_S:-200}" python benchmarks/throughput.py --ranks 16 --adapters 1,32 --peft-adapters 0 \
     --json "$OUT/throughput.json" --markdown "$OUT/throughput.md" > "$OUT/throughput.log" 2>&1
 echo "throughput rc=$?" >> "$OUT/status.txt"
-timeout "${MANY_S:-200}" python benchmarks/many_adapters.py --tag h100 --out "$OUT" \
-    --adapter-dir /var/tmp/loramux-adapters --adapters "${MANY_N:-4,32,1000}" --num-requests "${MANY_REQUESTS:-128}" \
+timeout "${MANY_S:-320}" python benchmarks/many_adapters.py --tag h100 --out "$OUT" \
+    --adapter-dir /var/tmp/loramux-adapters --adapters "${MANY_N:-4,32,256,1000}" --num-requests "${MANY_REQUESTS:-128}" \
     --saturated-requests "${MANY_SATURATED:-96}" > "$OUT/many_adapters.log" 2>&1
 echo "many_adapters rc=$?" >> "$OUT/status.txt"
 rm -rf /var/tmp/loramux-adapters
