@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from kernels import LAYERS, Timer, rel_err, sync  # noqa: E402  (benchmarks/kernels.py)
 from vllm_lora_ops import (  # noqa: E402  (benchmarks/vllm_lora_ops.py)
-    CONFIG_MODES, EXPAND_ADD_INPUTS, config_sources, device_named, kernel_configs, load_vllm, reset_config_caches,
+    CONFIG_MODES, EXPAND_ADD_INPUTS, config_sources, device_named, kernel_configs, load_or_exit, reset_config_caches,
     tuned_config_name, use_configs, vllm_version)
 
 CMP_LAYERS = ("qkv", "o", "gate_up", "down")
@@ -373,11 +373,7 @@ def main(argv=None):
     ap.add_argument("--check-cpu", action="store_true", help="tiny layout/agreement check (TRITON_INTERPRET=1)")
     add_case_options(ap)
     args = ap.parse_args(argv)
-    mods = load_vllm(args.vllm_ops)
-    if args.check_cpu:
-        sys.exit(0 if check_cpu(mods) else 1)
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device: use --check-cpu for the layout check")
+    mods = load_or_exit(args, check_cpu, "use --check-cpu for the layout check")
     import triton
 
     config_dir = (args.vllm_config_dir or os.environ.get("VLLM_TUNED_CONFIG_FOLDER")

@@ -33,7 +33,8 @@ sys.path.insert(0, HERE)
 from compare_vllm import (ADAPTERS, RANKS, VLLMSide, add_case_options, make_case,  # noqa: E402
                           selected_cases)
 from kernels import Timer, rel_err, sync  # noqa: E402
-from vllm_lora_ops import load_vllm, reset_config_caches, tuned_config_name, use_configs  # noqa: E402
+from vllm_lora_ops import (load_or_exit, reset_config_caches, tuned_config_name,  # noqa: E402
+                           use_configs)
 
 # README_TUNING.md's ranges, narrowed to what these shapes can use (rank 16/64: block_n <= 64)
 SHRINK_SPACE = dict(block_m=(16, 32, 64), block_n=(16, 32, 64), block_k=(32, 64, 128, 256),
@@ -216,11 +217,7 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=ROUNDS, help="coordinate-search rounds (1 compiles fewer kernels)")
     add_case_options(ap)
     args = ap.parse_args(argv)
-    mods = load_vllm(args.vllm_ops)
-    if args.check_cpu:
-        sys.exit(0 if check_cpu(mods) else 1)
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device: tuning needs the GPU the comparison runs on (--check-cpu checks the format)")
+    mods = load_or_exit(args, check_cpu, "tuning needs the GPU the comparison runs on (--check-cpu checks the format)")
     use_configs("default", None)  # start every search from vLLM's built-in default
     device = torch.device("cuda")
     gpu = torch.cuda.get_device_name(device)

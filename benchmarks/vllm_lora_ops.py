@@ -124,3 +124,16 @@ def config_sources(mods: dict, device_name: str) -> dict[str, str]:
 def kernel_configs(mods: dict, keys: dict[str, dict]) -> dict[str, dict]:
     """The launch configs vLLM's ops pick for `keys`: {op: get_lora_op_configs keyword arguments}."""
     return {op: dict(mods["utils"].get_lora_op_configs(**k)) for op, k in keys.items()}
+
+
+def load_or_exit(args, check_cpu, no_cuda: str) -> dict:
+    """The scripts' shared start: vLLM's ops from ``args.vllm_ops``; with ``--check-cpu`` run
+    ``check_cpu(mods)`` and exit with its verdict; without CUDA exit saying ``no_cuda``."""
+    import torch
+
+    mods = load_vllm(args.vllm_ops)
+    if args.check_cpu:
+        sys.exit(0 if check_cpu(mods) else 1)
+    if not torch.cuda.is_available():
+        sys.exit(f"no CUDA device: {no_cuda}")
+    return mods

@@ -11,26 +11,26 @@ class _TorchPlatform:
         return torch.cuda.is_available() and torch.version.hip is None
 
     @staticmethod
-    def _capability(device_id: int) -> tuple[int, int] | None:
-        return torch.cuda.get_device_capability(device_id) if torch.cuda.is_available() else None
+    def _code(device_id: int) -> int | None:
+        """The device's capability as vLLM's int form (major * 10 + minor), None without CUDA."""
+        if not torch.cuda.is_available():
+            return None
+        major, minor = torch.cuda.get_device_capability(device_id)
+        return major * 10 + minor
 
     @classmethod
     def has_device_capability(cls, capability: tuple[int, int] | int, device_id: int = 0) -> bool:
-        current = cls._capability(device_id)
-        if current is None:
-            return False
-        if isinstance(capability, tuple):
-            return current >= capability
-        return current[0] * 10 + current[1] >= capability
+        current = cls._code(device_id)
+        return current is not None and current >= _as_code(capability)
 
     @classmethod
     def is_device_capability(cls, capability: tuple[int, int] | int, device_id: int = 0) -> bool:
-        current = cls._capability(device_id)
-        if current is None:
-            return False
-        if isinstance(capability, tuple):
-            return current == capability
-        return current[0] * 10 + current[1] == capability
+        current = cls._code(device_id)
+        return current is not None and current == _as_code(capability)
+
+
+def _as_code(capability: tuple[int, int] | int) -> int:
+    return capability[0] * 10 + capability[1] if isinstance(capability, tuple) else capability
 
 
 current_platform = _TorchPlatform()
