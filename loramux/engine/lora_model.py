@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
+from loramux.engine.layers.slot_write import apply_slot_writes
 from loramux.engine.lora_patch import create_lora_layer, matches_target, patch_model
 from loramux.engine.slots import SlotTable
 from loramux.errors import IncompatibleAdapterError, LoRAError
@@ -242,14 +243,19 @@ class LoRAModelManager:
         # with tensor parallelism this rank writes its part and each worker receives only its own
         size = self.workers.size if self.workers is not None else 1
         shards: list[dict[str, list[LoRAModuleWeights | None]]] = [{} for _ in range(size)]
+        writes = []  # every layer's part, checked before anything is written, then run as one batch
         for name, layer in self.layers.items():
             weights = [adapter.modules.get(module) for module in layer.slice_names]
             if any(w is not None for w in weights):
-                layer.set_lora(slot, layer.shard_lora(weights))  # this rank's part
+                if type(layer).set_lora is BaseLayerWithLoRA.set_lora:
+                    writes.append(layer.slot_write(slot, layer.shard_lora(weights)))  # this rank's part
+                else:  # a layer plugin that writes its slots its own way
+                    layer.set_lora(slot, layer.shard_lora(weights))
                 for rank in range(1, size):
                     shards[rank][name] = layer.shard_lora(weights, rank)
             else:
                 layer.reset_lora(slot)
+        apply_slot_writes(writes)
         if self.workers is not None:
             self.workers.write_slot(slot, shards)
 

@@ -29,6 +29,7 @@ from torch import nn
 from loramux.engine.layers.context import LoRAContext
 from loramux.engine.layers.lora_op import register_layer
 from loramux.engine.layers.side_stream import shrink_beside_base, side_stream
+from loramux.engine.layers.slot_write import SlotWrite, apply_slot_writes
 from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
@@ -206,10 +207,17 @@ class BaseLayerWithLoRA(nn.Module):
 
         ``weights_by_slice`` holds one entry per output slice; None leaves that slice without
         LoRA. A tensor-parallel shard of a layer takes its part (`shard_lora`). Nothing here
-        blocks the host: weights come by asynchronous copies from pinned host memory, scales and
-        ranks by fills (a pageable host-to-device copy would wait for the stream's queue, on the
-        copy stream that is the running step), and padding past the rank is cleared only where
-        the slot's last adapter wrote it.
+        blocks the host (`loramux.engine.layers.slot_write`); the model manager writes every
+        layer of an adapter in one batch of `slot_write` parts instead of calling this per layer.
+        """
+        apply_slot_writes([self.slot_write(slot, weights_by_slice)])
+
+    def slot_write(self, slot: int, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> SlotWrite:
+        """This layer's part of writing an adapter into ``slot`` (see `set_lora`), checked and
+        described but not run: the blocks to copy, the padding past the new rank that the slot's
+        last adapter wrote (only there: past it the slot is zero already), the scales, the rank.
+
+        :raises ValueError: the weights do not fit this layer (nothing is written).
         """
         assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
         assert len(weights_by_slice) == self.n_slices, "one weights entry per output slice"
@@ -220,35 +228,34 @@ class BaseLayerWithLoRA(nn.Module):
         written = self._host_ranks[slot]  # rows/columns past it are zero already
         # until this write completes, a failure's reset_lora must clear whatever it reached
         self._host_ranks[slot] = max([written] + [w.rank for w in weights_by_slice if w is not None])
-        rank = 0
-        slices, rank_cell = self._slot_views(slot)
-        for (a_rows, b_cols, scale_cell), weights in zip(slices, weights_by_slice):
+        slices, scales_row, rank_cell = self._slot_views(slot)
+        write = SlotWrite(self, slot, scales_row, rank_cell)
+        for (a_rows, b_cols), weights in zip(slices, weights_by_slice):
             r = 0 if weights is None else weights.rank
-            if r:  # non_blocking: asynchronous from pinned memory, a staged copy from pageable
-                (a_rows if r == R else a_rows[:r]).copy_(weights.lora_a, non_blocking=True)
-                (b_cols if r == R else b_cols[:, :r]).copy_(weights.lora_b, non_blocking=True)
+            if r:
+                write.copies.append((a_rows if r == R else a_rows[:r], weights.lora_a))
+                write.copies.append((b_cols if r == R else b_cols[:, :r], weights.lora_b))
             if r < written:
-                a_rows[r:].zero_()
-                b_cols[:, r:].zero_()
-            scale_cell.fill_(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
-            rank = max(rank, r)
-        rank_cell.fill_(rank)
-        self._host_ranks[slot] = rank
+                write.zeros += [a_rows[r:], b_cols[:, r:]]
+            write.scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
+            write.rank = max(write.rank, r)
+        return write
 
-    def _slot_views(self, slot: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """``slot``'s per-slice views (A rows [R, in], B columns [size, R], scale) and its rank
-        cell, made once: a slot write runs for every wrapped layer, and slicing was most of its
-        host time. Made again when the buffers were replaced (``module.to``)."""
+    def _slot_views(self, slot: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
+        """``slot``'s per-slice views (A rows [R, in], B columns [size, R]), its scales row [n_slices]
+        and its rank cell [1], made once: a slot write runs for every wrapped layer, and slicing
+        was most of its host time. Made again when the buffers were replaced (``module.to``)."""
         cached = self._views.get(slot)
         if cached is not None and cached[0] is self.lora_a_stacked:
-            return cached[1], cached[2]
+            return cached[1]
         R = self.max_lora_rank
-        lora_a, lora_b, scales = self.lora_a_stacked[slot], self.lora_b_stacked[slot], self.lora_scales[slot]
+        lora_a, lora_b = self.lora_a_stacked[slot], self.lora_b_stacked[slot]
         offsets = [sum(self.output_sizes[:i]) for i in range(self.n_slices)]
-        slices = [(lora_a[i * R : (i + 1) * R], lora_b[offset : offset + size], scales[i])
+        slices = [(lora_a[i * R : (i + 1) * R], lora_b[offset : offset + size])
                   for i, (offset, size) in enumerate(zip(offsets, self.output_sizes))]
-        self._views[slot] = (self.lora_a_stacked, slices, self.lora_ranks[slot])
-        return slices, self.lora_ranks[slot]
+        views = (slices, self.lora_scales[slot], self.lora_ranks[slot : slot + 1])
+        self._views[slot] = (self.lora_a_stacked, views)
+        return views
 
     @torch.no_grad()
     def reset_lora(self, slot: int) -> None:

@@ -1,0 +1,102 @@
+"""Writing an adapter into a GPU slot in a handful of device calls, whatever the number of layers.
+
+A slot write touches every wrapped layer: per output slice an A block and a B block to copy, the
+padding the slot's previous adapter left past the new rank to clear, a scale; per layer a rank.
+Issued one by one that is ~800 host-side calls for a Llama-3.1-8B adapter on all seven
+projections (12.8 ms on an H100 for 84 MB that PCIe moves in ~2-3 ms). `BaseLayerWithLoRA.slot_write`
+describes one layer's part (`SlotWrite`, checked, nothing written yet); `apply_slot_writes` runs
+the parts of every layer together:
+
+- the weights: an adapter's tensors are views into one host buffer (the loader reads a file into
+  one buffer; `LoRAAdapter.pack` packs into one), so that buffer goes to the device in ONE copy,
+  and one ``torch._foreach_copy_`` spreads it over the slots' blocks (device to device);
+- the padding: one ``torch._foreach_zero_``;
+- the scales and ranks: one small host tensor each, copied once and spread by ``_foreach_copy_``.
+
+Nothing blocks the host: the host buffers are page-locked in the CPU tier (elsewhere the copy is
+staged, as any pageable copy), and the small tensors come from PyTorch's pinned allocator. When
+the weights do not share one host buffer (or it holds much more than they need: PEFT may save a
+whole embedding beside an embedding LoRA), each block is copied on its own, as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from loramux.engine.layers.base import BaseLayerWithLoRA
+
+__all__ = ["SlotWrite", "apply_slot_writes"]
+
+#: Stage the adapter's whole host buffer only when it is at most this much larger than the
+#: blocks the slot needs (a buffer with a saved base embedding beside the LoRA weights is not).
+MAX_STAGED_OVERHEAD = 1.5
+
+
+@dataclass
+class SlotWrite:
+    """One layer's part of writing an adapter into ``slot``: made by
+    `BaseLayerWithLoRA.slot_write`, run by `apply_slot_writes`."""
+
+    layer: BaseLayerWithLoRA
+    slot: int
+    scales_row: torch.Tensor  # the layer's lora_scales[slot]: [n_slices] float32
+    rank_cell: torch.Tensor  # the layer's lora_ranks[slot:slot + 1]: [1] int32
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (slot block, host weights)
+    zeros: list[torch.Tensor] = field(default_factory=list)  # padding past the new rank
+    scales: list[float] = field(default_factory=list)  # one per output slice
+    rank: int = 0
+
+
+def apply_slot_writes(writes: Sequence[SlotWrite]) -> None:
+    """Run every `SlotWrite` (all on one device), batched: see the module docstring."""
+    if not writes:
+        return
+    device = writes[0].layer.lora_a_stacked.device
+    copies = [pair for write in writes for pair in write.copies]
+    if copies:
+        blocks, weights = [list(side) for side in zip(*copies)]
+        sources = weights if device.type == "cpu" else _staged(weights, device)
+        if sources is not None:
+            torch._foreach_copy_(blocks, sources)
+        else:
+            for block, tensor in copies:  # non_blocking: asynchronous from pinned memory
+                block.copy_(tensor, non_blocking=True)
+    zeros = [block for write in writes for block in write.zeros]
+    if zeros:
+        torch._foreach_zero_(zeros)
+    _spread([w.scales_row for w in writes], [w.scales for w in writes], torch.float32, device)
+    _spread([w.rank_cell for w in writes], [[w.rank] for w in writes], torch.int32, device)
+    for write in writes:
+        write.layer._host_ranks[write.slot] = write.rank
+
+
+def _staged(weights: list[torch.Tensor], device: torch.device) -> list[torch.Tensor] | None:
+    """``weights`` as views of one device copy of the host buffer they share, or None to copy
+    them one by one (no shared host buffer, or one far larger than they are)."""
+    if any(t.device.type != "cpu" for t in weights):
+        return None
+    storage = weights[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in weights):
+        return None
+    needed = sum(t.numel() * t.element_size() for t in weights)
+    if storage.nbytes() > MAX_STAGED_OVERHEAD * needed + (1 << 20):
+        return None
+    host = torch.empty(0, dtype=torch.uint8).set_(storage)
+    device_copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=device)
+    device_copy.copy_(host, non_blocking=True)  # the one host-to-device copy
+    on_device = device_copy.untyped_storage()
+    return [torch.empty(0, dtype=t.dtype, device=device).set_(on_device, t.storage_offset(), t.size(), t.stride())
+            for t in weights]
+
+
+def _spread(rows: list[torch.Tensor], values: list[list[float]], dtype: torch.dtype, device: torch.device) -> None:
+    """``rows[i][:] = values[i]``: one host tensor of every value, one copy, one foreach copy."""
+    flat = torch.tensor([v for row in values for v in row], dtype=dtype)
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    torch._foreach_copy_(rows, list(flat.split([len(row) for row in values])))

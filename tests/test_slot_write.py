@@ -1,0 +1,97 @@
+"""Writing an adapter into a slot as one batch over every layer (`loramux.engine.layers.slot_write`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import save_peft_adapter, tiny_model
+from torch import nn
+
+from loramux.engine.layers import LinearWithLoRA, LoRAContext
+from loramux.engine.layers.slot_write import _staged, apply_slot_writes
+from loramux.engine.lora_model import LoRAModelManager, create_lora_layer
+from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights, load_adapter
+
+CONFIG = LoRAConfig(max_loras=3, max_lora_rank=8)
+
+
+def layers(n=3):
+    torch.manual_seed(0)
+    out = []
+    for i in range(n):
+        layer = create_lora_layer(nn.Linear(16, 12 + 4 * i), f"block.{i}", CONFIG)
+        layer.lora_context = LoRAContext(CONFIG.max_loras)
+        out.append(layer)
+    return out
+
+
+def weights_for(layer, rank, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [LoRAModuleWeights(torch.randn(rank, layer.in_features, generator=g),
+                              torch.randn(layer.out_features, rank, generator=g), scaling=0.5 + seed)]
+
+
+def assert_slot_holds(layer, slot, weights):
+    (w,) = weights
+    r = w.rank
+    assert torch.equal(layer.lora_a_stacked[slot, :r], w.lora_a) and not layer.lora_a_stacked[slot, r:].any()
+    assert torch.equal(layer.lora_b_stacked[slot, :, :r], w.lora_b) and not layer.lora_b_stacked[slot, :, r:].any()
+    assert layer.lora_scales[slot].tolist() == [w.scaling]
+    assert layer.lora_ranks[slot] == r and layer._host_ranks[slot] == r
+
+
+def test_one_batch_over_every_layer_writes_each_slot_and_clears_the_last_adapters_padding():
+    group = layers()
+    big = {layer: weights_for(layer, 8, seed=i) for i, layer in enumerate(group)}
+    small = {layer: weights_for(layer, 3, seed=10 + i) for i, layer in enumerate(group)}
+    other = {layer: weights_for(layer, 5, seed=20 + i) for i, layer in enumerate(group)}
+    apply_slot_writes([layer.slot_write(2, other[layer]) for layer in group])
+    apply_slot_writes([layer.slot_write(1, big[layer]) for layer in group])
+    apply_slot_writes([layer.slot_write(1, small[layer]) for layer in group])  # rank 8 -> 3 in place
+    for layer in group:
+        assert_slot_holds(layer, 1, small[layer])
+        assert_slot_holds(layer, 2, other[layer])  # the other slot is untouched
+        assert not layer.lora_a_stacked[0].any() and layer.lora_ranks[0] == 0
+
+
+def test_a_bad_layer_stops_the_batch_before_anything_is_written():
+    group = layers()
+    parts = [group[0].slot_write(1, weights_for(group[0], 4, seed=1))]
+    with pytest.raises(ValueError, match="rank 9, above max_lora_rank=8"):
+        parts.append(group[1].slot_write(1, weights_for(group[1], 9, seed=2)))
+    assert not group[0].lora_a_stacked.any() and not group[0].lora_ranks.any()
+
+
+def test_staged_views_map_the_one_host_buffer_the_weights_share():
+    group = layers(2)
+    adapter = LoRAAdapter("a", None, {f"block.{i}": weights_for(layer, 4, seed=i)[0]
+                                      for i, layer in enumerate(group)}, 4, ["block"]).pack()
+    weights = [t for w in adapter.modules.values() for t in (w.lora_a, w.lora_b)]
+    staged = _staged(weights, torch.device("cpu"))  # the mapping of views, on a CPU "device" copy
+    assert staged is not None and len(staged) == len(weights)
+    for host, copy in zip(weights, staged):
+        assert torch.equal(copy, host) and copy.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
+    assert len({t.untyped_storage().data_ptr() for t in staged}) == 1  # one copy of the buffer
+    apart = [w.clone() for w in weights]  # no shared buffer: copied one by one
+    assert _staged(apart, torch.device("cpu")) is None
+    huge = torch.zeros(1 << 22)  # a buffer mostly of something else (a saved base embedding)
+    assert _staged([huge[:64].view(8, 8)], torch.device("cpu")) is None
+
+
+def test_a_layer_that_overrides_set_lora_is_still_called_by_the_manager(tmp_path):
+    model = tiny_model("llama")
+    adapter_dir = save_peft_adapter(tiny_model("llama"), tmp_path / "qv", r=4)
+    manager = LoRAModelManager(model, CONFIG)
+    calls = []
+
+    class OwnWrites(LinearWithLoRA):
+        def set_lora(self, slot, weights_by_slice):
+            calls.append(self.module_name)
+            super().set_lora(slot, weights_by_slice)
+
+    special = manager.layers["model.layers.0.self_attn.q_proj"]
+    special.__class__ = OwnWrites
+    slot = manager.activate(load_adapter(adapter_dir, name="qv"))
+    assert calls == ["model.layers.0.self_attn.q_proj"]
+    written = [name for name, layer in manager.layers.items() if layer.lora_ranks[slot] > 0]
+    assert len(written) == 4 and special.lora_ranks[slot] == 4  # q and v of both layers
