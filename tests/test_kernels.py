@@ -548,12 +548,12 @@ def run_throughput_launch(slots, H, N, R, dtype, device, seed, shrink_cfg=None, 
     return e_shrink, e_expand
 
 
-# (scenario, shrink config, expand config): what shrink_config/expand_config choose on an H200 at
-# R=64 for the throughput launches (tests/test_kernels.py::test_h200_heuristic_configs_at_r64 pins them)
+# (scenario, shrink config, expand config): what shrink_config/expand_config choose on an H100/H200
+# (132 SMs) at R=64 for the throughput launches (tests/test_kernels.py::test_h200_heuristic_configs_at_r64 pins them)
 R64_LAUNCHES = [
     ("1-prefill", (64, 64, 64, 2, 4, 4), (64, 64, 8, 4, 3)),
     ("32-prefill", (64, 64, 64, 2, 4, 4), (64, 64, 2, 4, 3)),
-    ("1-decode", (64, 16, 128, 16, 4, 4), (64, 32, 1, 4, 2)),
+    ("1-decode", (16, 16, 128, 16, 4, 4), (64, 32, 1, 4, 2)),
     ("32-decode", (16, 16, 128, 2, 4, 4), (16, 64, 2, 4, 3)),
     ("warmup", (16, 16, 128, 2, 4, 4), (16, 64, 8, 4, 3)),
 ]
@@ -579,6 +579,23 @@ def test_h200_heuristic_configs_at_r64(monkeypatch):
         dev = torch.device("cpu")
         assert shrink.shrink_config(meta, 64, H, torch.bfloat16, dev) == ShrinkConfig(*s_cfg), scenario
         assert expand.expand_config(meta, (N,), 64, torch.bfloat16, dev) == ExpandConfig(*e_cfg), scenario
+
+
+def test_shrink_few_adapters_at_decode_size_take_the_static_shape(monkeypatch):
+    """An exact meta of one adapter over 64-256 tokens (more tokens than rank columns) launches
+    the static decode shape, not the 64-wide prefill one (2x slower on an H100 for qkv r16 T=64);
+    a prefill-sized batch keeps the 64-wide shape."""
+    from loramux.kernels import shrink
+
+    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
+    dev = torch.device("cpu")
+    for T in (64, 256):
+        meta = build_lora_meta(torch.zeros(T, dtype=torch.long), 32)
+        cfg = shrink.shrink_config(meta, 48, 4096, torch.bfloat16, dev)
+        assert cfg == shrink._static_shrink_config(T, 48, 4096, torch.bfloat16, 264), T
+        assert cfg.block_n == 16
+    prefill = build_lora_meta(torch.zeros(1024, dtype=torch.long), 32)
+    assert shrink.shrink_config(prefill, 48, 4096, torch.bfloat16, dev).block_n == 64
 
 
 @needs_interpreter

@@ -136,7 +136,8 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     """Heuristic launch shape, cached on the meta (every layer of a step reuses it); a static meta
     gets `static_shrink_config`.
 
-    Weights dominate the bytes (decode: few tokens per slot): narrow rank blocks spread the
+    Weights dominate the bytes (decode: few tokens per slot), or the batch is decode-sized (at
+    most 256 tokens: latency bound, the static decode tile height): narrow rank blocks spread the
     weights over programs. Activations dominate (prefill): 64-wide rank blocks, whose programs
     for one tile run side by side, so x comes from DRAM once and from L2 after. Either way, K is
     split until the grid fills the GPU; the split shrinks smoothly as tokens grow.
@@ -150,10 +151,16 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
         meta._cache[key] = cfg
         return cfg
     target = target_programs(device)
+    # decode-sized batches are latency bound whatever the mix: short tiles and narrow rank blocks
+    # give many short programs (on an H100 one adapter over 64 tokens in 64-row tiles and 64-wide
+    # blocks took 2x the time of the static decode shape, and lost to vLLM's tuned kernel)
+    decode = meta.num_tokens <= 256
     block_m = block_m_for(meta)
+    if decode:
+        block_m = min(block_m, static_block_m(meta.num_tokens))
     n_tiles = max(1, meta.num_tiles(block_m))
     np2 = min(max(16, next_pow2(NR)), 256)
-    if meta.num_active * NR >= meta.num_lora_tokens:  # weights dominate
+    if decode or meta.num_active * NR >= meta.num_lora_tokens:  # weights dominate
         block_n, block_k, num_stages = np2, 128, 4
         while block_n > 16 and n_tiles * cdiv(NR, block_n) < target:
             block_n //= 2
