@@ -28,23 +28,26 @@ in use. What admission below guarantees, with that:
 
 - FIFO among blocked adapters: the oldest request whose adapter needs a slot is admitted first,
   and nothing behind it takes a slot before it (base-model and pinned-adapter requests aside).
-- Bounded wait: a blocked request waits at most until the running adapters' current requests
-  end (each has ``max_tokens``); new requests for running adapters cannot extend that.
+- Bounded wait: a blocked request waits at most until some slots' current requests end (each
+  has ``max_tokens``). The scheduler counts the slots that will free by themselves (adapters
+  with no queued request); for every blocked adapter beyond those it marks one in-slot adapter
+  *draining* (the one with the fewest queued requests): its new requests wait until its running
+  ones end and the slot frees. So a stream of requests for a running adapter cannot hold a slot
+  forever, and the k-th blocked adapter waits for at most k slots to drain.
+- Full batches: a queued request for an adapter already in a slot, and not draining, is admitted
+  past a blocked one (it takes no slot). Holding every request behind the oldest blocked one
+  instead made waves of small batches: on an H100 with 32 slots and 59 adapters in a burst of
+  96 requests, half the throughput of 4 adapters.
 - Slots stay busy: a slot freed by a finished adapter is refilled by the next queued adapter,
   whose weights are usually already there (prefetched).
 
-A step holds at most ``max_loras`` distinct adapters, counting the ones the user pinned
-to the GPU. A queued request whose adapter would exceed that waits, and from then on no request
-behind it may start with any adapter (new or running) until it is admitted; base-model requests
-and requests for pinned adapters still may, as they take no slot that could free up. Running adapters therefore drain as their requests end
-(each has ``max_tokens``), a slot frees, and the oldest blocked request is admitted first: a
-request whose adapter is not resident cannot be starved by a stream of requests for resident
-ones.
+A step holds at most ``max_loras`` distinct adapters, counting the ones the user pinned to the GPU.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -128,6 +131,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
         self.failed: list[Sequence] = []  # failed at admission; the engine reports them
+        self.draining: set[int] = set()  # in-slot handle ids whose new requests wait for the slot to free
         self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------
@@ -216,6 +220,7 @@ class Scheduler:
         admitted, blocked = [], False
         in_slots = self.handles_in_slots()
         pinned = self.user_pinned()
+        self._mark_draining(in_slots, pinned)
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs or not self.blocks.can_allocate(seq):
                 break  # capacity is first come first served
@@ -230,8 +235,11 @@ class Scheduler:
                             fix="Remove a pinned adapter (remove_lora) or raise max_loras.",
                         ))
                         continue
-                    if blocked or (handle.id not in in_slots and len(in_slots) >= self.max_loras):
-                        blocked = True  # hold back every adapter request behind the oldest blocked one
+                    if handle.id in in_slots:
+                        if blocked and handle.id in self.draining:
+                            continue  # its slot frees for the older blocked request first
+                    elif blocked or len(in_slots) >= self.max_loras:
+                        blocked = True  # FIFO among requests that need a slot
                         continue
                 if not self._start(seq):
                     continue
@@ -244,6 +252,19 @@ class Scheduler:
             admitted.append(seq)
             budget -= min(seq.num_uncomputed, budget)
         return admitted
+
+    def _mark_draining(self, in_slots: set[int], pinned: set[int]) -> None:
+        """With every slot held, mark as many in-slot adapters draining as queued adapters would
+        find no slot otherwise: a slot frees by itself when its adapter has no queued request
+        (or drains already). A free slot marks nothing: the oldest blocked request takes it now."""
+        if len(in_slots) < self.max_loras:
+            return
+        queued = Counter(seq.handle.id for seq in self.waiting if seq.handle is not None)
+        blocked = sum(1 for i in queued if i not in in_slots and i not in pinned)
+        freeing = sum(1 for i in in_slots - pinned if i in self.draining or i not in queued)
+        candidates = sorted((i for i in in_slots - pinned - self.draining if i in queued),
+                            key=lambda i: (queued[i], self.adapters[i].running))
+        self.draining.update(candidates[: max(0, blocked - freeing)])
 
     def _preempt(self, seq: Sequence) -> None:
         """Free ``seq``'s blocks and queue it again; it is recomputed when readmitted."""
@@ -314,6 +335,7 @@ class Scheduler:
     def _maybe_end(self, use: AdapterUse) -> None:
         if use.slot is not None and not use.needs_slot:
             use.slot = None
+            self.draining.discard(use.handle.id)
             self.on_adapter_end(use.handle)
 
     def _maybe_release(self, use: AdapterUse) -> None:
