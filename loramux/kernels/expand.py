@@ -40,11 +40,12 @@ def _expand_kernel(
     W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     # USE_PDL (launched with programmatic dependent launch): the program may start while the
-    # kernels before it (the base GEMM, the shrink) still run. Until `gdc_wait` it reads only what
-    # was written before those kernels started (the step's meta, the slice table, the slot ranks);
-    # buf and y come after the wait. Every program waits before it exits, early exits included,
-    # so this kernel never completes before its predecessors do: later kernels, launched normally,
-    # keep plain stream order with everything before it.
+    # kernels just before it (the base GEMM, the shrink) still run. Until `gdc_wait` it reads only
+    # what was written before those kernels started (the step's meta, the slice table, the slot
+    # ranks): they start only once everything before them has completed, being launched normally
+    # or being this kernel, which waits in every program. buf and y come after the wait. Every
+    # program waits before it exits, early exits included, so this kernel never completes before
+    # its predecessors do: a later kernel launched normally sees them completed, as without PDL.
     pid = tl.program_id(0)
     pid_m = pid // n_units
     unit = pid % n_units

@@ -4,6 +4,9 @@ Launch grids are linear and tile-major: program ``pid`` serves tile ``pid // per
 are numbered slot after slot (active slots first), so the programs with work have the lowest
 ids and are dispatched first; the programs of a grid sized from a bound (a static meta) that
 find no tile exit after one round of loads, while the real ones run.
+
+Also here: whether a launch may use programmatic dependent launch (`pdl_available`,
+`resolve_pdl`; ``LORAMUX_PDL``).
 """
 
 from __future__ import annotations
