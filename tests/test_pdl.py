@@ -187,7 +187,7 @@ def test_launch_pdl_is_passed_to_triton_only_when_pdl_is_on(on, monkeypatch):
     lora_expand(y0.clone(), buf, B, sizes, meta, ranks, pdl=on)
     lora_apply(y0.clone(), x, A, B, scales, ranks, sizes, meta, pdl=on)
     lora_expand(y0.clone(), buf, B, sizes, meta, ranks)
-    assert asked == [on, on, None]
+    assert asked == [on, on, None] and len(kernel.launches) == 3
     for launch in kernel.launches:
         assert launch["USE_PDL"] is on
         assert launch.get("launch_pdl", False) is on and ("launch_pdl" in launch) is on
