@@ -18,6 +18,10 @@ every row base (-1) and replayed for every mix, 20+ times after warm-up:
 - two: lora_shrink + lora_expand per module (two launches, no memset), what lora_apply runs;
 - overlap: the same, with the shrink on a side stream forked before the base GEMM and joined
   before the expand, as the engine's LoRA layers run it (engine/layers/side_stream.py);
+- overlap_pdl: overlap with the expand launched with programmatic dependent launch (`pdl=True`:
+  its launch and prologue overlap the end of the GEMM and the shrink; Hopper on). Where PDL is
+  not available (the CPU smoke run, a GPU before Hopper) it runs exactly as overlap, and the
+  output says so (`pdl_available` in the JSON's env);
 - delta: shrink, zeroing and expand all on the side stream, into a delta buffer of their own, beside
   the base GEMM; the step adds nothing after the join (the compiled layer would fold `y + delta`
   into the pointwise kernel that reads y next: RoPE, SiLU-mul, the residual add and norm);
@@ -60,9 +64,11 @@ TOKENS = (1, 8, 64, 128, 256)
 RANKS = (16, 64)
 MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
-PATHS = ("base", "two", "overlap", "delta", "overlap_exact")
+PATHS = ("base", "two", "overlap", "overlap_pdl", "delta", "overlap_exact")
 LORA_PATHS = PATHS[1:]
 TOL = 2e-2
+PDL_NOTE = ("PDL is not available on {device} (it needs CUDA compute capability 9.0+, the Triton interpreter off, "
+            "and a Triton with gdc_wait and launch_pdl): overlap_pdl runs exactly as overlap")
 #: q/v-only adapters: the (module, slice) pairs they target, per layout
 QV_TARGETS = {"fused": {("qkv", 0), ("qkv", 2)}, "separate": {("q", 0), ("v", 0)}}
 
@@ -165,22 +171,23 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                     if base:
                         torch.mm(x, w["W"].t(), out=y)
                     buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
-                    lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
-                elif path in ("overlap", "overlap_exact"):  # the engine's: the shrink on a side stream
+                    lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"], pdl=False)
+                elif path.startswith("overlap"):  # the engine's: the shrink on a side stream
                     buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
                     with fork():
                         lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], out=buf)
                     if base:
                         torch.mm(x, w["W"].t(), out=y)
                     join()
-                    lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"])
+                    # only overlap_pdl asks for PDL: LORAMUX_PDL in the environment changes no other path
+                    lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"], pdl=path == "overlap_pdl")
                 elif path == "delta":  # the whole delta beside the GEMM into its own buffer, no add: what
                     # a layer folding `y + delta` into its next pointwise kernel would cost
                     dy = deltas.setdefault(id(y), torch.empty_like(y))
                     with fork():
                         buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
                         dy.zero_()
-                        lora_expand_triton(dy, buf, w["B"], tuple(sz), meta, w["ranks"])
+                        lora_expand_triton(dy, buf, w["B"], tuple(sz), meta, w["ranks"], pdl=False)
                     if base:
                         torch.mm(x, w["W"].t(), out=y)
                     join()
@@ -396,6 +403,8 @@ def markdown(rows, env, n_layers, S, dtype):
          f"copy bandwidth {env.get('copy_GBps', float('nan')):.0f} GB/s (read + write); {n_layers} layers per "
          f"captured step (one graph per path and T, for every mix); us per layer (step / layers); {dtype}, "
          f"{S} slots. `x − base` is what LoRA costs; `+%` the step over the base GEMMs alone.", ""]
+    if "overlap_pdl" in have and not env.get("pdl_available"):
+        L += [f"Note: {PDL_NOTE.format(device=env.get('device'))}.", ""]
     if env.get("failed_check"):
         L += [f"**Stopped: a path disagreed with the reference**: {env['failed_check']}", ""]
     if env.get("skipped"):
@@ -462,7 +471,12 @@ def main(argv=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
         env["sms"] = torch.cuda.get_device_properties(device).multi_processor_count
+    from loramux.kernels.tiles import pdl_available
+
+    env["pdl_available"] = pdl_available(device)
     print(env, flush=True)
+    if not env["pdl_available"]:
+        print(f"note: {PDL_NOTE.format(device=env['device'])}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     started = time.time()
 

@@ -73,6 +73,8 @@ def lora_expand(
     slice_sizes: tuple[int, ...],
     meta: LoRABatchMeta,
     ranks: torch.Tensor | None = None,
+    *,
+    pdl: bool | None = None,
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
 
@@ -82,11 +84,14 @@ def lora_expand(
     Products in float32 (16-bit: buf rounded to the weights' dtype for the tensor cores, as PEFT
     does), summed with y in float32 and rounded once to y's dtype. Rows of slot -1 tokens are left
     exactly untouched. No host sync: with a fixed meta it can be captured in a CUDA graph.
+
+    pdl: launch the Triton kernel with programmatic dependent launch (Hopper on; ignored
+    elsewhere and by the torch reference); None takes ``LORAMUX_PDL`` (off unless 1).
     """
     if _use_triton(y):
         from .expand import lora_expand_triton
 
-        lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks)
+        lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pdl=pdl)
         return
     reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks)
 
@@ -153,6 +158,8 @@ def lora_apply(
     ranks: torch.Tensor | None,
     slice_sizes: tuple[int, ...],
     meta: LoRABatchMeta,
+    *,
+    pdl: bool | None = None,
 ) -> None:
     """``y += B[slot](A[slot](x)) * scale[slot]`` for every token and slice, in place: `lora_shrink`
     then `lora_expand`, the float32 intermediate made and dropped inside.
@@ -161,7 +168,7 @@ def lora_apply(
     lora_b: [S, sum(slice_sizes), R]; scales: [S, n_slices] float32; ranks: [S] int32 or None.
     Two kernels on CUDA (nothing else: no memset, no host sync), so a step captured with a static
     meta replays it for any mapping. Rows of slot -1 tokens, and of slots whose rank is 0, are
-    left exactly as they were.
+    left exactly as they were. pdl: the expand's, as for `lora_expand`.
     """
     buf = lora_shrink(x, lora_a, scales, meta, ranks)  # [T, n_slices*R] float32
-    lora_expand(y, buf, lora_b, slice_sizes, meta, ranks)
+    lora_expand(y, buf, lora_b, slice_sizes, meta, ranks, pdl=pdl)

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .checks import check_expand
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, static_block_m,
+from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, resolve_pdl, segment_tile, static_block_m,
                     target_programs)
 
 
@@ -37,18 +37,29 @@ def _expand_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
-    W_VEC: tl.constexpr, STAGES: tl.constexpr,
+    W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    # USE_PDL (launched with programmatic dependent launch): the program may start while the
+    # kernels just before it (the base GEMM, the shrink) still run. Until `gdc_wait` it reads only
+    # what was written before those kernels started (the step's meta, the slice table, the slot
+    # ranks): they start only once everything before them has completed, being launched normally
+    # or being this kernel, which waits in every program. buf and y come after the wait. Every
+    # program waits before it exits, early exits included, so this kernel never completes before
+    # its predecessors do: a later kernel launched normally sees them completed, as without PDL.
     pid = tl.program_id(0)
     pid_m = pid // n_units
     unit = pid % n_units
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
     if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
         return
     rank = R
     if HAS_RANKS:
         rank = tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
         if rank <= 0:  # the slot's adapter does not touch this module: y stays bit-exact
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
             return
 
     # slice table: [2, SL_PAD] int32 = (sizes, offsets); find this unit's slice and chunk
@@ -70,6 +81,8 @@ def _expand_kernel(
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+    if USE_PDL:  # buf (the shrink's) and y (the base GEMM's) are read only past this point
+        tl.extra.cuda.gdc_wait()
     offs_r = tl.arange(0, BLOCK_R)
     # buf: [T, n_slices*R] f32, slice i at columns i*R; loaded once, reused for every block
     hb = tl.load(buf_ptr + tok[:, None] * stride_bm + (i * R + offs_r)[None, :] * stride_bk,
@@ -199,9 +212,13 @@ def lora_expand_triton(
     meta: LoRABatchMeta,
     ranks: torch.Tensor | None = None,
     config: ExpandConfig | None = None,
+    pdl: bool | None = None,
 ) -> None:
     """Triton expand; same contract as `loramux.kernels.lora_expand`. `config` overrides the
-    heuristic launch shape (tests and benchmarks)."""
+    heuristic launch shape (tests and benchmarks). `pdl`: launch with programmatic dependent
+    launch, so the kernel's launch and prologue overlap the end of the kernels before it on this
+    stream; None takes ``LORAMUX_PDL`` (off by default), and it is off wherever PDL is not
+    available (`loramux.kernels.tiles.pdl_available`)."""
     slice_sizes = tuple(slice_sizes)
     n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks)
     if R == 0:
@@ -216,6 +233,9 @@ def lora_expand_triton(
                     and all(n % vec == 0 for n in slice_sizes)) else 1
     w_vec = 16 // lora_b.element_size()
     w_vec = w_vec if (sw[2] == 1 and R % w_vec == 0) else 1
+    use_pdl = resolve_pdl(pdl, y.device)
+    # `launch_pdl` only when on: PDL being available implies this Triton knows the option
+    launch_options = {"launch_pdl": True} if use_pdl else {}
     _expand_kernel[grid](
         y, buf, lora_b, ranks if ranks is not None else tab, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
@@ -225,6 +245,6 @@ def lora_expand_triton(
         A_PAD=max(32, next_pow2(meta.num_slots)), SL_PAD=sl_pad,
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
-        STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        STAGES=cfg.num_stages, USE_PDL=use_pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options,
     )

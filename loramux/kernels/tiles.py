@@ -4,6 +4,9 @@ Launch grids are linear and tile-major: program ``pid`` serves tile ``pid // per
 are numbered slot after slot (active slots first), so the programs with work have the lowest
 ids and are dispatched first; the programs of a grid sized from a bound (a static meta) that
 find no tile exit after one round of loads, while the real ones run.
+
+Also here: whether a launch may use programmatic dependent launch (`pdl_available`,
+`resolve_pdl`; ``LORAMUX_PDL``).
 """
 
 from __future__ import annotations
@@ -98,3 +101,52 @@ def block_m_for(meta: LoRABatchMeta) -> int:
 def dot_precision(dtype: torch.dtype) -> str:
     # float32 inputs: full-precision products (tf32 would land near 3e-4); 16-bit: ignored
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# --- programmatic dependent launch (PDL) ------------------------------------------------------
+PDL_ENV_VAR = "LORAMUX_PDL"
+
+
+def pdl_available(device: torch.device | str) -> bool:
+    """Whether a kernel on ``device`` can be launched with programmatic dependent launch: a CUDA
+    device of compute capability 9.0 or more (Hopper on), the Triton interpreter off, and a Triton
+    that has both ``tl.extra.cuda.gdc_wait`` and the ``launch_pdl`` launch option. Cached per
+    device."""
+    device = torch.device(device)
+    if device.type != "cuda" or interpreting():
+        return False
+    return _pdl_on_device(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_on_device(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9 and _triton_has_pdl()
+
+
+def _triton_has_pdl() -> bool:
+    if not hasattr(getattr(tl.extra, "cuda", None), "gdc_wait"):
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def pdl_default() -> bool:
+    """The PDL setting a launch takes when its caller names none: ``LORAMUX_PDL=1`` turns it on;
+    unset (or 0), off."""
+    value = os.environ.get(PDL_ENV_VAR, "").strip()
+    if value in ("", "0"):
+        return False
+    if value == "1":
+        return True
+    raise ValueError(f"{PDL_ENV_VAR}={value!r} is not understood; use 1 (on), 0 (off) or leave it unset")
+
+
+def resolve_pdl(pdl: bool | None, device: torch.device) -> bool:
+    """Whether a launch on ``device`` uses PDL: what the caller asked (None: `pdl_default`), and
+    never where it is not available (`pdl_available`): there a request is dropped silently."""
+    if pdl is None:
+        pdl = pdl_default()
+    return bool(pdl) and pdl_available(device)
