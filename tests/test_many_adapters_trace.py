@@ -216,6 +216,7 @@ def test_the_markdown_report_names_the_device_and_every_n():
         (["--num-requests", "0"], "--num-requests 0: must be >= 1"),
         (["--max-loras", "0"], "--max-loras 0: must be >= 1"),
         (["--saturated-requests", "-1"], "--saturated-requests -1: must be >= 0"),
+        (["--saturated-repeats", "0"], "--saturated-repeats 0: must be >= 1"),
         (["--dtype", "bfloat17"], "--dtype 'bfloat17': give a torch dtype name"),
     ],
 )
@@ -233,13 +234,17 @@ def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path):
     burst each, JSON and markdown written, every target judged and no request failed."""
     from benchmarks.many_adapters import main
 
-    main(["--adapters", "2,10", "--num-requests", "10", "--saturated-requests", "6", "--max-num-seqs", "4",
+    main(["--adapters", "2,10", "--num-requests", "10", "--saturated-requests", "6", "--saturated-repeats", "2",
+          "--max-num-seqs", "4",
           "--max-loras", "2", "--max-cpu-loras", "3", "--prompt-len", "6", "--output-len", "3",
           "--disk-probe-mb", "16", "--out", str(tmp_path), "--tag", "test", "--adapter-dir", str(tmp_path)])
     report = json.loads((tmp_path / "many_adapters_test.json").read_text())
     assert [r["adapters"] for r in report["results"]] == [2, 10]
     assert all(r["failed"] == 0 and r["requests"] == 10 and r["saturated_requests"] == 6 for r in report["results"])
     assert report["results"][1]["cpu_evictions"] > 0 and report["rate_req_s"] > 0
+    for r in report["results"]:  # the reported host-warm rate is the median of its two bursts
+        each = r["saturated_warm_tokens_per_s_each"]
+        assert len(each) == 2 and r["saturated_warm_tokens_per_s"] == pytest.approx(sum(each) / 2)
     assert set(report["targets"]) == {"no_failed_requests", "throughput_within_5pct", "p99_ttft_at_most_2x",
                                       "cold_ttft_bound"}
     assert report["targets"]["no_failed_requests"]["passed"] is True
