@@ -115,8 +115,7 @@ def measure_disk(engine, args, root: Path) -> dict:
 def calibrate(engine, args, root: Path, vocab: int) -> float:
     """Requests/s the engine serves in a saturated burst (three batches of ``max_num_seqs`` requests
     at once, so prefills and decodes mix as under arrivals) over 4 warm adapters, after one untimed
-    burst that compiles and loads: the capacity the default rate is a fraction of. (One batch's
-    burst overstated it: a steady stream at 0.75x of it queued for seconds even at N=4.)"""
+    burst that compiles and loads: the capacity the default rate is a fraction of."""
     trace = make_trace(4, 3 * args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
                        seed=args.seed + 7, mix=args.mix, name_prefix="warm")
     paths = write_adapter_files(trace.adapters, engine.model.config, root / "warm", args.weights_dtype)
