@@ -165,15 +165,21 @@ def test_smaller_rank_and_reset_leave_no_residue(layer):
     layer.set_lora(1, random_weights(layer, 8, seed=1))
     small = random_weights(layer, 2, seed=3)
     layer.set_lora(1, small)
-    R = layer.max_lora_rank
-    for i, w in enumerate(small):
-        a = layer.lora_a_stacked[1, i * R : (i + 1) * R]
-        assert torch.equal(a[:2], w.lora_a) and not a[2:].any()
-    assert not layer.lora_b_stacked[1, :, 2:].any()
+    for (a, b), w in zip(layer.slot_weights(1), small):
+        assert torch.equal(a, w.lora_a) and torch.equal(b, w.lora_b)
+    if layer.pooled:  # the slot owns 2 rows of the pool now, its first 8 are free again
+        assert layer.rank_pool.free_units == layer.rank_pool.units - 2
+    else:
+        R = layer.max_lora_rank
+        assert not layer.lora_a_stacked[1].view(layer.n_slices, R, -1)[:, 2:].any()
+        assert not layer.lora_b_stacked[1, :, 2:].any()
     assert layer.lora_ranks[1] == 2
     layer.reset_lora(1)
-    for tensor in (layer.lora_a_stacked, layer.lora_b_stacked, layer.lora_scales, layer.lora_ranks):
-        assert not tensor.any()
+    assert not layer.lora_scales.any() and not layer.lora_ranks.any()
+    if layer.pooled:
+        assert layer.rank_pool.free_units == layer.rank_pool.units and 1 not in layer.rank_pool
+    else:
+        assert not layer.lora_a_stacked.any() and not layer.lora_b_stacked.any()
 
 
 def test_weights_are_cast_on_copy(layer):
@@ -182,13 +188,14 @@ def test_weights_are_cast_on_copy(layer):
         for w in random_weights(layer, 4, seed=1)
     ]
     layer.set_lora(0, weights)
-    assert layer.lora_a_stacked.dtype == layer.lora_b_stacked.dtype == torch.float32
-    assert torch.equal(layer.lora_a_stacked[0, :4], weights[0].lora_a.float())
+    a, b = layer.slot_weights(0)[0]
+    assert a.dtype == b.dtype == layer.lora_dtype == torch.float32
+    assert torch.equal(a, weights[0].lora_a.float()) and torch.equal(b, weights[0].lora_b.float())
 
 
 def test_model_dtype_changes_keep_scales_in_float32(layer):
     layer.to(torch.float64)
-    assert layer.lora_a_stacked.dtype == torch.float64 and layer.lora_scales.dtype == torch.float32
+    assert layer.lora_dtype == torch.float64 and layer.lora_scales.dtype == torch.float32
     assert layer.lora_ranks.dtype == torch.int32
 
 

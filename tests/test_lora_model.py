@@ -236,7 +236,7 @@ def test_held_slots_are_never_evicted(llama_setup):
 
 def _snapshot(manager):
     state = {
-        name: [t.clone() for t in (layer.lora_a_stacked, layer.lora_b_stacked, layer.lora_scales, layer.lora_ranks)]
+        name: [t.clone() for t in layer.buffers(recurse=False)]
         for name, layer in manager.layers.items()
     }
     return state, manager.resident(), [manager.slot_of(n) for n in manager.resident()]
@@ -321,7 +321,7 @@ def test_mapping_and_deactivation(llama_setup):
     with pytest.raises(ValueError, match="holds no GPU slot"):
         manager.token_slots(["nope"])
     assert manager.deactivate("attn") and not manager.deactivate("attn")
-    assert all(layer.lora_ranks.sum() == 0 and layer.lora_b_stacked.abs().sum() == 0 for layer in manager.layers.values())
+    assert all(layer.lora_ranks.sum() == 0 and layer.lora_scales.abs().sum() == 0 for layer in manager.layers.values())
     with pytest.raises(ValueError, match="already a LoRA layer"):
         LoRAModelManager(model, LoRAConfig())
 

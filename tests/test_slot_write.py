@@ -34,8 +34,8 @@ def weights_for(layer, rank, seed):
 def assert_slot_holds(layer, slot, weights):
     (w,) = weights
     r = w.rank
-    assert torch.equal(layer.lora_a_stacked[slot, :r], w.lora_a) and not layer.lora_a_stacked[slot, r:].any()
-    assert torch.equal(layer.lora_b_stacked[slot, :, :r], w.lora_b) and not layer.lora_b_stacked[slot, :, r:].any()
+    ((a, b),) = layer.slot_weights(slot)
+    assert torch.equal(a, w.lora_a) and torch.equal(b, w.lora_b)
     assert layer.lora_scales[slot].tolist() == [w.scaling]
     assert layer.lora_ranks[slot] == r and layer._host_ranks[slot] == r
 
@@ -51,7 +51,9 @@ def test_one_batch_over_every_layer_writes_each_slot_and_clears_the_last_adapter
     for layer in group:
         assert_slot_holds(layer, 1, small[layer])
         assert_slot_holds(layer, 2, other[layer])  # the other slot is untouched
-        assert not layer.lora_a_stacked[0].any() and layer.lora_ranks[0] == 0
+        assert layer.lora_ranks[0] == 0 and 0 not in layer.rank_pool
+        # the slots own disjoint pool rows: 3 + 5 of the 24
+        assert layer.rank_pool.free_units == layer.rank_pool.units - 8
 
 
 def test_a_bad_layer_stops_the_batch_before_anything_is_written():
@@ -59,7 +61,7 @@ def test_a_bad_layer_stops_the_batch_before_anything_is_written():
     parts = [group[0].slot_write(1, weights_for(group[0], 4, seed=1))]
     with pytest.raises(ValueError, match="rank 9, above max_lora_rank=8"):
         parts.append(group[1].slot_write(1, weights_for(group[1], 9, seed=2)))
-    assert not group[0].lora_a_stacked.any() and not group[0].lora_ranks.any()
+    assert not group[0].lora_scales.any() and not group[0].lora_ranks.any()
 
 
 def test_staged_views_map_the_one_host_buffer_the_weights_share():

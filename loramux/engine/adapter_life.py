@@ -59,7 +59,8 @@ class EngineAdapters:
     def scheduler_callbacks(self) -> dict[str, Callable]:
         """The ``Scheduler`` keyword arguments that tie its reference counts to the tiers."""
         return dict(on_adapter_referenced=self._referenced, on_adapter_start=self._start,
-                    on_adapter_end=self._end, on_adapter_released=self._released)
+                    on_adapter_end=self._end, on_adapter_released=self._released,
+                    has_room_for=self._has_room_for)
 
     # -- loading beside the loop (step thread, except _load and _settled) --------------------
 
@@ -185,6 +186,10 @@ class EngineAdapters:
 
     def _referenced(self, handle: AdapterHandle) -> None:
         self.registry.cache.pin(handle.id)
+
+    def _has_room_for(self, handle: AdapterHandle) -> bool:
+        adapter = self.registry.cache.peek(handle.id)  # referenced, so pinned in the CPU tier
+        return adapter is not None and self.manager.can_place(adapter)
 
     def _start(self, handle: AdapterHandle) -> int:
         adapter = self.registry.cache.get(handle.id)  # pinned while referenced, so resident

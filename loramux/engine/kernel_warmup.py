@@ -178,7 +178,7 @@ def lora_module_shapes(lora_manager) -> list[LoRAModuleShape]:
     """The distinct shapes of a manager's LoRA layers that run the shrink/expand kernels."""
     shapes = [
         LoRAModuleShape(layer.n_slices * layer.max_lora_rank, layer.in_features, layer.output_sizes,
-                        layer.max_lora_rank, layer.lora_a_stacked.dtype)
+                        layer.max_lora_rank, layer.lora_dtype)
         for layer in lora_manager.layers.values() if not layer.is_embedding
     ]
     return list(dict.fromkeys(shapes))
@@ -271,7 +271,7 @@ def _hold_zero_adapter(manager) -> int:
         if layer.is_embedding:
             continue
         for name, size in zip(layer.slice_names, layer.output_sizes):
-            like = dict(dtype=layer.lora_a_stacked.dtype, device=layer.lora_a_stacked.device)
+            like = dict(dtype=layer.lora_dtype, device=layer.lora_scales.device)
             modules[name] = LoRAModuleWeights(torch.zeros(1, layer.in_features, **like), torch.zeros(size, 1, **like), 1.0)
     adapter = LoRAAdapter(name=WARMUP_ADAPTER, path=Path("."), modules=modules, lora_alpha=1.0,
                           target_modules=sorted(modules))

@@ -36,8 +36,8 @@ class LLM:
         ``load_format="dummy"``, an already loaded ``PreTrainedModel``, or None for the embedded
         default model (SmolLM2-135M-Instruct).
     :param enable_lora: wrap the model's layers so requests can name adapters.
-    :param max_loras: adapters usable in one step (GPU slots).
-    :param max_lora_rank: the largest adapter rank; slots are sized for it.
+    :param max_loras: adapters resident on the GPU, and usable in one step (GPU slots).
+    :param max_lora_rank: the largest adapter rank.
     :param max_cpu_loras: adapters kept loaded in host memory (default ``max_loras``).
     :param max_cpu_lora_bytes: bytes of adapter weights kept in host memory (default: 10% of
         the host's memory); the CPU tier keeps within both bounds.
@@ -62,7 +62,8 @@ class LLM:
         ``enable_prefix_caching`` (True), ``compilation`` (True: compile on CUDA),
         ``max_graph_tokens`` (512: steps of up to this many tokens replay CUDA graphs),
         ``fuse_projections`` (True: q/k/v and gate/up as one GEMM each), ``max_cpu_lora_bytes``,
-        ``registry``, ``resolver_settings``, ``tokenizer``, ``lora_target_modules``, ``seed``.
+        ``max_gpu_lora_bytes`` (GPU memory for adapter weights, shared by rank: default room for
+        ``max_loras`` adapters of rank ``max_lora_rank``), ``registry``, ``resolver_settings``, ``tokenizer``, ``lora_target_modules``, ``seed``.
     """
 
     def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:

@@ -24,7 +24,7 @@ from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
 from loramux.engine.layers.slot_write import apply_slot_writes
 from loramux.engine.lora_patch import create_lora_layer, matches_target, patch_model
 from loramux.engine.slots import SlotTable
-from loramux.errors import IncompatibleAdapterError, LoRAError
+from loramux.errors import CacheFullError, IncompatibleAdapterError, LoRAError
 from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig, LoRAModuleWeights
 from loramux.registry.handle import memory_handle
 
@@ -64,6 +64,9 @@ class LoRAModelManager:
             for index, slice_name in enumerate(layer.slice_names)
         }
         self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
+        self._pooled = [layer for layer in self.layers.values() if layer.pooled]
+        if lora_config.max_gpu_lora_bytes is not None:
+            self._size_pools(lora_config.max_gpu_lora_bytes)
         self._slots = SlotTable(lora_config.max_loras)
         self._adapters: dict[int, LoRAAdapter] = {}  # resident adapters, by handle id
         self._lock = threading.RLock()
@@ -77,6 +80,26 @@ class LoRAModelManager:
         # graph is captured); the compute stream waits on a copy's event when its slot is held
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._copies: dict[int, torch.cuda.Event] = {}  # handle id -> its side-stream copy
+
+    def _size_pools(self, budget: int) -> None:
+        """Give every pooled layer the same number of rank rows, as many as ``budget`` bytes hold."""
+        row_bytes = sum(layer.pool_row_bytes for layer in self._pooled)
+        if not row_bytes:
+            return
+        units = budget // row_bytes
+        rank = self.lora_config.max_lora_rank
+        if units < rank:
+            raise ValueError(
+                f"LoRAConfig.max_gpu_lora_bytes: got {budget}; allowed: at least {rank * row_bytes} "
+                f"(one adapter of max_lora_rank={rank} on every wrapped layer of this model takes "
+                f"{rank * row_bytes} bytes)")
+        for layer in self._pooled:
+            layer.resize_pool(units)
+
+    @property
+    def pool_units(self) -> int:
+        """Rank rows in each pooled layer's pool (0 when no layer is pooled)."""
+        return self._pooled[0].rank_pool.units if self._pooled else 0
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -163,7 +186,7 @@ class LoRAModelManager:
         with self._lock:
             if adapter.handle is not None and adapter.handle.id in self._slots:
                 return self._slots.slot_of(adapter.handle.id)
-            if not self._slots.can_allocate():
+            if not self.can_place(adapter):
                 return None
             return self._activate(adapter, side_stream=self._copy_stream is not None)
 
@@ -179,8 +202,13 @@ class LoRAModelManager:
         (this manager used on its own) is validated here and given a handle, and an adapter
         without a handle whose name is resident already is a hit on it.
 
+        A slot takes pool rows by rank in every pooled layer (`loramux.engine.rank_pool`): the
+        least recently used adapters not in use are evicted until a slot is free and the new
+        adapter's rows fit.
+
         :raises IncompatibleAdapterError: ``adapter`` does not fit this model (nothing changes).
-        :raises CacheFullError: every slot is held.
+        :raises CacheFullError: every slot is held, or the adapters in use leave no room for its
+            rows (nothing is evicted then).
         """
         with self._lock:
             return self._activate(adapter, side_stream=False)
@@ -197,11 +225,10 @@ class LoRAModelManager:
             if adapter.handle is None:
                 self.validate(adapter)
                 adapter = replace(adapter, handle=handle)
+            footprint = self._footprint(adapter)
+            self._make_room(footprint, adapter.name)
             slot, evicted = self._slots.allocate(handle.id, label=adapter.name)
-            if evicted is not None:
-                del self._adapters[evicted]
-                self._await_copy(evicted)  # its own prefetch must land before this overwrites it
-                self.stats.evictions += 1
+            assert evicted is None, "_make_room leaves a free slot"
             try:
                 if side_stream:
                     self._write_slot_aside(handle.id, slot, adapter)
@@ -215,6 +242,52 @@ class LoRAModelManager:
             self._adapters[handle.id] = adapter
             self.stats.loads += 1
             return slot
+
+    def _footprint(self, adapter: LoRAAdapter) -> list[tuple[BaseLayerWithLoRA, int]]:
+        """The pool rows ``adapter`` takes in each pooled layer it touches."""
+        needs = ((layer, layer.units_for([adapter.modules.get(m) for m in layer.slice_names]))
+                 for layer in self._pooled)
+        return [(layer, units) for layer, units in needs if units]
+
+    def _make_room(self, footprint: list[tuple[BaseLayerWithLoRA, int]], label: str) -> None:
+        """Evict the least recently used adapters not in use until a slot is free and every
+        layer of ``footprint`` has its rows free.
+
+        :raises CacheFullError: the adapters in use leave no room (checked first: nothing is evicted).
+        """
+        if len(self._slots.held()) >= self._slots.num_slots:
+            raise self._slots.full_error(label)
+        if not self._rows_fit_once_evicted(footprint):
+            held = [self._adapters[i].name for i in self._slots.held()]
+            raise CacheFullError(
+                f"the adapters in use ({', '.join(held)}) leave no room for its weights in the GPU "
+                f"LoRA memory ({self.pool_units} rank rows per layer).",
+                adapter=label,
+                fix="Retry when a request finishes, or raise max_gpu_lora_bytes (--max-gpu-lora-bytes).",
+            )
+        while not (self._slots.free_slots and all(layer.rank_pool.fits(units) for layer, units in footprint)):
+            self._evict(self._slots.least_recent_unheld())
+
+    def _rows_fit_once_evicted(self, footprint: list[tuple[BaseLayerWithLoRA, int]]) -> bool:
+        held = {self._slots.slot_of(i) for i in self._slots.held()}
+        return all(layer.rank_pool.fits_keeping(units, held) for layer, units in footprint)
+
+    def can_place(self, adapter: LoRAAdapter) -> bool:
+        """Whether `activate` would find ``adapter`` a slot and its pool rows now, evicting only
+        adapters not in use (True when it is resident)."""
+        with self._lock:
+            if adapter.handle is not None and adapter.handle.id in self._slots:
+                return True
+            if len(self._slots.held()) >= self._slots.num_slots:
+                return False
+            return self._rows_fit_once_evicted(self._footprint(adapter))
+
+    def _evict(self, handle_id: int) -> None:
+        """Free the slot and pool rows of a resident adapter nobody holds."""
+        self._await_copy(handle_id)  # its own prefetch must land before its rows are written again
+        self._clear_slot(self._slots.deallocate(handle_id))
+        del self._adapters[handle_id]
+        self.stats.evictions += 1
 
     def _standalone_handle(self, adapter: LoRAAdapter) -> AdapterHandle:
         """The handle of a resident handle-less adapter of this name, or a new one (no registry)."""

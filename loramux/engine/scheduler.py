@@ -104,6 +104,9 @@ class Scheduler:
         resident, evictable).
     :param on_adapter_released: called with a handle when its last reference goes (the engine
         unpins it from the CPU tier, and retires it if its name was rebound or unbound).
+    :param has_room_for: whether a handle not in a slot would find room on the GPU now beside
+        the handles in use (their weights are pooled by rank: a free slot is not always enough);
+        the default counts slots only.
     """
 
     def __init__(
@@ -117,6 +120,7 @@ class Scheduler:
         on_adapter_start: Callable[[AdapterHandle], int] = lambda handle: 0,
         on_adapter_end: Callable[[AdapterHandle], None] = lambda handle: None,
         on_adapter_released: Callable[[AdapterHandle], None] = lambda handle: None,
+        has_room_for: Callable[[AdapterHandle], bool] = lambda handle: True,
     ) -> None:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence must fit one decode token"
         self.blocks = block_manager
@@ -127,6 +131,7 @@ class Scheduler:
         self.on_adapter_start = on_adapter_start
         self.on_adapter_end = on_adapter_end
         self.on_adapter_released = on_adapter_released
+        self.has_room_for = has_room_for
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
         self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
@@ -238,7 +243,7 @@ class Scheduler:
                     if handle.id in in_slots:
                         if blocked and handle.id in self.draining:
                             continue  # its slot frees for the older blocked request first
-                    elif blocked or len(in_slots) >= self.max_loras:
+                    elif blocked or not self._room_for(handle, in_slots):
                         blocked = True  # FIFO among requests that need a slot
                         continue
                 if not self._start(seq):
@@ -253,14 +258,18 @@ class Scheduler:
             budget -= min(seq.num_uncomputed, budget)
         return admitted
 
+    def _room_for(self, handle: AdapterHandle, in_slots: set[int]) -> bool:
+        return len(in_slots) < self.max_loras and self.has_room_for(handle)
+
     def _mark_draining(self, in_slots: set[int], pinned: set[int]) -> None:
-        """With every slot held, mark as many in-slot adapters draining as queued adapters would
-        find no slot otherwise: a slot frees by itself when its adapter has no queued request
-        (or drains already). A free slot marks nothing: the oldest blocked request takes it now."""
-        if len(in_slots) < self.max_loras:
-            return
+        """With no room for the oldest blocked adapter, mark as many in-slot adapters draining as
+        queued adapters would find no slot otherwise: a slot frees by itself when its adapter has
+        no queued request (or drains already). Room for it marks nothing: it takes it now."""
         queued = Counter(seq.handle.id for seq in self.waiting if seq.handle is not None)
-        blocked = sum(1 for i in queued if i not in in_slots and i not in pinned)
+        waiting = [i for i in queued if i not in in_slots and i not in pinned]  # oldest first
+        if not waiting or self._room_for(self.adapters[waiting[0]].handle, in_slots):
+            return
+        blocked = len(waiting)
         freeing = sum(1 for i in in_slots - pinned if i in self.draining or i not in queued)
         candidates = sorted((i for i in in_slots - pinned - self.draining if i in queued),
                             key=lambda i: (queued[i], self.adapters[i].running))

@@ -66,6 +66,10 @@ class SlotTable:
         """The handle `allocate` would evict now, or None when a slot is free or all are held."""
         if self.free_slots:
             return None
+        return self.least_recent_unheld()
+
+    def least_recent_unheld(self) -> int | None:
+        """The least recently used resident handle nobody holds, or None."""
         return next((i for i in self._slots if i not in self._held), None)
 
     # -- allocation -------------------------------------------------------------------------
@@ -88,16 +92,20 @@ class SlotTable:
         else:
             evicted = self.victim()
             if evicted is None:
-                raise CacheFullError(
-                    f"all {self.num_slots} GPU LoRA slots hold adapters in use by running "
-                    f"requests or pinned (handles {', '.join(map(str, self.held()))}).",
-                    adapter=label if label is not None else str(handle_id),
-                    fix="Retry when a request finishes, or raise max_loras (--max-loras).",
-                )
+                raise self.full_error(label if label is not None else str(handle_id))
             slot = self._slots.pop(evicted)
         self._slots[handle_id] = slot
         self._check()
         return slot, evicted
+
+    def full_error(self, label: str) -> CacheFullError:
+        """The error for an adapter that finds every slot held."""
+        return CacheFullError(
+            f"all {self.num_slots} GPU LoRA slots hold adapters in use by running "
+            f"requests or pinned (handles {', '.join(map(str, self.held()))}).",
+            adapter=label,
+            fix="Retry when a request finishes, or raise max_loras (--max-loras).",
+        )
 
     def deallocate(self, handle_id: int) -> int:
         """Free ``handle_id``'s slot and return it; it must not be held."""

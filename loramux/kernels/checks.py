@@ -38,53 +38,84 @@ def _check_common(op, meta, ranks, S, device, dtypes, tensors):
             _fail(op, f"ranks is on {ranks.device} but x/y is on {device}")
 
 
-def check_shrink(x, lora_a, scales, meta, ranks, dtypes=FLOAT_DTYPES) -> tuple[int, int]:
-    """Returns (n_slices, R). x: [T, H]; lora_a: [S, n_slices*R, H]; scales: [S, n_slices]."""
+def check_shrink(x, lora_a, scales, meta, ranks, dtypes=FLOAT_DTYPES, *, pool_starts=None,
+                 max_rank=None) -> tuple[int, int]:
+    """Returns (n_slices, R). x: [T, H]; lora_a: [S, n_slices*R, H]; scales: [S, n_slices]. With
+    ``pool_starts`` ([S] int32) lora_a is a pool [U, n_slices, H] and R is ``max_rank``."""
     op = "lora_shrink"
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         _fail(op, f"x must be a 2-D tensor [T, H], got shape {tuple(getattr(x, 'shape', ()))}")
+    layout = "[S, n_slices*R, H]" if pool_starts is None else "[U, n_slices, H] (a pool)"
     if not isinstance(lora_a, torch.Tensor) or lora_a.dim() != 3:
-        _fail(op, f"lora_a must be 3-D [S, n_slices*R, H], got shape {tuple(getattr(lora_a, 'shape', ()))}")
+        _fail(op, f"lora_a must be 3-D {layout}, got shape {tuple(getattr(lora_a, 'shape', ()))}")
     if not isinstance(scales, torch.Tensor) or scales.dim() != 2:
         _fail(op, f"scales must be 2-D [S, n_slices] float32, got shape {tuple(getattr(scales, 'shape', ()))}")
-    _check_common(op, meta, ranks, lora_a.shape[0], x.device, dtypes,
-                  [("x", x), ("lora_a", lora_a), ("scales", scales)])
+    S = scales.shape[0]
+    _check_common(op, meta, ranks, S, x.device, dtypes, [("x", x), ("lora_a", lora_a), ("scales", scales)])
     T, H = x.shape
-    S, NR, H_a = lora_a.shape
+    H_a = lora_a.shape[2]
     if T != meta.num_tokens:
         _fail(op, f"x has {T} tokens but meta was built for {meta.num_tokens}")
     if H_a != H:
-        _fail(op, f"hidden size mismatch: x is [T, {H}] but lora_a is [S, NR, {H_a}]")
+        _fail(op, f"hidden size mismatch: x is [T, {H}] but lora_a's rows are {H_a} wide")
     if x.dtype != lora_a.dtype:
         _fail(op, f"x is {x.dtype} but lora_a is {lora_a.dtype}; store adapter weights in the activation dtype")
-    if scales.shape[0] != S:
-        _fail(op, f"scales has {scales.shape[0]} slots, lora_a has {S}")
     n_slices = scales.shape[1]
-    if n_slices < 1 or NR % n_slices:
-        _fail(op, f"lora_a rank dim {NR} is not n_slices*R with n_slices={n_slices} (from scales)")
     if scales.dtype != torch.float32 and not (dtypes is REF_DTYPES and scales.dtype == torch.float64):
         _fail(op, f"scales must be float32, got {scales.dtype}")
-    R = NR // n_slices
-    return n_slices, R
+    if pool_starts is not None:
+        _check_pool(op, pool_starts, ranks, S, x.device)
+        if lora_a.shape[1] != n_slices:
+            _fail(op, f"the pool lora_a holds {lora_a.shape[1]} slices per unit but scales has {n_slices}")
+        if not isinstance(max_rank, int) or max_rank < 1:
+            _fail(op, f"max_rank (buf columns per slice) must be a positive int with a pool, got {max_rank!r}")
+        return n_slices, max_rank
+    NR = lora_a.shape[1]
+    if lora_a.shape[0] != S:
+        _fail(op, f"scales has {S} slots, lora_a has {lora_a.shape[0]}")
+    if n_slices < 1 or NR % n_slices:
+        _fail(op, f"lora_a rank dim {NR} is not n_slices*R with n_slices={n_slices} (from scales)")
+    return n_slices, NR // n_slices
 
 
-def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES) -> tuple[int, int]:
-    """Returns (n_slices, R). y: [T, sum(n_i)]; buf: [T, n_slices*R] f32; lora_b: [S, sum(n_i), R]."""
+def _check_pool(op, pool_starts, ranks, S, device) -> None:
+    """A pool is read at ``pool_starts[slot] + j`` for ``j < ranks[slot]``: both are needed."""
+    if (not isinstance(pool_starts, torch.Tensor) or pool_starts.shape != (S,)
+            or pool_starts.dtype not in (torch.int32, torch.int64)):
+        _fail(op, f"pool_starts must be an int32/int64 tensor of shape [{S}], got "
+              f"{getattr(pool_starts, 'dtype', type(pool_starts).__name__)} {tuple(getattr(pool_starts, 'shape', ()))}")
+    if pool_starts.device != device:
+        _fail(op, f"pool_starts is on {pool_starts.device} but x/y is on {device}")
+    if ranks is None:
+        _fail(op, "a pool needs ranks: rows past a slot's rank belong to other adapters")
+
+
+def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES, *,
+                 pool_starts=None) -> tuple[int, int]:
+    """Returns (n_slices, R). y: [T, sum(n_i)]; buf: [T, n_slices*R] f32; lora_b: [S, sum(n_i), R].
+    With ``pool_starts`` ([S] int32) lora_b is a pool [U, sum(n_i)] (B transposed) and R comes
+    from buf."""
     op = "lora_expand"
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         _fail(op, f"y must be a 2-D tensor [T, N], got shape {tuple(getattr(y, 'shape', ()))}")
     if not isinstance(buf, torch.Tensor) or buf.dim() != 2:
         _fail(op, f"buf must be a 2-D tensor [T, n_slices*R], got shape {tuple(getattr(buf, 'shape', ()))}")
-    if not isinstance(lora_b, torch.Tensor) or lora_b.dim() != 3:
-        _fail(op, f"lora_b must be 3-D [S, N, R], got shape {tuple(getattr(lora_b, 'shape', ()))}")
+    dims, layout = (3, "[S, N, R]") if pool_starts is None else (2, "[U, N] (a pool)")
+    if not isinstance(lora_b, torch.Tensor) or lora_b.dim() != dims:
+        _fail(op, f"lora_b must be {dims}-D {layout}, got shape {tuple(getattr(lora_b, 'shape', ()))}")
     if (not isinstance(slice_sizes, (tuple, list)) or not slice_sizes
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in slice_sizes)):
         _fail(op, f"slice_sizes must be a non-empty tuple of positive ints, got {slice_sizes!r}")
-    _check_common(op, meta, ranks, lora_b.shape[0], y.device, dtypes,
-                  [("y", y), ("buf", buf), ("lora_b", lora_b)])
+    S = lora_b.shape[0] if pool_starts is None else meta.num_slots
+    _check_common(op, meta, ranks, S, y.device, dtypes, [("y", y), ("buf", buf), ("lora_b", lora_b)])
     T, N = y.shape
-    S, N_b, R = lora_b.shape
     n_slices = len(slice_sizes)
+    if pool_starts is not None:
+        _check_pool(op, pool_starts, ranks, S, y.device)
+        N_b = lora_b.shape[1]
+        R = buf.shape[1] // n_slices
+    else:
+        _, N_b, R = lora_b.shape
     if T != meta.num_tokens or buf.shape[0] != T:
         _fail(op, f"y has {T} rows and buf {buf.shape[0]}, but meta was built for {meta.num_tokens} tokens")
     if sum(slice_sizes) != N or N_b != N:

@@ -41,6 +41,8 @@ def lora_shrink(
     ranks: torch.Tensor | None = None,
     *,
     out: torch.Tensor | None = None,
+    pool_starts: torch.Tensor | None = None,
+    max_rank: int | None = None,
 ) -> torch.Tensor:
     """buf[t, i*R:(i+1)*R] = (x[t] @ A[slot(t), i*R:(i+1)*R].T) * scales[slot(t), i].
 
@@ -52,12 +54,18 @@ def lora_shrink(
 
     out: buf's memory, given by the caller (a float32 [T, n_slices*R] tensor on x's device), so a
     shrink launched on a side stream writes into memory the main stream allocated; returned.
+
+    pool_starts: the slots' weights live in a pool shared by adapters of different ranks (see
+    `loramux.engine.layers.base`): lora_a is then [U, n_slices, H], slot s's rank row j of slice
+    i being ``lora_a[pool_starts[s] + j, i]``, read for j < ranks[s] only (ranks is required);
+    R = ``max_rank``.
     """
     if _use_triton(x):
         from .shrink import lora_shrink_triton
 
-        return lora_shrink_triton(x, lora_a, scales, meta, ranks, out=out)
-    buf = reference.lora_shrink_ref(x, lora_a, scales, meta, ranks)
+        return lora_shrink_triton(x, lora_a, scales, meta, ranks, out=out, pool_starts=pool_starts,
+                                  max_rank=max_rank)
+    buf = reference.lora_shrink_ref(x, lora_a, scales, meta, ranks, pool_starts=pool_starts, max_rank=max_rank)
     if out is None:
         return buf
     if out.shape != buf.shape or out.dtype != buf.dtype or out.device != buf.device:
@@ -75,6 +83,7 @@ def lora_expand(
     ranks: torch.Tensor | None = None,
     *,
     pdl: bool | None = None,
+    pool_starts: torch.Tensor | None = None,
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
 
@@ -87,13 +96,15 @@ def lora_expand(
 
     pdl: launch the Triton kernel with programmatic dependent launch (Hopper on; ignored
     elsewhere and by the torch reference); None takes ``LORAMUX_PDL`` (off unless 1).
+    pool_starts: as for lora_shrink; lora_b is then a pool [U, sum(slice_sizes)] (B transposed:
+    slot s's rank row j at ``lora_b[pool_starts[s] + j]``).
     """
     if _use_triton(y):
         from .expand import lora_expand_triton
 
-        lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pdl=pdl)
+        lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pdl=pdl, pool_starts=pool_starts)
         return
-    reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks)
+    reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pool_starts=pool_starts)
 
 
 def write_kv(
@@ -160,6 +171,8 @@ def lora_apply(
     meta: LoRABatchMeta,
     *,
     pdl: bool | None = None,
+    pool_starts: torch.Tensor | None = None,
+    max_rank: int | None = None,
 ) -> None:
     """``y += B[slot](A[slot](x)) * scale[slot]`` for every token and slice, in place: `lora_shrink`
     then `lora_expand`, the float32 intermediate made and dropped inside.
@@ -168,7 +181,8 @@ def lora_apply(
     lora_b: [S, sum(slice_sizes), R]; scales: [S, n_slices] float32; ranks: [S] int32 or None.
     Two kernels on CUDA (nothing else: no memset, no host sync), so a step captured with a static
     meta replays it for any mapping. Rows of slot -1 tokens, and of slots whose rank is 0, are
-    left exactly as they were. pdl: the expand's, as for `lora_expand`.
+    left exactly as they were. pdl: the expand's, as for `lora_expand`. pool_starts, max_rank: the
+    weights are pools, as for `lora_shrink` and `lora_expand`.
     """
-    buf = lora_shrink(x, lora_a, scales, meta, ranks)  # [T, n_slices*R] float32
-    lora_expand(y, buf, lora_b, slice_sizes, meta, ranks, pdl=pdl)
+    buf = lora_shrink(x, lora_a, scales, meta, ranks, pool_starts=pool_starts, max_rank=max_rank)
+    lora_expand(y, buf, lora_b, slice_sizes, meta, ranks, pdl=pdl, pool_starts=pool_starts)

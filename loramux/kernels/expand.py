@@ -30,14 +30,14 @@ from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, resolve_pdl, se
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
 @triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group"])
 def _expand_kernel(
-    y_ptr, buf_ptr, b_ptr, ranks_ptr, slice_tab_ptr,
+    y_ptr, buf_ptr, b_ptr, ranks_ptr, pool_ptr, slice_tab_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
     n_slices, R, n_units, group,
     stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
-    W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr,
+    W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAGED: tl.constexpr,
 ):
     # USE_PDL (launched with programmatic dependent launch): the program may start while the
     # kernels just before it (the base GEMM, the shrink) still run. Until `gdc_wait` it reads only
@@ -99,9 +99,13 @@ def _expand_kernel(
     if Y_VEC > 1:  # a no-op that proves the column mask uniform per vector, so y's loads pipeline
         n_end = (n_end // Y_VEC) * Y_VEC
     n_loc = c0 + tl.arange(0, BLOCK_N)  # [BN] columns of this block within the slice
-    # B[slot]: [N, R]; y: [T, N] gathered rows
-    w_ptrs = (b_ptr + slot.to(tl.int64) * stride_ws + (off_i + n_loc)[:, None] * stride_wn
-              + offs_r[None, :] * stride_wk)
+    if PAGED:  # the pool [U, N] (B transposed): rank row r of this slot at unit start + r
+        units = tl.load(pool_ptr + slot).to(tl.int64) + offs_r
+        w_ptrs = b_ptr + (off_i + n_loc)[:, None] * stride_wn + units[None, :] * stride_ws
+    else:  # B[slot]: [N, R]
+        w_ptrs = (b_ptr + slot.to(tl.int64) * stride_ws + (off_i + n_loc)[:, None] * stride_wn
+                  + offs_r[None, :] * stride_wk)
+    # y: [T, N] gathered rows
     y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
     # an explicit pipeline depth makes the compiler stream y (not only B) through shared memory
     # with async copies, several blocks ahead
@@ -213,6 +217,7 @@ def lora_expand_triton(
     ranks: torch.Tensor | None = None,
     config: ExpandConfig | None = None,
     pdl: bool | None = None,
+    pool_starts: torch.Tensor | None = None,
 ) -> None:
     """Triton expand; same contract as `loramux.kernels.lora_expand`. `config` overrides the
     heuristic launch shape (tests and benchmarks). `pdl`: launch with programmatic dependent
@@ -220,24 +225,26 @@ def lora_expand_triton(
     stream; None takes ``LORAMUX_PDL`` (off by default), and it is off wherever PDL is not
     available (`loramux.kernels.tiles.pdl_available`)."""
     slice_sizes = tuple(slice_sizes)
-    n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks)
+    n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, pool_starts=pool_starts)
     if R == 0:
         return
     cfg, grid, n_units = expand_launch(meta, slice_sizes, R, y.dtype, y.device, config)
     if grid[0] == 0:
         return
     tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
-    sy, sb, sw = y.stride(), buf.stride(), lora_b.stride()
+    sy, sb = y.stride(), buf.stride()
+    sw = lora_b.stride() if pool_starts is None else (*lora_b.stride(), 0)  # a pool [U, N]: no rank stride
     vec = 16 // y.element_size()  # 16-byte vectors of y: aligned base, rows and slices
     y_vec = vec if (sy[1] == 1 and sy[0] % vec == 0 and y.data_ptr() % 16 == 0
                     and all(n % vec == 0 for n in slice_sizes)) else 1
     w_vec = 16 // lora_b.element_size()
-    w_vec = w_vec if (sw[2] == 1 and R % w_vec == 0) else 1
+    # (not in a pool: the rows past a slot's rank there are another adapter's)
+    w_vec = w_vec if (pool_starts is None and sw[2] == 1 and R % w_vec == 0) else 1
     use_pdl = resolve_pdl(pdl, y.device)
     # `launch_pdl` only when on: PDL being available implies this Triton knows the option
     launch_options = {"launch_pdl": True} if use_pdl else {}
     _expand_kernel[grid](
-        y, buf, lora_b, ranks if ranks is not None else tab, tab,
+        y, buf, lora_b, ranks if ranks is not None else tab, pool_starts if pool_starts is not None else tab, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         n_slices, R, n_units, cfg.group,
         sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2],
@@ -245,6 +252,6 @@ def lora_expand_triton(
         A_PAD=max(32, next_pow2(meta.num_slots)), SL_PAD=sl_pad,
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
-        STAGES=cfg.num_stages, USE_PDL=use_pdl,
+        STAGES=cfg.num_stages, USE_PDL=use_pdl, PAGED=pool_starts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options,
     )

@@ -42,19 +42,38 @@ def _slot_ranks(ranks: torch.Tensor | None, meta: LoRABatchMeta, R: int) -> list
     return cached[1]
 
 
+def _pool_units(pool_starts: torch.Tensor | None, meta: LoRABatchMeta) -> dict[int, int] | None:
+    """Each active slot's first pool unit (one small copy per meta), or None without a pool."""
+    if pool_starts is None:
+        return None
+    meta = meta.exact()
+    key = ("ref_pool", id(pool_starts), pool_starts._version)
+    cached = meta._cache.get(key)
+    if cached is None or cached[0] is not pool_starts:
+        starts = pool_starts.tolist()
+        cached = (pool_starts, {s: int(starts[s]) for s in meta.active_slots_host})
+        meta._cache[key] = cached
+    return cached[1]
+
+
 def lora_shrink_ref(
     x: torch.Tensor,
     lora_a: torch.Tensor,
     scales: torch.Tensor,
     meta: LoRABatchMeta,
     ranks: torch.Tensor | None = None,
+    *,
+    pool_starts: torch.Tensor | None = None,
+    max_rank: int | None = None,
 ) -> torch.Tensor:
     """buf[t, i*R:(i+1)*R] = (x[t] @ A[slot(t), i*R:(i+1)*R].T) * scales[slot(t), i].
 
-    x: [T, H]; lora_a: [S, n_slices*R, H]; scales: [S, n_slices] float32; ranks: [S] or None.
+    x: [T, H]; lora_a: [S, n_slices*R, H], or a pool [U, n_slices, H] read from ``pool_starts``
+    with R = ``max_rank``; scales: [S, n_slices] float32; ranks: [S] or None.
     Returns buf: [T, n_slices*R] float32 (float64 for float64 x); rows of slot -1 tokens are 0.
     """
-    n_slices, R = check_shrink(x, lora_a, scales, meta, ranks, dtypes=REF_DTYPES)
+    n_slices, R = check_shrink(x, lora_a, scales, meta, ranks, dtypes=REF_DTYPES, pool_starts=pool_starts,
+                               max_rank=max_rank)
     meta = meta.exact()
     T, H = x.shape
     acc = _acc_dtype(x)
@@ -63,11 +82,16 @@ def lora_shrink_ref(
     if meta.num_active == 0 or R == 0:
         return buf
     slot_ranks = _slot_ranks(ranks, meta, R)
+    units = _pool_units(pool_starts, meta)
     for (slot, rows), r in zip(meta.segments(), slot_ranks):
         if r == 0:
             continue
         xs = x.index_select(0, rows).to(mm)  # [n, H]
-        a = lora_a[slot].view(n_slices, R, H)[:, :r].reshape(n_slices * r, H).to(mm)  # [n_slices*r, H]
+        if units is None:
+            a = lora_a[slot].view(n_slices, R, H)[:, :r]  # [n_slices, r, H]
+        else:
+            a = lora_a[units[slot] : units[slot] + r].transpose(0, 1)  # pool [r, n_slices, H]
+        a = a.reshape(n_slices * r, H).to(mm)  # [n_slices*r, H]
         out = (xs @ a.t()).to(acc).view(-1, n_slices, r)  # [n, n_slices, r]
         out = out * scales[slot].to(acc).view(1, n_slices, 1)
         if r == R:
@@ -86,15 +110,18 @@ def lora_expand_ref(
     slice_sizes: tuple[int, ...],
     meta: LoRABatchMeta,
     ranks: torch.Tensor | None = None,
+    *,
+    pool_starts: torch.Tensor | None = None,
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
 
-    y: [T, sum(slice_sizes)] (any strides); buf: [T, n_slices*R] float32; lora_b: [S, sum(n_i), R].
+    y: [T, sum(slice_sizes)] (any strides); buf: [T, n_slices*R] float32; lora_b: [S, sum(n_i), R],
+    or a pool [U, sum(n_i)] (B transposed) read from ``pool_starts``.
     The sum is formed in float32 (float64 for float64 y) and rounded once to y's dtype; rows of
     slot -1 tokens are not touched.
     """
     slice_sizes = tuple(slice_sizes) if isinstance(slice_sizes, list) else slice_sizes
-    n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=REF_DTYPES)
+    n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=REF_DTYPES, pool_starts=pool_starts)
     meta = meta.exact()
     if meta.num_active == 0 or R == 0:
         return
@@ -104,11 +131,12 @@ def lora_expand_ref(
     for n in slice_sizes:
         offs.append(offs[-1] + n)
     slot_ranks = _slot_ranks(ranks, meta, R)
+    units = _pool_units(pool_starts, meta)
     for (slot, rows), r in zip(meta.segments(), slot_ranks):
         if r == 0:
             continue
         bs = buf.index_select(0, rows).view(-1, n_slices, R)[:, :, :r].to(mm)  # [n, n_slices, r]
-        b = lora_b[slot]  # [N, R]
+        b = lora_b[slot] if units is None else lora_b[units[slot] : units[slot] + r].t()  # [N, >= r]
         delta = torch.cat(
             [bs[:, i] @ b[offs[i] : offs[i + 1], :r].to(mm).t() for i in range(n_slices)], dim=1
         )  # [n, N]

@@ -47,12 +47,13 @@ LOCK_TABLE_SIZE = 1 << 15
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
 @triton.jit(do_not_specialize=["num_active", "k_per_split", "T"])
 def _shrink_kernel(
-    x_ptr, a_ptr, scales_ptr, ranks_ptr, buf_ptr, part_ptr, lock_ptr,
+    x_ptr, a_ptr, scales_ptr, ranks_ptr, pool_ptr, buf_ptr, part_ptr, lock_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
     T, H, NR, R, k_per_split,
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn, stride_bm, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(NR, BLOCK_N)
@@ -83,13 +84,17 @@ def _shrink_kernel(
         return
 
     slot64 = slot.to(tl.int64)
+    if PAGED:  # the pool [U, n_slices, H]: rank row j of slice i at unit start + j
+        a_rows = (tl.load(pool_ptr + slot).to(tl.int64) + offs_n % R) * stride_as + (offs_n // R) * stride_an
+    else:  # A[slot]: [NR, H]
+        a_rows = slot64 * stride_as + offs_n * stride_an
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per_split, H)
     offs_k = tl.arange(0, BLOCK_K)
-    # x: [T, H] gathered rows; A[slot]: [NR, H]
+    # x: [T, H] gathered rows
     x_ptrs = x_ptr + tok[:, None] * stride_xm + (k_lo + offs_k)[None, :] * stride_xk
-    a_ptrs = a_ptr + slot64 * stride_as + offs_n[:, None] * stride_an + (k_lo + offs_k)[None, :] * stride_ak
+    a_ptrs = a_ptr + a_rows[:, None] + (k_lo + offs_k)[None, :] * stride_ak
     for k in range(k_lo, k_hi, BLOCK_K):
         if EVEN_K:
             xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)  # [BM, BK]
@@ -267,11 +272,13 @@ def lora_shrink_triton(
     ranks: torch.Tensor | None = None,
     config: ShrinkConfig | None = None,
     out: torch.Tensor | None = None,
+    pool_starts: torch.Tensor | None = None,
+    max_rank: int | None = None,
 ) -> torch.Tensor:
     """Triton shrink; same contract as `loramux.kernels.lora_shrink`. `config` overrides the
     heuristic launch shape (tests and benchmarks); `out` ([T, n_slices*R] float32) receives buf.
     Neither buf nor any scratch is zeroed: every launch is a single kernel."""
-    n_slices, R = check_shrink(x, lora_a, scales, meta, ranks)
+    n_slices, R = check_shrink(x, lora_a, scales, meta, ranks, pool_starts=pool_starts, max_rank=max_rank)
     T, H = x.shape
     NR = n_slices * R
     if out is None:
@@ -294,13 +301,14 @@ def lora_shrink_triton(
         parts = locks = buf  # unused
     sx, sa, ss, sb = x.stride(), lora_a.stride(), scales.stride(), buf.stride()
     _shrink_kernel[launch.grid](
-        x, lora_a, scales, ranks if ranks is not None else scales, buf, parts, locks,
+        x, lora_a, scales, ranks if ranks is not None else scales, pool_starts if pool_starts is not None else scales,
+        buf, parts, locks,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         T, H, NR, R, launch.k_per_split,
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
         A_PAD=max(32, next_pow2(meta.num_slots)), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
-        PRECISION=dot_precision(x.dtype),
+        PRECISION=dot_precision(x.dtype), PAGED=pool_starts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return buf

@@ -54,8 +54,8 @@ def _check_int(field: str, value: object, low: int, high: int | None = None) -> 
 class LoRAConfig:
     """How many adapters loramux keeps, and how large they may be.
 
-    :param max_loras: GPU slots: distinct adapters usable in one step.
-    :param max_lora_rank: the largest rank an adapter may have (1..512); slots are sized for it.
+    :param max_loras: GPU slots: distinct adapters resident on the GPU, and usable in one step.
+    :param max_lora_rank: the largest rank an adapter may have (1..512).
     :param max_cpu_loras: adapters kept loaded in host memory; defaults to ``max_loras`` and
         may not be smaller.
     :param lora_dtype: dtype of adapter weights: ``"auto"`` (the model's dtype), ``"float16"``,
@@ -63,6 +63,11 @@ class LoRAConfig:
     :param max_cpu_lora_bytes: byte budget of the CPU tier, on top of ``max_cpu_loras``, so a
         fleet of mixed ranks cannot exhaust host memory; default (None) :func:`default_cpu_lora_bytes`,
         10% of the host's memory.
+    :param max_gpu_lora_bytes: bytes of GPU memory for the weights of resident adapters. Adapters
+        share it by rank (one of rank 8 takes an eighth of what one of rank 64 takes, and a
+        layer it does not target nothing), so many small adapters fit where few large ones do;
+        a new adapter evicts the least recently used ones not in use until it fits. Default
+        (None): room for ``max_loras`` adapters of rank ``max_lora_rank`` on every layer.
     """
 
     max_loras: int = 1
@@ -70,6 +75,7 @@ class LoRAConfig:
     max_cpu_loras: int | None = None
     lora_dtype: str | torch.dtype = "auto"
     max_cpu_lora_bytes: int | None = None
+    max_gpu_lora_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_loras", self.max_loras, 1)
@@ -85,6 +91,8 @@ class LoRAConfig:
         if self.max_cpu_lora_bytes is None:
             self.max_cpu_lora_bytes = default_cpu_lora_bytes()
         _check_int("max_cpu_lora_bytes", self.max_cpu_lora_bytes, 1)
+        if self.max_gpu_lora_bytes is not None:
+            _check_int("max_gpu_lora_bytes", self.max_gpu_lora_bytes, 1)
         if isinstance(self.lora_dtype, torch.dtype):
             names = {dtype: name for name, dtype in LORA_DTYPES.items() if dtype is not None}
             if self.lora_dtype not in names:

@@ -111,6 +111,11 @@ class CPUAdapterCache:
                 self._pins[handle_id] = self._pins.get(handle_id, 0) + 1
             return adapter
 
+    def peek(self, handle_id: int) -> LoRAAdapter | None:
+        """The adapter if resident, else None; neither counted nor moved in the eviction order."""
+        with self._lock:
+            return self._adapters.get(handle_id)
+
     def record_miss(self) -> None:
         """Count a lookup that found nothing without asking by id (a name not loaded yet)."""
         with self._lock:

@@ -100,6 +100,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       help="bytes of adapter weights kept in host memory, e.g. 8GiB (default: 10%% "
                       "of the host's memory); the CPU tier keeps at most --max-cpu-loras adapters "
                       "and at most this many bytes")
+    lora.add_argument("--max-gpu-lora-bytes", type=parse_byte_size, default=None, metavar="SIZE",
+                      help="GPU memory for the weights of resident adapters, e.g. 8GiB, shared by "
+                      "rank (a rank-8 adapter takes an eighth of a rank-64 one); raise --max-loras "
+                      "with it so more small adapters fit (default: room for --max-loras adapters "
+                      "of --max-lora-rank)")
     lora.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                       help="adapter weight dtype (default: the model's)")
     lora.add_argument(

@@ -1,10 +1,25 @@
 """`BaseLayerWithLoRA`: the contract every LoRA layer wrapper follows, built-in or from a plugin.
 
-A wrapper keeps the model's own layer as ``base_layer`` and, beside it, one zero-padded copy of
-an adapter per GPU slot, in the layouts the kernels take:
+A wrapper keeps the model's own layer as ``base_layer`` and, beside it, the weights of the
+adapters in its ``max_loras`` GPU slots, in the layouts the kernels take. A layer that runs the
+standard shrink and expand (it overrides none of ``apply_lora``, ``set_lora``, ``slot_write``)
+is *pooled*: every adapter's weights share one pool of rank rows, an adapter of rank r owning r
+of them (`loramux.engine.rank_pool`; S-LoRA's unified paging), so slots cost what their
+adapters' ranks need, not ``max_lora_rank`` each:
+
+    lora_a_pool       [U, n_slices, in_features]   rank row j of slice i at [start + j, i]
+    lora_b_pool       [U, sum(output_sizes)]       B transposed: rank row j at [start + j]
+    lora_pool_starts  [max_loras] int32            each slot's first row (start)
+
+with U rows (``max_loras * max_lora_rank`` by default: room for ``max_loras`` adapters of the
+largest rank; `LoRAConfig.max_gpu_lora_bytes` sizes it by bytes instead). Other layers (the
+embedding's gather, a plugin's own kernels) keep one zero-padded copy per slot:
 
     lora_a_stacked  [max_loras, n_slices * R, in_features]     (model dtype and device)
     lora_b_stacked  [max_loras, sum(output_sizes), R]
+
+and both kinds keep
+
     lora_scales     [max_loras, n_slices] float32
     lora_ranks      [max_loras] int32   (0: the slot's adapter does not touch this layer)
 
@@ -30,6 +45,7 @@ from loramux.engine.layers.context import LoRAContext
 from loramux.engine.layers.lora_op import register_layer
 from loramux.engine.layers.side_stream import shrink_beside_base, side_stream
 from loramux.engine.layers.slot_write import SlotWrite, apply_slot_writes
+from loramux.engine.rank_pool import RankPool
 from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
@@ -90,9 +106,19 @@ class BaseLayerWithLoRA(nn.Module):
         device = device or (weight.device if weight is not None else None)
         S, R, n = self.max_loras, self.max_lora_rank, self.n_slices
         zeros = dict(dtype=dtype, device=device)
+        cls = type(self)
+        self.pooled = all(getattr(cls, name) is getattr(BaseLayerWithLoRA, name)
+                          for name in ("apply_lora", "set_lora", "slot_write"))
         # buffers, so model.to(device) moves them; not persistent, so state_dict is the model's
-        self.register_buffer("lora_a_stacked", torch.zeros(S, n * R, self.in_features, **zeros), persistent=False)
-        self.register_buffer("lora_b_stacked", torch.zeros(S, self.out_features, R, **zeros), persistent=False)
+        if self.pooled:
+            # with a byte budget the model manager sizes every pool at once (`resize_pool`)
+            units = S * R if lora_config.max_gpu_lora_bytes is None else 0
+            self.register_buffer("lora_pool_starts", torch.zeros(S, dtype=torch.int32, device=device),
+                                 persistent=False)
+            self._new_pool(units, dtype, device)
+        else:
+            self.register_buffer("lora_a_stacked", torch.zeros(S, n * R, self.in_features, **zeros), persistent=False)
+            self.register_buffer("lora_b_stacked", torch.zeros(S, self.out_features, R, **zeros), persistent=False)
         self.register_buffer("lora_scales", torch.zeros(S, n, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("lora_ranks", torch.zeros(S, dtype=torch.int32, device=device), persistent=False)
         self._host_ranks = [0] * S  # lora_ranks on the host: skip layers no active slot touches
@@ -128,7 +154,41 @@ class BaseLayerWithLoRA(nn.Module):
             self.lora_scales = self.lora_scales.float()
         if self.lora_ranks.dtype != torch.int32:
             self.lora_ranks = self.lora_ranks.int()
+        if self.pooled and self.lora_pool_starts.dtype != torch.int32:
+            self.lora_pool_starts = self.lora_pool_starts.int()
         return self
+
+    def _new_pool(self, units: int, dtype: torch.dtype, device: torch.device | None) -> None:
+        self.register_buffer("lora_a_pool", torch.zeros(units, self.n_slices, self.in_features, dtype=dtype,
+                                                         device=device), persistent=False)
+        self.register_buffer("lora_b_pool", torch.zeros(units, self.out_features, dtype=dtype, device=device),
+                             persistent=False)
+        self.rank_pool = RankPool(units)
+
+    def resize_pool(self, units: int) -> None:
+        """Make the pool ``units`` rank rows (no adapter may be resident: they would be lost)."""
+        assert self.pooled, "only a pooled layer has a pool"
+        assert not any(self._host_ranks), "resize_pool with adapters in the slots"
+        self._new_pool(units, self.lora_dtype, self.lora_scales.device)
+
+    @property
+    def pool_row_bytes(self) -> int:
+        """Bytes of one rank row of the pool (A and B); 0 for a layer without one."""
+        if not self.pooled:
+            return 0
+        return (self.n_slices * self.in_features + self.out_features) * self.lora_a_pool.element_size()
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        """The dtype adapter weights are stored in (the kernels compute in it)."""
+        return (self.lora_a_pool if self.pooled else self.lora_a_stacked).dtype
+
+    def units_for(self, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> int:
+        """Pool rows an adapter with these weights takes in this layer: its largest rank here
+        (0 without a pool, or when it does not touch the layer)."""
+        if not self.pooled:
+            return 0
+        return max((w.rank for w in weights_by_slice if w is not None), default=0)
 
     def extra_repr(self) -> str:
         return (
@@ -224,6 +284,8 @@ class BaseLayerWithLoRA(nn.Module):
         problem = self._mismatch(weights_by_slice, self.in_features, self.output_sizes)
         if problem is not None:
             raise ValueError(problem)
+        if self.pooled:
+            return self._pool_write(slot, weights_by_slice)
         R = self.max_lora_rank
         written = self._host_ranks[slot]  # rows/columns past it are zero already
         # until this write completes, a failure's reset_lora must clear whatever it reached
@@ -239,6 +301,35 @@ class BaseLayerWithLoRA(nn.Module):
                 write.zeros += [a_rows[r:], b_cols[:, r:]]
             write.scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
             write.rank = max(write.rank, r)
+        return write
+
+    def _pool_write(self, slot: int, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> SlotWrite:
+        """`slot_write` for a pooled layer: the slot's rows (its last adapter's freed first), A and
+        B copied into them, and zeros where a slice's rank is below the layer's (the rows there
+        held another adapter's weights; a kernel reads up to the slot's rank in every slice)."""
+        rank = self.units_for(weights_by_slice)
+        self.rank_pool.free(slot)
+        start = self.rank_pool.allocate(slot, rank) or 0
+        if rank and self.rank_pool.start_of(slot) is None:
+            raise RuntimeError(
+                f"{self.module_name}: no {rank} free rows in its LoRA pool of {self.rank_pool.units} "
+                f"({self.rank_pool.free_units} free); the model manager makes room before it writes")
+        self._host_ranks[slot] = rank  # until this write completes, a failure's reset_lora clears it
+        write = SlotWrite(self, slot, self.lora_scales[slot], self.lora_ranks[slot : slot + 1],
+                          start_cell=self.lora_pool_starts[slot : slot + 1], start=start)
+        rows_a, rows_b = self.lora_a_pool[start : start + rank], self.lora_b_pool[start : start + rank]
+        offset = 0
+        for i, (size, weights) in enumerate(zip(self.output_sizes, weights_by_slice)):
+            r = 0 if weights is None else weights.rank
+            cols = slice(offset, offset + size)
+            if r:
+                write.copies.append((rows_a[:r, i], weights.lora_a))  # [r, in]
+                write.copies.append((rows_b[:r, cols], weights.lora_b.t()))  # [r, size]
+            if r < rank:
+                write.zeros += [rows_a[r:, i], rows_b[r:, cols]]
+            write.scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
+            offset += size
+        write.rank = rank
         return write
 
     def _slot_views(self, slot: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
@@ -257,12 +348,34 @@ class BaseLayerWithLoRA(nn.Module):
         self._views[slot] = (self.lora_a_stacked, views)
         return views
 
+    def slot_weights(self, slot: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """What the kernels read for ``slot``, per output slice: ``(A [r, in], B [size, r])`` at the
+        slot's rank ``r`` in this layer (views; rows past a slice's own rank are zeros)."""
+        r = self._host_ranks[slot]
+        offsets = [sum(self.output_sizes[:i]) for i in range(self.n_slices)]
+        if self.pooled:
+            start = self.rank_pool.start_of(slot) or 0
+            rows_a, rows_b = self.lora_a_pool[start : start + r], self.lora_b_pool[start : start + r]
+            return [(rows_a[:, i], rows_b[:, off : off + size].t())
+                    for i, (off, size) in enumerate(zip(offsets, self.output_sizes))]
+        R = self.max_lora_rank
+        a, b = self.lora_a_stacked[slot], self.lora_b_stacked[slot]
+        return [(a[i * R : i * R + r], b[off : off + size, :r])
+                for i, (off, size) in enumerate(zip(offsets, self.output_sizes))]
+
     @torch.no_grad()
     def reset_lora(self, slot: int) -> None:
         """Clear ``slot``: tokens mapped to it get the base layer's output only."""
         assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
+        if self.pooled:
+            self.rank_pool.free(slot)  # its rows' contents stay: no kernel reads them at rank 0
         if self._host_ranks[slot] == 0:
             return  # already empty: padding is always zero past a slot's rank
+        if self.pooled:
+            self.lora_scales[slot].zero_()
+            self.lora_ranks[slot] = 0
+            self._host_ranks[slot] = 0
+            return
         self.lora_a_stacked[slot].zero_()
         self.lora_b_stacked[slot].zero_()
         self.lora_scales[slot].zero_()
@@ -317,7 +430,7 @@ class BaseLayerWithLoRA(nn.Module):
         meta = self._lora_meta(x)
         if meta is None:
             return self.base_layer(x).contiguous()
-        if type(self).apply_lora is BaseLayerWithLoRA.apply_lora and shrink_beside_base(x.device):
+        if self.pooled and shrink_beside_base(x.device):
             return self._forward_shrink_beside_base(x, meta)
         output = self.base_layer(x).contiguous()
         with self._rows_in_slot_dtype(output) as y:
@@ -326,8 +439,13 @@ class BaseLayerWithLoRA(nn.Module):
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
         """``y [T, out] += delta``, in place, for activations ``x [..., in_features]``."""
-        lora_apply(y, self._lora_input(x), self.lora_a_stacked, self.lora_b_stacked, self.lora_scales,
-                   self.lora_ranks, self.output_sizes, meta)
+        if self.pooled:
+            lora_apply(y, self._lora_input(x), self.lora_a_pool, self.lora_b_pool, self.lora_scales,
+                       self.lora_ranks, self.output_sizes, meta, pool_starts=self.lora_pool_starts,
+                       max_rank=self.max_lora_rank)
+        else:  # a subclass that overrides apply_lora does not come here, but one may call super()
+            lora_apply(y, self._lora_input(x), self.lora_a_stacked, self.lora_b_stacked, self.lora_scales,
+                       self.lora_ranks, self.output_sizes, meta)
 
     def _forward_shrink_beside_base(self, x: torch.Tensor, meta: LoRABatchMeta) -> torch.Tensor:
         # buf is allocated on the main stream, before the fork, so the main stream owns its memory
@@ -339,11 +457,13 @@ class BaseLayerWithLoRA(nn.Module):
         side.wait_stream(main)  # x is made on the main stream
         with torch.cuda.stream(side):
             # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only
-            lora_shrink(self._lora_input(x), self.lora_a_stacked, self.lora_scales, meta, self.lora_ranks, out=buf)
+            lora_shrink(self._lora_input(x), self.lora_a_pool, self.lora_scales, meta, self.lora_ranks, out=buf,
+                        pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank)
         output = self.base_layer(x).contiguous()  # on the main stream, beside the shrink
         main.wait_stream(side)  # the join: buf is written, and x's memory is not reused before the shrink read it
         with self._rows_in_slot_dtype(output) as y:
-            lora_expand(y, buf, self.lora_b_stacked, self.output_sizes, meta, self.lora_ranks)
+            lora_expand(y, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
+                        pool_starts=self.lora_pool_starts)
         return output
 
     def _lora_meta(self, x: torch.Tensor) -> LoRABatchMeta | None:
@@ -357,7 +477,7 @@ class BaseLayerWithLoRA(nn.Module):
         return meta
 
     def _lora_input(self, x: torch.Tensor) -> torch.Tensor:
-        return x.reshape(-1, self.in_features).to(self.lora_a_stacked.dtype)  # [T, in]
+        return x.reshape(-1, self.in_features).to(self.lora_dtype)  # [T, in]
 
     @contextmanager
     def _rows_in_slot_dtype(self, output: torch.Tensor) -> Iterator[torch.Tensor]:
@@ -365,10 +485,10 @@ class BaseLayerWithLoRA(nn.Module):
         dtype differs from the output's (autocast, a wrapper built with another ``dtype``), a copy
         in the slot dtype, written back on exit."""
         y = output.view(-1, self.out_features)  # [T, out], shares memory with output
-        if y.dtype == self.lora_b_stacked.dtype:
+        if y.dtype == self.lora_dtype:
             yield y
             return
-        delta_y = y.to(self.lora_b_stacked.dtype)
+        delta_y = y.to(self.lora_dtype)
         yield delta_y
         y.copy_(delta_y)
 

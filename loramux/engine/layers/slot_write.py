@@ -11,7 +11,8 @@ the parts of every layer together:
   one buffer; `LoRAAdapter.pack` packs into one), so that buffer goes to the device in ONE copy,
   and one ``torch._foreach_copy_`` spreads it over the slots' blocks (device to device);
 - the padding: one ``torch._foreach_zero_``;
-- the scales and ranks: one small host tensor each, copied once and spread by ``_foreach_copy_``.
+- the scales, ranks and pool starts: one small host tensor each, copied once and spread by
+  ``_foreach_copy_``.
 
 Nothing blocks the host: the host buffers are page-locked in the CPU tier (elsewhere the copy is
 staged, as any pageable copy), and the small tensors come from PyTorch's pinned allocator. When
@@ -50,13 +51,15 @@ class SlotWrite:
     zeros: list[torch.Tensor] = field(default_factory=list)  # padding past the new rank
     scales: list[float] = field(default_factory=list)  # one per output slice
     rank: int = 0
+    start_cell: torch.Tensor | None = None  # a pooled layer's lora_pool_starts[slot:slot + 1]: [1] int32
+    start: int = 0  # the slot's first pool row
 
 
 def apply_slot_writes(writes: Sequence[SlotWrite]) -> None:
     """Run every `SlotWrite` (all on one device), batched: see the module docstring."""
     if not writes:
         return
-    device = writes[0].layer.lora_a_stacked.device
+    device = writes[0].layer.lora_scales.device
     copies = [pair for write in writes for pair in write.copies]
     if copies:
         blocks, weights = [list(side) for side in zip(*copies)]
@@ -71,6 +74,9 @@ def apply_slot_writes(writes: Sequence[SlotWrite]) -> None:
         torch._foreach_zero_(zeros)
     _spread([w.scales_row for w in writes], [w.scales for w in writes], torch.float32, device)
     _spread([w.rank_cell for w in writes], [[w.rank] for w in writes], torch.int32, device)
+    pooled = [w for w in writes if w.start_cell is not None]
+    if pooled:
+        _spread([w.start_cell for w in pooled], [[w.start] for w in pooled], torch.int32, device)
     for write in writes:
         write.layer._host_ranks[write.slot] = write.rank
 

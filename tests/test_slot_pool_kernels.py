@@ -1,0 +1,109 @@
+"""The kernels reading adapters from a rank-row pool (issue 10): every slot's rows at its own
+start in a pool [U, n_slices, H] / [U, N] shared by adapters of different ranks, the rows around
+them another adapter's (NaN here, so a read past a slot's rank shows). Triton (the interpreter on
+the CPU, the GPU under `gpu`) and the torch reference against the float64 reference on the
+same weights stored one slot per adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loramux.kernels import build_lora_meta, lora_expand, lora_shrink, reference
+
+from conftest import INTERPRET, needs_cuda, rel_err
+from test_kernels import TOL, Case, bits, make_inputs
+
+
+def to_pool(case: Case, A: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor, gen: torch.Generator):
+    """(pool_a [U, n, H], pool_b [U, N], starts [S]): slot s's first ranks[s] rows at a random
+    start, in a random order, with NaN rows between and around them."""
+    S, n, R = case.S, len(case.slice_sizes), case.R
+    r = ranks.tolist()
+    gaps = torch.randint(0, 3, (S + 1,), generator=gen).tolist()
+    order = torch.randperm(S, generator=gen).tolist()
+    U = sum(r) + sum(gaps)
+    pool_a = torch.full((U, n, case.H), float("nan"), dtype=A.dtype, device=A.device)
+    pool_b = torch.full((U, B.shape[1]), float("nan"), dtype=B.dtype, device=B.device)
+    starts, at = [0] * S, gaps[0]
+    for i, s in enumerate(order):
+        starts[s] = at
+        pool_a[at : at + r[s]] = A[s].view(n, R, case.H)[:, : r[s]].transpose(0, 1)
+        pool_b[at : at + r[s]] = B[s][:, : r[s]].t()
+        at += r[s] + gaps[i + 1]
+    return pool_a, pool_b, torch.tensor(starts, dtype=torch.int32, device=A.device)
+
+
+CASES = [
+    Case(1, 33, 1, 8, (17,), "one", True),
+    Case(37, 70, 5, 8, (20, 9, 31), "random", True),
+    Case(50, 96, 8, 4, (24, 24), "partly_empty", True),
+    Case(90, 200, 4, 32, (65,), "reversed", True),
+]
+
+
+def run_pool_pipeline(case: Case, dtype: torch.dtype, device: str, *, static: bool, seed: int = 0) -> None:
+    x, A, B, scales, ranks, slots = make_inputs(case, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 7)
+    pool_a, pool_b, starts = to_pool(case, A, B, ranks.cpu(), gen)
+    meta = build_lora_meta(slots, case.S, static=static)
+    meta64 = build_lora_meta(slots.cpu(), case.S)
+    active = (slots >= 0).cpu()
+    ranks_cpu = ranks.cpu()
+
+    buf = lora_shrink(x, pool_a, scales, meta, ranks, pool_starts=starts, max_rank=case.R)
+    buf_ref = reference.lora_shrink_ref(x.cpu().double(), A.cpu().double(), scales.cpu().double(), meta64, ranks_cpu)
+    err = rel_err(buf.cpu()[active], buf_ref[active])
+    assert err < TOL[torch.float32 if dtype == torch.float32 else dtype], f"shrink rel err {err:.2e}"
+
+    y = torch.randn(case.T, sum(case.slice_sizes), generator=gen).to(device=device, dtype=dtype)
+    before = y.clone()
+    y64 = y.cpu().double()
+    lora_expand(y, buf, pool_b, case.slice_sizes, meta, ranks, pool_starts=starts)
+    reference.lora_expand_ref(y64, buf.cpu().double(), B.cpu().double(), case.slice_sizes, meta64, ranks_cpu)
+    assert torch.equal(bits(y.cpu()[~active]), bits(before.cpu()[~active])), "expand touched a slot -1 row"
+    err = rel_err(y.cpu()[active].double() - before.cpu()[active].double(), y64[active] - before.cpu()[active].double())
+    assert err < TOL[dtype], f"expand rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_pool_equals_one_slot_per_adapter(case, kernels, monkeypatch):
+    if kernels == "triton" and not INTERPRET:
+        pytest.skip("the CPU run of the Triton kernels needs the interpreter")
+    monkeypatch.setenv("LORAMUX_KERNELS", "torch" if kernels == "reference" else "triton")
+    run_pool_pipeline(case, torch.float32, "cpu", static=False)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the CPU run of the Triton kernels needs the interpreter")
+def test_pool_with_a_static_meta(monkeypatch):
+    """The CUDA-graph path: grids from (T, S) only, the pool read the same way."""
+    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    run_pool_pipeline(CASES[1], torch.float32, "cpu", static=True)
+
+
+def test_pool_needs_ranks_and_a_max_rank():
+    case = CASES[1]
+    x, A, B, scales, ranks, slots = make_inputs(case, torch.float32, "cpu", 0)
+    pool_a, pool_b, starts = to_pool(case, A, B, ranks, torch.Generator().manual_seed(1))
+    meta = build_lora_meta(slots, case.S)
+    with pytest.raises(ValueError, match="a pool needs ranks"):
+        lora_shrink(x, pool_a, scales, meta, None, pool_starts=starts, max_rank=case.R)
+    with pytest.raises(ValueError, match="max_rank"):
+        lora_shrink(x, pool_a, scales, meta, ranks, pool_starts=starts)
+    with pytest.raises(ValueError, match=r"pool_starts must be an int32/int64 tensor of shape \[5\]"):
+        lora_shrink(x, pool_a, scales, meta, ranks, pool_starts=starts[:2], max_rank=case.R)
+    buf = lora_shrink(x, pool_a, scales, meta, ranks, pool_starts=starts, max_rank=case.R)
+    y = torch.zeros(case.T, sum(case.slice_sizes))
+    with pytest.raises(ValueError, match=r"lora_b must be 2-D \[U, N\] \(a pool\)"):
+        lora_expand(y, buf, B, case.slice_sizes, meta, ranks, pool_starts=starts)
+    assert torch.equal(y, torch.zeros_like(y))  # nothing was written by the refused call
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
+def test_pool_on_gpu(dtype, static):
+    for case in CASES + [Case(256, 4096, 32, 64, (4096, 1024, 1024), "random", True)]:
+        run_pool_pipeline(case, dtype, "cuda", static=static)
