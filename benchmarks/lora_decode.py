@@ -25,6 +25,9 @@ every row base (-1) and replayed for every mix, 20+ times after warm-up:
 - delta: shrink, zeroing and expand all on the side stream, into a delta buffer of their own, beside
   the base GEMM; the step adds nothing after the join (the compiled layer would fold `y + delta`
   into the pointwise kernel that reads y next: RoPE, SiLU-mul, the residual add and norm);
+- overlap_pool: overlap with the weights in the engine's rank-row pool (issue 10: adapters of
+  different ranks share one pool per layer, each slot read from its own start; here every slot
+  holds R rows at a shuffled start), against overlap's one [S, n*R, H] block per slot;
 - overlap_exact: overlap with an exact meta (grids sized from this mix's tiles, a graph captured
   per mix): what the static grid's one-size launch costs against launches fitted to the batch.
 The LoRA paths include the base GEMMs, so "two - base" is what LoRA costs a step. (A fused
@@ -64,7 +67,7 @@ TOKENS = (1, 8, 64, 128, 256)
 RANKS = (16, 64)
 MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
-PATHS = ("base", "two", "overlap", "overlap_pdl", "delta", "overlap_exact")
+PATHS = ("base", "two", "overlap", "overlap_pdl", "overlap_pool", "delta", "overlap_exact")
 LORA_PATHS = PATHS[1:]
 TOL = 2e-2
 PDL_NOTE = ("PDL is not available on {device} (it needs CUDA compute capability 9.0+, the Triton interpreter off, "
@@ -92,7 +95,7 @@ def mix_slots(mix: str, T: int, S: int, gen: torch.Generator) -> torch.Tensor:
 class Layers:
     """Per-layer weights of one layout at one rank: base W [N, H] and LoRA A/B for S slots."""
 
-    def __init__(self, layout, n_layers, R, S, device, dtype, base, scale=1):
+    def __init__(self, layout, n_layers, R, S, device, dtype, base, scale=1, pool=False):
         self.mods = [(name, H // scale, tuple(n // scale for n in sizes)) for name, H, sizes in LAYOUTS[layout]]
         self.R, self.S, self.layout = R, S, layout
         self.layers = []
@@ -107,6 +110,13 @@ class Layers:
                     ranks=torch.full((S,), R, dtype=torch.int32, device=device),
                     W=(torch.randn(N, H, device=device, dtype=dtype) * H**-0.5) if base else None,
                 )
+                if pool:  # the same weights in the engine's pool: slot s at rows perm[s] * R
+                    perm = torch.randperm(S, device=device)
+                    w["starts"] = (perm * R).to(torch.int32)
+                    w["A_pool"] = torch.empty(S * R, n, H, device=device, dtype=dtype)
+                    w["A_pool"].view(S, R, n, H)[perm] = w["A"].view(S, n, R, H).transpose(1, 2)
+                    w["B_pool"] = torch.empty(S * R, N, device=device, dtype=dtype)
+                    w["B_pool"].view(S, R, N)[perm] = w["B"].transpose(1, 2)
                 layer.append(w)
             self.layers.append(layer)
 
@@ -174,13 +184,18 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"], pdl=False)
                 elif path.startswith("overlap"):  # the engine's: the shrink on a side stream
                     buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
+                    pooled = path == "overlap_pool"
+                    a, b = (w["A_pool"], w["B_pool"]) if pooled else (w["A"], w["B"])
+                    starts = w["starts"] if pooled else None
                     with fork():
-                        lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], out=buf)
+                        lora_shrink_triton(x, a, w["scales"], meta, w["ranks"], out=buf, pool_starts=starts,
+                                           max_rank=layers.R)
                     if base:
                         torch.mm(x, w["W"].t(), out=y)
                     join()
                     # only overlap_pdl asks for PDL: LORAMUX_PDL in the environment changes no other path
-                    lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"], pdl=path == "overlap_pdl")
+                    lora_expand_triton(y, buf, b, tuple(sz), meta, w["ranks"], pdl=path == "overlap_pdl",
+                                       pool_starts=starts)
                 elif path == "delta":  # the whole delta beside the GEMM into its own buffer, no add: what
                     # a layer folding `y + delta` into its next pointwise kernel would cost
                     dy = deltas.setdefault(id(y), torch.empty_like(y))
@@ -340,12 +355,13 @@ def run(args, device, dtype, env, save):
                 print(f"budget reached: skipping {layout} r{R}", flush=True)
                 env.setdefault("skipped", []).append(f"{layout} r{R}")
                 continue
-            layers = Layers(layout, args.layers, R, S, device, dtype, args.base, scale)
+            layers = Layers(layout, args.layers, R, S, device, dtype, args.base, scale,
+                            pool="overlap_pool" in args.paths)
             for T in args.tokens:
                 xs, ys = make_io(layers, T, device, dtype)
                 slots_buf = torch.full((T,), -1, dtype=torch.int32, device=device)
                 graphs = {"base": Graph(step_fn("base", layers, xs, ys, slots_buf, True), device)} if args.base else {}
-                for path in LORA_PATHS:  # captured with every row base: one graph for every mix
+                for path in args.paths:  # captured with every row base: one graph for every mix
                     if not path.endswith("exact"):
                         graphs[path] = Graph(step_fn(path, layers, xs, ys, slots_buf, args.base), device)
                 for mix in args.mixes:
@@ -353,7 +369,7 @@ def run(args, device, dtype, env, save):
                     slots = mix_slots(mix, T, S, gen).to(device)
                     slots_buf.copy_(slots)
                     distinct = len(set(int(s) for s in slots.tolist() if s >= 0))
-                    for path in LORA_PATHS:  # exact grids: captured for this mix
+                    for path in args.paths:  # exact grids: captured for this mix
                         if path.endswith("exact"):
                             graphs[path] = Graph(step_fn(path, layers, xs, ys, slots_buf, args.base), device)
                     row = dict(layout=layout, R=R, T=T, mix=mix, distinct=distinct, layers=args.layers)
@@ -440,6 +456,8 @@ def main(argv=None):
     ap.add_argument("--budget-s", type=float, default=150,
                     help="start no new (layout, rank) block after this many seconds (0: no limit); results are "
                          "written after every block")
+    ap.add_argument("--paths", default=",".join(LORA_PATHS), help="LoRA paths to time (comma-separated; "
+                    "base is timed unless --no-base)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="also profile each graph's replays: device time per kernel name, into the JSON rows")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (1/64), 2 layers: a CPU check of the script")
@@ -448,7 +466,8 @@ def main(argv=None):
     args.ranks = [int(r) for r in args.ranks.split(",")]
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.mixes = args.mixes.split(",")
-    bad = [x for x in args.layouts if x not in LAYOUTS] + [
+    args.paths = [p for p in args.paths.split(",") if p != "base"]
+    bad = [x for x in args.layouts if x not in LAYOUTS] + [p for p in args.paths if p not in LORA_PATHS] + [
         m for m in args.mixes if not m.split("-")[0].isdigit() or int(m.split("-")[0]) < 1 or m.count("-") > 1
         or (m.count("-") == 1 and m.split("-")[1] not in ("half", "qv"))]
     if bad:

@@ -47,6 +47,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from loramux.serving.options import parse_byte_size  # noqa: E402
+
 from benchmarks._common import (  # noqa: E402
     copy_bandwidth,
     device_name,
@@ -88,7 +90,8 @@ def build_engine(args):
         model = load_model(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format)[0]
     max_rank = max(kind.rank for kind in args.mix)
     return LLMEngine(model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=max_rank,
-                     max_cpu_loras=args.max_cpu_loras, max_num_seqs=args.max_num_seqs,
+                     max_cpu_loras=args.max_cpu_loras, max_gpu_lora_bytes=args.max_gpu_lora_bytes,
+                     max_num_seqs=args.max_num_seqs,
                      max_model_len=args.prompt_len + args.output_len + 8,
                      max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
                      enforce_eager=args.enforce_eager)
@@ -251,6 +254,7 @@ def markdown(report: dict) -> str:
     lines = [
         f"**{report['device']}**, {report['model']} ({options['dtype']}, {report['mode']}); one engine, "
         f"max_loras={options['max_loras']}, max_cpu_loras={options['max_cpu_loras']}, "
+        f"GPU adapter memory {_gpu_memory(options)}, "
         f"max_num_seqs={options['max_num_seqs']}; {options['num_requests']} requests per N "
         f"({options['prompt_len']} prompt + {options['output_len']} generated tokens), Poisson arrivals at "
         f"{report['rate_req_s']:.1f} req/s ({options['load']:.2f} x the measured capacity of "
@@ -343,6 +347,9 @@ def parse_args(argv=None):
     parser.add_argument("--zipf-exponent", type=float, default=1.0)
     parser.add_argument("--max-loras", type=int, default=32 if cuda else 4)
     parser.add_argument("--max-cpu-loras", type=int, default=64 if cuda else 8)
+    parser.add_argument("--max-gpu-lora-bytes", type=parse_byte_size, default=None, metavar="SIZE",
+                        help="GPU memory for adapter weights, shared by rank (default: room for --max-loras "
+                        "adapters of the mix's largest rank on every target)")
     parser.add_argument("--max-num-seqs", type=int, default=64 if cuda else 16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096 if cuda else 256)
     parser.add_argument("--enforce-eager", action="store_true")
@@ -405,7 +412,9 @@ def main(argv=None) -> None:
         print(f"capacity {capacity:.1f} req/s; arrivals at {args.rate:.1f} req/s", flush=True)
         options = {key: getattr(args, key) for key in (
             "dtype", "load_format", "num_requests", "prompt_len", "output_len", "load", "zipf_exponent", "max_loras",
-            "max_cpu_loras", "max_num_seqs", "max_num_batched_tokens", "enforce_eager", "seed")}
+            "max_cpu_loras", "max_gpu_lora_bytes", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
+            "seed")}
+        options["gpu_pool_rank_rows"] = engine.lora_manager.pool_units if engine.lora_manager is not None else 0
         options["mix"] = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in args.mix]
         report = {"device": device_name(args.device), "model": _model_label(args),
                   "mode": mode, "torch": torch.__version__, "options": options, "disk": disk,
@@ -419,6 +428,14 @@ def main(argv=None) -> None:
     json_path = save(report, args)
     print(markdown(report))
     print(f"wrote {json_path} and {json_path.with_suffix('.md')} in {report['total_seconds']:.0f} s")
+
+
+def _gpu_memory(options: dict) -> str:
+    """The GPU tier's memory as the report states it (older reports lack the fields)."""
+    size = options.get("max_gpu_lora_bytes")
+    rows = options.get("gpu_pool_rank_rows")
+    text = "max_loras x max rank" if size is None else f"{size / GB:.1f} GB"
+    return text + (f" ({rows} rank rows per layer, pooled)" if rows else "")
 
 
 def _model_label(args) -> str:

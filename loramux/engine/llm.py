@@ -63,7 +63,8 @@ class LLM:
         ``max_graph_tokens`` (512: steps of up to this many tokens replay CUDA graphs),
         ``fuse_projections`` (True: q/k/v and gate/up as one GEMM each), ``max_cpu_lora_bytes``,
         ``max_gpu_lora_bytes`` (GPU memory for adapter weights, shared by rank: default room for
-        ``max_loras`` adapters of rank ``max_lora_rank``), ``registry``, ``resolver_settings``, ``tokenizer``, ``lora_target_modules``, ``seed``.
+        ``max_loras`` adapters of rank ``max_lora_rank``), ``registry``, ``resolver_settings``,
+        ``tokenizer``, ``lora_target_modules``, ``seed``.
     """
 
     def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:

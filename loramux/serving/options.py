@@ -90,8 +90,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     lora.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=True,
                       help="serve LoRA adapters (default: on)")
     lora.add_argument("--max-loras", type=int, default=None, metavar="N",
-                      help="adapters usable in one step (GPU slots); default 1, or with the embedded "
-                      "model as many as it has demo adapters")
+                      help="adapters resident on the GPU and usable in one step (GPU slots); default 1, "
+                      "or with the embedded model as many as it has demo adapters")
     lora.add_argument("--max-lora-rank", type=int, default=16, metavar="R",
                       help="the largest adapter rank (default: %(default)s)")
     lora.add_argument("--max-cpu-loras", type=int, default=None, metavar="C",
