@@ -115,8 +115,8 @@ class Layers:
                     w["starts"] = (perm * R).to(torch.int32)
                     w["A_pool"] = torch.empty(S * R, n, H, device=device, dtype=dtype)
                     w["A_pool"].view(S, R, n, H)[perm] = w["A"].view(S, n, R, H).transpose(1, 2)
-                    w["B_pool"] = torch.empty(S * R, N, device=device, dtype=dtype)
-                    w["B_pool"].view(S, R, N)[perm] = w["B"].transpose(1, 2)
+                    w["B_pool"] = torch.empty(S * R, N, device=device, dtype=dtype)  # [N, R] blocks
+                    w["B_pool"].view(S, N, R)[perm] = w["B"]
                 layer.append(w)
             self.layers.append(layer)
 

@@ -24,6 +24,7 @@ from loramux.engine.layers import (
     LoRAContext,
 )
 from loramux.engine.lora_model import LoRAModelManager, create_lora_layer
+from loramux.kernels.pool import pool_rows
 from loramux.plugins.manager import get_plugin_manager, register_plugin
 from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights, load_adapter
 
@@ -167,8 +168,8 @@ def test_smaller_rank_and_reset_leave_no_residue(layer):
     layer.set_lora(1, small)
     for (a, b), w in zip(layer.slot_weights(1), small):
         assert torch.equal(a, w.lora_a) and torch.equal(b, w.lora_b)
-    if layer.pooled:  # the slot owns 2 rows of the pool now, its first 8 are free again
-        assert layer.rank_pool.free_units == layer.rank_pool.units - 2
+    if layer.pooled:  # the slot owns pool_rows(2) = 8 rows of the pool now, its first 8 are free again
+        assert layer.rank_pool.free_units == layer.rank_pool.units - pool_rows(2)
     else:
         R = layer.max_lora_rank
         assert not layer.lora_a_stacked[1].view(layer.n_slices, R, -1)[:, 2:].any()

@@ -10,27 +10,32 @@ import pytest
 import torch
 
 from loramux.kernels import build_lora_meta, lora_expand, lora_shrink, reference
+from loramux.kernels.pool import POOL_ROW_ALIGN, pool_rows
 
 from conftest import INTERPRET, needs_cuda, rel_err
 from test_kernels import TOL, Case, bits, make_inputs
 
 
 def to_pool(case: Case, A: torch.Tensor, B: torch.Tensor, ranks: torch.Tensor, gen: torch.Generator):
-    """(pool_a [U, n, H], pool_b [U, N], starts [S]): slot s's first ranks[s] rows at a random
-    start, in a random order, with NaN rows between and around them."""
-    S, n, R = case.S, len(case.slice_sizes), case.R
+    """(pool_a [U, n, H], pool_b [U, N], starts [S]) as a pooled layer lays them out: slot s owns
+    pool_rows(ranks[s]) rows from a random start, in a random order; A's rows past its rank and
+    every row outside the slots are NaN, B's columns past its rank zero (the layout's contract)."""
+    S, n, R, N = case.S, len(case.slice_sizes), case.R, B.shape[1]
     r = ranks.tolist()
-    gaps = torch.randint(0, 3, (S + 1,), generator=gen).tolist()
+    widths = [pool_rows(rank) for rank in r]
+    gaps = (torch.randint(0, 3, (S + 1,), generator=gen) * POOL_ROW_ALIGN).tolist()
     order = torch.randperm(S, generator=gen).tolist()
-    U = sum(r) + sum(gaps)
+    U = sum(widths) + sum(gaps)
     pool_a = torch.full((U, n, case.H), float("nan"), dtype=A.dtype, device=A.device)
-    pool_b = torch.full((U, B.shape[1]), float("nan"), dtype=B.dtype, device=B.device)
+    pool_b = torch.full((U, N), float("nan"), dtype=B.dtype, device=B.device)
     starts, at = [0] * S, gaps[0]
     for i, s in enumerate(order):
         starts[s] = at
         pool_a[at : at + r[s]] = A[s].view(n, R, case.H)[:, : r[s]].transpose(0, 1)
-        pool_b[at : at + r[s]] = B[s][:, : r[s]].t()
-        at += r[s] + gaps[i + 1]
+        block = torch.zeros(N, widths[s], dtype=B.dtype, device=B.device)
+        block[:, : r[s]] = B[s][:, : r[s]]
+        pool_b.view(-1)[at * N : (at + widths[s]) * N] = block.view(-1)
+        at += widths[s] + gaps[i + 1]
     return pool_a, pool_b, torch.tensor(starts, dtype=torch.int32, device=A.device)
 
 
@@ -43,6 +48,8 @@ CASES = [
 
 
 def run_pool_pipeline(case: Case, dtype: torch.dtype, device: str, *, static: bool, seed: int = 0) -> None:
+    """The pool against the float64 reference on one-slot-per-adapter weights; on a GPU also bit
+    for bit against the Triton kernels on those weights (the same tiles and sums)."""
     x, A, B, scales, ranks, slots = make_inputs(case, dtype, device, seed)
     gen = torch.Generator().manual_seed(seed + 7)
     pool_a, pool_b, starts = to_pool(case, A, B, ranks.cpu(), gen)
@@ -56,14 +63,22 @@ def run_pool_pipeline(case: Case, dtype: torch.dtype, device: str, *, static: bo
     err = rel_err(buf.cpu()[active], buf_ref[active])
     assert err < TOL[torch.float32 if dtype == torch.float32 else dtype], f"shrink rel err {err:.2e}"
 
-    y = torch.randn(case.T, sum(case.slice_sizes), generator=gen).to(device=device, dtype=dtype)
-    before = y.clone()
+    # from zero, so that rounding y + delta to 16 bits does not hide the delta's own error
+    y = torch.zeros(case.T, sum(case.slice_sizes), device=device, dtype=dtype)
     y64 = y.cpu().double()
     lora_expand(y, buf, pool_b, case.slice_sizes, meta, ranks, pool_starts=starts)
     reference.lora_expand_ref(y64, buf.cpu().double(), B.cpu().double(), case.slice_sizes, meta64, ranks_cpu)
-    assert torch.equal(bits(y.cpu()[~active]), bits(before.cpu()[~active])), "expand touched a slot -1 row"
-    err = rel_err(y.cpu()[active].double() - before.cpu()[active].double(), y64[active] - before.cpu()[active].double())
+    assert not y.cpu()[~active].any(), "expand touched a slot -1 row"
+    err = rel_err(y.cpu()[active].double(), y64[active])
     assert err < TOL[dtype], f"expand rel err {err:.2e}"
+
+    if device == "cuda":  # bit for bit the kernels on one [S, ...] block per adapter
+        assert torch.equal(bits(buf), bits(lora_shrink(x, A, scales, meta, ranks)))
+        y_rows = torch.randn(case.T, sum(case.slice_sizes), generator=gen).to(device=device, dtype=dtype)
+        y_pool, y_dense = y_rows.clone(), y_rows.clone()
+        lora_expand(y_pool, buf, pool_b, case.slice_sizes, meta, ranks, pool_starts=starts)
+        lora_expand(y_dense, buf, B, case.slice_sizes, meta, ranks)
+        assert torch.equal(bits(y_pool), bits(y_dense))
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)

@@ -96,8 +96,9 @@ def lora_expand(
 
     pdl: launch the Triton kernel with programmatic dependent launch (Hopper on; ignored
     elsewhere and by the torch reference); None takes ``LORAMUX_PDL`` (off unless 1).
-    pool_starts: as for lora_shrink; lora_b is then a pool [U, sum(slice_sizes)] (B transposed:
-    slot s's rank row j at ``lora_b[pool_starts[s] + j]``).
+    pool_starts: as for lora_shrink; lora_b is then a pool [U, N] (N = sum(slice_sizes)) holding
+    slot s's B as one [N, w] block from element ``pool_starts[s] * N`` of its flat storage, w being
+    its rank rounded up to `POOL_ROW_ALIGN` (`pool_rows`), the columns past the rank zero.
     """
     if _use_triton(y):
         from .expand import lora_expand_triton

@@ -23,8 +23,9 @@ import triton.language as tl
 
 from .checks import check_expand
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, resolve_pdl, segment_tile, static_block_m,
-                    target_programs)
+from .pool import POOL_ROW_ALIGN
+from .tiles import (POOL_ALIGN, block_m_for, cdiv, dot_precision, next_pow2, pool_width, resolve_pdl,
+                    segment_tile, static_block_m, target_programs)
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
@@ -87,6 +88,10 @@ def _expand_kernel(
     # buf: [T, n_slices*R] f32, slice i at columns i*R; loaded once, reused for every block
     hb = tl.load(buf_ptr + tok[:, None] * stride_bm + (i * R + offs_r)[None, :] * stride_bk,
                  mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)  # [BM, BR]
+    if PAGED:  # the pool: this slot's B is one [N, width] block at element start * N
+        width = tl.multiple_of(pool_width(rank), POOL_ALIGN)
+        w_base = b_ptr + tl.multiple_of(tl.load(pool_ptr + slot).to(tl.int64) * stride_ws, POOL_ALIGN)
+        stride_wn = width
     if W_VEC > 1:
         # B's columns past a slot's rank are zero padding, so reading whole 16-byte vectors is
         # exact; a mask the compiler can prove vector-uniform lets it pipeline B's loads
@@ -99,9 +104,8 @@ def _expand_kernel(
     if Y_VEC > 1:  # a no-op that proves the column mask uniform per vector, so y's loads pipeline
         n_end = (n_end // Y_VEC) * Y_VEC
     n_loc = c0 + tl.arange(0, BLOCK_N)  # [BN] columns of this block within the slice
-    if PAGED:  # the pool [U, N] (B transposed): rank row r of this slot at unit start + r
-        units = tl.load(pool_ptr + slot).to(tl.int64) + offs_r
-        w_ptrs = b_ptr + (off_i + n_loc)[:, None] * stride_wn + units[None, :] * stride_ws
+    if PAGED:
+        w_ptrs = w_base + (off_i + n_loc)[:, None] * stride_wn + offs_r[None, :]
     else:  # B[slot]: [N, R]
         w_ptrs = (b_ptr + slot.to(tl.int64) * stride_ws + (off_i + n_loc)[:, None] * stride_wn
                   + offs_r[None, :] * stride_wk)
@@ -233,13 +237,14 @@ def lora_expand_triton(
         return
     tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
     sy, sb = y.stride(), buf.stride()
-    sw = lora_b.stride() if pool_starts is None else (*lora_b.stride(), 0)  # a pool [U, N]: no rank stride
+    # a pool [U, N] holds each slot's [N, width] block from element start * N: stride_ws is N
+    sw = lora_b.stride() if pool_starts is None else (lora_b.shape[1], 0, 1)
     vec = 16 // y.element_size()  # 16-byte vectors of y: aligned base, rows and slices
     y_vec = vec if (sy[1] == 1 and sy[0] % vec == 0 and y.data_ptr() % 16 == 0
                     and all(n % vec == 0 for n in slice_sizes)) else 1
     w_vec = 16 // lora_b.element_size()
-    # (not in a pool: the rows past a slot's rank there are another adapter's)
-    w_vec = w_vec if (pool_starts is None and sw[2] == 1 and R % w_vec == 0) else 1
+    # a pool block's columns are padded with zeros to a multiple of POOL_ROW_ALIGN
+    w_vec = w_vec if (sw[2] == 1 and (R % w_vec == 0 if pool_starts is None else POOL_ROW_ALIGN % w_vec == 0)) else 1
     use_pdl = resolve_pdl(pdl, y.device)
     # `launch_pdl` only when on: PDL being available implies this Triton knows the option
     launch_options = {"launch_pdl": True} if use_pdl else {}

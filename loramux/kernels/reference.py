@@ -14,6 +14,7 @@ import torch
 
 from .checks import REF_DTYPES, check_expand, check_shrink
 from .metadata import LoRABatchMeta
+from .pool import pool_rows
 
 __all__ = ["lora_shrink_ref", "lora_expand_ref"]
 
@@ -130,13 +131,17 @@ def lora_expand_ref(
     offs = [0]
     for n in slice_sizes:
         offs.append(offs[-1] + n)
+    N = offs[-1]
     slot_ranks = _slot_ranks(ranks, meta, R)
     units = _pool_units(pool_starts, meta)
     for (slot, rows), r in zip(meta.segments(), slot_ranks):
         if r == 0:
             continue
         bs = buf.index_select(0, rows).view(-1, n_slices, R)[:, :, :r].to(mm)  # [n, n_slices, r]
-        b = lora_b[slot] if units is None else lora_b[units[slot] : units[slot] + r].t()  # [N, >= r]
+        if units is None:
+            b = lora_b[slot]  # [N, R]
+        else:  # the slot's [N, width] block of the pool
+            b = lora_b.view(-1)[units[slot] * N : (units[slot] + pool_rows(r)) * N].view(N, -1)
         delta = torch.cat(
             [bs[:, i] @ b[offs[i] : offs[i + 1], :r].to(mm).t() for i in range(n_slices)], dim=1
         )  # [n, N]

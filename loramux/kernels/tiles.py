@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .metadata import LoRABatchMeta
+from .pool import POOL_ROW_ALIGN
 
 
 @triton.jit
@@ -53,6 +54,15 @@ def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)  # triton.cdiv is a JIT wrapper: ~2 us a call on the host
+
+
+POOL_ALIGN = tl.constexpr(POOL_ROW_ALIGN)  # `loramux.kernels.pool`'s, readable inside kernels
+
+
+@triton.jit
+def pool_width(rank):
+    """The rows a slot of this rank owns in a pool (the kernels' `pool_rows`)."""
+    return ((rank + POOL_ALIGN - 1) // POOL_ALIGN) * POOL_ALIGN
 
 
 def next_pow2(n: int) -> int:

@@ -8,8 +8,12 @@ of them (`loramux.engine.rank_pool`; S-LoRA's unified paging), so slots cost wha
 adapters' ranks need, not ``max_lora_rank`` each:
 
     lora_a_pool       [U, n_slices, in_features]   rank row j of slice i at [start + j, i]
-    lora_b_pool       [U, sum(output_sizes)]       B transposed: rank row j at [start + j]
+    lora_b_pool       [U, N]    N = sum(output_sizes); a slot's B is one [N, w] block from
+                                element start * N of its flat storage (`_pool_block`)
     lora_pool_starts  [max_loras] int32            each slot's first row (start)
+
+where a slot owns w rows, its rank on this layer rounded up to `POOL_ROW_ALIGN` (8; the rows
+and columns past the rank zero), so B's blocks stay aligned for vector loads.
 
 with U rows (``max_loras * max_lora_rank`` by default: room for ``max_loras`` adapters of the
 largest rank; `LoRAConfig.max_gpu_lora_bytes` sizes it by bytes instead). Other layers (the
@@ -47,6 +51,7 @@ from loramux.engine.layers.side_stream import shrink_beside_base, side_stream
 from loramux.engine.layers.slot_write import SlotWrite, apply_slot_writes
 from loramux.engine.rank_pool import RankPool
 from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
+from loramux.kernels.pool import pool_rows
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
 __all__ = ["BaseLayerWithLoRA"]
@@ -184,11 +189,17 @@ class BaseLayerWithLoRA(nn.Module):
         return (self.lora_a_pool if self.pooled else self.lora_a_stacked).dtype
 
     def units_for(self, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> int:
-        """Pool rows an adapter with these weights takes in this layer: its largest rank here
-        (0 without a pool, or when it does not touch the layer)."""
+        """Pool rows an adapter with these weights takes in this layer: its largest rank here,
+        rounded up to `POOL_ROW_ALIGN` (0 without a pool, or when it does not touch the layer)."""
         if not self.pooled:
             return 0
-        return max((w.rank for w in weights_by_slice if w is not None), default=0)
+        return pool_rows(max((w.rank for w in weights_by_slice if w is not None), default=0))
+
+    def _pool_block(self, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A slot's rows of the pool: A ``[width, n_slices, in]`` and B ``[N, width]``."""
+        N = self.out_features
+        return (self.lora_a_pool[start : start + width],
+                self.lora_b_pool.view(-1)[start * N : (start + width) * N].view(N, width))
 
     def extra_repr(self) -> str:
         return (
@@ -307,26 +318,27 @@ class BaseLayerWithLoRA(nn.Module):
         """`slot_write` for a pooled layer: the slot's rows (its last adapter's freed first), A and
         B copied into them, and zeros where a slice's rank is below the layer's (the rows there
         held another adapter's weights; a kernel reads up to the slot's rank in every slice)."""
-        rank = self.units_for(weights_by_slice)
+        width = self.units_for(weights_by_slice)
+        rank = max((w.rank for w in weights_by_slice if w is not None), default=0)
         self.rank_pool.free(slot)
-        start = self.rank_pool.allocate(slot, rank) or 0
-        if rank and self.rank_pool.start_of(slot) is None:
+        start = self.rank_pool.allocate(slot, width) or 0
+        if width and self.rank_pool.start_of(slot) is None:
             raise RuntimeError(
-                f"{self.module_name}: no {rank} free rows in its LoRA pool of {self.rank_pool.units} "
+                f"{self.module_name}: no {width} free rows in its LoRA pool of {self.rank_pool.units} "
                 f"({self.rank_pool.free_units} free); the model manager makes room before it writes")
         self._host_ranks[slot] = rank  # until this write completes, a failure's reset_lora clears it
         write = SlotWrite(self, slot, self.lora_scales[slot], self.lora_ranks[slot : slot + 1],
                           start_cell=self.lora_pool_starts[slot : slot + 1], start=start)
-        rows_a, rows_b = self.lora_a_pool[start : start + rank], self.lora_b_pool[start : start + rank]
+        rows_a, block_b = self._pool_block(start, width)
         offset = 0
         for i, (size, weights) in enumerate(zip(self.output_sizes, weights_by_slice)):
             r = 0 if weights is None else weights.rank
-            cols = slice(offset, offset + size)
+            b_rows = block_b[offset : offset + size]  # [size, width]
             if r:
                 write.copies.append((rows_a[:r, i], weights.lora_a))  # [r, in]
-                write.copies.append((rows_b[:r, cols], weights.lora_b.t()))  # [r, size]
-            if r < rank:
-                write.zeros += [rows_a[r:, i], rows_b[r:, cols]]
+                write.copies.append((b_rows[:, :r], weights.lora_b))  # [size, r]
+            # the kernels read A's rows up to the rank, B's columns up to the width
+            write.zeros += [rows_a[r:rank, i], b_rows[:, r:]] if r < width else []
             write.scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
             offset += size
         write.rank = rank
@@ -354,9 +366,8 @@ class BaseLayerWithLoRA(nn.Module):
         r = self._host_ranks[slot]
         offsets = [sum(self.output_sizes[:i]) for i in range(self.n_slices)]
         if self.pooled:
-            start = self.rank_pool.start_of(slot) or 0
-            rows_a, rows_b = self.lora_a_pool[start : start + r], self.lora_b_pool[start : start + r]
-            return [(rows_a[:, i], rows_b[:, off : off + size].t())
+            rows_a, block_b = self._pool_block(self.rank_pool.start_of(slot) or 0, pool_rows(r))
+            return [(rows_a[:r, i], block_b[off : off + size, :r])
                     for i, (off, size) in enumerate(zip(offsets, self.output_sizes))]
         R = self.max_lora_rank
         a, b = self.lora_a_stacked[slot], self.lora_b_stacked[slot]
