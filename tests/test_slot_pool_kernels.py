@@ -73,7 +73,8 @@ def run_pool_pipeline(case: Case, dtype: torch.dtype, device: str, *, static: bo
     assert err < TOL[dtype], f"expand rel err {err:.2e}"
 
     if device == "cuda":  # bit for bit the kernels on one [S, ...] block per adapter
-        assert torch.equal(bits(buf), bits(lora_shrink(x, A, scales, meta, ranks)))
+        rows = slots >= 0  # buf's rows of tokens without an adapter are unspecified
+        assert torch.equal(bits(buf[rows]), bits(lora_shrink(x, A, scales, meta, ranks)[rows]))
         y_rows = torch.randn(case.T, sum(case.slice_sizes), generator=gen).to(device=device, dtype=dtype)
         y_pool, y_dense = y_rows.clone(), y_rows.clone()
         lora_expand(y_pool, buf, pool_b, case.slice_sizes, meta, ranks, pool_starts=starts)
