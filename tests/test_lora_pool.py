@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+import threading
 
 import pytest
 import torch
@@ -362,6 +363,28 @@ def test_rows_in_use_apart_refuse_a_larger_adapter_without_evicting(pool_setup):
     check_outputs(model, manager, oracle, ["qv8", "qv4-c", "qv4-d", None])
 
 
+def test_a_prefetch_evicts_nothing_it_is_told_to_keep(pool_setup):
+    """The engine prefetches the adapters of the oldest queued requests in order, each keeping those
+    ahead of it: a later one that does not fit beside them is not copied (nothing evicted)."""
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 16, max_loras=4)
+    manager.activate(adapters["qv4-a"])
+    manager.activate(adapters["qv4-b"])  # rows 0-7, neither held
+    ahead = {manager.adapter(name).handle.id for name in ("qv4-a", "qv4-b")} | {12345}  # not resident: ignored
+    assert manager.prefetch(adapters["qv8"], keep=ahead) is not None  # rows 8-15: no eviction needed
+    ahead.add(manager.adapter("qv8").handle.id)
+    assert not manager.can_place(adapters["qv4-c"], keep=ahead) and manager.can_place(adapters["qv4-c"])
+    assert manager.prefetch(adapters["qv4-c"], keep=ahead) is None
+    assert manager.resident() == ["qv4-a", "qv4-b", "qv8"] and manager.stats.evictions == 0
+    assert manager.prefetch(adapters["mlp6"], keep=ahead) is not None  # other layers: room beside them
+    ahead.discard(manager.adapter("qv4-b").handle.id)
+    assert manager.prefetch(adapters["qv4-c"], keep=ahead) is not None  # evicts b, not a: a is kept
+    assert manager.resident() == ["qv4-a", "qv8", "mlp6", "qv4-c"] and manager.stats.evictions == 1
+    # every slot kept: no room, whatever the rows
+    assert not manager.can_place(adapters["qv2"], keep={manager.adapter(n).handle.id for n in manager.resident()})
+    check_outputs(model, manager, oracle, ["qv4-c", "mlp6", None, "qv8", "qv4-a"])
+
+
 def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
     base, adapters, _ = pool_setup
     per_row = row_bytes(base)
@@ -509,17 +532,31 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
 def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(make_adapter):
+    """12 adapters of ranks 2..8 over 8 slots and pools of 16 rows: several small ones run in one
+    step, the rank-8 ones take turns, every request gives what its adapter gives alone, and each
+    adapter is copied to the GPU once (a prefetch never evicts one prefetched for a request
+    ahead of it)."""
     paths = [make_adapter(f"mixed{i}", seed=200 + i, r=r, lora_alpha=2 * r, target_modules=targets)
              for i, (r, targets) in enumerate(ENGINE_ADAPTERS)]
     budget = 2 * 8 * row_bytes(tiny_llama())  # room for 2 adapters of rank 8 on every layer
-    eng = LLMEngine(tiny_llama(), max_loras=8, max_lora_rank=8, max_gpu_lora_bytes=budget, max_num_seqs=16,
-                    max_model_len=32)
+    eng = LLMEngine(tiny_llama(), max_loras=8, max_lora_rank=8, max_gpu_lora_bytes=budget, max_cpu_loras=12,
+                    max_num_seqs=16, max_model_len=32)
     assert eng.lora_manager.pool_units == 16
+    ready = []
+    all_ready = threading.Event()
+
+    def listen(event):
+        ready.append(event.name)
+        if len(ready) == len(paths):
+            all_ready.set()
+
+    eng.add_event_listener(listen)
     for i, path in enumerate(paths):
         eng.add_request(f"req{i}", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest(f"mixed{i}", i + 1, str(path)))
     eng.add_request("base", {"prompt_token_ids": PROMPT}, GREEDY)
+    assert all_ready.wait(30)  # every adapter in the CPU tier: the first step sees the whole queue
 
-    steps = []  # the distinct adapters of every step's batch
+    steps = []  # the adapters of every step's batch
     schedule = eng.scheduler.schedule
 
     def watched():
@@ -533,7 +570,11 @@ def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(ma
     # small adapters ran together on one layer, where 2 of max rank fill its pool
     on_q_proj = {f"mixed{i}" for i, (_, targets) in enumerate(ENGINE_ADAPTERS) if "q_proj" in targets}
     assert max(len(step & on_q_proj) for step in steps) > 2
-    assert eng.lora_manager.stats.evictions > 0
+    # admission in arrival order up to the first adapter with no room: mixed6 (rank 5 on k) needs 5
+    # rows of the fused q/k/v pool, where mixed0..5 leave 4; none behind it jumps ahead
+    assert steps[0] == {f"mixed{i}" for i in range(6)}
+    stats = eng.lora_manager.stats
+    assert stats.evictions > 0 and stats.loads == len(paths) and eng.adapters.prefetches == len(paths)
     assert finished["base"] == peft_greedy(None, PROMPT, 5)
     for i, path in enumerate(paths):
         assert finished[f"req{i}"] == peft_greedy(path, PROMPT, 5), i
