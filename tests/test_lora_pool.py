@@ -396,7 +396,7 @@ def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
     with pytest.raises(ValueError, match="max_gpu_lora_bytes"):
         LoRAConfig(max_gpu_lora_bytes=0)
 
-    _, manager = pooled(base, 8, max_loras=4)  # exactly one adapter of rank 8 everywhere
+    pooled(base, 8, max_loras=4)  # exactly one adapter of rank 8 everywhere (it asserts 8 rows)
     model = copy.deepcopy(base)
     floor = LoRAModelManager(model, LoRAConfig(max_loras=4, max_lora_rank=8, max_gpu_lora_bytes=9 * per_row - 1))
     assert floor.pool_units == 8  # whole rows only
