@@ -124,8 +124,10 @@ class EngineAdapters:
 
         At most as many handles as admission could start now (``max_loras`` less the slots in
         use), in queue order: exactly the ones it admits next, so no cached adapter is evicted
-        for a request that could not run anyway. A held slot is never written; the copy runs on
-        the manager's side stream (CUDA) and the step waits on it only at admission.
+        for a request that could not run anyway. A held slot is never written, nor is the slot of
+        an adapter ahead in the queue (adapters share the pool rows by rank: a prefetch with no
+        room beside those stops); the copy runs on the manager's side stream (CUDA) and the step
+        waits on it only at admission.
         """
         in_slots = self.scheduler.handles_in_slots()
         room = self.scheduler.max_loras - len(in_slots)
@@ -141,7 +143,7 @@ class EngineAdapters:
             if self.manager.slot_of(handle.id) is not None:
                 continue  # still resident from an earlier use
             adapter = self.registry.cache.get(handle.id)  # referenced, so pinned in the CPU tier
-            if adapter is None or self.manager.prefetch(adapter) is None:
+            if adapter is None or self.manager.prefetch(adapter, keep=seen) is None:
                 return
             self.prefetches += 1
 

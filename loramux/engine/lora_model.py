@@ -14,7 +14,7 @@ so the per-forward kernel metadata is built once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 import torch
@@ -175,20 +175,22 @@ class LoRAModelManager:
 
     # -- slots (keyed by handle id) ---------------------------------------------------------------
 
-    def prefetch(self, adapter: LoRAAdapter) -> int | None:
+    def prefetch(self, adapter: LoRAAdapter, keep: Collection[int] = ()) -> int | None:
         """Copy ``adapter`` into a free (or least recently used, not held) slot ahead of its use,
         on the side stream on CUDA, so the step that admits its request does not wait for the
         host-to-device copy; synchronous on CPU. The compute stream waits for the copy when the
-        slot is held (:meth:`hold`). A held slot (in use by the running batch) is never written.
+        slot is held (:meth:`hold`). A held slot (in use by the running batch) is never written,
+        nor is one of the handle ids in ``keep`` (adapters prefetched for requests ahead of it).
 
-        :returns: its slot, or None when every slot is held (nothing changes).
+        :returns: its slot, or None when there is no room for it beside the adapters held or
+            kept (nothing changes).
         """
         with self._lock:
             if adapter.handle is not None and adapter.handle.id in self._slots:
                 return self._slots.slot_of(adapter.handle.id)
-            if not self.can_place(adapter):
+            if not self.can_place(adapter, keep=keep):
                 return None
-            return self._activate(adapter, side_stream=self._copy_stream is not None)
+            return self._activate(adapter, side_stream=self._copy_stream is not None, keep=keep)
 
     def activate(self, adapter: LoRAAdapter) -> int:
         """Make ``adapter`` usable in the next forward and return its slot.
@@ -213,7 +215,7 @@ class LoRAModelManager:
         with self._lock:
             return self._activate(adapter, side_stream=False)
 
-    def _activate(self, adapter: LoRAAdapter, *, side_stream: bool) -> int:
+    def _activate(self, adapter: LoRAAdapter, *, side_stream: bool, keep: Collection[int] = ()) -> int:
         with self._lock:
             handle = adapter.handle or self._standalone_handle(adapter)
             slot = self._slots.slot_of(handle.id)
@@ -226,7 +228,7 @@ class LoRAModelManager:
                 self.validate(adapter)
                 adapter = replace(adapter, handle=handle)
             footprint = self._footprint(adapter)
-            self._make_room(footprint, adapter.name)
+            self._make_room(footprint, adapter.name, keep)
             slot, evicted = self._slots.allocate(handle.id, label=adapter.name)
             assert evicted is None, "_make_room leaves a free slot"
             try:
@@ -249,15 +251,16 @@ class LoRAModelManager:
                  for layer in self._pooled)
         return [(layer, units) for layer, units in needs if units]
 
-    def _make_room(self, footprint: list[tuple[BaseLayerWithLoRA, int]], label: str) -> None:
-        """Evict the least recently used adapters not in use until a slot is free and every
-        layer of ``footprint`` has its rows free.
+    def _make_room(self, footprint: list[tuple[BaseLayerWithLoRA, int]], label: str,
+                   keep: Collection[int] = ()) -> None:
+        """Evict the least recently used adapters not in use (nor in ``keep``) until a slot is
+        free and every layer of ``footprint`` has its rows free.
 
         :raises CacheFullError: the adapters in use leave no room (checked first: nothing is evicted).
         """
         if len(self._slots.held()) >= self._slots.num_slots:
             raise self._slots.full_error(label)
-        if not self._rows_fit_once_evicted(footprint):
+        if not self._rows_fit_once_evicted(footprint, keep):
             held = [self._adapters[i].name for i in self._slots.held()]
             raise CacheFullError(
                 f"the adapters in use ({', '.join(held)}) leave no room for its weights in the GPU "
@@ -266,21 +269,26 @@ class LoRAModelManager:
                 fix="Retry when a request finishes, or raise max_gpu_lora_bytes (--max-gpu-lora-bytes).",
             )
         while not (self._slots.free_slots and all(layer.rank_pool.fits(units) for layer, units in footprint)):
-            self._evict(self._slots.least_recent_unheld())
+            self._evict(next(i for i in self._slots.ids() if not self._slots.is_held(i) and i not in keep))
 
-    def _rows_fit_once_evicted(self, footprint: list[tuple[BaseLayerWithLoRA, int]]) -> bool:
-        held = {self._slots.slot_of(i) for i in self._slots.held()}
-        return all(layer.rank_pool.fits_keeping(units, held) for layer, units in footprint)
+    def _kept(self, keep: Collection[int]) -> set[int]:
+        """Resident handle ids that may not be evicted: the held ones and those in ``keep``."""
+        return set(self._slots.held()) | {i for i in keep if i in self._slots}
 
-    def can_place(self, adapter: LoRAAdapter) -> bool:
+    def _rows_fit_once_evicted(self, footprint: list[tuple[BaseLayerWithLoRA, int]],
+                               keep: Collection[int] = ()) -> bool:
+        kept = {self._slots.slot_of(i) for i in self._kept(keep)}
+        return all(layer.rank_pool.fits_keeping(units, kept) for layer, units in footprint)
+
+    def can_place(self, adapter: LoRAAdapter, keep: Collection[int] = ()) -> bool:
         """Whether `activate` would find ``adapter`` a slot and its pool rows now, evicting only
-        adapters not in use (True when it is resident)."""
+        adapters not in use, nor in ``keep`` (handle ids) (True when it is resident)."""
         with self._lock:
             if adapter.handle is not None and adapter.handle.id in self._slots:
                 return True
-            if len(self._slots.held()) >= self._slots.num_slots:
+            if len(self._kept(keep)) >= self._slots.num_slots:
                 return False
-            return self._rows_fit_once_evicted(self._footprint(adapter))
+            return self._rows_fit_once_evicted(self._footprint(adapter), keep)
 
     def _evict(self, handle_id: int) -> None:
         """Free the slot and pool rows of a resident adapter nobody holds."""

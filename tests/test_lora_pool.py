@@ -1,0 +1,580 @@
+"""GPU LoRA memory pooled by rank (issue 10): `RankPool`'s bookkeeping, the model manager sizing
+every pool by ``max_gpu_lora_bytes`` and evicting by rows (PEFT the oracle through churn), held
+adapters never evicted for rows, the scheduler's ``has_room_for``, and an engine serving more
+adapters of mixed ranks than the budget holds at max rank. The kernels reading the pool are
+tested in test_slot_pool_kernels.py."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+import threading
+
+import pytest
+import torch
+from conftest import peft_greedy, save_peft_adapter, step_to_end, tiny_llama, tiny_model
+from peft import PeftModel
+
+from loramux import LoRARequest, SamplingParams
+from loramux.engine.block_manager import BlockManager
+from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.lora_model import LoRAModelManager
+from loramux.engine.rank_pool import RankPool
+from loramux.engine.scheduler import Scheduler
+from loramux.engine.sequence import Sequence
+from loramux.errors import CacheFullError
+from loramux.registry import AdapterHandle, LoRAConfig, load_adapter
+
+ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+QV = ["q_proj", "v_proj"]
+
+# --------------------------------------------------------------------------------------------------
+# RankPool on its own
+# --------------------------------------------------------------------------------------------------
+
+
+def test_allocate_takes_the_smallest_free_range_that_fits():
+    pool = RankPool(16)
+    assert [pool.allocate(k, n) for k, n in enumerate([6, 2, 4, 4])] == [0, 6, 8, 12]
+    assert pool.free_units == 0 and not pool.fits(1) and pool.fits(0)
+    pool.free(0)  # rows 0..5
+    pool.free(2)  # rows 8..11
+    assert pool.free_units == 10 and pool.fits(6) and not pool.fits(7)
+    assert pool.allocate(4, 3) == 8  # the 4-row hole, not the first rows of the 6-row one
+    assert pool.allocate(5, 4) == 0  # the 1 row left at 11 is too small
+    assert pool.allocate(6, 2) == 4 and pool.allocate(7, 1) == 11
+    assert pool.free_units == 0
+    assert [pool.start_of(k) for k in range(8)] == [None, 6, None, 12, 8, 0, 4, 11]
+    assert 0 not in pool and 4 in pool
+
+
+def test_free_merges_neighbours_into_one_range():
+    pool = RankPool(12)
+    for key in range(4):
+        pool.allocate(key, 3)  # rows 0-2, 3-5, 6-8, 9-11
+    pool.free(0)
+    pool.free(2)
+    assert pool.free_units == 6 and not pool.fits(4)  # two holes of 3, apart
+    pool.free(1)  # joins both neighbours: rows 0..8
+    assert pool.fits(9) and not pool.fits(10)
+    assert pool.allocate(9, 9) == 0
+    pool.free(3)  # a neighbour below only: rows 9..11
+    pool.free(9)
+    assert pool.fits(12) and pool.allocate(0, 12) == 0
+    pool.free(42)  # owns nothing: a no-op
+    assert pool.free_units == 0
+
+
+def test_fits_keeping_counts_only_the_kept_keys_rows():
+    pool = RankPool(16)
+    for key in range(4):
+        pool.allocate(key, 4)  # rows 0-3, 4-7, 8-11, 12-15
+    before = (pool.free_units, [pool.start_of(k) for k in range(4)])
+    assert not pool.fits(1)
+    assert pool.fits_keeping(8, {0, 1}) and pool.fits_keeping(8, {2, 3}) and pool.fits_keeping(8, {0, 3})
+    assert not pool.fits_keeping(8, {0, 2})  # 8 rows would be free, but as two holes of 4
+    assert pool.fits_keeping(4, {0, 2}) and not pool.fits_keeping(5, {1, 3})
+    assert pool.fits_keeping(16, set()) and pool.fits_keeping(16, {7}) and not pool.fits_keeping(13, {1})
+    assert pool.fits_keeping(0, {0, 1, 2, 3})
+    assert (pool.free_units, [pool.start_of(k) for k in range(4)]) == before  # nothing freed
+
+
+def test_a_failed_allocation_changes_nothing():
+    pool = RankPool(10)
+    pool.allocate(0, 4)
+    pool.allocate(1, 2)
+    pool.allocate(2, 4)
+    pool.free(1)  # a hole of 2 at 4
+    assert pool.allocate(3, 3) is None
+    assert 3 not in pool and pool.free_units == 2 and pool.start_of(0) == 0 and pool.start_of(2) == 6
+    assert pool.allocate(3, 2) == 4  # the hole is still whole
+    with pytest.raises(AssertionError, match="owns rows already"):
+        pool.allocate(3, 1)
+
+
+def test_size_zero_owns_nothing_and_an_empty_pool_holds_nothing():
+    pool = RankPool(4)
+    assert pool.allocate(0, 0) is None and 0 not in pool and pool.free_units == 4
+    assert pool.allocate(0, 4) == 0  # the key was free to take rows after all
+    empty = RankPool(0)
+    assert empty.units == empty.free_units == 0
+    assert empty.fits(0) and not empty.fits(1) and empty.fits_keeping(0, set()) and not empty.fits_keeping(1, set())
+    assert empty.allocate(0, 1) is None and empty.allocate(1, 0) is None and 0 not in empty
+    with pytest.raises(AssertionError, match="units must be >= 0"):
+        RankPool(-1)
+
+
+def test_the_invariant_assert_catches_lost_rows():
+    pool = RankPool(8)
+    pool.allocate(0, 4)
+    pool.allocate(1, 4)
+    pool._free.append((20, 1))  # bookkeeping gone wrong: rows that are not the pool's
+    with pytest.raises(AssertionError):
+        pool.free(0)
+
+
+def test_random_allocations_agree_with_a_row_by_row_model():
+    """Against a plain list of row owners: ranges never overlap, an allocation fails exactly when
+    no run of free rows is long enough, and it takes the shortest such run (frees merge fully)."""
+    rng = random.Random(0)
+    units = 40
+    pool, rows = RankPool(units), [None] * units
+
+    def free_runs():
+        runs, start = [], None
+        for i, owner in enumerate([*rows, "end"]):
+            if owner is None and start is None:
+                start = i
+            elif owner is not None and start is not None:
+                runs.append((start, i - start))
+                start = None
+        return runs
+
+    failures = 0
+    for _ in range(400):
+        owned = [k for k in range(12) if k in pool]
+        if owned and rng.random() < 0.4:
+            key = rng.choice(owned)
+            pool.free(key)
+            rows[:] = [None if owner == key else owner for owner in rows]
+            continue
+        key = rng.choice([k for k in range(12) if k not in pool] or [None])
+        if key is None:
+            continue
+        size = rng.randint(1, 10)
+        fitting = [run for run in free_runs() if run[1] >= size]
+        assert pool.fits(size) == bool(fitting)
+        start = pool.allocate(key, size)
+        if not fitting:
+            assert start is None and key not in pool
+            failures += 1
+            continue
+        assert start is not None and (start, min(n for _, n in fitting)) in fitting
+        assert rows[start : start + size] == [None] * size
+        rows[start : start + size] = [key] * size
+        assert pool.free_units == rows.count(None)
+    assert failures > 10  # the model was exercised when full, too
+
+
+# --------------------------------------------------------------------------------------------------
+# The model manager with a byte budget
+# --------------------------------------------------------------------------------------------------
+
+SPECS = {  # rank, alpha, targets; seeds differ so every adapter has its own weights
+    **{f"qv4-{c}": dict(r=4, lora_alpha=8, target_modules=QV) for c in "abcde"},
+    "qv8": dict(r=8, lora_alpha=16, target_modules=QV),
+    "qv2": dict(r=2, lora_alpha=4, target_modules=QV),
+    "all4": dict(r=4, lora_alpha=8, target_modules=ALL_LINEAR),
+    "attn8-head": dict(r=8, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]),
+    "mlp6": dict(r=6, lora_alpha=12, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"],
+                 rank_pattern={"down_proj": 2}),
+    "embed2": dict(r=2, lora_alpha=2, target_modules=["embed_tokens", "q_proj"]),  # a dense layer beside
+}
+INPUT = torch.randint(3, 128, (8, 5), generator=torch.Generator().manual_seed(1))  # [B, S]
+
+
+@pytest.fixture(scope="module")
+def pool_setup(tmp_path_factory):
+    """A tiny Llama, SPECS on disk and loaded, and a PEFT model holding all of them."""
+    base = tiny_model("llama")
+    root = tmp_path_factory.mktemp("pool")
+    dirs = {name: save_peft_adapter(copy.deepcopy(base), root / name, seed=seed, **spec)
+            for seed, (name, spec) in enumerate(SPECS.items(), start=1)}
+    oracle = None
+    for name, directory in dirs.items():
+        if oracle is None:
+            oracle = PeftModel.from_pretrained(copy.deepcopy(base), directory, adapter_name=name)
+        else:
+            oracle.load_adapter(directory, adapter_name=name)
+    adapters = {name: load_adapter(directory, name=name) for name, directory in dirs.items()}
+    return base, adapters, oracle.eval()
+
+
+def row_bytes(base, max_lora_rank: int = 8, **kwargs) -> int:
+    """Bytes of one rank row across every pooled layer the manager wraps in ``base``."""
+    manager = LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_lora_rank=max_lora_rank), **kwargs)
+    return sum(layer.pool_row_bytes for layer in manager.layers.values())
+
+
+def pooled(base, rows: int, *, max_loras: int = 8, **kwargs):
+    """A patched copy of ``base`` and its manager, every pool ``rows`` rank rows by the byte budget."""
+    model = copy.deepcopy(base)
+    budget = rows * row_bytes(base, **kwargs)
+    manager = LoRAModelManager(model, LoRAConfig(max_loras=max_loras, max_lora_rank=8, max_gpu_lora_bytes=budget),
+                               **kwargs)
+    assert manager.pool_units == rows
+    return model, manager
+
+
+def check_outputs(model, manager, oracle, names):
+    """A mixed batch, one row per name (None: the base model), equals PEFT row by row."""
+    input_ids = INPUT[: len(names)]
+    with torch.no_grad():
+        expected = oracle(input_ids, adapter_names=[n or "__base__" for n in names]).logits
+    manager.set_mapping(manager.token_slots(names, input_ids.shape[1]))
+    with torch.no_grad():
+        got = model(input_ids).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    return got
+
+
+def check_slots(manager, adapters):
+    """Every resident adapter's slot holds its weights in every layer, and nothing elsewhere."""
+    for name in manager.resident():
+        slot, adapter = manager.slot_of(name), adapters[name]
+        for layer in manager.layers.values():
+            weights = [adapter.modules.get(module) for module in layer.slice_names]
+            if all(w is None for w in weights):
+                assert layer.lora_ranks[slot] == 0 and slot not in getattr(layer, "rank_pool", ()), (name, layer)
+                continue
+            for (a, b), w in zip(layer.slot_weights(slot), weights):
+                assert torch.equal(a[: w.rank], w.lora_a) and torch.equal(b[:, : w.rank], w.lora_b), (name, layer)
+                assert not a[w.rank :].any() and not b[:, w.rank :].any()
+
+
+def qv_layers(manager):
+    return [layer for name, layer in manager.layers.items() if name.endswith(("q_proj", "v_proj"))]
+
+
+def test_small_adapters_share_the_pool_and_a_large_one_evicts_by_rows(pool_setup):
+    """16 rows a layer, 8 slots: four rank-4 adapters at once; a fifth evicts exactly the least
+    recently used; a rank-8 one evicts two."""
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 16)
+    for c in "abcd":
+        manager.activate(adapters[f"qv4-{c}"])
+    assert manager.resident() == ["qv4-a", "qv4-b", "qv4-c", "qv4-d"] and manager.stats.evictions == 0
+    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(manager))
+    assert manager.layers["model.layers.0.mlp.up_proj"].rank_pool.free_units == 16  # untouched
+    check_outputs(model, manager, oracle, ["qv4-a", "qv4-b", None, "qv4-c", "qv4-d"])
+
+    assert manager.can_place(adapters["qv4-e"])  # by evicting an adapter not in use
+    manager.activate(adapters["qv4-e"])
+    assert manager.resident() == ["qv4-b", "qv4-c", "qv4-d", "qv4-e"] and manager.stats.evictions == 1
+    manager.activate(adapters["qv8"])  # the two least recently used, b and c, are adjacent
+    assert manager.resident() == ["qv4-d", "qv4-e", "qv8"] and manager.stats.evictions == 3
+    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(manager))
+    check_slots(manager, adapters)
+    check_outputs(model, manager, oracle, ["qv8", "qv4-d", None, "qv4-e", "qv8"])
+
+
+def test_eviction_goes_on_in_lru_order_until_a_range_is_free(pool_setup):
+    """The two least recently used rank-4 adapters own rows apart: evicting both frees 8 rows but no
+    range of 8, so a third goes."""
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 16)
+    for c in "abcd":  # rows 0-3, 4-7, 8-11, 12-15
+        manager.activate(adapters[f"qv4-{c}"])
+    manager.activate(adapters["qv4-a"])  # hits: the order is b, d, a, c now
+    manager.activate(adapters["qv4-c"])
+    manager.activate(adapters["qv8"])
+    assert manager.resident() == ["qv4-c", "qv8"] and manager.stats.evictions == 3
+    for layer in qv_layers(manager):
+        assert layer.rank_pool.start_of(manager.slot_of("qv8")) == 0  # in the range b and a left
+    check_outputs(model, manager, oracle, ["qv4-c", "qv8", None])
+
+
+def test_mixed_ranks_and_targets_equal_peft_through_churn(pool_setup):
+    """Adapters of ranks 2..8 over different layers (one with an embedding, one with the LM head)
+    activated, evicted, freed and activated again in a shuffled order: every slot holds its
+    adapter's weights and a mixed batch equals PEFT after each operation."""
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 16)
+    names = ["qv2", "all4", "attn8-head", "mlp6", "embed2", "qv4-a", "qv8", "qv4-b"]
+    rng = random.Random(3)
+    activated, reactivated, freed = set(), 0, 0
+    for step in range(40):
+        resident = manager.resident()
+        if resident and rng.random() < 0.25:
+            name = rng.choice(resident)
+            assert manager.deactivate(name)
+            freed += 1
+        else:
+            name = rng.choice(names)
+            reactivated += name in activated and name not in resident
+            activated.add(name)
+            manager.activate(adapters[name])
+        check_slots(manager, adapters)
+        if step % 3 == 0 or step == 39:
+            rows = manager.resident() + [None]
+            rng.shuffle(rows)
+            check_outputs(model, manager, oracle, rows)
+    assert manager.stats.evictions >= 5 and reactivated >= 5 and freed >= 3  # the churn was real
+    assert len(manager.resident()) >= 2
+
+
+def test_held_adapters_are_never_evicted_for_rows(pool_setup):
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 16)
+    names = [f"qv4-{c}" for c in "abcd"]
+    for name in names:
+        manager.activate(adapters[name])
+        manager.hold(name)
+    rows = [*names, None]
+    before_logits = check_outputs(model, manager, oracle, rows)
+    pools = [(layer.rank_pool.free_units, [layer.rank_pool.start_of(s) for s in range(8)])
+             for layer in manager.layers.values() if layer.pooled]
+    buffers = {name: [t.clone() for t in layer.buffers(recurse=False)] for name, layer in manager.layers.items()}
+    before = (manager.resident(), [manager.slot_of(n) for n in names], pools, buffers)
+
+    assert not manager.can_place(adapters["qv4-e"]) and not manager.can_place(adapters["qv2"])
+    with pytest.raises(CacheFullError, match="qv4-e.*no room.*16 rank rows.*max_gpu_lora_bytes") as caught:
+        manager.activate(adapters["qv4-e"])
+    assert all(name in str(caught.value) for name in names)  # the adapters in use are named
+    after = (manager.resident(), [manager.slot_of(n) for n in names],
+             [(layer.rank_pool.free_units, [layer.rank_pool.start_of(s) for s in range(8)])
+              for layer in manager.layers.values() if layer.pooled],
+             {name: list(layer.buffers(recurse=False)) for name, layer in manager.layers.items()})
+    assert after[:3] == before[:3] and manager.stats.evictions == 0
+    for name, tensors in after[3].items():
+        assert all(torch.equal(got, was) for got, was in zip(tensors, before[3][name])), name
+    assert torch.equal(check_outputs(model, manager, oracle, rows), before_logits)
+
+    # an adapter on other layers only finds its rows free beside them
+    assert manager.can_place(adapters["mlp6"])
+    manager.activate(adapters["mlp6"])
+    assert manager.stats.evictions == 0 and len(manager.resident()) == 5
+
+    manager.release("qv4-b")
+    assert manager.can_place(adapters["qv4-e"]) and not manager.can_place(adapters["qv8"])
+    manager.activate(adapters["qv4-e"])  # takes qv4-b's rows, the only ones not in use
+    assert manager.resident() == ["qv4-a", "qv4-c", "qv4-d", "mlp6", "qv4-e"] and manager.stats.evictions == 1
+    check_outputs(model, manager, oracle, ["qv4-e", "mlp6", "qv4-a", None, "qv4-d", "qv4-c"])
+
+
+def test_rows_in_use_apart_refuse_a_larger_adapter_without_evicting(pool_setup):
+    """Held adapters at rows 0-3 and 8-11 leave 8 rows to evict, but no range of 8: nothing is
+    evicted for a rank-8 adapter that could not fit anyway."""
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 16)
+    for c in "abcd":
+        manager.activate(adapters[f"qv4-{c}"])
+    manager.hold("qv4-a")
+    manager.hold("qv4-c")
+    assert not manager.can_place(adapters["qv8"])
+    with pytest.raises(CacheFullError, match="max_gpu_lora_bytes"):
+        manager.activate(adapters["qv8"])
+    assert manager.resident() == ["qv4-a", "qv4-b", "qv4-c", "qv4-d"] and manager.stats.evictions == 0
+    manager.release("qv4-a")
+    assert manager.can_place(adapters["qv8"])
+    manager.activate(adapters["qv8"])  # a, then b (least recently used first): rows 0-7
+    assert manager.resident() == ["qv4-c", "qv4-d", "qv8"] and manager.stats.evictions == 2
+    check_outputs(model, manager, oracle, ["qv8", "qv4-c", "qv4-d", None])
+
+
+def test_a_prefetch_evicts_nothing_it_is_told_to_keep(pool_setup):
+    """The engine prefetches the adapters of the oldest queued requests in order, each keeping those
+    ahead of it: a later one that does not fit beside them is not copied (nothing evicted)."""
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 16, max_loras=4)
+    manager.activate(adapters["qv4-a"])
+    manager.activate(adapters["qv4-b"])  # rows 0-7, neither held
+    ahead = {manager.adapter(name).handle.id for name in ("qv4-a", "qv4-b")} | {12345}  # not resident: ignored
+    assert manager.prefetch(adapters["qv8"], keep=ahead) is not None  # rows 8-15: no eviction needed
+    ahead.add(manager.adapter("qv8").handle.id)
+    assert not manager.can_place(adapters["qv4-c"], keep=ahead) and manager.can_place(adapters["qv4-c"])
+    assert manager.prefetch(adapters["qv4-c"], keep=ahead) is None
+    assert manager.resident() == ["qv4-a", "qv4-b", "qv8"] and manager.stats.evictions == 0
+    assert manager.prefetch(adapters["mlp6"], keep=ahead) is not None  # other layers: room beside them
+    ahead.discard(manager.adapter("qv4-b").handle.id)
+    assert manager.prefetch(adapters["qv4-c"], keep=ahead) is not None  # evicts b, not a: a is kept
+    assert manager.resident() == ["qv4-a", "qv8", "mlp6", "qv4-c"] and manager.stats.evictions == 1
+    # every slot kept: no room, whatever the rows
+    assert not manager.can_place(adapters["qv2"], keep={manager.adapter(n).handle.id for n in manager.resident()})
+    check_outputs(model, manager, oracle, ["qv4-c", "mlp6", None, "qv8", "qv4-a"])
+
+
+def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
+    base, adapters, _ = pool_setup
+    per_row = row_bytes(base)
+    assert per_row == 4736  # 2 layers x 7 projections and the LM head, float32; the embedding has no pool
+    with pytest.raises(ValueError, match=f"max_gpu_lora_bytes: got {8 * per_row - 1}; allowed: at least "
+                                         f"{8 * per_row} .*max_lora_rank=8"):
+        LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_loras=4, max_lora_rank=8,
+                                                         max_gpu_lora_bytes=8 * per_row - 1))
+    with pytest.raises(ValueError, match="max_gpu_lora_bytes"):
+        LoRAConfig(max_gpu_lora_bytes=0)
+
+    pooled(base, 8, max_loras=4)  # exactly one adapter of rank 8 everywhere (it asserts 8 rows)
+    model = copy.deepcopy(base)
+    floor = LoRAModelManager(model, LoRAConfig(max_loras=4, max_lora_rank=8, max_gpu_lora_bytes=9 * per_row - 1))
+    assert floor.pool_units == 8  # whole rows only
+    for layer in floor.layers.values():
+        if layer.pooled:
+            assert layer.rank_pool.units == 8 and layer.lora_a_pool.shape == (8, 1, layer.in_features)
+            assert layer.lora_b_pool.shape == (8, layer.out_features)
+        else:  # the embedding keeps a dense copy per slot
+            assert layer.lora_a_stacked.shape == (4, 8, 128) and layer.pool_row_bytes == 0
+    floor.activate(adapters["attn8-head"])
+    floor.activate(adapters["embed2"])  # evicts it: q_proj holds 8 rows only
+    assert floor.resident() == ["embed2"]
+
+    # fewer wrapped layers: the same bytes hold more rows
+    narrow = row_bytes(base, target_modules=QV)
+    assert narrow == 2 * (256 + 192)
+    _, qv_only = pooled(base, 16, target_modules=QV)
+    assert all(layer.rank_pool.units == 16 for layer in qv_only.layers.values())
+
+
+def test_without_a_budget_every_pool_holds_max_loras_adapters_of_max_rank(pool_setup):
+    base, adapters, _ = pool_setup
+    manager = LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_loras=3, max_lora_rank=8))
+    assert manager.pool_units == 24
+    assert all(layer.rank_pool.units == layer.lora_a_pool.shape[0] == layer.lora_b_pool.shape[0] == 24
+               for layer in manager.layers.values() if layer.pooled)
+    for name in ["attn8-head", "qv8", "all4"]:
+        manager.activate(adapters[name])
+    assert manager.stats.evictions == 0 and manager.can_place(adapters["qv2"])
+
+
+# --------------------------------------------------------------------------------------------------
+# The scheduler's has_room_for
+# --------------------------------------------------------------------------------------------------
+
+_arrivals = itertools.count()
+_handles: dict[str, AdapterHandle] = {}
+
+
+def handle(name: str) -> AdapterHandle:
+    if name not in _handles:
+        _handles[name] = AdapterHandle(len(_handles) + 1, name, f"digest-{name}", None, 8, 1024)
+    return _handles[name]
+
+
+def request(name: str, max_tokens: int = 3) -> Sequence:
+    return Sequence(request_id=f"r{next(_arrivals)}", prompt=None, prompt_token_ids=[5] * 4,
+                    params=SamplingParams(max_tokens=max_tokens), arrival=next(_arrivals),
+                    lora_request=LoRARequest(name, sum(map(ord, name))), handle=handle(name))
+
+
+def scheduler(max_loras: int, has_room_for) -> Scheduler:
+    return Scheduler(BlockManager(65, 8), max_num_seqs=16, max_num_batched_tokens=64, max_loras=max_loras,
+                     has_room_for=has_room_for)
+
+
+def advance(s: Scheduler) -> list[Sequence]:
+    """Pretend the step ran: count computed tokens, sample, finish those at max_tokens."""
+    batch = s.schedule()
+    for q, n in batch.chunks:
+        q.num_computed += n
+        if q.num_computed == q.num_tokens:
+            q.output_token_ids.append(7)
+            if len(q.output_token_ids) >= q.params.max_tokens:
+                q.finish("length")
+                s.finish(q)
+    return [q for q, _ in batch.chunks]
+
+
+def test_no_room_keeps_a_request_waiting_in_order_while_in_slot_adapters_run():
+    room = {"big": False}
+    asked = []
+
+    def has_room_for(h):
+        asked.append(h.name)
+        return room.get(h.name, True)
+
+    s = scheduler(4, has_room_for)
+    for name in ("a", "d", "e"):  # three of four slots in use, for a while
+        s.add(request(name, max_tokens=20))
+    advance(s)
+    big, small, more_a = request("big"), request("small"), request("a")
+    for q in (big, small, more_a):
+        s.add(q)
+    asked.clear()
+    ran = advance(s)
+    # a slot is free, but no room for big's rows; small needs a slot too and waits behind it (FIFO)
+    assert big not in ran and small not in ran and more_a in ran
+    assert s.waiting == [big, small] and "big" in asked
+    assert not s.draining  # d and e free their rows by themselves: nothing to drain
+    for _ in range(3):
+        ran = advance(s)
+        assert big not in ran and small not in ran
+    room["big"] = True
+    ran = advance(s)
+    assert big in ran and small not in ran  # big took the last slot; small waits for one to free
+    while small not in ran:
+        ran = advance(s)
+        assert s.has_work()
+
+
+def test_a_free_slot_without_room_marks_a_victim_draining():
+    s = scheduler(4, lambda h: h.name != "big")
+    s.add(request("a", max_tokens=20))
+    advance(s)
+    big, more_a = request("big"), request("a")
+    s.add(big)
+    s.add(more_a)
+    ran = advance(s)
+    # 3 slots free, but big's rows need a's: a drains (its queued request waits behind big)
+    assert s.draining == {handle("a").id} and big not in ran and more_a not in ran
+
+    roomy = scheduler(4, lambda h: True)  # the same queue with room: nothing drains, both run
+    roomy.add(request("a", max_tokens=20))
+    advance(roomy)
+    big2, more_a2 = request("big"), request("a")
+    roomy.add(big2)
+    roomy.add(more_a2)
+    assert {big2, more_a2} <= set(advance(roomy)) and not roomy.draining
+
+
+# --------------------------------------------------------------------------------------------------
+# The engine: more adapters than the budget holds at max rank
+# --------------------------------------------------------------------------------------------------
+
+ENGINE_ADAPTERS = [  # (rank, targets): small ones first, so admission can run several at once
+    (2, QV), (3, QV), (2, ["q_proj", "k_proj", "v_proj", "o_proj"]), (4, ["down_proj"]), (3, ALL_LINEAR),
+    (2, QV), (5, ["k_proj", "o_proj"]), (8, ALL_LINEAR), (6, QV), (4, ALL_LINEAR), (7, ["up_proj", "v_proj"]),
+    (8, ALL_LINEAR),
+]
+PROMPT = [(5 * i) % 120 + 3 for i in range(7)]
+GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+
+
+def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(make_adapter):
+    """12 adapters of ranks 2..8 over 8 slots and pools of 16 rows: several small ones run in one
+    step, the rank-8 ones take turns, every request gives what its adapter gives alone, and each
+    adapter is copied to the GPU once (a prefetch never evicts one prefetched for a request
+    ahead of it)."""
+    paths = [make_adapter(f"mixed{i}", seed=200 + i, r=r, lora_alpha=2 * r, target_modules=targets)
+             for i, (r, targets) in enumerate(ENGINE_ADAPTERS)]
+    budget = 2 * 8 * row_bytes(tiny_llama())  # room for 2 adapters of rank 8 on every layer
+    eng = LLMEngine(tiny_llama(), max_loras=8, max_lora_rank=8, max_gpu_lora_bytes=budget, max_cpu_loras=12,
+                    max_num_seqs=16, max_model_len=32)
+    assert eng.lora_manager.pool_units == 16
+    ready = []
+    all_ready = threading.Event()
+
+    def listen(event):
+        ready.append(event.name)
+        if len(ready) == len(paths):
+            all_ready.set()
+
+    eng.add_event_listener(listen)
+    for i, path in enumerate(paths):
+        eng.add_request(f"req{i}", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest(f"mixed{i}", i + 1, str(path)))
+    eng.add_request("base", {"prompt_token_ids": PROMPT}, GREEDY)
+    assert all_ready.wait(30)  # every adapter in the CPU tier: the first step sees the whole queue
+
+    steps = []  # the adapters of every step's batch
+    schedule = eng.scheduler.schedule
+
+    def watched():
+        batch = schedule()
+        steps.append({q.handle.name for q, _ in batch.chunks if q.handle is not None})
+        return batch
+
+    eng.scheduler.schedule = watched
+    finished = step_to_end(eng, max_steps=500)
+    assert set(finished) == {f"req{i}" for i in range(len(paths))} | {"base"}
+    # small adapters ran together on one layer, where 2 of max rank fill its pool
+    on_q_proj = {f"mixed{i}" for i, (_, targets) in enumerate(ENGINE_ADAPTERS) if "q_proj" in targets}
+    assert max(len(step & on_q_proj) for step in steps) > 2
+    # admission in arrival order up to the first adapter with no room: mixed6 (rank 5 on k) needs 5
+    # rows of the fused q/k/v pool, where mixed0..5 leave 4; none behind it jumps ahead
+    assert steps[0] == {f"mixed{i}" for i in range(6)}
+    stats = eng.lora_manager.stats
+    assert stats.evictions > 0 and stats.loads == len(paths) and eng.adapters.prefetches == len(paths)
+    assert finished["base"] == peft_greedy(None, PROMPT, 5)
+    for i, path in enumerate(paths):
+        assert finished[f"req{i}"] == peft_greedy(path, PROMPT, 5), i
