@@ -25,6 +25,7 @@ from loramux.engine.layers.slot_write import apply_slot_writes
 from loramux.engine.lora_patch import create_lora_layer, matches_target, patch_model
 from loramux.engine.slots import SlotTable
 from loramux.errors import CacheFullError, IncompatibleAdapterError, LoRAError
+from loramux.kernels.pool import pool_rows
 from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig, LoRAModuleWeights
 from loramux.registry.handle import memory_handle
 
@@ -88,11 +89,12 @@ class LoRAModelManager:
             return
         units = budget // row_bytes
         rank = self.lora_config.max_lora_rank
-        if units < rank:
+        rows = pool_rows(rank)  # what a slot of that rank owns: its rank rounded up to POOL_ROW_ALIGN
+        if units < rows:
             raise ValueError(
-                f"LoRAConfig.max_gpu_lora_bytes: got {budget}; allowed: at least {rank * row_bytes} "
+                f"LoRAConfig.max_gpu_lora_bytes: got {budget}; allowed: at least {rows * row_bytes} "
                 f"(one adapter of max_lora_rank={rank} on every wrapped layer of this model takes "
-                f"{rank * row_bytes} bytes)")
+                f"{rows * row_bytes} bytes)")
         for layer in self._pooled:
             layer.resize_pool(units)
 

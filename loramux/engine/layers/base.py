@@ -3,8 +3,8 @@
 A wrapper keeps the model's own layer as ``base_layer`` and, beside it, the weights of the
 adapters in its ``max_loras`` GPU slots, in the layouts the kernels take. A layer that runs the
 standard shrink and expand (it overrides none of ``apply_lora``, ``set_lora``, ``slot_write``)
-is *pooled*: every adapter's weights share one pool of rank rows, an adapter of rank r owning r
-of them (`loramux.engine.rank_pool`; S-LoRA's unified paging), so slots cost what their
+is *pooled*: every adapter's weights share one pool of rank rows, an adapter of rank r owning
+``pool_rows(r)`` of them (`loramux.engine.rank_pool`; S-LoRA's unified paging), so slots cost what their
 adapters' ranks need, not ``max_lora_rank`` each:
 
     lora_a_pool       [U, n_slices, in_features]   rank row j of slice i at [start + j, i]
@@ -15,8 +15,8 @@ adapters' ranks need, not ``max_lora_rank`` each:
 where a slot owns w rows, its rank on this layer rounded up to `POOL_ROW_ALIGN` (8; the rows
 and columns past the rank zero), so B's blocks stay aligned for vector loads.
 
-with U rows (``max_loras * max_lora_rank`` by default: room for ``max_loras`` adapters of the
-largest rank; `LoRAConfig.max_gpu_lora_bytes` sizes it by bytes instead). Other layers (the
+with U rows (``max_loras * pool_rows(max_lora_rank)`` by default: room for ``max_loras`` adapters
+of the largest rank; `LoRAConfig.max_gpu_lora_bytes` sizes it by bytes instead). Other layers (the
 embedding's gather, a plugin's own kernels) keep one zero-padded copy per slot:
 
     lora_a_stacked  [max_loras, n_slices * R, in_features]     (model dtype and device)
@@ -117,7 +117,7 @@ class BaseLayerWithLoRA(nn.Module):
         # buffers, so model.to(device) moves them; not persistent, so state_dict is the model's
         if self.pooled:
             # with a byte budget the model manager sizes every pool at once (`resize_pool`)
-            units = S * R if lora_config.max_gpu_lora_bytes is None else 0
+            units = S * pool_rows(R) if lora_config.max_gpu_lora_bytes is None else 0
             self.register_buffer("lora_pool_starts", torch.zeros(S, dtype=torch.int32, device=device),
                                  persistent=False)
             self._new_pool(units, dtype, device)
