@@ -1,5 +1,6 @@
 """GPU LoRA memory pooled by rank (issue 10): `RankPool`'s bookkeeping, the model manager sizing
-every pool by ``max_gpu_lora_bytes`` and evicting by rows (PEFT the oracle through churn), held
+every pool by ``max_gpu_lora_bytes`` and evicting by rows (PEFT the oracle through churn), a
+slot owning its rank rounded up to `POOL_ROW_ALIGN` rows (B's columns past the rank zero), held
 adapters never evicted for rows, the scheduler's ``has_room_for``, and an engine serving more
 adapters of mixed ranks than the budget holds at max rank. The kernels reading the pool are
 tested in test_slot_pool_kernels.py."""
@@ -24,6 +25,7 @@ from loramux.engine.rank_pool import RankPool
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.errors import CacheFullError
+from loramux.kernels.pool import POOL_ROW_ALIGN, pool_rows
 from loramux.registry import AdapterHandle, LoRAConfig, load_adapter
 
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -170,7 +172,11 @@ SPECS = {  # rank, alpha, targets; seeds differ so every adapter has its own wei
     "mlp6": dict(r=6, lora_alpha=12, use_rslora=True, target_modules=["gate_proj", "up_proj", "down_proj"],
                  rank_pattern={"down_proj": 2}),
     "embed2": dict(r=2, lora_alpha=2, target_modules=["embed_tokens", "q_proj"]),  # a dense layer beside
+    "qv16": dict(r=16, lora_alpha=16, target_modules=QV),
+    "qv3": dict(r=3, lora_alpha=6, target_modules=QV),
+    "qv9": dict(r=9, lora_alpha=9, target_modules=QV),
 }
+# every slot owns its rank rounded up to 8 rows: qv2, qv3, qv4-*, qv8 take 8 rows; qv9 and qv16 16
 INPUT = torch.randint(3, 128, (8, 5), generator=torch.Generator().manual_seed(1))  # [B, S]
 
 
@@ -197,12 +203,12 @@ def row_bytes(base, max_lora_rank: int = 8, **kwargs) -> int:
     return sum(layer.pool_row_bytes for layer in manager.layers.values())
 
 
-def pooled(base, rows: int, *, max_loras: int = 8, **kwargs):
+def pooled(base, rows: int, *, max_loras: int = 8, max_lora_rank: int = 16, **kwargs):
     """A patched copy of ``base`` and its manager, every pool ``rows`` rank rows by the byte budget."""
     model = copy.deepcopy(base)
     budget = rows * row_bytes(base, **kwargs)
-    manager = LoRAModelManager(model, LoRAConfig(max_loras=max_loras, max_lora_rank=8, max_gpu_lora_bytes=budget),
-                               **kwargs)
+    manager = LoRAModelManager(
+        model, LoRAConfig(max_loras=max_loras, max_lora_rank=max_lora_rank, max_gpu_lora_bytes=budget), **kwargs)
     assert manager.pool_units == rows
     return model, manager
 
@@ -220,7 +226,9 @@ def check_outputs(model, manager, oracle, names):
 
 
 def check_slots(manager, adapters):
-    """Every resident adapter's slot holds its weights in every layer, and nothing elsewhere."""
+    """Every resident adapter's slot holds its weights in every layer, and nothing elsewhere; in a
+    pool it owns its rank rounded up to 8 rows, B's columns past the rank zero in its block."""
+    owned = {layer: 0 for layer in manager.layers.values() if layer.pooled}
     for name in manager.resident():
         slot, adapter = manager.slot_of(name), adapters[name]
         for layer in manager.layers.values():
@@ -228,9 +236,21 @@ def check_slots(manager, adapters):
             if all(w is None for w in weights):
                 assert layer.lora_ranks[slot] == 0 and slot not in getattr(layer, "rank_pool", ()), (name, layer)
                 continue
+            rank = max(w.rank for w in weights if w is not None)
+            assert layer.lora_ranks[slot] == rank, (name, layer)  # the true rank, not the rows
             for (a, b), w in zip(layer.slot_weights(slot), weights):
+                assert a.shape[0] == b.shape[1] == rank
+                if w is None:
+                    assert not a.any() and not b.any(), (name, layer)
+                    continue
                 assert torch.equal(a[: w.rank], w.lora_a) and torch.equal(b[:, : w.rank], w.lora_b), (name, layer)
                 assert not a[w.rank :].any() and not b[:, w.rank :].any()
+            if layer.pooled:
+                owned[layer] += pool_rows(rank)
+                _, block = layer._pool_block(layer.rank_pool.start_of(slot), pool_rows(rank))
+                assert not block[:, rank:].any(), (name, layer)  # the expand reads the block's whole width
+    for layer, rows in owned.items():
+        assert layer.rank_pool.units - layer.rank_pool.free_units == rows, layer
 
 
 def qv_layers(manager):
@@ -238,50 +258,113 @@ def qv_layers(manager):
 
 
 def test_small_adapters_share_the_pool_and_a_large_one_evicts_by_rows(pool_setup):
-    """16 rows a layer, 8 slots: four rank-4 adapters at once; a fifth evicts exactly the least
-    recently used; a rank-8 one evicts two."""
+    """32 rows a layer, 8 slots: four rank-4 adapters at once (8 rows each); a fifth evicts exactly
+    the least recently used; a rank-16 one evicts two."""
     base, adapters, oracle = pool_setup
-    model, manager = pooled(base, 16)
+    model, manager = pooled(base, 32)
     for c in "abcd":
         manager.activate(adapters[f"qv4-{c}"])
     assert manager.resident() == ["qv4-a", "qv4-b", "qv4-c", "qv4-d"] and manager.stats.evictions == 0
-    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(manager))
-    assert manager.layers["model.layers.0.mlp.up_proj"].rank_pool.free_units == 16  # untouched
+    for layer in qv_layers(manager):
+        assert [layer.rank_pool.start_of(manager.slot_of(f"qv4-{c}")) for c in "abcd"] == [0, 8, 16, 24]
+        assert layer.rank_pool.free_units == 0
+    assert manager.layers["model.layers.0.mlp.up_proj"].rank_pool.free_units == 32  # untouched
+    check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["qv4-a", "qv4-b", None, "qv4-c", "qv4-d"])
 
     assert manager.can_place(adapters["qv4-e"])  # by evicting an adapter not in use
     manager.activate(adapters["qv4-e"])
     assert manager.resident() == ["qv4-b", "qv4-c", "qv4-d", "qv4-e"] and manager.stats.evictions == 1
-    manager.activate(adapters["qv8"])  # the two least recently used, b and c, are adjacent
-    assert manager.resident() == ["qv4-d", "qv4-e", "qv8"] and manager.stats.evictions == 3
+    manager.activate(adapters["qv16"])  # the two least recently used, b and c, are adjacent
+    assert manager.resident() == ["qv4-d", "qv4-e", "qv16"] and manager.stats.evictions == 3
     assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(manager))
+    assert all(layer.rank_pool.start_of(manager.slot_of("qv16")) == 8 for layer in qv_layers(manager))
     check_slots(manager, adapters)
-    check_outputs(model, manager, oracle, ["qv8", "qv4-d", None, "qv4-e", "qv8"])
+    check_outputs(model, manager, oracle, ["qv16", "qv4-d", None, "qv4-e", "qv16"])
 
 
 def test_eviction_goes_on_in_lru_order_until_a_range_is_free(pool_setup):
-    """The two least recently used rank-4 adapters own rows apart: evicting both frees 8 rows but no
-    range of 8, so a third goes."""
+    """The two least recently used rank-4 adapters own rows apart: evicting both frees 16 rows but
+    no range of 16, so a third goes."""
     base, adapters, oracle = pool_setup
-    model, manager = pooled(base, 16)
-    for c in "abcd":  # rows 0-3, 4-7, 8-11, 12-15
+    model, manager = pooled(base, 32)
+    for c in "abcd":  # rows 0-7, 8-15, 16-23, 24-31
         manager.activate(adapters[f"qv4-{c}"])
     manager.activate(adapters["qv4-a"])  # hits: the order is b, d, a, c now
     manager.activate(adapters["qv4-c"])
-    manager.activate(adapters["qv8"])
-    assert manager.resident() == ["qv4-c", "qv8"] and manager.stats.evictions == 3
+    manager.activate(adapters["qv16"])
+    assert manager.resident() == ["qv4-c", "qv16"] and manager.stats.evictions == 3
     for layer in qv_layers(manager):
-        assert layer.rank_pool.start_of(manager.slot_of("qv8")) == 0  # in the range b and a left
-    check_outputs(model, manager, oracle, ["qv4-c", "qv8", None])
+        assert layer.rank_pool.start_of(manager.slot_of("qv16")) == 0  # in the range b and a left
+        assert layer.rank_pool.free_units == 8  # d's rows
+    check_slots(manager, adapters)
+    check_outputs(model, manager, oracle, ["qv4-c", "qv16", None])
+
+
+def test_a_slot_owns_its_rank_rounded_up_to_8_rows(pool_setup):
+    """Rank 3 takes 8 rows and rank 9 takes 16 (``lora_ranks`` keeps the true rank); a rank-3
+    adapter written where a rank-16 one was (a freed range reused, then the same slot rewritten)
+    leaves its block's B columns past rank 3 zero, though the rank-16 block's bytes lay there."""
+    assert POOL_ROW_ALIGN == 8 and [pool_rows(r) for r in (0, 1, 3, 8, 9, 16, 17)] == [0, 8, 8, 8, 16, 16, 24]
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 32)
+    layers = qv_layers(manager)
+    weights = {name: [[adapters[name].modules.get(m) for m in layer.slice_names] for layer in layers]
+               for name in ("qv3", "qv9", "qv16")}
+    assert all(layer.units_for(w) == 8 for layer, w in zip(layers, weights["qv3"]))
+    assert all(layer.units_for(w) == 16 for layer, w in zip(layers, weights["qv9"]))
+    manager.activate(adapters["qv3"])
+    manager.activate(adapters["qv9"])
+    for layer in layers:
+        assert layer.rank_pool.free_units == 32 - 8 - 16
+        assert layer.rank_pool.start_of(manager.slot_of("qv3")) == 0
+        assert layer.rank_pool.start_of(manager.slot_of("qv9")) == 8
+        assert layer.lora_ranks[manager.slot_of("qv3")] == 3 and layer.lora_ranks[manager.slot_of("qv9")] == 9
+    check_slots(manager, adapters)
+    check_outputs(model, manager, oracle, ["qv9", "qv3", None])
+
+    def block(layer, start, rank):
+        """A view of the slot's B block [N, pool_rows(rank)] at ``start``."""
+        return layer._pool_block(start, pool_rows(rank))[1]
+
+    # a freed range reused: rank 16 at rows 0-15, freed, then rank 3 at rows 0-7
+    assert manager.deactivate("qv3") and manager.deactivate("qv9")
+    manager.activate(adapters["qv16"])
+    for layer in layers:
+        assert layer.rank_pool.start_of(manager.slot_of("qv16")) == 0 and layer.rank_pool.free_units == 16
+        assert block(layer, 0, 3)[:, 3:].any()  # the rank-16 block read as a rank-3 one: not zero
+    assert manager.deactivate("qv16")
+    manager.activate(adapters["qv3"])
+    for layer, w in zip(layers, weights["qv3"]):
+        assert layer.rank_pool.start_of(manager.slot_of("qv3")) == 0 and layer.rank_pool.free_units == 24
+        assert torch.equal(block(layer, 0, 3)[:, :3], w[0].lora_b) and not block(layer, 0, 3)[:, 3:].any()
+    check_slots(manager, adapters)
+    check_outputs(model, manager, oracle, [None, "qv3"])
+
+    # the same slot rewritten layer by layer: rank 16, then rank 3
+    for layer, w16, w3 in zip(layers, weights["qv16"], weights["qv3"]):
+        slot = 7
+        layer.set_lora(slot, w16)
+        start = layer.rank_pool.start_of(slot)
+        assert start == 8 and layer.rank_pool.free_units == 8 and layer.lora_ranks[slot] == 16
+        assert block(layer, start, 3)[:, 3:].any()
+        layer.set_lora(slot, w3)
+        assert layer.rank_pool.start_of(slot) == start and layer.rank_pool.free_units == 16
+        assert layer.lora_ranks[slot] == 3 and layer.lora_pool_starts[slot] == start
+        assert torch.equal(block(layer, start, 3)[:, :3], w3[0].lora_b) and not block(layer, start, 3)[:, 3:].any()
+        (a, b), = layer.slot_weights(slot)
+        assert torch.equal(a, w3[0].lora_a) and torch.equal(b, w3[0].lora_b)
+        layer.reset_lora(slot)
+        assert slot not in layer.rank_pool and layer.rank_pool.free_units == 24
 
 
 def test_mixed_ranks_and_targets_equal_peft_through_churn(pool_setup):
-    """Adapters of ranks 2..8 over different layers (one with an embedding, one with the LM head)
-    activated, evicted, freed and activated again in a shuffled order: every slot holds its
-    adapter's weights and a mixed batch equals PEFT after each operation."""
+    """Adapters of ranks 2..16 (8 or 16 rows) over different layers (one with an embedding, one
+    with the LM head) activated, evicted, freed and activated again in a shuffled order: every
+    slot holds its adapter's weights and a mixed batch equals PEFT after each operation."""
     base, adapters, oracle = pool_setup
-    model, manager = pooled(base, 16)
-    names = ["qv2", "all4", "attn8-head", "mlp6", "embed2", "qv4-a", "qv8", "qv4-b"]
+    model, manager = pooled(base, 24)
+    names = ["qv2", "all4", "attn8-head", "mlp6", "embed2", "qv4-a", "qv8", "qv16", "qv3", "qv9"]
     rng = random.Random(3)
     activated, reactivated, freed = set(), 0, 0
     for step in range(40):
@@ -306,7 +389,7 @@ def test_mixed_ranks_and_targets_equal_peft_through_churn(pool_setup):
 
 def test_held_adapters_are_never_evicted_for_rows(pool_setup):
     base, adapters, oracle = pool_setup
-    model, manager = pooled(base, 16)
+    model, manager = pooled(base, 32)  # four rank-4 adapters fill it: 8 rows each
     names = [f"qv4-{c}" for c in "abcd"]
     for name in names:
         manager.activate(adapters[name])
@@ -318,8 +401,9 @@ def test_held_adapters_are_never_evicted_for_rows(pool_setup):
     buffers = {name: [t.clone() for t in layer.buffers(recurse=False)] for name, layer in manager.layers.items()}
     before = (manager.resident(), [manager.slot_of(n) for n in names], pools, buffers)
 
+    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(manager))
     assert not manager.can_place(adapters["qv4-e"]) and not manager.can_place(adapters["qv2"])
-    with pytest.raises(CacheFullError, match="qv4-e.*no room.*16 rank rows.*max_gpu_lora_bytes") as caught:
+    with pytest.raises(CacheFullError, match="qv4-e.*no room.*32 rank rows.*max_gpu_lora_bytes") as caught:
         manager.activate(adapters["qv4-e"])
     assert all(name in str(caught.value) for name in names)  # the adapters in use are named
     after = (manager.resident(), [manager.slot_of(n) for n in names],
@@ -336,53 +420,59 @@ def test_held_adapters_are_never_evicted_for_rows(pool_setup):
     manager.activate(adapters["mlp6"])
     assert manager.stats.evictions == 0 and len(manager.resident()) == 5
 
-    manager.release("qv4-b")
-    assert manager.can_place(adapters["qv4-e"]) and not manager.can_place(adapters["qv8"])
+    manager.release("qv4-b")  # its 8 rows: room for any rank up to 8, not for rank 9 (16 rows)
+    assert manager.can_place(adapters["qv4-e"]) and manager.can_place(adapters["qv8"])
+    assert not manager.can_place(adapters["qv9"])
     manager.activate(adapters["qv4-e"])  # takes qv4-b's rows, the only ones not in use
     assert manager.resident() == ["qv4-a", "qv4-c", "qv4-d", "mlp6", "qv4-e"] and manager.stats.evictions == 1
+    check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["qv4-e", "mlp6", "qv4-a", None, "qv4-d", "qv4-c"])
 
 
 def test_rows_in_use_apart_refuse_a_larger_adapter_without_evicting(pool_setup):
-    """Held adapters at rows 0-3 and 8-11 leave 8 rows to evict, but no range of 8: nothing is
-    evicted for a rank-8 adapter that could not fit anyway."""
+    """Held adapters at rows 0-7 and 16-23 leave 16 rows to evict, but no range of 16: nothing is
+    evicted for a rank-16 adapter that could not fit anyway."""
     base, adapters, oracle = pool_setup
-    model, manager = pooled(base, 16)
-    for c in "abcd":
+    model, manager = pooled(base, 32)
+    for c in "abcd":  # rows 0-7, 8-15, 16-23, 24-31
         manager.activate(adapters[f"qv4-{c}"])
     manager.hold("qv4-a")
     manager.hold("qv4-c")
-    assert not manager.can_place(adapters["qv8"])
+    assert not manager.can_place(adapters["qv16"]) and not manager.can_place(adapters["qv9"])
+    assert manager.can_place(adapters["qv8"])  # 8 rows: b's or d's
     with pytest.raises(CacheFullError, match="max_gpu_lora_bytes"):
-        manager.activate(adapters["qv8"])
+        manager.activate(adapters["qv16"])
     assert manager.resident() == ["qv4-a", "qv4-b", "qv4-c", "qv4-d"] and manager.stats.evictions == 0
     manager.release("qv4-a")
-    assert manager.can_place(adapters["qv8"])
-    manager.activate(adapters["qv8"])  # a, then b (least recently used first): rows 0-7
-    assert manager.resident() == ["qv4-c", "qv4-d", "qv8"] and manager.stats.evictions == 2
-    check_outputs(model, manager, oracle, ["qv8", "qv4-c", "qv4-d", None])
+    assert manager.can_place(adapters["qv16"])
+    manager.activate(adapters["qv16"])  # a, then b (least recently used first): rows 0-15
+    assert manager.resident() == ["qv4-c", "qv4-d", "qv16"] and manager.stats.evictions == 2
+    assert all(layer.rank_pool.start_of(manager.slot_of("qv16")) == 0 for layer in qv_layers(manager))
+    check_slots(manager, adapters)
+    check_outputs(model, manager, oracle, ["qv16", "qv4-c", "qv4-d", None])
 
 
 def test_a_prefetch_evicts_nothing_it_is_told_to_keep(pool_setup):
     """The engine prefetches the adapters of the oldest queued requests in order, each keeping those
     ahead of it: a later one that does not fit beside them is not copied (nothing evicted)."""
     base, adapters, oracle = pool_setup
-    model, manager = pooled(base, 16, max_loras=4)
+    model, manager = pooled(base, 32, max_loras=4)
     manager.activate(adapters["qv4-a"])
-    manager.activate(adapters["qv4-b"])  # rows 0-7, neither held
+    manager.activate(adapters["qv4-b"])  # rows 0-15, neither held
     ahead = {manager.adapter(name).handle.id for name in ("qv4-a", "qv4-b")} | {12345}  # not resident: ignored
-    assert manager.prefetch(adapters["qv8"], keep=ahead) is not None  # rows 8-15: no eviction needed
-    ahead.add(manager.adapter("qv8").handle.id)
+    assert manager.prefetch(adapters["qv16"], keep=ahead) is not None  # rows 16-31: no eviction needed
+    ahead.add(manager.adapter("qv16").handle.id)
     assert not manager.can_place(adapters["qv4-c"], keep=ahead) and manager.can_place(adapters["qv4-c"])
     assert manager.prefetch(adapters["qv4-c"], keep=ahead) is None
-    assert manager.resident() == ["qv4-a", "qv4-b", "qv8"] and manager.stats.evictions == 0
+    assert manager.resident() == ["qv4-a", "qv4-b", "qv16"] and manager.stats.evictions == 0
     assert manager.prefetch(adapters["mlp6"], keep=ahead) is not None  # other layers: room beside them
     ahead.discard(manager.adapter("qv4-b").handle.id)
     assert manager.prefetch(adapters["qv4-c"], keep=ahead) is not None  # evicts b, not a: a is kept
-    assert manager.resident() == ["qv4-a", "qv8", "mlp6", "qv4-c"] and manager.stats.evictions == 1
+    assert manager.resident() == ["qv4-a", "qv16", "mlp6", "qv4-c"] and manager.stats.evictions == 1
     # every slot kept: no room, whatever the rows
     assert not manager.can_place(adapters["qv2"], keep={manager.adapter(n).handle.id for n in manager.resident()})
-    check_outputs(model, manager, oracle, ["qv4-c", "mlp6", None, "qv8", "qv4-a"])
+    check_slots(manager, adapters)
+    check_outputs(model, manager, oracle, ["qv4-c", "mlp6", None, "qv16", "qv4-a"])
 
 
 def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
@@ -396,7 +486,7 @@ def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
     with pytest.raises(ValueError, match="max_gpu_lora_bytes"):
         LoRAConfig(max_gpu_lora_bytes=0)
 
-    pooled(base, 8, max_loras=4)  # exactly one adapter of rank 8 everywhere (it asserts 8 rows)
+    pooled(base, 8, max_loras=4, max_lora_rank=8)  # exactly one adapter of rank 8 everywhere (it asserts 8 rows)
     model = copy.deepcopy(base)
     floor = LoRAModelManager(model, LoRAConfig(max_loras=4, max_lora_rank=8, max_gpu_lora_bytes=9 * per_row - 1))
     assert floor.pool_units == 8  # whole rows only
@@ -416,6 +506,15 @@ def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
     _, qv_only = pooled(base, 16, target_modules=QV)
     assert all(layer.rank_pool.units == 16 for layer in qv_only.layers.values())
 
+    # a max_lora_rank off the alignment: its adapter owns 16 rows, so 12 or 15 rows are too few
+    for rows in (12, 15):
+        with pytest.raises(ValueError, match=f"allowed: at least {16 * per_row} .*max_lora_rank=12"):
+            LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_loras=4, max_lora_rank=12,
+                                                             max_gpu_lora_bytes=rows * per_row))
+    _, rank12 = pooled(base, 16, max_loras=4, max_lora_rank=12)
+    rank12.activate(adapters["qv9"])  # rank 9: 16 rows, the whole pool
+    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(rank12))
+
 
 def test_without_a_budget_every_pool_holds_max_loras_adapters_of_max_rank(pool_setup):
     base, adapters, _ = pool_setup
@@ -426,6 +525,15 @@ def test_without_a_budget_every_pool_holds_max_loras_adapters_of_max_rank(pool_s
     for name in ["attn8-head", "qv8", "all4"]:
         manager.activate(adapters[name])
     assert manager.stats.evictions == 0 and manager.can_place(adapters["qv2"])
+
+    # a max_lora_rank off the alignment: each slot owns 8 rows, not 4
+    small = LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_loras=3, max_lora_rank=4))
+    assert small.pool_units == 3 * pool_rows(4) == 24
+    for name in ["qv4-a", "qv3", "all4"]:
+        small.activate(adapters[name])
+    assert small.stats.evictions == 0 and small.resident() == ["qv4-a", "qv3", "all4"]
+    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(small))
+    check_slots(small, adapters)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -522,26 +630,26 @@ def test_a_free_slot_without_room_marks_a_victim_draining():
 # The engine: more adapters than the budget holds at max rank
 # --------------------------------------------------------------------------------------------------
 
-ENGINE_ADAPTERS = [  # (rank, targets): small ones first, so admission can run several at once
+ENGINE_ADAPTERS = [  # (rank, targets): small ones first (8 rows each), so admission can run several at once
     (2, QV), (3, QV), (2, ["q_proj", "k_proj", "v_proj", "o_proj"]), (4, ["down_proj"]), (3, ALL_LINEAR),
-    (2, QV), (5, ["k_proj", "o_proj"]), (8, ALL_LINEAR), (6, QV), (4, ALL_LINEAR), (7, ["up_proj", "v_proj"]),
-    (8, ALL_LINEAR),
+    (2, QV), (5, ["k_proj", "o_proj"]), (16, ALL_LINEAR), (6, QV), (4, ALL_LINEAR), (12, ["up_proj", "down_proj"]),
+    (16, ALL_LINEAR),
 ]
 PROMPT = [(5 * i) % 120 + 3 for i in range(7)]
 GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 
 
 def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(make_adapter):
-    """12 adapters of ranks 2..8 over 8 slots and pools of 16 rows: several small ones run in one
-    step, the rank-8 ones take turns, every request gives what its adapter gives alone, and each
-    adapter is copied to the GPU once (a prefetch never evicts one prefetched for a request
-    ahead of it)."""
+    """12 adapters of ranks 2..16 over 8 slots and pools of 32 rows: several small ones (8 rows
+    each) run in one step, the rank-16 ones take turns, every request gives what its adapter gives
+    alone, and each adapter is copied to the GPU once (a prefetch never evicts one prefetched for
+    a request ahead of it)."""
     paths = [make_adapter(f"mixed{i}", seed=200 + i, r=r, lora_alpha=2 * r, target_modules=targets)
              for i, (r, targets) in enumerate(ENGINE_ADAPTERS)]
-    budget = 2 * 8 * row_bytes(tiny_llama())  # room for 2 adapters of rank 8 on every layer
-    eng = LLMEngine(tiny_llama(), max_loras=8, max_lora_rank=8, max_gpu_lora_bytes=budget, max_cpu_loras=12,
+    budget = 2 * 16 * row_bytes(tiny_llama())  # room for 2 adapters of rank 16 on every layer
+    eng = LLMEngine(tiny_llama(), max_loras=8, max_lora_rank=16, max_gpu_lora_bytes=budget, max_cpu_loras=12,
                     max_num_seqs=16, max_model_len=32)
-    assert eng.lora_manager.pool_units == 16
+    assert eng.lora_manager.pool_units == 32
     ready = []
     all_ready = threading.Event()
 
@@ -570,9 +678,10 @@ def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(ma
     # small adapters ran together on one layer, where 2 of max rank fill its pool
     on_q_proj = {f"mixed{i}" for i, (_, targets) in enumerate(ENGINE_ADAPTERS) if "q_proj" in targets}
     assert max(len(step & on_q_proj) for step in steps) > 2
-    # admission in arrival order up to the first adapter with no room: mixed6 (rank 5 on k) needs 5
-    # rows of the fused q/k/v pool, where mixed0..5 leave 4; none behind it jumps ahead
-    assert steps[0] == {f"mixed{i}" for i in range(6)}
+    # admission in arrival order up to the first adapter with no room: mixed5 (rank 2) needs 8 rows
+    # of the fused q/k/v pool, where mixed0..4 (ranks 2..3, 8 rows each) leave none; none behind
+    # it jumps ahead, not even mixed10, which touches no q/k/v and would fit
+    assert steps[0] == {f"mixed{i}" for i in range(5)}
     stats = eng.lora_manager.stats
     assert stats.evictions > 0 and stats.loads == len(paths) and eng.adapters.prefetches == len(paths)
     assert finished["base"] == peft_greedy(None, PROMPT, 5)
