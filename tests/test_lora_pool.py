@@ -478,7 +478,7 @@ def test_a_prefetch_evicts_nothing_it_is_told_to_keep(pool_setup):
 def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
     base, adapters, _ = pool_setup
     per_row = row_bytes(base)
-    assert per_row == 4736  # 2 layers x 7 projections and the LM head, float32; the embedding has no pool
+    assert per_row == 5376  # 2 layers x 7 projections, the LM head and the embedding (vocab 128 + 32), float32
     with pytest.raises(ValueError, match=f"max_gpu_lora_bytes: got {8 * per_row - 1}; allowed: at least "
                                          f"{8 * per_row} .*max_lora_rank=8"):
         LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_loras=4, max_lora_rank=8,
@@ -490,12 +490,10 @@ def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
     model = copy.deepcopy(base)
     floor = LoRAModelManager(model, LoRAConfig(max_loras=4, max_lora_rank=8, max_gpu_lora_bytes=9 * per_row - 1))
     assert floor.pool_units == 8  # whole rows only
-    for layer in floor.layers.values():
-        if layer.pooled:
-            assert layer.rank_pool.units == 8 and layer.lora_a_pool.shape == (8, 1, layer.in_features)
-            assert layer.lora_b_pool.shape == (8, layer.out_features)
-        else:  # the embedding keeps a dense copy per slot
-            assert layer.lora_a_stacked.shape == (4, 8, 128) and layer.pool_row_bytes == 0
+    for layer in floor.layers.values():  # every layer pooled, the embedding too
+        assert layer.pooled and layer.rank_pool.units == 8
+        assert layer.lora_a_pool.shape == (8, 1, layer.in_features)
+        assert layer.lora_b_pool.shape == (8, layer.out_features)
     floor.activate(adapters["attn8-head"])
     floor.activate(adapters["embed2"])  # evicts it: q_proj holds 8 rows only
     assert floor.resident() == ["embed2"]

@@ -93,8 +93,8 @@ def _check_pool(op, pool_starts, ranks, S, device) -> None:
 def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES, *,
                  pool_starts=None) -> tuple[int, int]:
     """Returns (n_slices, R). y: [T, sum(n_i)]; buf: [T, n_slices*R] f32; lora_b: [S, sum(n_i), R].
-    With ``pool_starts`` ([S] int32) lora_b is a pool [U, sum(n_i)] (B transposed) and R comes
-    from buf."""
+    With ``pool_starts`` ([S] int32) lora_b is a pool [U, sum(n_i)] (a [sum(n_i), width] block
+    per slot) and R comes from buf."""
     op = "lora_expand"
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         _fail(op, f"y must be a 2-D tensor [T, N], got shape {tuple(getattr(y, 'shape', ()))}")

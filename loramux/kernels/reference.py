@@ -117,7 +117,8 @@ def lora_expand_ref(
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
 
     y: [T, sum(slice_sizes)] (any strides); buf: [T, n_slices*R] float32; lora_b: [S, sum(n_i), R],
-    or a pool [U, sum(n_i)] (B transposed) read from ``pool_starts``.
+    or a pool [U, sum(n_i)] holding a [sum(n_i), width] block per slot from ``pool_starts``
+    (`loramux.kernels.pool`).
     The sum is formed in float32 (float64 for float64 y) and rounded once to y's dtype; rows of
     slot -1 tokens are not touched.
     """

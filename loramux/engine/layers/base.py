@@ -2,8 +2,8 @@
 
 A wrapper keeps the model's own layer as ``base_layer`` and, beside it, the weights of the
 adapters in its ``max_loras`` GPU slots, in the layouts the kernels take. A layer that runs the
-standard shrink and expand (it overrides none of ``apply_lora``, ``set_lora``, ``slot_write``)
-is *pooled*: every adapter's weights share one pool of rank rows, an adapter of rank r owning
+standard shrink and expand (it overrides none of ``apply_lora``, ``set_lora``, ``slot_write``;
+or says ``reads_pool = True``, as the embedding does) is *pooled*: every adapter's weights share one pool of rank rows, an adapter of rank r owning
 ``pool_rows(r)`` of them (`loramux.engine.rank_pool`; S-LoRA's unified paging), so slots cost what their
 adapters' ranks need, not ``max_lora_rank`` each:
 
@@ -16,8 +16,8 @@ where a slot owns w rows, its rank on this layer rounded up to `POOL_ROW_ALIGN` 
 and columns past the rank zero), so B's blocks stay aligned for vector loads.
 
 with U rows (``max_loras * pool_rows(max_lora_rank)`` by default: room for ``max_loras`` adapters
-of the largest rank; `LoRAConfig.max_gpu_lora_bytes` sizes it by bytes instead). Other layers (the
-embedding's gather, a plugin's own kernels) keep one zero-padded copy per slot:
+of the largest rank; `LoRAConfig.max_gpu_lora_bytes` sizes it by bytes instead). Other layers (a
+plugin's own kernels) keep one zero-padded copy per slot:
 
     lora_a_stacked  [max_loras, n_slices * R, in_features]     (model dtype and device)
     lora_b_stacked  [max_loras, sum(output_sizes), R]
@@ -75,6 +75,10 @@ class BaseLayerWithLoRA(nn.Module):
 
     #: PEFT stores an embedding LoRA as ``lora_embedding_A/B``; the loader marks those.
     is_embedding = False
+    #: Whether the layer keeps its adapters in the pool; None: when it overrides none of
+    #: ``apply_lora``, ``set_lora``, ``slot_write`` (a subclass whose own ``apply_lora`` reads
+    #: the pool says True).
+    reads_pool: bool | None = None
 
     def __init__(
         self,
@@ -112,8 +116,8 @@ class BaseLayerWithLoRA(nn.Module):
         S, R, n = self.max_loras, self.max_lora_rank, self.n_slices
         zeros = dict(dtype=dtype, device=device)
         cls = type(self)
-        self.pooled = all(getattr(cls, name) is getattr(BaseLayerWithLoRA, name)
-                          for name in ("apply_lora", "set_lora", "slot_write"))
+        self.pooled = cls.reads_pool if cls.reads_pool is not None else all(
+            getattr(cls, name) is getattr(BaseLayerWithLoRA, name) for name in ("apply_lora", "set_lora", "slot_write"))
         # buffers, so model.to(device) moves them; not persistent, so state_dict is the model's
         if self.pooled:
             # with a byte budget the model manager sizes every pool at once (`resize_pool`)

@@ -22,11 +22,14 @@ __all__ = ["EmbeddingWithLoRA"]
 class EmbeddingWithLoRA(BaseLayerWithLoRA):
     """`nn.Embedding` (weight ``[vocab, dim]``) with one embedding LoRA per slot.
 
-    Slot layout as in the base class with ``in_features = vocab``: ``lora_a_stacked``
-    ``[max_loras, R, vocab]``, ``lora_b_stacked`` ``[max_loras, dim, R]``.
+    Pooled as the projections are, with ``in_features = vocab``: ``lora_a_pool [U, 1, vocab]``
+    (a slot's rank row j at its start + j), ``lora_b_pool`` holding a ``[dim, width]`` block per
+    slot; a dense ``[max_loras, R, vocab]`` per slot would take 4 GB at 256 slots of rank 64
+    with a 128k vocabulary.
     """
 
     is_embedding = True
+    reads_pool = True
 
     def __init__(self, base_layer: nn.Embedding, module_name: str, lora_config: LoRAConfig) -> None:
         super().__init__(
@@ -43,7 +46,7 @@ class EmbeddingWithLoRA(BaseLayerWithLoRA):
             return 1.0
         if isinstance(embed_scale, torch.Tensor):
             # the base layer applies it in its weight dtype; so does PEFT to the delta
-            return float(embed_scale.to(self.lora_b_stacked.dtype))
+            return float(embed_scale.to(self.lora_dtype))
         return float(embed_scale)
 
     def rows_shape(self, x: torch.Tensor) -> tuple[int, ...]:
@@ -55,6 +58,10 @@ class EmbeddingWithLoRA(BaseLayerWithLoRA):
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
         token_ids = x.reshape(-1).long()  # [T]
         slots = meta.token_slots.long().clamp(min=0)  # [T]; rows of slot -1 are ignored by expand
-        # buf: [T, R] f32 = A[slot, :, token] * scale[slot]
-        buf = self.lora_a_stacked[slots, :, token_ids].float() * self.lora_scales[slots]
-        lora_expand(y, buf, self.lora_b_stacked, self.output_sizes, meta, self.lora_ranks)
+        # buf: [T, R] f32 = A[slot][j, token] * scale[slot] for j < the slot's rank, else 0
+        j = torch.arange(self.max_lora_rank, device=x.device)  # [R]
+        rows = (self.lora_pool_starts[slots].long()[:, None] + j).clamp(max=max(0, self.rank_pool.units - 1))
+        gathered = self.lora_a_pool[rows, 0, token_ids[:, None]].float()  # [T, R]
+        buf = torch.where(j < self.lora_ranks[slots][:, None], gathered, 0.0) * self.lora_scales[slots]
+        lora_expand(y, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
+                    pool_starts=self.lora_pool_starts)
