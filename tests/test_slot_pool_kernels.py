@@ -44,6 +44,7 @@ CASES = [
     Case(37, 70, 5, 8, (20, 9, 31), "random", True),
     Case(50, 96, 8, 4, (24, 24), "partly_empty", True),
     Case(90, 200, 4, 32, (65,), "reversed", True),
+    Case(5, 40, 100, 8, (24,), "random", True),  # far more slots than tokens: 32 lanes for slots up to 99
 ]
 
 

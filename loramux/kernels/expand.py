@@ -25,7 +25,7 @@ from .checks import check_expand
 from .metadata import LoRABatchMeta
 from .pool import POOL_ROW_ALIGN
 from .tiles import (POOL_ALIGN, block_m_for, cdiv, dot_precision, next_pow2, pool_width, resolve_pdl,
-                    segment_tile, static_block_m, target_programs)
+                    segment_tile, slot_lanes, static_block_m, target_programs)
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
@@ -254,7 +254,7 @@ def lora_expand_triton(
         n_slices, R, n_units, cfg.group,
         sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
-        A_PAD=max(32, next_pow2(meta.num_slots)), SL_PAD=sl_pad,
+        A_PAD=slot_lanes(meta), SL_PAD=sl_pad,
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
         STAGES=cfg.num_stages, USE_PDL=use_pdl, PAGED=pool_starts is not None,

@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, static_block_m,
+from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, slot_lanes, static_block_m,
                     target_programs)
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
@@ -307,7 +307,7 @@ def lora_shrink_triton(
         T, H, NR, R, launch.k_per_split,
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
-        A_PAD=max(32, next_pow2(meta.num_slots)), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
+        A_PAD=slot_lanes(meta), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
         PRECISION=dot_precision(x.dtype), PAGED=pool_starts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
