@@ -445,7 +445,7 @@ class BaseLayerWithLoRA(nn.Module):
         meta = self._lora_meta(x)
         if meta is None:
             return self.base_layer(x).contiguous()
-        if self.pooled and shrink_beside_base(x.device):
+        if self.pooled and type(self).apply_lora is BaseLayerWithLoRA.apply_lora and shrink_beside_base(x.device):
             return self._forward_shrink_beside_base(x, meta)
         output = self.base_layer(x).contiguous()
         with self._rows_in_slot_dtype(output) as y:
