@@ -32,13 +32,14 @@ from .tiles import (POOL_ALIGN, block_m_for, cdiv, dot_precision, next_pow2, poo
 @triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group"])
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, ranks_ptr, pool_ptr, slice_tab_ptr,
-    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
+    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active, real_tiles_ptr,
     n_slices, R, n_units, group,
     stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
     W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAGED: tl.constexpr,
+    EXIT_PAST_TILES: tl.constexpr,
 ):
     # USE_PDL (launched with programmatic dependent launch): the program may start while the
     # kernels just before it (the base GEMM, the shrink) still run. Until `gdc_wait` it reads only
@@ -50,6 +51,11 @@ def _expand_kernel(
     pid = tl.program_id(0)
     pid_m = pid // n_units
     unit = pid % n_units
+    if EXIT_PAST_TILES:  # a static grid's programs past the batch's tiles: one scalar load, out
+        if pid_m >= tl.load(real_tiles_ptr):
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            return
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
     if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
         if USE_PDL:
@@ -236,6 +242,7 @@ def lora_expand_triton(
     if grid[0] == 0:
         return
     tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
+    real_tiles = meta.real_tiles(cfg.block_m)
     sy, sb = y.stride(), buf.stride()
     # a pool [U, N] holds each slot's [N, width] block from element start * N: stride_ws is N
     sw = lora_b.stride() if pool_starts is None else (lora_b.shape[1], 0, 1)
@@ -251,6 +258,7 @@ def lora_expand_triton(
     _expand_kernel[grid](
         y, buf, lora_b, ranks if ranks is not None else tab, pool_starts if pool_starts is not None else tab, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
+        real_tiles if real_tiles is not None else tab,
         n_slices, R, n_units, cfg.group,
         sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
@@ -258,5 +266,6 @@ def lora_expand_triton(
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
         STAGES=cfg.num_stages, USE_PDL=use_pdl, PAGED=pool_starts is not None,
+        EXIT_PAST_TILES=real_tiles is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options,
     )

@@ -21,6 +21,10 @@ import torch
 
 __all__ = ["LoRABatchMeta", "build_lora_meta"]
 
+#: Tile heights a static meta counts its real tiles for (those static launches use).
+STATIC_TILE_HEIGHTS = (16, 32, 64)
+assert STATIC_TILE_HEIGHTS == tuple(16 << i for i in range(3)), "_build_static_meta counts these heights"
+
 
 @dataclass(frozen=True, eq=False)
 class LoRABatchMeta:
@@ -57,6 +61,9 @@ class LoRABatchMeta:
     active_counts_host: tuple[int, ...]
     active_starts_host: tuple[int, ...]
     static: bool = False
+    # static metas: [len(STATIC_TILE_HEIGHTS)] int32 on the device, the batch's real tiles at
+    # each height, so a static grid's programs past them exit on one scalar load
+    tile_counts: torch.Tensor | None = None
     # per-launcher caches keyed by tile height (tile counts); filled lazily, host-only
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -72,6 +79,14 @@ class LoRABatchMeta:
             n = sum((c + block_m - 1) // block_m for c in self.active_counts_host)
             self._cache[key] = n
         return n
+
+    def real_tiles(self, block_m: int) -> torch.Tensor | None:
+        """A static meta's count of real [block_m]-token tiles, a [1] int32 device view (None for
+        an exact meta, whose grid holds its tiles only, or a height it did not count)."""
+        if self.tile_counts is None or block_m not in STATIC_TILE_HEIGHTS:
+            return None
+        i = STATIC_TILE_HEIGHTS.index(block_m)
+        return self.tile_counts[i : i + 1]
 
     def exact(self) -> "LoRABatchMeta":
         """This meta with its exact host layout: itself, or for a static meta the meta
@@ -205,6 +220,8 @@ def _build_static_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMe
     active_counts[:S] = counts[order].to(torch.int32)
     active_starts = torch.zeros(pad, dtype=torch.int32, device=device)
     active_starts[:S] = starts[order].to(torch.int32)
+    heights = 16 << torch.arange(len(STATIC_TILE_HEIGHTS), device=device)  # STATIC_TILE_HEIGHTS
+    tile_counts = ((counts[:, None] + heights - 1) // heights).sum(0).to(torch.int32)
     a = min(S, T)
     # worst case over batches of T tokens on <= a slots: a - 1 + ceil((T - a + 1) / m) tiles of
     # height m (every other split of T into a segments has at most as many tiles)
@@ -224,4 +241,5 @@ def _build_static_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMe
         active_counts_host=counts_h,
         active_starts_host=(),
         static=True,
+        tile_counts=tile_counts,
     )

@@ -48,12 +48,12 @@ LOCK_TABLE_SIZE = 1 << 15
 @triton.jit(do_not_specialize=["num_active", "k_per_split", "T"])
 def _shrink_kernel(
     x_ptr, a_ptr, scales_ptr, ranks_ptr, pool_ptr, buf_ptr, part_ptr, lock_ptr,
-    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
+    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active, real_tiles_ptr,
     T, H, NR, R, k_per_split,
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn, stride_bm, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PAGED: tl.constexpr,
+    PAGED: tl.constexpr, EXIT_PAST_TILES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(NR, BLOCK_N)
@@ -61,6 +61,9 @@ def _shrink_kernel(
     pid_m = pid // per_tile  # tile-major: programs with work come first
     pid_n = (pid % per_tile) // SPLIT_K
     pid_k = pid % SPLIT_K
+    if EXIT_PAST_TILES:  # a static grid's programs past the batch's tiles: one scalar load, out
+        if pid_m >= tl.load(real_tiles_ptr):
+            return
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
     if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
         return
@@ -294,6 +297,7 @@ def lora_shrink_triton(
     if launch.n_tiles == 0:
         return buf
     cfg = launch.config
+    real_tiles = meta.real_tiles(cfg.block_m)
     if launch.split_k > 1:
         parts = _scratch(launch.split_k, T, NR, device=x.device)  # [SPLIT, T, NR], never cleared
         locks = _lock_table(x.device)
@@ -304,11 +308,12 @@ def lora_shrink_triton(
         x, lora_a, scales, ranks if ranks is not None else scales, pool_starts if pool_starts is not None else scales,
         buf, parts, locks,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
+        real_tiles if real_tiles is not None else meta.active_counts,
         T, H, NR, R, launch.k_per_split,
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
         A_PAD=slot_lanes(meta), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
-        PRECISION=dot_precision(x.dtype), PAGED=pool_starts is not None,
+        PRECISION=dot_precision(x.dtype), PAGED=pool_starts is not None, EXIT_PAST_TILES=real_tiles is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return buf
