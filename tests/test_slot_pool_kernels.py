@@ -93,10 +93,14 @@ def test_pool_equals_one_slot_per_adapter(case, kernels, monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the CPU run of the Triton kernels needs the interpreter")
-def test_pool_with_a_static_meta(monkeypatch):
-    """The CUDA-graph path: grids from (T, S) only, the pool read the same way."""
+@pytest.mark.parametrize("case", [CASES[1], Case(64, 40, 64, 8, (24, 16), "partly_empty", True)], ids=str)
+def test_pool_with_a_static_meta(case, monkeypatch):
+    """The CUDA-graph path: grids from (T, S) only, the pool read the same way; the second case's
+    grid (64 tiles) is large enough that its programs past the real tiles exit early."""
     monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    run_pool_pipeline(CASES[1], torch.float32, "cpu", static=True)
+    meta = build_lora_meta(torch.zeros(case.T, dtype=torch.int32), case.S, static=True)
+    assert (meta.real_tiles(16) is not None) == (case.T >= 48)
+    run_pool_pipeline(case, torch.float32, "cpu", static=True)
 
 
 def test_pool_needs_ranks_and_a_max_rank():

@@ -24,6 +24,11 @@ __all__ = ["LoRABatchMeta", "build_lora_meta"]
 #: Tile heights a static meta counts its real tiles for (those static launches use).
 STATIC_TILE_HEIGHTS = (16, 32, 64)
 assert STATIC_TILE_HEIGHTS == tuple(16 << i for i in range(3)), "_build_static_meta counts these heights"
+#: A static grid of at least this many tiles checks the real count first, so its programs past
+#: them exit on one scalar load. Every program pays that load's latency first: on an H100 (8B
+#: decode, fused layers) it cost 1-2 us a layer where the bound is small (T = 1; 34 tiles at 32
+#: slots and T = 64) and saved 15 us a layer at 64 tiles (256 slots, T = 64).
+EXIT_PAST_TILES_MIN = 48
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,9 +86,11 @@ class LoRABatchMeta:
         return n
 
     def real_tiles(self, block_m: int) -> torch.Tensor | None:
-        """A static meta's count of real [block_m]-token tiles, a [1] int32 device view (None for
-        an exact meta, whose grid holds its tiles only, or a height it did not count)."""
-        if self.tile_counts is None or block_m not in STATIC_TILE_HEIGHTS:
+        """A static meta's count of real [block_m]-token tiles, a [1] int32 device view, when its
+        grid's bound is large enough (`EXIT_PAST_TILES_MIN`) for an early exit to pay; None for
+        an exact meta (its grid holds its tiles only) or a height it did not count."""
+        if (self.tile_counts is None or block_m not in STATIC_TILE_HEIGHTS
+                or self.num_tiles(block_m) < EXIT_PAST_TILES_MIN):
             return None
         i = STATIC_TILE_HEIGHTS.index(block_m)
         return self.tile_counts[i : i + 1]
