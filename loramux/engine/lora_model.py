@@ -31,6 +31,9 @@ from loramux.registry.handle import memory_handle
 
 __all__ = ["LoRAModelManager", "create_lora_layer", "patch_model"]  # the latter two: lora_patch.py
 
+#: Footprints `LoRAModelManager` keeps before it starts over (a few KB each at 8B).
+MAX_FOOTPRINTS = 4096
+
 
 class LoRAModelManager:
     """Patches ``model`` in place for multi-LoRA and keeps its ``max_loras`` GPU slots.
@@ -66,6 +69,7 @@ class LoRAModelManager:
         }
         self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
         self._pooled = [layer for layer in self.layers.values() if layer.pooled]
+        self._footprints: dict[int, list[tuple[BaseLayerWithLoRA, int]]] = {}  # handle id -> _footprint
         if lora_config.max_gpu_lora_bytes is not None:
             self._size_pools(lora_config.max_gpu_lora_bytes)
         self._slots = SlotTable(lora_config.max_loras)
@@ -248,10 +252,20 @@ class LoRAModelManager:
             return slot
 
     def _footprint(self, adapter: LoRAAdapter) -> list[tuple[BaseLayerWithLoRA, int]]:
-        """The pool rows ``adapter`` takes in each pooled layer it touches."""
-        needs = ((layer, layer.units_for([adapter.modules.get(m) for m in layer.slice_names]))
-                 for layer in self._pooled)
-        return [(layer, units) for layer, units in needs if units]
+        """The pool rows ``adapter`` takes in each pooled layer it touches. Kept per handle (a
+        handle's weights never change): the scheduler asks `can_place` every step an adapter
+        waits, and an 8B model has 225 layers to walk."""
+        key = adapter.handle.id if adapter.handle is not None else None
+        footprint = self._footprints.get(key) if key is not None else None
+        if footprint is None:
+            needs = ((layer, layer.units_for([adapter.modules.get(m) for m in layer.slice_names]))
+                     for layer in self._pooled)
+            footprint = [(layer, units) for layer, units in needs if units]
+            if key is not None:
+                if len(self._footprints) >= MAX_FOOTPRINTS:
+                    self._footprints.clear()  # handles come and go; this only bounds the table
+                self._footprints[key] = footprint
+        return footprint
 
     def _make_room(self, footprint: list[tuple[BaseLayerWithLoRA, int]], label: str,
                    keep: Collection[int] = ()) -> None:
