@@ -63,11 +63,12 @@ class LoRAConfig:
     :param max_cpu_lora_bytes: byte budget of the CPU tier, on top of ``max_cpu_loras``, so a
         fleet of mixed ranks cannot exhaust host memory; default (None) :func:`default_cpu_lora_bytes`,
         10% of the host's memory.
-    :param max_gpu_lora_bytes: bytes of GPU memory for the weights of resident adapters. Adapters
-        share it by rank (one of rank 8 takes an eighth of what one of rank 64 takes, and a
-        layer it does not target nothing), so many small adapters fit where few large ones do;
-        a new adapter evicts the least recently used ones not in use until it fits. Default
-        (None): room for ``max_loras`` adapters of rank ``max_lora_rank`` on every layer.
+    :param max_gpu_lora_bytes: bytes of GPU memory (per GPU) for the weights of resident
+        adapters. Adapters share it by rank (one of rank 8 takes an eighth of what one of rank
+        64 takes, and a layer it does not target nothing), so many small adapters fit where few
+        large ones do; a new adapter evicts the least recently used ones not in use until it
+        fits. Default (None): room for ``max_loras`` adapters of rank ``max_lora_rank`` on
+        every layer.
     """
 
     max_loras: int = 1

@@ -3,21 +3,20 @@
 A wrapper keeps the model's own layer as ``base_layer`` and, beside it, the weights of the
 adapters in its ``max_loras`` GPU slots, in the layouts the kernels take. A layer that runs the
 standard shrink and expand (it overrides none of ``apply_lora``, ``set_lora``, ``slot_write``;
-or says ``reads_pool = True``, as the embedding does) is *pooled*: every adapter's weights share one pool of rank rows, an adapter of rank r owning
-``pool_rows(r)`` of them (`loramux.engine.rank_pool`; S-LoRA's unified paging), so slots cost what their
-adapters' ranks need, not ``max_lora_rank`` each:
+or says ``reads_pool = True``, as the embedding does) is *pooled*: every adapter's weights share
+one pool of rank rows (`loramux.engine.rank_pool`; S-LoRA's unified paging), so a slot costs
+what its adapter's rank needs, not ``max_lora_rank``:
 
     lora_a_pool       [U, n_slices, in_features]   rank row j of slice i at [start + j, i]
     lora_b_pool       [U, N]    N = sum(output_sizes); a slot's B is one [N, w] block from
                                 element start * N of its flat storage (`_pool_block`)
     lora_pool_starts  [max_loras] int32            each slot's first row (start)
 
-where a slot owns w rows, its rank on this layer rounded up to `POOL_ROW_ALIGN` (8; the rows
-and columns past the rank zero), so B's blocks stay aligned for vector loads.
-
-with U rows (``max_loras * pool_rows(max_lora_rank)`` by default: room for ``max_loras`` adapters
-of the largest rank; `LoRAConfig.max_gpu_lora_bytes` sizes it by bytes instead). Other layers (a
-plugin's own kernels) keep one zero-padded copy per slot:
+where a slot owns ``w = pool_rows(r)`` rows, its rank r on this layer rounded up to
+`POOL_ROW_ALIGN` (8; the rows and columns past the rank zero), so B's blocks stay aligned for
+vector loads. U is ``max_loras * pool_rows(max_lora_rank)`` by default (room for ``max_loras``
+adapters of the largest rank); `LoRAConfig.max_gpu_lora_bytes` sizes it by bytes instead.
+Other layers (a plugin's own kernels) keep one zero-padded copy per slot:
 
     lora_a_stacked  [max_loras, n_slices * R, in_features]     (model dtype and device)
     lora_b_stacked  [max_loras, sum(output_sizes), R]
