@@ -16,9 +16,10 @@ import pytest
 import torch
 from conftest import peft_greedy, save_peft_adapter, step_to_end, tiny_llama, tiny_model
 from peft import PeftModel
+from test_engine_scheduler import advance
+from test_engine_scheduler import scheduler as make_scheduler
 
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.block_manager import BlockManager
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.lora_model import LoRAModelManager
 from loramux.engine.rank_pool import RankPool
@@ -555,21 +556,7 @@ def request(name: str, max_tokens: int = 3) -> Sequence:
 
 
 def scheduler(max_loras: int, has_room_for) -> Scheduler:
-    return Scheduler(BlockManager(65, 8), max_num_seqs=16, max_num_batched_tokens=64, max_loras=max_loras,
-                     has_room_for=has_room_for)
-
-
-def advance(s: Scheduler) -> list[Sequence]:
-    """Pretend the step ran: count computed tokens, sample, finish those at max_tokens."""
-    batch = s.schedule()
-    for q, n in batch.chunks:
-        q.num_computed += n
-        if q.num_computed == q.num_tokens:
-            q.output_token_ids.append(7)
-            if len(q.output_token_ids) >= q.params.max_tokens:
-                q.finish("length")
-                s.finish(q)
-    return [q for q, _ in batch.chunks]
+    return make_scheduler(rows=16, budget=64, max_loras=max_loras, has_room_for=has_room_for)
 
 
 def test_no_room_keeps_a_request_waiting_in_order_while_in_slot_adapters_run():
