@@ -374,7 +374,8 @@ class LoRAModelManager:
         return key
 
     def can_activate(self, key: int | str) -> bool:
-        """Whether `activate` would succeed for this handle id or name (if it validates)."""
+        """Whether this handle id or name is resident, or a slot is free or evictable. An adapter
+        not resident also needs pool rows: `can_place` answers for it."""
         with self._lock:
             return self._id(key) in self._slots or self._slots.can_allocate()
 
