@@ -34,3 +34,23 @@ def test_the_cpu_tier_reports_the_bytes_the_registry_holds(make_adapter):
     tiers = read_tiers(SimpleNamespace(registry=registry, lora_manager=manager))
     assert tiers["cpu"].bytes_resident == a.nbytes + b.nbytes == registry.cache.nbytes
     assert tiers["cpu"].resident == ["a", "b"] and tiers["gpu"].bytes_resident == a.nbytes
+
+
+def test_capacity_is_a_gauge_per_tier_the_cpu_budget_and_the_gpu_pools(make_adapter):
+    text = render({"cpu": TierStats(bytes_capacity=8 << 30), "gpu": TierStats(bytes_capacity=None)})
+    assert 'loramux_adapter_bytes_capacity{tier="cpu"} 8.589934592e+09' in text
+    assert 'loramux_adapter_bytes_capacity{tier="gpu"}' not in text  # the tier does not say
+
+    from conftest import tiny_llama
+
+    from loramux.engine.lora_model import LoRAModelManager
+
+    config = LoRAConfig(max_loras=2, max_cpu_lora_bytes=1 << 20)
+    registry = Registry(config, resolvers=[])
+    default = LoRAModelManager(tiny_llama(), config)
+    rows = sum(layer.pool_row_bytes for layer in default.layers.values())
+    assert default.capacity_bytes == rows * 2 * 16  # max_loras x max_lora_rank rows, every layer pooled
+    budget = LoRAModelManager(tiny_llama(), LoRAConfig(max_loras=8, max_gpu_lora_bytes=40 * rows + rows // 2))
+    assert budget.capacity_bytes == 40 * rows  # whole rows within the budget
+    tiers = read_tiers(SimpleNamespace(registry=registry, lora_manager=budget))
+    assert tiers["cpu"].bytes_capacity == 1 << 20 and tiers["gpu"].bytes_capacity == 40 * rows

@@ -103,6 +103,14 @@ class LoRAModelManager:
             layer.resize_pool(units)
 
     @property
+    def capacity_bytes(self) -> int:
+        """Bytes of GPU memory every wrapped layer keeps for adapter weights (pools and any
+        per-slot copies): the GPU tier's budget."""
+        return sum(buffer.nbytes for layer in self.layers.values()
+                   for name, buffer in layer.named_buffers(recurse=False)
+                   if name in ("lora_a_pool", "lora_b_pool", "lora_a_stacked", "lora_b_stacked"))
+
+    @property
     def pool_units(self) -> int:
         """Rank rows in each pooled layer's pool (0 when no layer is pooled)."""
         return self._pooled[0].rank_pool.units if self._pooled else 0

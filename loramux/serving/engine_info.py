@@ -12,23 +12,25 @@ __all__ = ["engine_requests", "read_tiers", "router_stats", "vocab_size"]
 def read_tiers(engine: Any) -> dict[str, TierStats]:
     """Each adapter tier's counters and residents: ``{"cpu": ..., "gpu": ...}``.
 
-    The CPU tier is the registry's ``CPUAdapterCache`` (``.stats``, ``.names()``, ``.nbytes``);
-    the GPU tier is the ``LoRAModelManager`` (``.stats``, ``.resident()``, ``.nbytes``). An
-    engine without LoRA has neither.
+    The CPU tier is the registry's ``CPUAdapterCache`` (``.stats``, ``.names()``, ``.nbytes``,
+    ``.max_bytes``); the GPU tier is the ``LoRAModelManager`` (``.stats``, ``.resident()``,
+    ``.nbytes``, ``.capacity_bytes``). An engine without LoRA has neither.
     """
     tiers: dict[str, TierStats] = {}
     cache = getattr(getattr(engine, "registry", None), "cache", None)
     if cache is not None:
-        tiers["cpu"] = _tier(cache.stats, cache.names(), getattr(cache, "nbytes", None))
+        tiers["cpu"] = _tier(cache.stats, cache.names(), getattr(cache, "nbytes", None),
+                             getattr(cache, "max_bytes", None))
     manager = getattr(engine, "lora_manager", None)
     if manager is not None:
-        tiers["gpu"] = _tier(getattr(manager, "stats", None), manager.resident(), getattr(manager, "nbytes", None))
+        tiers["gpu"] = _tier(getattr(manager, "stats", None), manager.resident(), getattr(manager, "nbytes", None),
+                             getattr(manager, "capacity_bytes", None))
     return tiers
 
 
-def _tier(stats: Any, resident: list[str], nbytes: int | None) -> TierStats:
+def _tier(stats: Any, resident: list[str], nbytes: int | None, capacity: int | None) -> TierStats:
     counts = {name: getattr(stats, name, None) for name in ("hits", "misses", "loads", "evictions")}
-    return TierStats(**counts, resident=list(resident), bytes_resident=nbytes)
+    return TierStats(**counts, resident=list(resident), bytes_resident=nbytes, bytes_capacity=capacity)
 
 
 def engine_requests(engine: Any) -> int:

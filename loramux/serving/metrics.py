@@ -42,6 +42,7 @@ class TierStats:
     evictions: int | None = None
     resident: list[str] = field(default_factory=list)
     bytes_resident: int | None = None  # bytes of the resident adapters' weights
+    bytes_capacity: int | None = None  # bytes the tier may hold (its budget)
 
 
 @dataclass
@@ -128,6 +129,8 @@ class _TierCollector:
                                      labels=["tier"])
         resident_bytes = GaugeMetricFamily("loramux_adapter_bytes_resident",
                                            "Bytes of adapter weights held in the tier now.", labels=["tier"])
+        capacity_bytes = GaugeMetricFamily("loramux_adapter_bytes_capacity",
+                                           "Bytes of adapter weights the tier may hold.", labels=["tier"])
         for tier, stats in tiers.items():
             for name, family in families.items():
                 if getattr(stats, name) is not None:
@@ -135,9 +138,12 @@ class _TierCollector:
             resident.add_metric([tier], len(stats.resident))
             if stats.bytes_resident is not None:
                 resident_bytes.add_metric([tier], stats.bytes_resident)
+            if stats.bytes_capacity is not None:
+                capacity_bytes.add_metric([tier], stats.bytes_capacity)
         yield from families.values()
         yield resident
         yield resident_bytes
+        yield capacity_bytes
 
 
 class Metrics:
