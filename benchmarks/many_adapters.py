@@ -8,8 +8,9 @@ For each N (default 4, 32, 256, 1000 on CUDA) one trace (``benchmarks/adapter_tr
 adapters of a mix of ranks (8-64) and target sets (q/v, q/k/v/o, all seven), Zipf(1) popularity,
 Poisson arrivals, every request 128 prompt + 64 generated tokens (``ignore_eos``). The adapters a
 trace uses are written as PEFT files on local disk, dropped from the page cache, and registered by
-path, so a cold load reads the disk. One engine (``max_loras=32``, ``max_cpu_loras=64``: tiers
-smaller than N) is built once and serves every N; each N has fresh adapter names, and the previous
+path, so a cold load reads the disk. One engine (on CUDA ``max_loras=256``, ``max_cpu_loras=256``
+and a 10 GiB adapter pool, what 32 rank-64 slots took: tiers smaller than N) is built once and
+serves every N; each N has fresh adapter names, and the previous
 N's adapters are unloaded, so each trace starts with cold tiers.
 
 The arrival rate defaults to ``--load`` (0.75) times the capacity measured on the same engine
@@ -345,11 +346,12 @@ def parse_args(argv=None):
                         help="arrivals per second (default 0: --load x the measured capacity; inf: all at once)")
     parser.add_argument("--load", type=float, default=0.75, help="the default rate as a fraction of capacity")
     parser.add_argument("--zipf-exponent", type=float, default=1.0)
-    parser.add_argument("--max-loras", type=int, default=32 if cuda else 4)
-    parser.add_argument("--max-cpu-loras", type=int, default=64 if cuda else 8)
-    parser.add_argument("--max-gpu-lora-bytes", type=parse_byte_size, default=None, metavar="SIZE",
-                        help="GPU memory for adapter weights, shared by rank (default: room for --max-loras "
-                        "adapters of the mix's largest rank on every target)")
+    # on CUDA: a 10 GiB pool (what 32 slots of rank 64 took at 8B) shared by 256 slots
+    parser.add_argument("--max-loras", type=int, default=256 if cuda else 4)
+    parser.add_argument("--max-cpu-loras", type=int, default=256 if cuda else 8)
+    parser.add_argument("--max-gpu-lora-bytes", type=parse_byte_size, default=10 << 30 if cuda else None,
+                        metavar="SIZE", help="GPU memory for adapter weights, shared by rank (default on CUDA "
+                        "10GiB; on the CPU room for --max-loras adapters of the mix's largest rank)")
     parser.add_argument("--max-num-seqs", type=int, default=64 if cuda else 16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096 if cuda else 256)
     parser.add_argument("--enforce-eager", action="store_true")
