@@ -15,8 +15,8 @@ import threading
 import pytest
 import torch
 from conftest import peft_greedy, save_peft_adapter, step_to_end, tiny_llama, tiny_model
-from peft import PeftModel
 from test_engine_scheduler import advance
+from test_lora_model import peft_oracle
 from test_engine_scheduler import scheduler as make_scheduler
 
 from loramux import LoRARequest, SamplingParams
@@ -188,14 +188,8 @@ def pool_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pool")
     dirs = {name: save_peft_adapter(copy.deepcopy(base), root / name, seed=seed, **spec)
             for seed, (name, spec) in enumerate(SPECS.items(), start=1)}
-    oracle = None
-    for name, directory in dirs.items():
-        if oracle is None:
-            oracle = PeftModel.from_pretrained(copy.deepcopy(base), directory, adapter_name=name)
-        else:
-            oracle.load_adapter(directory, adapter_name=name)
     adapters = {name: load_adapter(directory, name=name) for name, directory in dirs.items()}
-    return base, adapters, oracle.eval()
+    return base, adapters, peft_oracle(base, dirs)
 
 
 def row_bytes(base, max_lora_rank: int = 8, **kwargs) -> int:
