@@ -666,3 +666,70 @@ def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(ma
     assert finished["base"] == peft_greedy(None, PROMPT, 5)
     for i, path in enumerate(paths):
         assert finished[f"req{i}"] == peft_greedy(path, PROMPT, 5), i
+
+
+# -- found in review: pins that leave no room, fragmentation, eviction that frees nothing --------
+
+
+def test_requests_pinned_adapters_leave_no_room_for_fail_and_the_queue_moves_on(pool_setup):
+    base, adapters, _ = pool_setup
+    _, manager = pooled(base, 32)  # 32 rows, 8 slots
+    for c in "abcd":  # rows 0-7, 8-15, 16-23, 24-31
+        manager.activate(adapters[f"qv4-{c}"])
+    manager.hold("qv4-a")
+    manager.hold("qv4-c")  # pinned: 16 rows left, but no 16 in a row
+    by_name = {"big": adapters["qv16"], "small": adapters["qv2"]}
+    pinned_ids = {manager.adapter(name).handle.id for name in ("qv4-a", "qv4-c")}
+    assert not manager.fits_beside(by_name["big"], pinned_ids) and manager.fits_beside(by_name["small"], pinned_ids)
+    s = make_scheduler(rows=16, budget=64, max_loras=8,
+                       has_room_for=lambda h: manager.can_place(by_name[h.name]),
+                       fits_beside_pinned=lambda h, pinned: manager.fits_beside(by_name[h.name], pinned_ids))
+    big, small = request("big"), request("small")
+    s.add(big)
+    s.add(small)
+    assert advance(s) == [small]  # the request that could never run failed; the one behind it runs
+    assert s.failed == [big] and isinstance(big.error, CacheFullError)
+    assert "pinned to the GPU" in str(big.error) and "max_gpu_lora_bytes" in str(big.error)
+
+
+def test_the_default_pool_gives_every_slot_a_max_rank_region_so_nothing_fragments(pool_setup):
+    base, adapters, _ = pool_setup
+    manager = LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_loras=2, max_lora_rank=16))
+    assert manager.pool_units == 32 and all(layer.rank_pool.region == 16 for layer in manager._pooled)
+    manager.activate(adapters["qv4-a"])
+    manager.activate(adapters["qv16"])
+    manager.deactivate("qv4-a")
+    manager.hold("qv16")  # in use; the other slot is free, and so is its whole region
+    assert manager.can_place(adapters["qv9"])
+    manager.activate(adapters["qv9"])  # best fit over shared rows left 8 + 8 apart: refused
+    assert sorted(manager.resident()) == ["qv16", "qv9"]
+
+
+def test_eviction_for_rows_spares_adapters_that_hold_none_of_the_rows_needed(pool_setup):
+    base, adapters, _ = pool_setup
+    _, manager = pooled(base, 16, max_loras=8)
+    manager.activate(adapters["mlp6"])  # MLP layers only
+    manager.activate(adapters["qv16"])  # every q/v row
+    manager.activate(adapters["qv8"])  # needs q/v rows: only qv16's eviction frees any
+    assert sorted(manager.resident()) == ["mlp6", "qv8"] and manager.stats.evictions == 1
+
+
+def test_a_layer_write_with_no_room_leaves_the_slot_as_it_was():
+    from torch import nn
+
+    from loramux.engine.layers.linear import LinearWithLoRA
+    from loramux.registry import LoRAModuleWeights
+
+    def weights(rank):
+        return [LoRAModuleWeights(torch.randn(rank, 8), torch.randn(6, rank), 1.0)]
+
+    layer = LinearWithLoRA(nn.Linear(8, 6, bias=False), "p", LoRAConfig(max_loras=3, max_lora_rank=16,
+                                                                         max_gpu_lora_bytes=1))
+    layer.resize_pool(40)  # shared rows: 0-7, 8-23, 24-39 below
+    for slot, rank in ((0, 8), (1, 16), (2, 16)):
+        layer.set_lora(slot, weights(rank))
+    before = [t.clone() for t in layer.slot_weights(0)[0]]
+    with pytest.raises(RuntimeError, match="no 16 free rows"):
+        layer.set_lora(0, weights(16))  # its own 8 rows freed would still leave no 16 in a row
+    assert layer.rank_pool.start_of(0) == 0 and layer._host_ranks[0] == 8 and int(layer.lora_ranks[0]) == 8
+    assert all(torch.equal(a, b) for a, b in zip(layer.slot_weights(0)[0], before))

@@ -118,6 +118,8 @@ def test_pool_needs_ranks_and_a_max_rank():
     y = torch.zeros(case.T, sum(case.slice_sizes))
     with pytest.raises(ValueError, match=r"lora_b must be 2-D \[U, N\] \(a pool\)"):
         lora_expand(y, buf, B, case.slice_sizes, meta, ranks, pool_starts=starts)
+    with pytest.raises(ValueError, match=r"the pool lora_b must be contiguous"):  # same values, column-major
+        lora_expand(y, buf, pool_b.t().contiguous().t(), case.slice_sizes, meta, ranks, pool_starts=starts)
     assert torch.equal(y, torch.zeros_like(y))  # nothing was written by the refused call
 
 

@@ -60,7 +60,7 @@ class EngineAdapters:
         """The ``Scheduler`` keyword arguments that tie its reference counts to the tiers."""
         return dict(on_adapter_referenced=self._referenced, on_adapter_start=self._start,
                     on_adapter_end=self._end, on_adapter_released=self._released,
-                    has_room_for=self._has_room_for)
+                    has_room_for=self._has_room_for, fits_beside_pinned=self._fits_beside_pinned)
 
     # -- loading beside the loop (step thread, except _load and _settled) --------------------
 
@@ -190,8 +190,13 @@ class EngineAdapters:
         self.registry.cache.pin(handle.id)
 
     def _has_room_for(self, handle: AdapterHandle) -> bool:
-        adapter = self.registry.cache.peek(handle.id)  # referenced, so pinned in the CPU tier
-        return adapter is not None and self.manager.can_place(adapter)
+        # referenced, so pinned in the CPU tier; if not, admission tries and `_start` says why
+        adapter = self.registry.cache.peek(handle.id)
+        return adapter is None or self.manager.can_place(adapter)
+
+    def _fits_beside_pinned(self, handle: AdapterHandle, pinned: set[int]) -> bool:
+        adapter = self.registry.cache.peek(handle.id)
+        return adapter is None or self.manager.fits_beside(adapter, pinned)
 
     def _start(self, handle: AdapterHandle) -> int:
         adapter = self.registry.cache.get(handle.id)  # pinned while referenced, so resident

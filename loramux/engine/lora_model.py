@@ -292,8 +292,14 @@ class LoRAModelManager:
                 adapter=label,
                 fix="Retry when a request finishes, or raise max_gpu_lora_bytes (--max-gpu-lora-bytes).",
             )
-        while not (self._slots.free_slots and all(layer.rank_pool.fits(units) for layer, units in footprint)):
-            self._evict(next(i for i in self._slots.ids() if not self._slots.is_held(i) and i not in keep))
+        while True:
+            short = [layer for layer, units in footprint if not layer.rank_pool.fits(units)]
+            if self._slots.free_slots and not short:
+                return
+            # least recently used first; for rows, only an adapter that owns some where they are short
+            self._evict(next(i for i in self._slots.ids() if not self._slots.is_held(i) and i not in keep
+                             and (not self._slots.free_slots
+                                  or any(self._slots.slot_of(i) in layer.rank_pool for layer in short))))
 
     def _kept(self, keep: Collection[int]) -> set[int]:
         """Resident handle ids that may not be evicted: the held ones and those in ``keep``."""
@@ -312,7 +318,20 @@ class LoRAModelManager:
                 return True
             if len(self._kept(keep)) >= self._slots.num_slots:
                 return False
-            return self._rows_fit_once_evicted(self._footprint(adapter), keep)
+            footprint = self._footprint(adapter)
+            if self._slots.free_slots and all(layer.rank_pool.fits(units) for layer, units in footprint):
+                return True  # room now: the common case, without walking what is resident
+            return self._rows_fit_once_evicted(footprint, keep)
+
+    def fits_beside(self, adapter: LoRAAdapter, handle_ids: Collection[int]) -> bool:
+        """Whether ``adapter`` would find a slot and its rows if only ``handle_ids`` stayed
+        resident (the scheduler asks it of the user-pinned ones: if not, it can never run)."""
+        with self._lock:
+            kept = {i for i in handle_ids if i in self._slots}
+            if len(kept) >= self._slots.num_slots:
+                return False
+            slots = {self._slots.slot_of(i) for i in kept}
+            return all(layer.rank_pool.fits_keeping(units, slots) for layer, units in self._footprint(adapter))
 
     def _evict(self, handle_id: int) -> None:
         """Free the slot and pool rows of a resident adapter nobody holds."""

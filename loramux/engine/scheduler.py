@@ -107,6 +107,8 @@ class Scheduler:
     :param has_room_for: whether a handle not in a slot would find room on the GPU now beside
         the handles in use (their weights are pooled by rank: a free slot is not always enough);
         the default counts slots only.
+    :param fits_beside_pinned: whether a handle would find room beside the given user-pinned
+        handles alone; if not, its requests can never run and fail (``CacheFullError``).
     """
 
     def __init__(
@@ -121,6 +123,7 @@ class Scheduler:
         on_adapter_end: Callable[[AdapterHandle], None] = lambda handle: None,
         on_adapter_released: Callable[[AdapterHandle], None] = lambda handle: None,
         has_room_for: Callable[[AdapterHandle], bool] = lambda handle: True,
+        fits_beside_pinned: Callable[[AdapterHandle, set[int]], bool] = lambda handle, pinned: True,
     ) -> None:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence must fit one decode token"
         self.blocks = block_manager
@@ -132,6 +135,7 @@ class Scheduler:
         self.on_adapter_end = on_adapter_end
         self.on_adapter_released = on_adapter_released
         self.has_room_for = has_room_for
+        self.fits_beside_pinned = fits_beside_pinned
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
         self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
@@ -243,8 +247,19 @@ class Scheduler:
                     if handle.id in in_slots:
                         if blocked and handle.id in self.draining:
                             continue  # its slot frees for the older blocked request first
-                    elif blocked or not self._room_for(handle, in_slots):
-                        blocked = True  # FIFO among requests that need a slot
+                    elif blocked:
+                        continue  # FIFO among requests that need a slot
+                    elif not self._room_for(handle, in_slots):
+                        if not self.fits_beside_pinned(handle, pinned):  # waiting would never end
+                            names = ", ".join(sorted(self.adapters[i].handle.name for i in pinned))
+                            self._fail(seq, CacheFullError(
+                                f"the adapters pinned to the GPU ({names}) leave no room for its weights.",
+                                adapter=handle.name,
+                                fix="Remove a pinned adapter (remove_lora), or raise max_gpu_lora_bytes "
+                                    "(--max-gpu-lora-bytes).",
+                            ))
+                            continue
+                        blocked = True
                         continue
                 if not self._start(seq):
                     continue

@@ -112,6 +112,8 @@ def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES, 
     n_slices = len(slice_sizes)
     if pool_starts is not None:
         _check_pool(op, pool_starts, ranks, S, y.device)
+        if not lora_b.is_contiguous():  # its slots' [N, width] blocks live in its flat storage
+            _fail(op, f"the pool lora_b must be contiguous, got strides {tuple(lora_b.stride())}")
         N_b = lora_b.shape[1]
         R = buf.shape[1] // n_slices
     else:

@@ -67,8 +67,8 @@ class LoRAConfig:
         adapters. Adapters share it by rank (one of rank 8 takes an eighth of what one of rank
         64 takes, and a layer it does not target nothing), so many small adapters fit where few
         large ones do; a new adapter evicts the least recently used ones not in use until it
-        fits. Default (None): room for ``max_loras`` adapters of rank ``max_lora_rank`` on
-        every layer.
+        fits. Default (None): each of the ``max_loras`` slots keeps room for an adapter of
+        rank ``max_lora_rank`` on every layer, as if unpooled.
     """
 
     max_loras: int = 1

@@ -119,11 +119,12 @@ class BaseLayerWithLoRA(nn.Module):
             getattr(cls, name) is getattr(BaseLayerWithLoRA, name) for name in ("apply_lora", "set_lora", "slot_write"))
         # buffers, so model.to(device) moves them; not persistent, so state_dict is the model's
         if self.pooled:
-            # with a byte budget the model manager sizes every pool at once (`resize_pool`)
-            units = S * pool_rows(R) if lora_config.max_gpu_lora_bytes is None else 0
             self.register_buffer("lora_pool_starts", torch.zeros(S, dtype=torch.int32, device=device),
                                  persistent=False)
-            self._new_pool(units, dtype, device)
+            if lora_config.max_gpu_lora_bytes is None:  # one region of the largest rank per slot
+                self._new_pool(S * pool_rows(R), dtype, device, region=pool_rows(R))
+            else:  # shared by rank; the model manager sizes every pool at once (`resize_pool`)
+                self._new_pool(0, dtype, device)
         else:
             self.register_buffer("lora_a_stacked", torch.zeros(S, n * R, self.in_features, **zeros), persistent=False)
             self.register_buffer("lora_b_stacked", torch.zeros(S, self.out_features, R, **zeros), persistent=False)
@@ -166,15 +167,17 @@ class BaseLayerWithLoRA(nn.Module):
             self.lora_pool_starts = self.lora_pool_starts.int()
         return self
 
-    def _new_pool(self, units: int, dtype: torch.dtype, device: torch.device | None) -> None:
+    def _new_pool(self, units: int, dtype: torch.dtype, device: torch.device | None,
+                  region: int | None = None) -> None:
         self.register_buffer("lora_a_pool", torch.zeros(units, self.n_slices, self.in_features, dtype=dtype,
                                                          device=device), persistent=False)
         self.register_buffer("lora_b_pool", torch.zeros(units, self.out_features, dtype=dtype, device=device),
                              persistent=False)
-        self.rank_pool = RankPool(units)
+        self.rank_pool = RankPool(units, region)
 
     def resize_pool(self, units: int) -> None:
-        """Make the pool ``units`` rank rows (no adapter may be resident: they would be lost)."""
+        """Make the pool ``units`` rank rows shared by rank (no adapter may be resident: they
+        would be lost)."""
         assert self.pooled, "only a pooled layer has a pool"
         assert not any(self._host_ranks), "resize_pool with adapters in the slots"
         self._new_pool(units, self.lora_dtype, self.lora_scales.device)
@@ -323,12 +326,12 @@ class BaseLayerWithLoRA(nn.Module):
         held another adapter's weights; a kernel reads up to the slot's rank in every slice)."""
         width = self.units_for(weights_by_slice)
         rank = max((w.rank for w in weights_by_slice if w is not None), default=0)
-        self.rank_pool.free(slot)
-        start = self.rank_pool.allocate(slot, width) or 0
-        if width and self.rank_pool.start_of(slot) is None:
+        if not self.rank_pool.fits_instead(slot, width):  # checked first: the slot stays as it was
             raise RuntimeError(
                 f"{self.module_name}: no {width} free rows in its LoRA pool of {self.rank_pool.units} "
                 f"({self.rank_pool.free_units} free); the model manager makes room before it writes")
+        self.rank_pool.free(slot)
+        start = self.rank_pool.allocate(slot, width) or 0
         self._host_ranks[slot] = rank  # until this write completes, a failure's reset_lora clears it
         write = SlotWrite(self, slot, self.lora_scales[slot], self.lora_ranks[slot : slot + 1],
                           start_cell=self.lora_pool_starts[slot : slot + 1], start=start)
