@@ -733,3 +733,50 @@ def test_a_layer_write_with_no_room_leaves_the_slot_as_it_was():
         layer.set_lora(0, weights(16))  # its own 8 rows freed would still leave no 16 in a row
     assert layer.rank_pool.start_of(0) == 0 and layer._host_ranks[0] == 8 and int(layer.lora_ranks[0]) == 8
     assert all(torch.equal(a, b) for a, b in zip(layer.slot_weights(0)[0], before))
+
+
+def test_room_answers_are_kept_only_while_the_adapters_in_use_stay_the_same(pool_setup):
+    """`can_place` keeps its answer per handle until a hold or a release (the rows in use cannot
+    move meanwhile): the scheduler asks every step an adapter waits."""
+    from dataclasses import replace
+
+    from loramux.registry.handle import memory_handle
+
+    base, adapters, _ = pool_setup
+    with_handles = {name: replace(a, handle=memory_handle(a, name)) for name, a in adapters.items()}
+    _, manager = pooled(base, 32)
+    for c in "abcd":  # rows 0-7, 8-15, 16-23, 24-31
+        manager.activate(with_handles[f"qv4-{c}"])
+    manager.hold("qv4-a")
+    manager.hold("qv4-c")
+    big = with_handles["qv16"]
+    assert not manager.can_place(big) and not manager.can_place(big)  # the second answer is the kept one
+    manager.release("qv4-a")
+    assert manager.can_place(big)  # rows 0-15 once a and b are evicted
+    manager.hold("qv4-a")
+    assert not manager.can_place(big)
+    manager.release("qv4-c")
+    assert manager.can_place(big)  # rows 16-31 once c and d are evicted
+
+
+def test_a_kept_answer_goes_when_an_adapter_kept_moves(pool_setup):
+    """The answer for an adapter kept by prefetch (``keep=``, not held) must not outlive a move of
+    that adapter's rows: any change to the slot table drops the kept answers."""
+    from dataclasses import replace
+
+    from loramux.registry.handle import memory_handle
+
+    base, adapters, _ = pool_setup
+    named = {name: replace(a, handle=memory_handle(a, name)) for name, a in adapters.items()}
+    _, manager = pooled(base, 32)
+    for name in ("qv4-a", "qv4-b", "qv4-c", "qv4-d"):  # rows 0-7, 8-15, 16-23, 24-31
+        manager.activate(named[name])
+    manager.hold("qv4-a")
+    keep = {named["qv4-c"].handle.id}
+    assert not manager.can_place(named["qv16"], keep=keep)  # a and c leave 8 + 8 apart
+    manager.deactivate("qv4-c")
+    manager.activate(named["qv4-e"])  # takes c's rows 16-23
+    manager.deactivate("qv4-b")
+    manager.activate(named["qv4-c"])  # c again, now at 8-15: a and c leave 16-31 whole
+    assert all(layer.rank_pool.start_of(manager.slot_of("qv4-c")) == 8 for layer in qv_layers(manager))
+    assert manager.can_place(named["qv16"], keep=keep)

@@ -70,6 +70,7 @@ class LoRAModelManager:
         self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
         self._pooled = [layer for layer in self.layers.values() if layer.pooled]
         self._footprints: dict[int, list[tuple[BaseLayerWithLoRA, int]]] = {}  # handle id -> _footprint
+        self._fit_answers: tuple[int, dict] = (-1, {})  # (the slot table's version, its answers)
         if lora_config.max_gpu_lora_bytes is not None:
             self._size_pools(lora_config.max_gpu_lora_bytes)
         self._slots = SlotTable(lora_config.max_loras)
@@ -306,9 +307,22 @@ class LoRAModelManager:
         return set(self._slots.held()) | {i for i in keep if i in self._slots}
 
     def _rows_fit_once_evicted(self, footprint: list[tuple[BaseLayerWithLoRA, int]],
-                               keep: Collection[int] = ()) -> bool:
-        kept = {self._slots.slot_of(i) for i in self._kept(keep)}
-        return all(layer.rank_pool.fits_keeping(units, kept) for layer, units in footprint)
+                               keep: Collection[int] = (), handle_id: int | None = None) -> bool:
+        """Whether ``footprint`` fits every layer's rows left by the held adapters and ``keep``.
+        The answer stands until the slot table changes, so it is kept per handle: the scheduler
+        asks it for a waiting adapter every step, and at 8B with 64 adapters in use one answer
+        walks 225 layers' blocks (~1.5 ms)."""
+        kept_ids = self._kept(keep)
+        key = (handle_id, frozenset(kept_ids))
+        if self._fit_answers[0] != self._slots.version:
+            self._fit_answers = (self._slots.version, {})
+        answer = self._fit_answers[1].get(key) if handle_id is not None else None
+        if answer is None:
+            kept = {self._slots.slot_of(i) for i in kept_ids}
+            answer = all(layer.rank_pool.fits_keeping(units, kept) for layer, units in footprint)
+            if handle_id is not None:
+                self._fit_answers[1][key] = answer
+        return answer
 
     def can_place(self, adapter: LoRAAdapter, keep: Collection[int] = ()) -> bool:
         """Whether `activate` would find ``adapter`` a slot and its pool rows now, evicting only
@@ -321,7 +335,7 @@ class LoRAModelManager:
             footprint = self._footprint(adapter)
             if self._slots.free_slots and all(layer.rank_pool.fits(units) for layer, units in footprint):
                 return True  # room now: the common case, without walking what is resident
-            return self._rows_fit_once_evicted(footprint, keep)
+            return self._rows_fit_once_evicted(footprint, keep, adapter.handle and adapter.handle.id)
 
     def fits_beside(self, adapter: LoRAAdapter, handle_ids: Collection[int]) -> bool:
         """Whether ``adapter`` would find a slot and its rows if only ``handle_ids`` stayed

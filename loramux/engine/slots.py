@@ -33,6 +33,7 @@ class SlotTable:
         self.free_slots: deque[int] = deque(range(num_slots))
         self._slots: OrderedDict[int, int] = OrderedDict()  # handle id -> slot, least recent first
         self._held: set[int] = set()  # handle ids the batch in flight (or a user pin) uses
+        self.version = 0  # bumped on every change (an answer about the table stands until then)
 
     # -- lookups ---------------------------------------------------------------------------
 
@@ -95,6 +96,7 @@ class SlotTable:
                 raise self.full_error(label if label is not None else str(handle_id))
             slot = self._slots.pop(evicted)
         self._slots[handle_id] = slot
+        self.version += 1
         self._check()
         return slot, evicted
 
@@ -113,6 +115,7 @@ class SlotTable:
         assert handle_id not in self._held, f"handle {handle_id} is held by running requests"
         slot = self._slots.pop(handle_id)
         self.free_slots.append(slot)
+        self.version += 1
         self._check()
         return slot
 
@@ -132,11 +135,13 @@ class SlotTable:
         assert handle_id in self._slots, f"handle {handle_id} holds no slot"
         assert handle_id not in self._held, f"handle {handle_id} is already held"
         self._held.add(handle_id)
+        self.version += 1
 
     def release(self, handle_id: int) -> None:
         """``handle_id`` is no longer in use; its slot stays resident, evictable."""
         assert handle_id in self._held, f"handle {handle_id} is not held"
         self._held.discard(handle_id)
+        self.version += 1
 
     def _check(self) -> None:
         assert len(self._slots) + len(self.free_slots) == self.num_slots
