@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import tiny_llama
@@ -32,6 +34,12 @@ SMALL = dict(max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64, max
         (dict(max_loading_workers=0), ValueError, "max_loading_workers: got 0"),
         (dict(max_graph_tokens=0), ValueError, "max_graph_tokens: got 0; allowed: an int >= 1"),
         (dict(max_graph_tokens=True), ValueError, "max_graph_tokens: got True"),
+        (dict(cuda_graph_sizes=[]), ValueError, "cuda_graph_sizes: got []; allowed: None (the default sizes) or"),
+        (dict(cuda_graph_sizes=[64, 1]), ValueError, "cuda_graph_sizes: got [64, 1]; allowed"),
+        (dict(cuda_graph_sizes=[True, 8]), ValueError, "cuda_graph_sizes: got [True, 8]"),
+        (dict(cuda_graph_sizes=[8.0]), ValueError, "cuda_graph_sizes: got [8.0]"),
+        (dict(cuda_graph_sizes="64"), ValueError, "cuda_graph_sizes: got '64'"),
+        (dict(cuda_graph_sizes=64), ValueError, "cuda_graph_sizes: got 64"),
         (dict(tensor_parallel_size=0), ValueError, "tensor_parallel_size: got 0; allowed: an int >= 1"),
         (dict(max_loras=0), ValueError, "max_loras"),
         (dict(max_lora_rank=4096), ValueError, "max_lora_rank"),
@@ -39,7 +47,7 @@ SMALL = dict(max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64, max
     ],
 )
 def test_each_bad_option_is_refused_naming_the_value(options, error, message):
-    with pytest.raises(error, match=message.replace("(", "\\(").replace(")", "\\)")):
+    with pytest.raises(error, match=re.escape(message)):
         EngineConfig(**options)
 
 
@@ -109,10 +117,14 @@ def test_serve_builds_an_engine_config_with_the_tensor_parallel_flag(monkeypatch
             built.append(config)
 
     monkeypatch.setattr("loramux.engine.llm_engine.LLMEngine", Recorder)
-    args = build_parser().parse_args(["serve", "some/model", "-tp", "2", "--max-num-seqs", "8", "--no-enable-lora"])
+    args = build_parser().parse_args(["serve", "some/model", "-tp", "2", "--max-num-seqs", "8", "--no-enable-lora",
+                                      "--cuda-graph-sizes", "128", "64", "192"])
     server.build_engine(args)
     (config,) = built
     assert isinstance(config, EngineConfig)
     assert (config.model, config.tensor_parallel_size, config.max_num_seqs) == ("some/model", 2, 8)
+    assert config.cuda_graph_sizes == [64, 128, 192]
+    server.build_engine(build_parser().parse_args(["serve", "m"]))
+    assert built[-1].cuda_graph_sizes is None  # the default sizes
     long_form = build_parser().parse_args(["serve", "m", "--tensor-parallel-size", "4"])
     assert long_form.tensor_parallel_size == 4 and build_parser().parse_args(["serve"]).tensor_parallel_size == 1

@@ -11,6 +11,7 @@ from conftest import step_to_end, tiny_llama
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.cuda_graphs import StepGraphs, graph_token_sizes
 from loramux.engine.llm_engine import LLMEngine
+from loramux.engine.model_runner import StepShape
 from loramux.engine.scheduler import ScheduledBatch
 
 
@@ -85,3 +86,39 @@ def test_graphs_do_not_take_prompt_logprob_steps_or_oversized_ones():
     assert not graphs.fits(ScheduledBatch([(seqs["plain"], 16), (seqs["scored"], 3)]))  # prompt logprobs
     assert not graphs.fits(ScheduledBatch([(seqs["long"], 20)]))  # more tokens than the largest graph
     assert not graphs.fits(ScheduledBatch([]))
+
+
+def test_cuda_graph_sizes_replace_the_default_sizes():
+    """Given sizes are sorted, deduplicated and capped at the step's token budget; a step pads to
+    the smallest that holds it, and larger steps are not the graphs'."""
+    engine = LLMEngine(tiny_llama(), enable_lora=False, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=24,
+                       cuda_graph_sizes=(12, 4, 4, 100))
+    runner = engine.runner
+    assert engine.config.cuda_graph_sizes == [4, 12, 100]
+    assert runner.graph_sizes == [4, 12, 24] and runner.max_graph_tokens == 24
+    default = LLMEngine(tiny_llama(), enable_lora=False, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=24)
+    assert default.runner.graph_sizes == graph_token_sizes(4, 24)
+    graphs = StepGraphs(runner, runner.graph_sizes)
+    padded = []
+    run = runner.run
+    runner.run = lambda batch: padded.append((batch.num_tokens, graphs.step_inputs(batch.chunks).num_tokens)) \
+        or run(batch)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for request_id, prompt_len in (("a", 3), ("b", 10), ("c", 20)):
+        engine.add_request(request_id, {"prompt_token_ids": list(range(3, 3 + prompt_len))}, params)
+        engine.step()
+    assert padded == [(3, 4), (11, 12), (22, 24)]
+
+
+def test_the_runner_records_each_steps_shape():
+    """`ModelRunner.last_step`: sequences, tokens, prompt tokens and the tokens the forward ran."""
+    engine = LLMEngine(tiny_llama(), enable_lora=False, max_num_seqs=4, max_model_len=64, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": list(range(3, 13))}, params)
+    engine.step()  # a's prompt
+    assert engine.runner.last_step == StepShape(1, 10, 10, 10, graph=False)
+    engine.add_request("b", {"prompt_token_ids": list(range(5, 10))}, params)
+    engine.step()  # a decodes, b's prompt
+    assert engine.runner.last_step == StepShape(2, 6, 5, 6, graph=False)
+    engine.step()  # both decode
+    assert engine.runner.last_step == StepShape(2, 2, 0, 2, graph=False)

@@ -64,6 +64,7 @@ class EngineConfig:
     enforce_eager: bool = False
     compilation: bool = True
     max_graph_tokens: int = 512
+    cuda_graph_sizes: list[int] | None = None  # None: graph_token_sizes(max_num_seqs, max_graph_tokens)
     seed: int | None = 0
 
     def __post_init__(self) -> None:
@@ -72,6 +73,15 @@ class EngineConfig:
                 _check_positive(name, getattr(self, name))
         _check_positive("max_loading_workers", self.max_loading_workers)
         _check_positive("max_graph_tokens", self.max_graph_tokens)
+        if self.cuda_graph_sizes is not None:
+            given = self.cuda_graph_sizes
+            sizes = list(given) if isinstance(given, Iterable) and not isinstance(given, (str, bytes)) else []
+            if not sizes or any(not isinstance(T, int) or isinstance(T, bool) or T < 2 for T in sizes):
+                raise ValueError(
+                    f"cuda_graph_sizes: got {given!r}; allowed: None (the default sizes) or a non-empty "
+                    "list of token counts, each an int >= 2 (a one-token step runs as two rows)"
+                )
+            self.cuda_graph_sizes = sorted(set(sizes))
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
         if (self.max_num_seqs is not None and self.max_num_batched_tokens is not None
                 and self.max_num_batched_tokens < self.max_num_seqs):

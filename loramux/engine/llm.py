@@ -61,6 +61,9 @@ class LLM:
         for weights, slots, activations and KV blocks), ``num_gpu_blocks_override``,
         ``enable_prefix_caching`` (True), ``compilation`` (True: compile on CUDA),
         ``max_graph_tokens`` (512: steps of up to this many tokens replay CUDA graphs),
+        ``cuda_graph_sizes`` (the padded token counts graphs are captured for, in place of the
+        default: 2, 4, 8, steps of 16 up to ``max_num_seqs``, powers of two up to
+        ``max_graph_tokens``),
         ``fuse_projections`` (True: q/k/v and gate/up as one GEMM each), ``max_cpu_lora_bytes``,
         ``max_gpu_lora_bytes`` (GPU memory for adapter weights, shared by rank: default room for
         ``max_loras`` adapters of rank ``max_lora_rank``), ``registry``, ``resolver_settings``,

@@ -99,6 +99,7 @@ class LLMEngine:
                 enforce_eager=config.enforce_eager,
                 compilation=config.compilation,
                 max_graph_tokens=config.max_graph_tokens,
+                cuda_graph_sizes=config.cuda_graph_sizes,
                 workers=self.workers,
             )
             num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)

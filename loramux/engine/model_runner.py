@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -34,11 +35,22 @@ from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
 from loramux.kernels.dispatch import uses_triton
 
-__all__ = ["ModelRunner", "graph_batch_sizes", "graph_token_sizes"]
+__all__ = ["ModelRunner", "StepShape", "graph_batch_sizes", "graph_token_sizes"]
 
 logger = logging.getLogger(__name__)
 
 FIELD_ALIGN = 4  # int32s: 16 bytes
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed (benchmarks and metrics read `ModelRunner.last_step`)."""
+
+    num_seqs: int
+    num_tokens: int  # tokens computed
+    prompt_tokens: int  # of those, tokens of prompts (prefill chunks, recomputed preempted ones)
+    padded_tokens: int  # tokens the forward ran: the graph's size, or num_tokens
+    graph: bool  # replayed a CUDA graph
 
 
 class ModelRunner:
@@ -53,6 +65,9 @@ class ModelRunner:
     :param compilation: compile the forward on CUDA (graphs are captured either way).
     :param max_graph_tokens: steps of up to this many tokens (at least ``max_num_seqs``, at most
         ``max_num_batched_tokens``) replay CUDA graphs; larger ones run eagerly.
+    :param cuda_graph_sizes: the padded token counts to capture graphs for, in place of the
+        default ones (`graph_token_sizes`; ``max_graph_tokens`` is then their largest), each at
+        most ``max_num_batched_tokens``. A step replays the smallest graph that holds it.
     :param workers: with tensor parallelism, the `WorkerGroup` of ranks 1..N-1 (this runner is
         rank 0): every forward, KV-cache allocation and graph capture runs on each rank, in the
         same order, so their collectives pair up; only rank 0 samples.
@@ -71,6 +86,7 @@ class ModelRunner:
         enforce_eager: bool = False,
         compilation: bool = True,
         max_graph_tokens: int = 512,
+        cuda_graph_sizes: list[int] | None = None,
         workers=None,
     ) -> None:
         self.model = model
@@ -80,7 +96,11 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_graph_tokens = min(max_graph_tokens, max_num_batched_tokens)
+        if cuda_graph_sizes:
+            self.graph_sizes = sorted({min(T, max_num_batched_tokens) for T in cuda_graph_sizes})
+        else:
+            self.graph_sizes = graph_token_sizes(max_num_seqs, min(max_graph_tokens, max_num_batched_tokens))
+        self.max_graph_tokens = self.graph_sizes[-1]
         self.max_blocks = blocks_needed(max_model_len, block_size)
         self.device = next(model.parameters()).device
         self.kv: PagedKVCache | None = None
@@ -97,6 +117,7 @@ class ModelRunner:
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
         self.graphs: StepGraphs | None = None
+        self.last_step: StepShape | None = None  # the last `run`'s shape
         #: start-up seconds by stage ("capture", "warmup"; compile time is in `regions`)
         self.startup_seconds: dict[str, float] = {}
         self.regions: CompiledRegions | None = None
@@ -177,7 +198,7 @@ class ModelRunner:
             return
         assert self.kv is not None, "allocate the KV cache before capturing graphs"
         started = time.perf_counter()
-        self.graphs = StepGraphs(self, graph_token_sizes(self.max_num_seqs, self.max_graph_tokens))
+        self.graphs = StepGraphs(self, self.graph_sizes)
         self.graphs.capture_all()
         self.startup_seconds["capture"] = time.perf_counter() - started
         logger.info("captured %d step graphs in %.1f s", self.graphs.num_graphs, self.startup_seconds["capture"])
@@ -228,10 +249,15 @@ class ModelRunner:
 
         Each sequence's GPU slot is ``seq.lora_slot`` (set by the scheduler at admission).
         """
+        tokens = batch.num_tokens
+        prompt_tokens = sum(n for seq, n in batch.chunks if seq.num_computed < seq.num_prompt_tokens)
         if self.graphs is not None and self.graphs.fits(batch):
             sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
-            logits = self._on_all_ranks("_replay", self.graphs.step_inputs(batch.chunks))
+            inputs = self.graphs.step_inputs(batch.chunks)
+            self.last_step = StepShape(len(batch), tokens, prompt_tokens, inputs.num_tokens, graph=True)
+            logits = self._on_all_ranks("_replay", inputs)
             return self._sample(sampled, logits[: len(sampled)]) if sampled else []
+        self.last_step = StepShape(len(batch), tokens, prompt_tokens, max(tokens, 2), graph=False)
         ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
         lora_slots, logits, logit_slots, sampled = [], [], [], []
         bs = self.block_size

@@ -145,6 +145,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-graph-tokens", type=int, default=512, metavar="N",
                         help="steps of up to N tokens (decodes, short prompts, mixed steps) replay CUDA "
                         "graphs captured at start; larger ones run eagerly (default: %(default)s)")
+    engine.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="T",
+                        help="the padded token counts to capture step graphs for, in place of the "
+                        "default (2, 4, 8, steps of 16 up to --max-num-seqs, then powers of two up to "
+                        "--max-graph-tokens); a step replays the smallest graph that holds it")
 
     ray = parser.add_argument_group("Ray Serve (pip install 'loramux[ray]'; docs/ray.md)")
     ray.add_argument("--ray", action="store_true",
