@@ -8,7 +8,8 @@
 - :func:`run_trace`: a driver loop over the engine's public API (``add_request`` when a request's
   arrival time has passed, ``step`` otherwise), recording per request its arrival, first token,
   finish, adapter and whether that adapter was cold (in neither the CPU tier nor a GPU slot).
-- :func:`summarize`: throughput, TTFT percentiles, cold against warm TTFT, failures.
+- :func:`summarize`: throughput, TTFT percentiles, cold against warm TTFT, failures;
+  :func:`summarize_steps`: the steps' time by the tokens each forward ran.
 
 Used by ``benchmarks/many_adapters.py`` and by its CPU smoke test.
 """
@@ -31,7 +32,7 @@ from benchmarks._common import ALL_SEVEN, QKVO, QV, drop_from_page_cache, module
 
 __all__ = [
     "DEFAULT_MIX", "AdapterKind", "RequestRecord", "Trace", "TraceAdapter", "TraceRequest", "adapter_nbytes",
-    "is_resident", "make_trace", "run_trace", "summarize", "write_adapter_files",
+    "is_resident", "make_trace", "run_trace", "summarize", "summarize_steps", "write_adapter_files",
 ]
 
 TARGET_SETS = {"q/v": QV, "q/k/v/o": QKVO, "all 7": ALL_SEVEN}
@@ -257,12 +258,14 @@ def run_trace(
     adapter_bytes: Callable[[TraceAdapter], int] = lambda adapter: 0,
     progress: Callable[[int, int, float], None] | None = None,
     progress_every_s: float = 5.0,
+    steps: list[tuple[object, float]] | None = None,
 ) -> list[RequestRecord]:
     """Replay ``trace`` in real time through ``engine`` (an ``LLMEngine``); the record of each request.
 
     Every request generates exactly ``max_tokens`` tokens (greedy, ``ignore_eos``), with its
     adapter registered by path (``LoRARequest(name, id, path)``), so a cold adapter is read from
-    disk. ``progress(finished, total, seconds)`` is called every ``progress_every_s``.
+    disk. ``progress(finished, total, seconds)`` is called every ``progress_every_s``. Each step
+    that computed tokens appends ``(engine.runner.last_step, its seconds)`` to ``steps`` if given.
     """
     from loramux import LoRARequest, SamplingParams
 
@@ -287,8 +290,12 @@ def run_trace(
             if pending:  # idle until the next arrival
                 time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.01)))
             continue
+        engine.runner.last_step = None
+        began = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter() - start
+        if steps is not None and engine.runner.last_step is not None:
+            steps.append((engine.runner.last_step, now + start - began))
         for out in outputs:
             record = records[out.request_id]
             tokens = len(out.outputs[0].token_ids)
@@ -303,6 +310,30 @@ def run_trace(
             last_report = time.perf_counter()
             progress(finished, len(trace.requests), last_report - start)
     return [records[r.request_id] for r in trace.requests]
+
+
+def summarize_steps(steps: Sequence[tuple[object, float]]) -> dict:
+    """Where a trace's step time went, by the tokens each forward ran (a graph's padded size):
+    steps, mean milliseconds, mean tokens and prompt tokens; over all steps, the share that
+    computed prompt tokens and the share of the forwards' tokens that were padding."""
+    by_size: dict[int, list[tuple[object, float]]] = {}
+    for shape, seconds in steps:
+        by_size.setdefault(shape.padded_tokens, []).append((shape, seconds))
+    computed = sum(shape.num_tokens for shape, _ in steps)
+    ran = sum(shape.padded_tokens for shape, _ in steps)
+    return {
+        "steps": len(steps),
+        "step_ms_mean": 1e3 * sum(s for _, s in steps) / len(steps) if steps else None,
+        "with_prompt_share": sum(shape.prompt_tokens > 0 for shape, _ in steps) / len(steps) if steps else None,
+        "padding_share": 1 - computed / ran if ran else None,
+        "by_padded_tokens": {
+            T: {"steps": len(group), "ms_mean": 1e3 * sum(s for _, s in group) / len(group),
+                "tokens_mean": sum(shape.num_tokens for shape, _ in group) / len(group),
+                "prompt_tokens_mean": sum(shape.prompt_tokens for shape, _ in group) / len(group),
+                "graph_share": sum(shape.graph for shape, _ in group) / len(group)}
+            for T, group in sorted(by_size.items())
+        },
+    }
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -68,6 +68,7 @@ from benchmarks.adapter_trace import (  # noqa: E402
     make_trace,
     run_trace,
     summarize,
+    summarize_steps,
     write_adapter_files,
 )
 
@@ -95,7 +96,7 @@ def build_engine(args):
                      max_num_seqs=args.max_num_seqs,
                      max_model_len=args.prompt_len + args.output_len + 8,
                      max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
-                     enforce_eager=args.enforce_eager)
+                     enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)
 
 
 def measure_disk(engine, args, root: Path) -> dict:
@@ -116,28 +117,39 @@ def measure_disk(engine, args, root: Path) -> dict:
             "adapter_files_read_bytes": nbytes, **sequential}
 
 
-def calibrate(engine, args, root: Path, vocab: int) -> float:
+def calibrate(engine, args, root: Path, vocab: int) -> dict:
     """Requests/s the engine serves in a saturated burst (three batches of ``max_num_seqs`` requests
-    at once, so prefills and decodes mix as under arrivals) over 4 warm adapters, after one untimed
-    burst that compiles and loads: the capacity the default rate is a fraction of."""
+    at once) over 4 warm adapters, after one untimed burst that compiles and loads: the capacity
+    the default rate is a fraction of (``capacity_req_s``). Then the same adapters under Poisson
+    arrivals at that capacity: what the engine serves when every step mixes a new prompt into the
+    decodes, as under the traces (``under_arrivals_req_s``). Each with its steps (`summarize_steps`)."""
     trace = make_trace(4, 3 * args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
                        seed=args.seed + 7, mix=args.mix, name_prefix="warm")
     paths = write_adapter_files(trace.adapters, engine.model.config, root / "warm", args.weights_dtype)
-    capacity = 0.0
+    capacity, steps = 0.0, []
     for attempt in range(2):
         if attempt:  # the same adapters, new prompts (no prefix-cache hits)
             trace = make_trace(4, 3 * args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
                                seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=attempt)
-        records = run_trace(engine, trace, paths, max_tokens=args.output_len)
+        steps.clear()
+        records = run_trace(engine, trace, paths, max_tokens=args.output_len, steps=steps)
         summary = summarize(records)
         if summary["failed"]:
             raise RuntimeError(f"the warm-up burst failed {summary['failed']} requests: {summary['failures']}")
         capacity = summary["requests"] / summary["seconds"]
         print(f"  burst {attempt + 1}: {summary['tokens_per_s']:.0f} tok/s, {capacity:.1f} req/s", flush=True)
+    arrivals = make_trace(4, 4 * args.max_num_seqs, rate=capacity, prompt_len=args.prompt_len, vocab_size=vocab,
+                          seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=2)
+    arrival_steps = []
+    served = summarize(run_trace(engine, arrivals, paths, max_tokens=args.output_len, steps=arrival_steps))
+    under_arrivals = served["requests"] / served["seconds"]
+    print(f"  arrivals at {capacity:.1f} req/s: {served['tokens_per_s']:.0f} tok/s, {under_arrivals:.1f} req/s served",
+          flush=True)
     for adapter in trace.adapters:
         engine.remove_lora(adapter.name)
     shutil.rmtree(root / "warm")
-    return capacity
+    return {"capacity_req_s": capacity, "capacity_steps": summarize_steps(steps),
+            "under_arrivals_req_s": under_arrivals, "under_arrivals_steps": summarize_steps(arrival_steps)}
 
 
 def tier_counts(engine) -> dict[str, int]:
@@ -172,12 +184,15 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
     print(f"N={n}: wrote {len(used)} adapter files ({total / GB:.2f} GB) in {written_s:.1f} s; "
           f"replaying {len(trace.requests)} requests over {trace.requests[-1].arrival_s:.1f} s", flush=True)
     before = tier_counts(engine)
+    steps = []
     records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
-                        progress=lambda done, total_, s: print(f"  {done}/{total_} finished, {s:.0f} s", flush=True))
+                        progress=lambda done, total_, s: print(f"  {done}/{total_} finished, {s:.0f} s", flush=True),
+                        steps=steps)
     after = tier_counts(engine)
     result = {"adapters": n, **summarize(records), "adapter_bytes_written": total, "write_seconds": written_s,
               **{key: after[key] - before.get(key, 0) for key in after},
-              "load_average_1m": os.getloadavg()[0]}  # other work on the host skews every number
+              "load_average_1m": os.getloadavg()[0],  # other work on the host skews every number
+              "poisson_steps": summarize_steps(steps)}
     print(f"  N={n}: {result['tokens_per_s']:.0f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms, p99 "
           f"{result['ttft_p99_ms']:.0f} ms; {result['cold_requests']} cold; {result['failed']} failed", flush=True)
     unload(engine, used, paths)
@@ -185,14 +200,17 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
         saturated = summarize(run_trace(engine, burst, paths, max_tokens=args.output_len))
         # host-warm bursts are short (seconds): one stall moved a single burst by 1.6x between runs,
         # so the median of --saturated-repeats bursts is reported (each one kept in the JSON)
-        warm = [summarize(run_trace(engine, with_new_prompts(burst, vocab, args.seed + index + 1000 * rep), paths,
-                                    max_tokens=args.output_len)) for rep in range(args.saturated_repeats)]
+        warm = []
+        for rep in range(args.saturated_repeats):
+            warm_steps = []  # the last burst's are reported
+            warm.append(summarize(run_trace(engine, with_new_prompts(burst, vocab, args.seed + index + 1000 * rep),
+                                            paths, max_tokens=args.output_len, steps=warm_steps)))
         warm_tps = [w["tokens_per_s"] or 0.0 for w in warm]
         warm_failed = sum(w["failed"] for w in warm)
         result.update(saturated_requests=saturated["requests"], saturated_failed=saturated["failed"] + warm_failed,
                       saturated_tokens_per_s=saturated["tokens_per_s"],
                       saturated_warm_tokens_per_s=statistics.median(warm_tps),
-                      saturated_warm_tokens_per_s_each=warm_tps)
+                      saturated_warm_tokens_per_s_each=warm_tps, saturated_warm_steps=summarize_steps(warm_steps))
         result["failed"] += saturated["failed"] + warm_failed
         print(f"  N={n} saturated: {saturated['tokens_per_s']:.0f} tok/s from cold tiers, "
               f"{statistics.median(warm_tps):.0f} tok/s host-warm (median of {', '.join(f'{t:.0f}' for t in warm_tps)}), "
@@ -259,7 +277,8 @@ def markdown(report: dict) -> str:
         f"max_num_seqs={options['max_num_seqs']}; {options['num_requests']} requests per N "
         f"({options['prompt_len']} prompt + {options['output_len']} generated tokens), Poisson arrivals at "
         f"{report['rate_req_s']:.1f} req/s ({options['load']:.2f} x the measured capacity of "
-        f"{report['capacity_req_s']:.1f} req/s), Zipf({options['zipf_exponent']}) popularity, ranks "
+        f"{report['capacity_req_s']:.1f} req/s in a burst{_under_arrivals(report)}), "
+        f"Zipf({options['zipf_exponent']}) popularity, ranks "
         f"{sorted({k['rank'] for k in options['mix']})}, q/v, q/k/v/o and all-seven targets.",
         f"Disk ({disk['filesystem']}): fresh adapter files read at {disk['adapter_files_read_bytes_per_s'] / GB:.2f} "
         f"GB/s (page cache dropped), sequential {disk['disk_bytes_per_s'] / GB:.2f} GB/s. Host load average "
@@ -281,12 +300,37 @@ def markdown(report: dict) -> str:
             f"{fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | {r['cold_requests']} | {fmt(r['cold_ttft_p50_ms'])} | "
             f"{fmt(r['warm_ttft_p50_ms'])} | {r.get('cpu_loads', '')} | {r.get('cpu_evictions', '')} | "
             f"{r.get('gpu_evictions', '')} | {r['failed']} |")
+    lines += steps_table(report)
     lines += ["", "Targets (issue 10):", ""]
     for name, check in report["targets"].items():
         verdict = {True: "**met**", False: "**not met**", None: "not measurable"}[check["passed"]]
         detail = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in check.items() if k != "passed"}
         lines.append(f"- {name}: {verdict} {json.dumps(detail)}")
     return "\n".join(lines) + "\n"
+
+
+def steps_table(report: dict) -> list[str]:
+    """Markdown lines: where the step time went in the capacity burst, each Poisson trace and the
+    last host-warm burst, by the tokens each forward ran (reports before step logging have none)."""
+    phases = [("capacity burst, 4 adapters", report.get("capacity_steps")),
+              ("4 adapters, arrivals at capacity", report.get("under_arrivals_steps"))]
+    for r in report["results"]:
+        phases += [(f"N={r['adapters']} Poisson", r.get("poisson_steps")),
+                   (f"N={r['adapters']} host-warm burst", r.get("saturated_warm_steps"))]
+    phases = [(name, steps) for name, steps in phases if steps and steps["steps"]]
+    if not phases:
+        return []
+    lines = ["", f"Steps (graph sizes {report.get('graph_sizes') or 'none: eager'}): mean wall time of "
+             "`engine.step()`, by the tokens its forward ran (a graph's padded size), as "
+             "size: ms x steps (mean tokens computed), the six most frequent sizes (all in the JSON):", "",
+             "| phase | steps | mean ms | with prompt tokens | padding | by size |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    for name, steps in phases:
+        frequent = sorted(steps["by_padded_tokens"].items(), key=lambda item: -item[1]["steps"])[:6]
+        sizes = "; ".join(f"{T}: {g['ms_mean']:.1f} x {g['steps']} ({g['tokens_mean']:.0f})"
+                          for T, g in sorted(frequent, key=lambda item: int(item[0])))
+        lines.append(f"| {name} | {steps['steps']} | {steps['step_ms_mean']:.2f} | {steps['with_prompt_share']:.0%} | "
+                     f"{steps['padding_share']:.0%} | {sizes} |")
+    return lines
 
 
 def plot(json_path: Path) -> Path:
@@ -355,6 +399,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-seqs", type=int, default=64 if cuda else 16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096 if cuda else 256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="T",
+                        help="the padded token counts to capture step graphs for (default: the engine's)")
     parser.add_argument("--max-disk-gb", type=float, default=20.0, help="refuse a trace whose files need more")
     parser.add_argument("--write-workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--disk-probe-mb", type=int, default=256, help="the sequential-read probe file's size")
@@ -409,19 +455,21 @@ def main(argv=None) -> None:
         disk = measure_disk(engine, args, root)
         print(f"disk ({disk['filesystem']}): adapter files {disk['adapter_files_read_bytes_per_s'] / GB:.2f} GB/s, "
               f"sequential {disk['disk_bytes_per_s'] / GB:.2f} GB/s", flush=True)
-        capacity = calibrate(engine, args, root, vocab)
+        calibration = calibrate(engine, args, root, vocab)
+        capacity = calibration["capacity_req_s"]
         args.rate = args.rate or args.load * capacity
         print(f"capacity {capacity:.1f} req/s; arrivals at {args.rate:.1f} req/s", flush=True)
         options = {key: getattr(args, key) for key in (
             "dtype", "load_format", "num_requests", "prompt_len", "output_len", "load", "zipf_exponent", "max_loras",
             "max_cpu_loras", "max_gpu_lora_bytes", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
-            "seed")}
+            "cuda_graph_sizes", "seed")}
         options["gpu_pool_rank_rows"] = engine.lora_manager.pool_units if engine.lora_manager is not None else 0
         options["mix"] = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in args.mix]
         report = {"device": device_name(args.device), "model": _model_label(args),
                   "mode": mode, "torch": torch.__version__, "options": options, "disk": disk,
-                  "copy_bandwidth_GBps": bandwidth and bandwidth / GB, "capacity_req_s": capacity,
-                  "rate_req_s": args.rate, "results": []}
+                  "copy_bandwidth_GBps": bandwidth and bandwidth / GB, **calibration, "rate_req_s": args.rate,
+                  "graph_sizes": engine.runner.graph_sizes if engine.runner.graphs is not None else [],
+                  "results": []}
         for index, n in enumerate(args.adapters):
             report["results"].append(run_one(engine, args, root, n, vocab, index))
             report["targets"] = check_targets(report["results"], disk["adapter_files_read_bytes_per_s"])
@@ -430,6 +478,16 @@ def main(argv=None) -> None:
     json_path = save(report, args)
     print(markdown(report))
     print(f"wrote {json_path} and {json_path.with_suffix('.md')} in {report['total_seconds']:.0f} s")
+
+
+def _under_arrivals(report: dict) -> str:
+    """What the engine served under arrivals at its burst capacity, and the rate as a share of it
+    (older reports lack it)."""
+    served = report.get("under_arrivals_req_s")
+    if not served:
+        return ""
+    return (f"; under arrivals at that capacity it served {served:.1f} req/s, so the traces' rate is "
+            f"{report['rate_req_s'] / served:.2f} x that")
 
 
 def _gpu_memory(options: dict) -> str:

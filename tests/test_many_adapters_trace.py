@@ -116,9 +116,13 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert len(used) > 5  # more than both tiers hold
     paths = write_adapter_files(used, model.config, tmp_path, torch.float32, workers=2)
     sizes = {a.name: adapter_nbytes(model.config, a.rank, a.targets, torch.float32) for a in used}
-    records = run_trace(engine, trace, paths, max_tokens=4, adapter_bytes=lambda a: sizes[a.name])
+    steps = []
+    records = run_trace(engine, trace, paths, max_tokens=4, adapter_bytes=lambda a: sizes[a.name], steps=steps)
 
     assert [r.request_id for r in records] == [r.request_id for r in trace.requests]
+    # every token computed was in a logged step: each request's 6 prompt tokens and 3 decodes
+    assert sum(shape.num_tokens for shape, _ in steps) >= 30 * (6 + 3)
+    assert sum(shape.prompt_tokens for shape, _ in steps) >= 30 * 6 and all(s > 0 for _, s in steps)
     assert all(r.error is None and r.output_tokens == 4 for r in records), [r.error for r in records]
     assert all(r.arrival_s <= r.added_s + 1e-3 and r.arrival_s <= r.first_token_s <= r.finish_s for r in records)
     summary = summarize(records)
@@ -146,6 +150,23 @@ def test_summaries_count_failures_and_unfinished_requests():
     assert summary["failed"] == 2 and summary["failures"] == ["bad adapter", "did not finish"]
     assert summary["output_tokens"] == 4 and summary["tokens_per_s"] == pytest.approx(4.0)
     assert summary["ttft_p50_ms"] == pytest.approx(500.0) and summary["warm_ttft_p50_ms"] is None
+
+
+def test_step_summaries_group_steps_by_the_tokens_the_forward_ran():
+    from benchmarks.adapter_trace import summarize_steps
+    from loramux.engine.model_runner import StepShape
+
+    steps = [(StepShape(4, 4, 0, 4, graph=True), 0.010), (StepShape(4, 4, 0, 4, graph=True), 0.012),
+             (StepShape(5, 20, 16, 32, graph=True), 0.030), (StepShape(1, 600, 600, 600, graph=False), 0.100)]
+    summary = summarize_steps(steps)
+    assert summary["steps"] == 4 and summary["step_ms_mean"] == pytest.approx(38.0)
+    assert summary["with_prompt_share"] == 0.5 and summary["padding_share"] == pytest.approx(1 - 628 / 640)
+    by_size = summary["by_padded_tokens"]
+    assert list(by_size) == [4, 32, 600]
+    assert by_size[4] == {"steps": 2, "ms_mean": pytest.approx(11.0), "tokens_mean": 4.0, "prompt_tokens_mean": 0.0,
+                          "graph_share": 1.0}
+    assert by_size[32]["prompt_tokens_mean"] == 16.0 and by_size[600]["graph_share"] == 0.0
+    assert summarize_steps([])["step_ms_mean"] is None
 
 
 def _result(n, tokens_per_s, p99, cold=None, warm=100.0, failed=0):
@@ -248,5 +269,13 @@ def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert set(report["targets"]) == {"no_failed_requests", "throughput_within_5pct", "p99_ttft_at_most_2x",
                                       "cold_ttft_bound"}
     assert report["targets"]["no_failed_requests"]["passed"] is True
-    assert "| 10 |" in (tmp_path / "many_adapters_test.md").read_text()
+    text = (tmp_path / "many_adapters_test.md").read_text()
+    assert "| 10 |" in text
+    # the steps of the capacity burst, each Poisson trace and the last host-warm burst, in the JSON and the table
+    phases = [report["capacity_steps"], report["under_arrivals_steps"]] + [
+        r[key] for r in report["results"] for key in ("poisson_steps", "saturated_warm_steps")]
+    assert report["under_arrivals_req_s"] > 0 and "under arrivals at that capacity it served" in text
+    assert all(p["steps"] > 0 and p["step_ms_mean"] > 0 for p in phases)
+    assert report["results"][0]["poisson_steps"]["with_prompt_share"] > 0
+    assert "| capacity burst, 4 adapters |" in text and "| N=10 Poisson |" in text and "| N=2 host-warm burst |" in text
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("many-adapters-")] == []  # files cleaned up
