@@ -112,9 +112,28 @@ def test_the_invariant_assert_catches_lost_rows():
     pool = RankPool(8)
     pool.allocate(0, 4)
     pool.allocate(1, 4)
+    pool.check()
     pool._free.append((20, 1))  # bookkeeping gone wrong: rows that are not the pool's
-    with pytest.raises(AssertionError):
-        pool.free(0)
+    with pytest.raises(AssertionError, match="rows lost or gained"):
+        pool.check()
+    pool._free.pop()
+    pool._owned[2] = (2, 4)  # rows two keys own
+    with pytest.raises(AssertionError, match="ranges overlap"):
+        pool.check()
+
+
+def test_fits_instead_counts_a_keys_own_rows_and_their_free_neighbours():
+    pool = RankPool(16)
+    for key, size in enumerate([4, 4, 4, 4]):
+        pool.allocate(key, size)  # rows 0-3, 4-7, 8-11, 12-15
+    pool.free(0)
+    pool.free(2)  # holes at 0-3 and 8-11
+    assert pool.fits_instead(1, 12) and not pool.fits_instead(1, 13)  # 0-11 once key 1's rows go
+    assert pool.fits_instead(3, 8) and not pool.fits_instead(3, 9)  # 8-15
+    assert pool.fits_instead(7, 4) and not pool.fits_instead(7, 5)  # owns nothing: the holes alone
+    regions = RankPool(16, region=4)
+    regions.allocate(1, 4)
+    assert regions.fits_instead(1, 4) and regions.fits_instead(0, 4) and not regions.fits_instead(1, 5)
 
 
 def test_random_allocations_agree_with_a_row_by_row_model():
@@ -141,6 +160,7 @@ def test_random_allocations_agree_with_a_row_by_row_model():
             key = rng.choice(owned)
             pool.free(key)
             rows[:] = [None if owner == key else owner for owner in rows]
+            pool.check()
             continue
         key = rng.choice([k for k in range(12) if k not in pool] or [None])
         if key is None:
@@ -157,6 +177,13 @@ def test_random_allocations_agree_with_a_row_by_row_model():
         assert rows[start : start + size] == [None] * size
         rows[start : start + size] = [key] * size
         assert pool.free_units == rows.count(None)
+        pool.check()
+        # a rewrite of any key fits exactly when a run would be free without that key's rows
+        for other in range(12):
+            for want in (1, 6, 11):
+                alone = [None if owner == other else owner for owner in rows]
+                runs = "".join("." if owner is None else "x" for owner in alone).split("x")
+                assert pool.fits_instead(other, want) == any(len(run) >= want for run in runs)
     assert failures > 10  # the model was exercised when full, too
 
 
@@ -780,3 +807,37 @@ def test_a_kept_answer_goes_when_an_adapter_kept_moves(pool_setup):
     manager.activate(named["qv4-c"])  # c again, now at 8-15: a and c leave 16-31 whole
     assert all(layer.rank_pool.start_of(manager.slot_of("qv4-c")) == 8 for layer in qv_layers(manager))
     assert manager.can_place(named["qv16"], keep=keep)
+
+
+@pytest.mark.parametrize("rows", [None, 24], ids=["regions", "shared"])
+def test_freeing_a_slot_clears_every_layer_and_a_plugins_own_reset_runs(pool_setup, rows):
+    """The manager clears a slot of every built-in layer in one batch (`reset_cells`): every
+    scale, rank and pool range of the slot goes; a layer whose class overrides `reset_lora` is
+    still asked itself; and the slot, written again, equals PEFT."""
+    base, adapters, oracle = pool_setup
+    if rows is None:
+        model = copy.deepcopy(base)
+        manager = LoRAModelManager(model, LoRAConfig(max_loras=8, max_lora_rank=16))
+    else:
+        model, manager = pooled(base, rows)
+    custom = manager.layers["model.layers.0.mlp.down_proj"]
+    calls = []
+
+    class OwnReset(type(custom)):
+        def reset_lora(self, slot):
+            calls.append(slot)
+            super().reset_lora(slot)
+
+    custom.__class__ = OwnReset
+    slot = manager.activate(adapters["all4"])
+    touched = [layer for layer in manager.layers.values() if layer._host_ranks[slot]]
+    assert len(touched) > 2 and custom in touched
+    assert manager.deactivate("all4")
+    assert calls == [slot]
+    for layer in manager.layers.values():
+        assert layer._host_ranks[slot] == 0 and layer.lora_ranks[slot] == 0 and not layer.lora_scales[slot].any()
+        assert slot not in layer.rank_pool
+        layer.rank_pool.check()
+    manager.activate(adapters["all4"])
+    check_slots(manager, adapters)
+    check_outputs(model, manager, oracle, ["all4", None])

@@ -398,8 +398,14 @@ class LoRAModelManager:
             self.workers.write_slot(slot, shards)
 
     def _clear_slot(self, slot: int) -> None:
+        cells = []  # every layer's part, zeroed in one device call
         for layer in self.layers.values():
-            layer.reset_lora(slot)
+            if type(layer).reset_lora is BaseLayerWithLoRA.reset_lora:
+                cells += layer.reset_cells(slot)
+            else:  # a layer plugin that clears its slots its own way
+                layer.reset_lora(slot)
+        if cells:
+            torch._foreach_zero_(cells)
         if self.workers is not None:
             self.workers.clear_slot(slot)
 

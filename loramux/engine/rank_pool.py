@@ -20,7 +20,7 @@ rank, as slots were before pooling).
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect
 
 __all__ = ["RankPool"]
 
@@ -38,8 +38,10 @@ class RankPool:
         assert region is None or region > 0, f"region must be > 0, got {region}"
         self.units = units
         self.region = region
-        self._free: list[tuple[int, int]] = [(0, units)] if units else []  # (start, size), by start
+        # (start, size) by start, merged; with regions each key's rows are fixed: no free list
+        self._free: list[tuple[int, int]] = [(0, units)] if units and region is None else []
         self._owned: dict[int, tuple[int, int]] = {}  # key -> (start, size)
+        self._owned_units = 0
 
     def __contains__(self, key: int) -> bool:
         return key in self._owned
@@ -50,7 +52,7 @@ class RankPool:
 
     @property
     def free_units(self) -> int:
-        return sum(size for _, size in self._free)
+        return self.units - self._owned_units
 
     def fits(self, size: int) -> bool:
         """Whether a range of ``size`` rows is free now (with regions: whether a region holds
@@ -83,17 +85,18 @@ class RankPool:
                 return None
             start = key * self.region
             assert start + self.region <= self.units, f"key {key} has no region in {self.units} rows"
-            self._free = _without(self._free, start, size)
-            self._owned[key] = (start, size)
-            return start
-        best = min((i for i, (_, free) in enumerate(self._free) if free >= size),
-                   key=lambda i: self._free[i][1], default=None)
-        if best is None:
-            return None
-        start, free = self._free.pop(best)
-        if free > size:
-            insort(self._free, (start + size, free - size))
+        else:
+            best = min((i for i, (_, free) in enumerate(self._free) if free >= size),
+                       key=lambda i: self._free[i][1], default=None)
+            if best is None:
+                return None
+            start, free = self._free[best]
+            if free > size:  # the rest stays where it was in the start order
+                self._free[best] = (start + size, free - size)
+            else:
+                del self._free[best]
         self._owned[key] = (start, size)
+        self._owned_units += size
         return start
 
     def free(self, key: int) -> None:
@@ -101,27 +104,33 @@ class RankPool:
         block = self._owned.pop(key, None)
         if block is None:
             return
-        insort(self._free, block)
-        merged: list[tuple[int, int]] = []
-        for start, size in self._free:
-            if merged and merged[-1][0] + merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], merged[-1][1] + size)
-            else:
-                merged.append((start, size))
-        self._free = merged
-        assert sum(s for _, s in self._free) + sum(s for _, s in self._owned.values()) == self.units
+        start, size = block
+        self._owned_units -= size
+        if self.region is not None:
+            return
+        # merge with the free neighbours only: every free range is apart from the others already
+        i = bisect(self._free, block)
+        if i < len(self._free) and self._free[i][0] == start + size:  # the range after it
+            size += self._free.pop(i)[1]
+        if i and sum(self._free[i - 1]) == start:  # the range before it
+            self._free[i - 1] = (self._free[i - 1][0], self._free[i - 1][1] + size)
+        else:
+            self._free.insert(i, (start, size))
+
+    def check(self) -> None:
+        """Assert the bookkeeping is whole: free and owned ranges apart, together every row once
+        (tests call it; the hot path does not, it would walk every range)."""
+        ranges = sorted([*self._owned.values(), *self._free])
+        assert all(a + n <= b for (a, n), (b, _) in zip(ranges, ranges[1:])), f"ranges overlap: {ranges}"
+        assert self._owned_units == sum(n for _, n in self._owned.values())
+        if self.region is None:
+            assert self._owned_units + sum(n for _, n in self._free) == self.units, "rows lost or gained"
+            assert all(a + n < b for (a, n), (b, _) in zip(self._free, self._free[1:])), "free ranges not merged"
 
     def fits_instead(self, key: int, size: int) -> bool:
         """Whether ``key`` could hold ``size`` rows once its own rows are freed (a rewrite)."""
-        return self.fits_keeping(size, [k for k in self._owned if k != key])
-
-
-def _without(free: list[tuple[int, int]], start: int, size: int) -> list[tuple[int, int]]:
-    """``free`` ranges less ``[start, start + size)``, which one of them holds."""
-    out = []
-    for at, length in free:
-        if at <= start and start + size <= at + length:
-            out += [r for r in ((at, start - at), (start + size, at + length - start - size)) if r[1]]
-        else:
-            out.append((at, length))
-    return out
+        block = self._owned.get(key)
+        if block is None or self.region is not None or self.fits(size):
+            return self.fits(size)
+        start, owned = block  # its rows, joined by the free ranges on either side
+        return owned + sum(free for at, free in self._free if at + free == start or at == start + owned) >= size

@@ -131,7 +131,7 @@ class BaseLayerWithLoRA(nn.Module):
         self.register_buffer("lora_scales", torch.zeros(S, n, dtype=torch.float32, device=device), persistent=False)
         self.register_buffer("lora_ranks", torch.zeros(S, dtype=torch.int32, device=device), persistent=False)
         self._host_ranks = [0] * S  # lora_ranks on the host: skip layers no active slot touches
-        self._views: dict[int, tuple] = {}  # slot -> its views, see _slot_views
+        self._views: dict[int, tuple] = {}  # slot -> its views, see _slot_views and _slot_cells
         self.lora_context: LoRAContext | None = None  # set by the model manager
         self.computes_logits = False  # the model's LM head (set by patch_model): its rows are the logits rows
         self.layer_id = register_layer(self)  # how the lora_layer op finds this layer
@@ -333,8 +333,8 @@ class BaseLayerWithLoRA(nn.Module):
         self.rank_pool.free(slot)
         start = self.rank_pool.allocate(slot, width) or 0
         self._host_ranks[slot] = rank  # until this write completes, a failure's reset_lora clears it
-        write = SlotWrite(self, slot, self.lora_scales[slot], self.lora_ranks[slot : slot + 1],
-                          start_cell=self.lora_pool_starts[slot : slot + 1], start=start)
+        scales_row, rank_cell, start_cell = self._slot_cells(slot)
+        write = SlotWrite(self, slot, scales_row, rank_cell, start_cell=start_cell, start=start)
         rows_a, block_b = self._pool_block(start, width)
         offset = 0
         for i, (size, weights) in enumerate(zip(self.output_sizes, weights_by_slice)):
@@ -349,6 +349,17 @@ class BaseLayerWithLoRA(nn.Module):
             offset += size
         write.rank = rank
         return write
+
+    def _slot_cells(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A pooled layer's ``slot`` entries: its scales row [n_slices], rank cell [1] and pool
+        start cell [1] (views made once per slot, as `_slot_views`: every write needs them, for
+        every layer)."""
+        cached = self._views.get(slot)
+        if cached is not None and cached[0] is self.lora_scales:
+            return cached[1]
+        cells = (self.lora_scales[slot], self.lora_ranks[slot : slot + 1], self.lora_pool_starts[slot : slot + 1])
+        self._views[slot] = (self.lora_scales, cells)
+        return cells
 
     def _slot_views(self, slot: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
         """``slot``'s per-slice views (A rows [R, in], B columns [size, R]), its scales row [n_slices]
@@ -380,24 +391,26 @@ class BaseLayerWithLoRA(nn.Module):
         return [(a[i * R : i * R + r], b[off : off + size, :r])
                 for i, (off, size) in enumerate(zip(offsets, self.output_sizes))]
 
-    @torch.no_grad()
     def reset_lora(self, slot: int) -> None:
         """Clear ``slot``: tokens mapped to it get the base layer's output only."""
+        cells = self.reset_cells(slot)
+        if cells:
+            torch._foreach_zero_(cells)
+
+    def reset_cells(self, slot: int) -> list[torch.Tensor]:
+        """`reset_lora`'s host half: forget ``slot``'s adapter here and return what to zero for it
+        (none when it is empty already), so the model manager clears a slot of every layer in one
+        device call. The buffers never require grad: no grad mode is needed."""
         assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
         if self.pooled:
             self.rank_pool.free(slot)  # its rows' contents stay: no kernel reads them at rank 0
         if self._host_ranks[slot] == 0:
-            return  # already empty: padding is always zero past a slot's rank
-        if self.pooled:
-            self.lora_scales[slot].zero_()
-            self.lora_ranks[slot] = 0
-            self._host_ranks[slot] = 0
-            return
-        self.lora_a_stacked[slot].zero_()
-        self.lora_b_stacked[slot].zero_()
-        self.lora_scales[slot].zero_()
-        self.lora_ranks[slot] = 0
+            return []  # already empty: padding is always zero past a slot's rank
         self._host_ranks[slot] = 0
+        if self.pooled:
+            return list(self._slot_cells(slot)[:2])  # scales and rank
+        return [self.lora_a_stacked[slot], self.lora_b_stacked[slot], self.lora_scales[slot],
+                self.lora_ranks[slot : slot + 1]]
 
     def scale_multiplier(self) -> float:
         """A factor the base layer applies to its own output after the product (1 for most)."""
