@@ -386,7 +386,9 @@ class LoRAModelManager:
             weights = [adapter.modules.get(module) for module in layer.slice_names]
             if any(w is not None for w in weights):
                 if type(layer).set_lora is BaseLayerWithLoRA.set_lora:
-                    writes.append(layer.slot_write(slot, layer.shard_lora(weights)))  # this rank's part
+                    # this rank's part; the adapter was validated against this model (by the
+                    # registry's callback or `_activate`): no per-layer shape checks again
+                    writes.append(layer.slot_write(slot, layer.shard_lora(weights), checked=True))
                 else:  # a layer plugin that writes its slots its own way
                     layer.set_lora(slot, layer.shard_lora(weights))
                 for rank in range(1, size):

@@ -289,16 +289,19 @@ class BaseLayerWithLoRA(nn.Module):
         """
         apply_slot_writes([self.slot_write(slot, weights_by_slice)])
 
-    def slot_write(self, slot: int, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> SlotWrite:
+    def slot_write(self, slot: int, weights_by_slice: Sequence[LoRAModuleWeights | None], *,
+                   checked: bool = False) -> SlotWrite:
         """This layer's part of writing an adapter into ``slot`` (see `set_lora`), checked and
         described but not run: the blocks to copy, the padding past the new rank that the slot's
         last adapter wrote (only there: past it the slot is zero already), the scales, the rank.
 
+        :param checked: the weights were validated against this model already (the model
+            manager's adapters, by `LoRAModelManager.validate`): skip the shape checks.
         :raises ValueError: the weights do not fit this layer (nothing is written).
         """
         assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
         assert len(weights_by_slice) == self.n_slices, "one weights entry per output slice"
-        problem = self._mismatch(weights_by_slice, self.in_features, self.output_sizes)
+        problem = None if checked else self._mismatch(weights_by_slice, self.in_features, self.output_sizes)
         if problem is not None:
             raise ValueError(problem)
         if self.pooled:
@@ -335,18 +338,26 @@ class BaseLayerWithLoRA(nn.Module):
         self._host_ranks[slot] = rank  # until this write completes, a failure's reset_lora clears it
         scales_row, rank_cell, start_cell = self._slot_cells(slot)
         write = SlotWrite(self, slot, scales_row, rank_cell, start_cell=start_cell, start=start)
-        rows_a, block_b = self._pool_block(start, width)
-        offset = 0
+        # views made with one as_strided each (an indexing chain per view was most of a write's
+        # host time, for every layer of every placement): A's rows of slice i are n * K apart,
+        # and the slot's B is one [N, width] block from element start * N
+        a_pool, b_pool = self.lora_a_pool, self.lora_b_pool
+        n, K = self.n_slices, self.in_features
+        a_row = a_pool.storage_offset() + start * n * K
+        b_row = b_pool.storage_offset() + start * self.out_features
         for i, (size, weights) in enumerate(zip(self.output_sizes, weights_by_slice)):
             r = 0 if weights is None else weights.rank
-            b_rows = block_b[offset : offset + size]  # [size, width]
+            a_i = a_row + i * K  # slice i's first row
             if r:
-                write.copies.append((rows_a[:r, i], weights.lora_a))  # [r, in]
-                write.copies.append((b_rows[:, :r], weights.lora_b))  # [size, r]
+                write.copies.append((a_pool.as_strided((r, K), (n * K, 1), a_i), weights.lora_a))  # [r, in]
+                write.copies.append((b_pool.as_strided((size, r), (width, 1), b_row), weights.lora_b))  # [size, r]
             # the kernels read A's rows up to the rank, B's columns up to the width
-            write.zeros += [rows_a[r:rank, i], b_rows[:, r:]] if r < width else []
+            if r < rank:
+                write.zeros.append(a_pool.as_strided((rank - r, K), (n * K, 1), a_i + r * n * K))
+            if r < width:
+                write.zeros.append(b_pool.as_strided((size, width - r), (width, 1), b_row + r))
             write.scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
-            offset += size
+            b_row += size * width
         write.rank = rank
         return write
 
