@@ -1,5 +1,6 @@
-"""benchmarks/slot_churn.py on the CPU: both GPU memory layouts timed under churn (every placement
-evicts), Llama-3.1-8B's wrapped-layer count, JSON and markdown written."""
+"""The host-time benchmarks on the CPU: benchmarks/slot_churn.py times both GPU memory layouts under
+churn (every placement evicts) at Llama-3.1-8B's wrapped-layer count, JSON and markdown written;
+benchmarks/trace_host.py replays the many-adapters trace with the GPU's step as a sleep."""
 
 from __future__ import annotations
 
@@ -28,3 +29,15 @@ def test_a_fleet_no_larger_than_the_slots_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--slots", "8", "--fleet", "8"])
     assert "--fleet > --slots" in capsys.readouterr().err
+
+
+def test_the_trace_benchmark_reports_the_hosts_share_per_n():
+    from benchmarks.trace_host import main
+
+    results = main(["--adapters", "2,40", "--requests", "30", "--rate", "200", "--gpu-ms", "1", "--slots", "8",
+                    "--gpu-lora-mb", "40"])
+    assert [r["adapters"] for r in results] == [2, 40]
+    assert all(r["failed"] == 0 and r["steps"] > 0 and r["step_ms"] > 1.0 for r in results)
+    many = results[1]
+    assert many["used"] > 8 and many["parts"]["placements"]["calls"] > 8  # more adapters than slots: churn
+    assert many["parts"]["schedule"]["calls"] >= many["steps"]  # every step schedules; some compute nothing
