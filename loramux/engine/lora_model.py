@@ -22,9 +22,10 @@ from torch import nn
 
 from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
 from loramux.engine.layers.slot_write import apply_slot_writes
-from loramux.engine.lora_patch import create_lora_layer, matches_target, patch_model
+from loramux.engine.lora_patch import create_lora_layer, patch_model
+from loramux.engine.lora_validation import AdapterValidator
 from loramux.engine.slots import SlotTable
-from loramux.errors import CacheFullError, IncompatibleAdapterError, LoRAError
+from loramux.errors import CacheFullError, LoRAError
 from loramux.kernels.pool import pool_rows
 from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig, LoRAModuleWeights
 from loramux.registry.handle import memory_handle
@@ -59,14 +60,9 @@ class LoRAModelManager:
         self.lora_config = lora_config
         self.target_modules = target_modules
         self.context = LoRAContext(lora_config.max_loras)
-        self._module_types = {name: type(module) for name, module in model.named_modules() if name}
+        module_types = {name: type(module) for name, module in model.named_modules() if name}  # before patching
         self.layers = patch_model(model, lora_config, self.context, target_modules=target_modules)
-        # adapter module name -> (layer, slice index); packed layers take several names
-        self._targets: dict[str, tuple[BaseLayerWithLoRA, int]] = {
-            slice_name: (layer, index)
-            for layer in self.layers.values()
-            for index, slice_name in enumerate(layer.slice_names)
-        }
+        self.validator = AdapterValidator(type(model).__name__, module_types, self.layers, target_modules)
         self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
         self._pooled = [layer for layer in self.layers.values() if layer.pooled]
         self._footprints: dict[int, list[tuple[BaseLayerWithLoRA, int]]] = {}  # handle id -> _footprint
@@ -120,14 +116,7 @@ class LoRAModelManager:
 
     def supported_layer_types(self) -> list[str]:
         """Layer types this model can take LoRA on: loramux's own and those plugins wrapped."""
-        from loramux.engine.layers.plugin import SUPPORTED_LAYER_TYPES
-
-        from_plugins = {
-            f"{type(layer.base_layer).__module__}.{type(layer.base_layer).__qualname__}"
-            for layer in self.layers.values()
-            if not type(layer).__module__.startswith("loramux.engine.layers")
-        }
-        return [*SUPPORTED_LAYER_TYPES, *sorted(from_plugins)]
+        return self.validator.supported_layer_types()
 
     def validate(self, adapter: LoRAAdapter) -> None:
         """Check that every module of ``adapter`` fits a wrapped layer of this model.
@@ -136,57 +125,7 @@ class LoRAModelManager:
             out by ``target_modules``, or of a layer type no wrapper supports), of another
             shape, or above ``max_lora_rank``. Nothing changes either way.
         """
-        for module_name, weights in adapter.modules.items():
-            target = self._targets.get(module_name)
-            if target is None or not matches_target(module_name, self.target_modules):
-                raise self._not_wrapped_error(adapter, module_name)
-            layer, index = target
-            if weights.rank > layer.max_lora_rank:
-                raise IncompatibleAdapterError(
-                    f"module {module_name!r} has rank {weights.rank}, above max_lora_rank="
-                    f"{layer.max_lora_rank}.",
-                    adapter=adapter.name,
-                    path=adapter.path,
-                    fix=f"Raise max_lora_rank (--max-lora-rank) to at least {adapter.rank}.",
-                )
-            by_slice: list[LoRAModuleWeights | None] = [None] * layer.n_slices
-            by_slice[index] = weights
-            problem = layer.describe_mismatch(by_slice)
-            if problem is not None:
-                raise IncompatibleAdapterError(
-                    f"{problem}.",
-                    adapter=adapter.name,
-                    path=adapter.path,
-                    fix="Serve it with the base model it was trained for.",
-                )
-
-    def _not_wrapped_error(self, adapter: LoRAAdapter, module_name: str) -> IncompatibleAdapterError:
-        module_type = self._module_types.get(module_name)
-        if module_type is None:
-            return IncompatibleAdapterError(
-                f"it targets module {module_name!r}, which this {type(self.model).__name__} "
-                "does not have.",
-                adapter=adapter.name,
-                path=adapter.path,
-                fix="Serve it with the base model it was trained for.",
-            )
-        if not matches_target(module_name, self.target_modules):
-            return IncompatibleAdapterError(
-                f"it targets module {module_name!r}, which lora_target_modules="
-                f"{self.target_modules!r} leaves without LoRA.",
-                adapter=adapter.name,
-                path=adapter.path,
-                fix="Add it to lora_target_modules, or leave that option unset.",
-            )
-        return IncompatibleAdapterError(
-            f"it targets module {module_name!r}, a {module_type.__module__}."
-            f"{module_type.__qualname__}, which loramux cannot apply LoRA to; supported layer "
-            f"types: {', '.join(self.supported_layer_types())}.",
-            adapter=adapter.name,
-            path=adapter.path,
-            fix="Install a plugin that adds LoRA support for that layer type "
-            "(hook create_lora_layer), or use an adapter that does not target it.",
-        )
+        self.validator.validate(adapter)
 
     # -- slots (keyed by handle id) ---------------------------------------------------------------
 

@@ -1,0 +1,111 @@
+"""Whether an adapter fits a patched model: every module it names is a wrapped layer of the
+right shape, at a rank the layer holds (`AdapterValidator`, the model manager's ``validate``).
+Each error names the module, what is wrong and the fix."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from loramux.engine.layers import BaseLayerWithLoRA
+from loramux.engine.lora_patch import matches_target
+from loramux.errors import IncompatibleAdapterError
+from loramux.registry import LoRAAdapter, LoRAModuleWeights
+
+__all__ = ["AdapterValidator"]
+
+
+class AdapterValidator:
+    """Checks adapters against ``layers``, the wrappers `patch_model` put in a model.
+
+    :param model_type: the model's class name (for messages).
+    :param module_types: every module's type by name, as it was before patching (what a module
+        that could not be wrapped is).
+    :param layers: the wrapped layers by module name.
+    :param target_modules: the manager's ``target_modules`` rule (None: every supported layer).
+    """
+
+    def __init__(self, model_type: str, module_types: dict[str, type[nn.Module]],
+                 layers: dict[str, BaseLayerWithLoRA], target_modules: Sequence[str] | str | None) -> None:
+        self._model_type = model_type
+        self._module_types = module_types
+        self.layers = layers
+        self.target_modules = target_modules
+        # adapter module name -> (layer, slice index); packed layers take several names
+        self._targets: dict[str, tuple[BaseLayerWithLoRA, int]] = {
+            slice_name: (layer, index)
+            for layer in layers.values()
+            for index, slice_name in enumerate(layer.slice_names)
+        }
+
+    def supported_layer_types(self) -> list[str]:
+        """Layer types this model can take LoRA on: loramux's own and those plugins wrapped."""
+        from loramux.engine.layers.plugin import SUPPORTED_LAYER_TYPES
+
+        from_plugins = {
+            f"{type(layer.base_layer).__module__}.{type(layer.base_layer).__qualname__}"
+            for layer in self.layers.values()
+            if not type(layer).__module__.startswith("loramux.engine.layers")
+        }
+        return [*SUPPORTED_LAYER_TYPES, *sorted(from_plugins)]
+
+    def validate(self, adapter: LoRAAdapter) -> None:
+        """Check that every module of ``adapter`` fits a wrapped layer of this model.
+
+        :raises IncompatibleAdapterError: a module is absent from the model, not wrapped (left
+            out by ``target_modules``, or of a layer type no wrapper supports), of another
+            shape, or above ``max_lora_rank``. Nothing changes either way.
+        """
+        for module_name, weights in adapter.modules.items():
+            target = self._targets.get(module_name)
+            if target is None or not matches_target(module_name, self.target_modules):
+                raise self._not_wrapped_error(adapter, module_name)
+            layer, index = target
+            if weights.rank > layer.max_lora_rank:
+                raise IncompatibleAdapterError(
+                    f"module {module_name!r} has rank {weights.rank}, above max_lora_rank="
+                    f"{layer.max_lora_rank}.",
+                    adapter=adapter.name,
+                    path=adapter.path,
+                    fix=f"Raise max_lora_rank (--max-lora-rank) to at least {adapter.rank}.",
+                )
+            by_slice: list[LoRAModuleWeights | None] = [None] * layer.n_slices
+            by_slice[index] = weights
+            problem = layer.describe_mismatch(by_slice)
+            if problem is not None:
+                raise IncompatibleAdapterError(
+                    f"{problem}.",
+                    adapter=adapter.name,
+                    path=adapter.path,
+                    fix="Serve it with the base model it was trained for.",
+                )
+
+    def _not_wrapped_error(self, adapter: LoRAAdapter, module_name: str) -> IncompatibleAdapterError:
+        module_type = self._module_types.get(module_name)
+        if module_type is None:
+            return IncompatibleAdapterError(
+                f"it targets module {module_name!r}, which this {self._model_type} "
+                "does not have.",
+                adapter=adapter.name,
+                path=adapter.path,
+                fix="Serve it with the base model it was trained for.",
+            )
+        if not matches_target(module_name, self.target_modules):
+            return IncompatibleAdapterError(
+                f"it targets module {module_name!r}, which lora_target_modules="
+                f"{self.target_modules!r} leaves without LoRA.",
+                adapter=adapter.name,
+                path=adapter.path,
+                fix="Add it to lora_target_modules, or leave that option unset.",
+            )
+        return IncompatibleAdapterError(
+            f"it targets module {module_name!r}, a {module_type.__module__}."
+            f"{module_type.__qualname__}, which loramux cannot apply LoRA to; supported layer "
+            f"types: {', '.join(self.supported_layer_types())}.",
+            adapter=adapter.name,
+            path=adapter.path,
+            fix="Install a plugin that adds LoRA support for that layer type "
+            "(hook create_lora_layer), or use an adapter that does not target it.",
+        )
+
