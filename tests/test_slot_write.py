@@ -97,3 +97,19 @@ def test_a_layer_that_overrides_set_lora_is_still_called_by_the_manager(tmp_path
     assert calls == ["model.layers.0.self_attn.q_proj"]
     written = [name for name, layer in manager.layers.items() if layer.lora_ranks[slot] > 0]
     assert len(written) == 4 and special.lora_ranks[slot] == 4  # q and v of both layers
+
+
+def test_zero_all_zeroes_mixed_dtypes_in_one_call_per_dtype(monkeypatch):
+    """A slot's cells are float32 scales and int32 ranks (and a dense slot's 16-bit blocks): one
+    ``_foreach_zero_`` per dtype, so CUDA's foreach fast path (one dtype a list) takes each."""
+    from loramux.engine.layers.slot_write import zero_all
+
+    tensors = [torch.ones(3), torch.ones(2, dtype=torch.int32), torch.ones(4), torch.ones(2, dtype=torch.bfloat16)]
+    calls = []
+    foreach_zero = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda group: calls.append([t.dtype for t in group]) or foreach_zero(group))
+    zero_all(tensors)
+    assert all(not t.any() for t in tensors)
+    assert sorted(calls, key=str) == sorted([[torch.float32, torch.float32], [torch.int32], [torch.bfloat16]], key=str)
+    zero_all([])
+    assert len(calls) == 3

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
-from loramux.engine.layers.slot_write import apply_slot_writes
+from loramux.engine.layers.slot_write import apply_slot_writes, zero_all
 from loramux.engine.lora_patch import create_lora_layer, patch_model
 from loramux.engine.lora_validation import AdapterValidator
 from loramux.engine.slots import SlotTable
@@ -339,14 +339,13 @@ class LoRAModelManager:
             self.workers.write_slot(slot, shards)
 
     def _clear_slot(self, slot: int) -> None:
-        cells = []  # every layer's part, zeroed in one device call
+        cells = []  # every layer's part, zeroed in a call per dtype
         for layer in self.layers.values():
             if type(layer).reset_lora is BaseLayerWithLoRA.reset_lora:
                 cells += layer.reset_cells(slot)
             else:  # a layer plugin that clears its slots its own way
                 layer.reset_lora(slot)
-        if cells:
-            torch._foreach_zero_(cells)
+        zero_all(cells)
         if self.workers is not None:
             self.workers.clear_slot(slot)
 

@@ -47,7 +47,7 @@ from torch import nn
 from loramux.engine.layers.context import LoRAContext
 from loramux.engine.layers.lora_op import register_layer
 from loramux.engine.layers.side_stream import shrink_beside_base, side_stream
-from loramux.engine.layers.slot_write import SlotWrite, apply_slot_writes
+from loramux.engine.layers.slot_write import SlotWrite, apply_slot_writes, zero_all
 from loramux.engine.rank_pool import RankPool
 from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
 from loramux.kernels.pool import pool_rows
@@ -404,14 +404,12 @@ class BaseLayerWithLoRA(nn.Module):
 
     def reset_lora(self, slot: int) -> None:
         """Clear ``slot``: tokens mapped to it get the base layer's output only."""
-        cells = self.reset_cells(slot)
-        if cells:
-            torch._foreach_zero_(cells)
+        zero_all(self.reset_cells(slot))
 
     def reset_cells(self, slot: int) -> list[torch.Tensor]:
         """`reset_lora`'s host half: forget ``slot``'s adapter here and return what to zero for it
-        (none when it is empty already), so the model manager clears a slot of every layer in one
-        device call. The buffers never require grad: no grad mode is needed."""
+        (none when it is empty already), so the model manager clears a slot of every layer in a
+        call per dtype (`zero_all`). The buffers never require grad: no grad mode is needed."""
         assert 0 <= slot < self.max_loras, f"slot {slot} outside [0, {self.max_loras})"
         if self.pooled:
             self.rank_pool.free(slot)  # its rows' contents stay: no kernel reads them at rank 0

@@ -31,7 +31,7 @@ import torch
 if TYPE_CHECKING:
     from loramux.engine.layers.base import BaseLayerWithLoRA
 
-__all__ = ["SlotWrite", "apply_slot_writes"]
+__all__ = ["SlotWrite", "apply_slot_writes", "zero_all"]
 
 #: Stage the adapter's whole host buffer only when it is at most this much larger than the
 #: blocks the slot needs (a buffer with a saved base embedding beside the LoRA weights is not).
@@ -79,6 +79,16 @@ def apply_slot_writes(writes: Sequence[SlotWrite]) -> None:
         _spread([w.start_cell for w in pooled], [[w.start] for w in pooled], torch.int32, device)
     for write in writes:
         write.layer._host_ranks[write.slot] = write.rank
+
+
+def zero_all(tensors: Sequence[torch.Tensor]) -> None:
+    """Zero ``tensors`` in one ``_foreach_zero_`` per dtype (a list of mixed dtypes would take
+    the foreach ops' slow path on CUDA, a launch per tensor)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+    for group in by_dtype.values():
+        torch._foreach_zero_(group)
 
 
 def _staged(weights: list[torch.Tensor], device: torch.device) -> list[torch.Tensor] | None:
