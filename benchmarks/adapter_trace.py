@@ -24,11 +24,15 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from benchmarks._common import ALL_SEVEN, QKVO, QV, drop_from_page_cache, module_name, projection_shapes, write_peft_config
+
+if TYPE_CHECKING:
+    from loramux.engine.model_runner import StepShape
 
 __all__ = [
     "DEFAULT_MIX", "AdapterKind", "RequestRecord", "Trace", "TraceAdapter", "TraceRequest", "adapter_nbytes",
@@ -258,7 +262,7 @@ def run_trace(
     adapter_bytes: Callable[[TraceAdapter], int] = lambda adapter: 0,
     progress: Callable[[int, int, float], None] | None = None,
     progress_every_s: float = 5.0,
-    steps: list[tuple[object, float]] | None = None,
+    steps: list[tuple[StepShape, float]] | None = None,
 ) -> list[RequestRecord]:
     """Replay ``trace`` in real time through ``engine`` (an ``LLMEngine``); the record of each request.
 
@@ -312,11 +316,11 @@ def run_trace(
     return [records[r.request_id] for r in trace.requests]
 
 
-def summarize_steps(steps: Sequence[tuple[object, float]]) -> dict:
+def summarize_steps(steps: Sequence[tuple[StepShape, float]]) -> dict:
     """Where a trace's step time went, by the tokens each forward ran (a graph's padded size):
     steps, mean milliseconds, mean tokens and prompt tokens; over all steps, the share that
     computed prompt tokens and the share of the forwards' tokens that were padding."""
-    by_size: dict[int, list[tuple[object, float]]] = {}
+    by_size: dict[int, list[tuple[StepShape, float]]] = {}
     for shape, seconds in steps:
         by_size.setdefault(shape.padded_tokens, []).append((shape, seconds))
     computed = sum(shape.num_tokens for shape, _ in steps)
