@@ -129,8 +129,10 @@ class RankPool:
 
     def fits_instead(self, key: int, size: int) -> bool:
         """Whether ``key`` could hold ``size`` rows once its own rows are freed (a rewrite)."""
+        if self.fits(size):
+            return True
         block = self._owned.get(key)
-        if block is None or self.region is not None or self.fits(size):
-            return self.fits(size)
+        if block is None or self.region is not None:  # nothing of its own to add (a region is fixed)
+            return False
         start, owned = block  # its rows, joined by the free ranges on either side
         return owned + sum(free for at, free in self._free if at + free == start or at == start + owned) >= size
