@@ -200,6 +200,31 @@ def lora_runs(args, model, prompts, rank: int, record, result) -> None:
     close(engine)
 
 
+def qv_engine_runs(args, model, prompts, rank: int, record) -> None:
+    """q/v adapters on an engine told its fleet targets q/v only (``lora_target_modules``): it wraps
+    the fused qkv projection alone, where the default engine wraps all seven and launches the
+    kernels of the other projections for every step, whatever the batch's adapters target."""
+    config, vocab = model.config, model.config.get_text_config().vocab_size
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    most = max(args.adapters)
+    adapters = [random_adapter(config, f"qv-engine-r{rank}-{i}", rank, QV, 5000 + i, device, dtype)
+                for i in range(most)]
+    engine = LLMEngine(model, enable_lora=True, max_loras=most, max_lora_rank=rank, max_cpu_loras=most + 1,
+                       lora_target_modules=list(QV), **engine_options(args))
+    requests = []
+    for adapter in adapters:
+        engine.registry.bind(adapter)
+        requests.append(LoRARequest(adapter.name, len(requests) + 1))
+    warm_up(engine, [None], vocab)
+    run_workload(engine, prompts, [None] * len(prompts), min(args.output_len, 16))  # first-use costs
+    for n in (1, most):
+        loras = [requests[i % n] for i in range(len(prompts))]
+        warm_up(engine, requests[:n], vocab)
+        record({"scenario": f"{n} adapter{'s' if n > 1 else ''} (q/v, engine wraps q/v only)", "rank": rank,
+                "adapters": n, **run_workload(engine, prompts, loras, args.output_len)}, adapters[:n])
+    close(engine)
+
+
 def peft_run(args, model, prompts, rank: int, n: int, device) -> dict:
     """PEFT's mixed batch: ``generate(adapter_names=...)`` with ``n`` random adapters."""
     from peft import LoraConfig, get_peft_model
@@ -266,6 +291,8 @@ def main() -> None:
     parser.add_argument("--concurrency", action="store_true", help="1k-token requests at max_model_len=32768")
     parser.add_argument("--startup", action="store_true", help="first and second start in fresh processes")
     parser.add_argument("--only", choices=["base", "lora", "all"], default="all")
+    parser.add_argument("--qv-engine", action="store_true",
+                        help="also q/v adapters on an engine that wraps q/v only (lora_target_modules)")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="measure TP=1 and TP=N instead (0, 1 and 32 adapters; benchmarks/tensor_parallel.py)")
     parser.add_argument("--json", type=Path, default=Path("throughput.json"))
@@ -318,6 +345,11 @@ def main() -> None:
                 gc.collect()
                 model = load_model(args.model, dtype=args.dtype, device=device, load_format=args.load_format)[0]
             lora_runs(args, model, prompts, rank, record, result)
+        if args.qv_engine:
+            del model
+            gc.collect()
+            model = load_model(args.model, dtype=args.dtype, device=device, load_format=args.load_format)[0]
+            qv_engine_runs(args, model, prompts, args.ranks[0], record)
     if args.peft_adapters:
         del model
         gc.collect()

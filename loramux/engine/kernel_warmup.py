@@ -19,10 +19,14 @@ written; every block table row points at block 0). The candidate steps:
 - B - 1 decode tokens beside one prefill chunk (T > B), for each padded sequence count B;
 - decode tokens only (T = B), as steps run when no graph serves them.
 
-Not covered (each compiles on first use, once per machine: Triton's cache is on disk): batches
-whose adapter segments differ from one adapter over the whole step (several adapters in one
-prefill step), split-KV shapes of long contexts, and steps a graph would serve but that run
-eagerly because they ask for prompt logprobs.
+A prefill-sized step's LoRA launch shapes depend on its token count alone, not on how its tokens
+split between adapters (`loramux.kernels.tiles.shape_from_tokens_alone`), so the one-adapter
+candidates reach every LoRA kernel such a step can launch, whatever its mix.
+
+Not covered (each compiles on first use, once per machine: Triton's cache is on disk): eager
+decode-sized steps (at most 256 tokens: ``enforce_eager``, or a step a graph would serve that runs
+eagerly because it asks for prompt logprobs) with several adapters, and split-KV shapes of long
+contexts.
 
 Triton compiles one kernel at a time when a launch needs it. Where Triton has an asynchronous
 compile mode (``triton.runtime._async_compile``), a first pass runs the plan with every launch
@@ -50,7 +54,7 @@ from loramux.kernels import LoRABatchMeta, build_lora_meta
 from loramux.kernels.attention import attention_config
 from loramux.kernels.expand import expand_launch
 from loramux.kernels.shrink import shrink_launch
-from loramux.kernels.tiles import cdiv, next_pow2
+from loramux.kernels.tiles import cdiv, next_pow2, slot_lanes
 
 if TYPE_CHECKING:
     from loramux.engine.model_runner import ModelRunner
@@ -116,12 +120,13 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
     if not step.lora:
         return set()
     meta = _one_adapter_meta(step, num_slots)
+    lanes = slot_lanes(meta)  # a constexpr of both kernels
     keys: set[Hashable] = set()
     for m in modules:
         shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device)
-        keys.add(("shrink", m.stacked_rank, m.in_features, m.dtype, shrink.config, shrink.split_k))
+        keys.add(("shrink", m.stacked_rank, m.in_features, m.dtype, shrink.config, shrink.split_k, lanes))
         cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device)[0]
-        keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg))
+        keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg, lanes))
     return keys
 
 

@@ -25,7 +25,7 @@ from .checks import check_expand
 from .metadata import LoRABatchMeta
 from .pool import POOL_ROW_ALIGN
 from .tiles import (POOL_ALIGN, block_m_for, cdiv, dot_precision, next_pow2, pool_width, resolve_pdl,
-                    segment_tile, slot_lanes, static_block_m, target_programs)
+                    segment_tile, shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
@@ -146,14 +146,16 @@ class ExpandConfig:
 
 def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
                   device: torch.device) -> ExpandConfig:
-    """Heuristic launch shape, cached on the meta. 64-column blocks; shorter tiles for small ranks
-    (buf rows are cheap) and taller ones for large ranks (fewer re-reads of B from L2); several
-    blocks per program once the grid is more than twice the GPU (prefill), one otherwise (decode)."""
+    """Launch shape, cached on the meta; a static meta and a prefill-sized batch get
+    `static_expand_config` (`shape_from_tokens_alone`). 64-column blocks; shorter tiles for small
+    ranks (buf rows are cheap) and taller ones for large ranks (fewer re-reads of B from L2);
+    several blocks per program once the grid is more than twice the GPU (prefill), one otherwise
+    (decode)."""
     key = ("expand", slice_sizes, R, dtype, device)
     cfg = meta._cache.get(key)
     if cfg is not None:
         return cfg
-    if meta.static:
+    if shape_from_tokens_alone(meta):
         cfg = static_expand_config(meta.num_tokens, slice_sizes, R, dtype, device)
         meta._cache[key] = cfg
         return cfg

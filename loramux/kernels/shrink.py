@@ -15,8 +15,8 @@ rows of tokens with an adapter are stored by exactly one program, zeros past a s
 Launches of the same device share the table: do not run two split-K shrinks at once on
 different streams.
 
-Launch shape: from this batch's tiles (`shrink_config`, exact meta), or, for a static meta, from
-T, S and the module's shape alone (`static_shrink_config`), so the grid is the same for every
+Launch shape: from this batch's tiles (`shrink_config`, a decode-sized eager meta), or, for a
+static meta and any prefill-sized batch, from T, S and the module's shape alone (`static_shrink_config`), so the grid is the same for every
 mapping of T tokens: one CUDA graph serves any mix of adapters. The split count there is sized
 for the one-adapter case (the fewest real tiles), which wants the most parallelism in K; a
 mixed batch gets more real tiles from the same grid.
@@ -33,8 +33,8 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, slot_lanes, static_block_m,
-                    target_programs)
+from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, shape_from_tokens_alone,
+                    slot_lanes, static_block_m, target_programs)
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
 MAX_SPLIT_K = 64
@@ -141,45 +141,33 @@ class ShrinkConfig:
 
 
 def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device) -> ShrinkConfig:
-    """Heuristic launch shape, cached on the meta (every layer of a step reuses it); a static meta
-    gets `static_shrink_config`.
+    """Launch shape, cached on the meta (every layer of a step reuses it).
 
-    Weights dominate the bytes (decode: few tokens per slot), or the batch is decode-sized (at
-    most 256 tokens: latency bound, the static decode tile height): narrow rank blocks spread the
-    weights over programs. Activations dominate (prefill): 64-wide rank blocks, whose programs
-    for one tile run side by side, so x comes from DRAM once and from L2 after. Either way, K is
-    split until the grid fills the GPU; the split shrinks smoothly as tokens grow.
+    A static meta and a prefill-sized batch (`shape_from_tokens_alone`) get `static_shrink_config`.
+    A decode-sized batch (at most `DECODE_MAX_TOKENS` tokens) is latency bound whatever its mix:
+    tiles of its segments' height, narrow rank blocks that spread the weights over many short
+    programs (on an H100 one adapter over 64 tokens in 64-row tiles and 64-wide blocks took 2x the
+    time of this shape, and lost to vLLM's tuned kernel), K split until the grid fills the GPU.
     """
     key = ("shrink", NR, H, dtype, device)
     cfg = meta._cache.get(key)
     if cfg is not None:
         return cfg
-    if meta.static:
+    if shape_from_tokens_alone(meta):
         cfg = static_shrink_config(meta.num_tokens, NR, H, dtype, device)
         meta._cache[key] = cfg
         return cfg
     target = target_programs(device)
-    # decode-sized batches are latency bound whatever the mix: short tiles and narrow rank blocks
-    # give many short programs (on an H100 one adapter over 64 tokens in 64-row tiles and 64-wide
-    # blocks took 2x the time of the static decode shape, and lost to vLLM's tuned kernel)
-    decode = meta.num_tokens <= 256
-    block_m = block_m_for(meta)
-    if decode:
-        block_m = min(block_m, static_block_m(meta.num_tokens))
+    block_m = min(block_m_for(meta), static_block_m(meta.num_tokens))
     n_tiles = max(1, meta.num_tiles(block_m))
-    np2 = min(max(16, next_pow2(NR)), 256)
-    if decode or meta.num_active * NR >= meta.num_lora_tokens:  # weights dominate
-        block_n, block_k, num_stages = np2, 128, 4
-        while block_n > 16 and n_tiles * cdiv(NR, block_n) < target:
-            block_n //= 2
-    else:  # activations dominate: 64-wide rank blocks (wgmma m64n64) re-read x from L2, not DRAM
-        block_n, block_k, num_stages = min(np2, 64), 64, 4
+    block_n, block_k = min(max(16, next_pow2(NR)), 256), 128
+    while block_n > 16 and n_tiles * cdiv(NR, block_n) < target:
+        block_n //= 2
     if dtype == torch.float32:
         block_k //= 2
-    base = n_tiles * cdiv(NR, block_n)
-    split_k = _split_for(base, target, H, block_k)
+    split_k = _split_for(n_tiles * cdiv(NR, block_n), target, H, block_k)
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
-    cfg = ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, num_stages)
+    cfg = ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, 4)
     meta._cache[key] = cfg
     return cfg
 
