@@ -71,6 +71,7 @@ from benchmarks.adapter_trace import (  # noqa: E402
     summarize_steps,
     write_adapter_files,
 )
+from benchmarks.startup_check import engine_stages  # noqa: E402
 
 GB = 1e9
 # the CPU default: a 2-layer Llama small enough that 2 cores replay every trace in seconds
@@ -442,8 +443,10 @@ def main(argv=None) -> None:
     bandwidth = copy_bandwidth(args.device)  # before the engine: its KV cache takes the free memory
     if args.device.type == "cuda":
         torch.cuda.empty_cache()  # hand the probe's 2 GiB back, or the KV cache is sized without them
+    engine_started = time.perf_counter()
     engine = build_engine(args)
     sync(args.device)
+    engine_seconds = time.perf_counter() - engine_started
     vocab = engine.vocab_size
     mode = "eager" if args.enforce_eager or args.device.type != "cuda" else "compiled + graphs"
     print(f"{device_name(args.device)}: engine ready in {time.perf_counter() - started:.0f} s ({mode})", flush=True)
@@ -469,7 +472,7 @@ def main(argv=None) -> None:
                   "mode": mode, "torch": torch.__version__, "options": options, "disk": disk,
                   "copy_bandwidth_GBps": bandwidth and bandwidth / GB, **calibration, "rate_req_s": args.rate,
                   "graph_sizes": engine.runner.graph_sizes if engine.runner.graphs is not None else [],
-                  "results": []}
+                  "engine_start": engine_stages(engine, engine_seconds), "results": []}
         for index, n in enumerate(args.adapters):
             report["results"].append(run_one(engine, args, root, n, vocab, index))
             report["targets"] = check_targets(report["results"], disk["adapter_files_read_bytes_per_s"])
