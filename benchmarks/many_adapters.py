@@ -33,6 +33,7 @@ Writes ``many_adapters_<tag>.json`` and ``.md`` into ``--out``; ``--plot`` draws
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -77,6 +78,29 @@ GB = 1e9
 # the CPU default: a 2-layer Llama small enough that 2 cores replay every trace in seconds
 TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256)
+
+
+@contextlib.contextmanager
+def compiles_watched():
+    """What compiled inside the block: dynamo frames and Triton kernels (built, or read from the
+    disk cache), each a stall of the step that needed it. Yields a dict filled on exit."""
+    import triton
+
+    from loramux.engine.compilation import compiled_frames
+
+    knobs = getattr(triton, "knobs", None)
+    built: list[str] = []
+    frames = compiled_frames()
+    watched: dict = {}
+    if knobs is not None:
+        knobs.runtime.jit_post_compile_hook = lambda **kw: built.append(kw["repr"][:300])
+    try:
+        yield watched
+    finally:
+        if knobs is not None:
+            knobs.runtime.jit_post_compile_hook = None
+        watched.update(dynamo_frames=compiled_frames() - frames,
+                       triton_kernels=len(built) if knobs is not None else None, kernels=built)
 
 
 def build_engine(args):
@@ -186,14 +210,15 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
           f"replaying {len(trace.requests)} requests over {trace.requests[-1].arrival_s:.1f} s", flush=True)
     before = tier_counts(engine)
     steps = []
-    records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
-                        progress=lambda done, total_, s: print(f"  {done}/{total_} finished, {s:.0f} s", flush=True),
-                        steps=steps)
+    with compiles_watched() as compiled:
+        records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
+                            progress=lambda done, total_, s: print(f"  {done}/{total_} finished, {s:.0f} s", flush=True),
+                            steps=steps)
     after = tier_counts(engine)
     result = {"adapters": n, **summarize(records), "adapter_bytes_written": total, "write_seconds": written_s,
               **{key: after[key] - before.get(key, 0) for key in after},
               "load_average_1m": os.getloadavg()[0],  # other work on the host skews every number
-              "poisson_steps": summarize_steps(steps)}
+              "poisson_steps": summarize_steps(steps), "compiled_while_serving": compiled}
     print(f"  N={n}: {result['tokens_per_s']:.0f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms, p99 "
           f"{result['ttft_p99_ms']:.0f} ms; {result['cold_requests']} cold; {result['failed']} failed", flush=True)
     unload(engine, used, paths)

@@ -154,6 +154,20 @@ def test_warm_up_runs_each_planned_step_and_leaves_no_trace(engine_adapters, mon
     assert greedy(eng, lora) == expected
 
 
+def test_warm_up_on_an_engine_that_wraps_some_projections_only(engine_adapters):
+    """Its zero adapter covers the wrapped projections only: with lora_target_modules=q/v the fused
+    qkv layer holds a k slice no adapter may target, and an 8B engine so configured failed to start
+    on CUDA (the warm-up's adapter targeted k_proj)."""
+    lora = LoRARequest("attn", 1, str(engine_adapters["attn"]))  # q/v
+    options = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64,
+                   max_num_batched_tokens=32, lora_target_modules=["q_proj", "v_proj"])
+    expected = greedy(LLMEngine(tiny_llama(), **options), lora)
+    eng = LLMEngine(tiny_llama(), **options)
+    assert warm_up_kernels(eng.runner) > 1  # the runner calls it on CUDA only; the CPU path runs the same steps
+    assert eng.lora_manager.resident() == []
+    assert greedy(eng, lora) == expected
+
+
 def test_warm_up_can_be_switched_off(monkeypatch):
     eng = engine()
     monkeypatch.setenv(kernel_warmup.ENV_VAR, "0")

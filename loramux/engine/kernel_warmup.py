@@ -50,6 +50,7 @@ import torch
 from tqdm.auto import tqdm
 
 from loramux.engine.kv_cache import kv_cache_geometry
+from loramux.engine.lora_patch import matches_target
 from loramux.kernels import LoRABatchMeta, build_lora_meta
 from loramux.kernels.attention import attention_config
 from loramux.kernels.expand import expand_launch
@@ -276,6 +277,8 @@ def _hold_zero_adapter(manager) -> int:
         if layer.is_embedding:
             continue
         for name, size in zip(layer.slice_names, layer.output_sizes):
+            if not matches_target(name, manager.target_modules):  # k of a fused qkv served for q/v only
+                continue
             like = dict(dtype=layer.lora_dtype, device=layer.lora_scales.device)
             modules[name] = LoRAModuleWeights(torch.zeros(1, layer.in_features, **like), torch.zeros(size, 1, **like), 1.0)
     adapter = LoRAAdapter(name=WARMUP_ADAPTER, path=Path("."), modules=modules, lora_alpha=1.0,
