@@ -16,6 +16,7 @@ Used by ``benchmarks/many_adapters.py`` and by its CPU smoke test.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -263,15 +264,17 @@ def run_trace(
     progress: Callable[[int, int, float], None] | None = None,
     progress_every_s: float = 5.0,
     steps: list[tuple[StepShape, float]] | None = None,
+    phases: list[dict[str, float]] | None = None,
 ) -> list[RequestRecord]:
     """Replay ``trace`` in real time through ``engine`` (an ``LLMEngine``); the record of each request.
 
     Every request generates exactly ``max_tokens`` tokens (greedy, ``ignore_eos``), with its
     adapter registered by path (``LoRARequest(name, id, path)``), so a cold adapter is read from
     disk. ``progress(finished, total, seconds)`` is called every ``progress_every_s``. Each step
-    that computed tokens appends ``(engine.runner.last_step, its seconds)`` to ``steps`` if given.
+    that computed tokens appends ``(engine.runner.last_step, its seconds)`` to ``steps`` if given,
+    and, with ``phases`` given too, the seconds it spent in each of `STEP_PHASES` to ``phases``.
     """
-    from loramux import LoRARequest, SamplingParams
+    from loramux import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     pending = deque(trace.requests)
@@ -279,65 +282,127 @@ def run_trace(
     finished = 0
     start = time.perf_counter()
     last_report = start
-    while pending or engine.has_unfinished_requests():
-        now = time.perf_counter() - start
-        while pending and pending[0].arrival_s <= now:
-            request = pending.popleft()
-            adapter = request.adapter
-            record = RequestRecord(request.request_id, adapter.name, adapter_bytes(adapter),
-                                   cold=not is_resident(engine, adapter.name), arrival_s=request.arrival_s,
-                                   added_s=now)
-            records[request.request_id] = record
-            lora = LoRARequest(adapter.name, adapter.lora_int_id, str(paths[adapter.name]))
-            engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params, lora)
-        if not engine.has_unfinished_requests():
-            if pending:  # idle until the next arrival
-                time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.01)))
-            continue
-        engine.runner.last_step = None
-        began = time.perf_counter()
-        outputs = engine.step()
-        now = time.perf_counter() - start
-        if steps is not None and engine.runner.last_step is not None:
-            steps.append((engine.runner.last_step, now + start - began))
-        for out in outputs:
-            record = records[out.request_id]
-            tokens = len(out.outputs[0].token_ids)
-            if tokens and record.first_token_s is None:
-                record.first_token_s = now
-            if out.finished:
-                record.finish_s, record.output_tokens = now, tokens
-                if out.error is not None or out.outputs[0].finish_reason in ("error", "abort"):
-                    record.error = str(out.error or out.outputs[0].finish_reason)
-                finished += 1
-        if progress is not None and time.perf_counter() - last_report >= progress_every_s:
-            last_report = time.perf_counter()
-            progress(finished, len(trace.requests), last_report - start)
+    with _phases_timed(engine, phases is not None) as spent:
+        while pending or engine.has_unfinished_requests():
+            step = _replay_step(engine, pending, records, params, paths, adapter_bytes, start)
+            if step is None:
+                continue
+            shape, seconds, now, outputs = step
+            if steps is not None and shape is not None:
+                steps.append((shape, seconds))
+                if phases is not None:
+                    phases.append(dict(spent))
+            spent.clear()
+            for out in outputs:
+                record = records[out.request_id]
+                tokens = len(out.outputs[0].token_ids)
+                if tokens and record.first_token_s is None:
+                    record.first_token_s = now
+                if out.finished:
+                    record.finish_s, record.output_tokens = now, tokens
+                    if out.error is not None or out.outputs[0].finish_reason in ("error", "abort"):
+                        record.error = str(out.error or out.outputs[0].finish_reason)
+                    finished += 1
+            if progress is not None and time.perf_counter() - last_report >= progress_every_s:
+                last_report = time.perf_counter()
+                progress(finished, len(trace.requests), last_report - start)
     return [records[r.request_id] for r in trace.requests]
 
 
-def summarize_steps(steps: Sequence[tuple[StepShape, float]]) -> dict:
+def _replay_step(engine, pending, records, params, paths, adapter_bytes, start):
+    """Add the requests that have arrived, then run one step: (its shape, seconds, the time after
+    it, its outputs), or None while the engine idles until the next arrival."""
+    from loramux import LoRARequest
+
+    now = time.perf_counter() - start
+    while pending and pending[0].arrival_s <= now:
+        request = pending.popleft()
+        adapter = request.adapter
+        records[request.request_id] = RequestRecord(
+            request.request_id, adapter.name, adapter_bytes(adapter), cold=not is_resident(engine, adapter.name),
+            arrival_s=request.arrival_s, added_s=now)
+        lora = LoRARequest(adapter.name, adapter.lora_int_id, str(paths[adapter.name]))
+        engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params, lora)
+    if not engine.has_unfinished_requests():
+        if pending:  # idle until the next arrival
+            time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.01)))
+        return None
+    engine.runner.last_step = None
+    began = time.perf_counter()
+    outputs = engine.step()
+    ended = time.perf_counter()
+    return engine.runner.last_step, ended - began, ended - start, outputs
+
+
+# the parts of `LLMEngine.step` timed apart: (name, the engine's attribute that owns it, method)
+STEP_PHASES = (("collect", "adapters", "collect"), ("prefetch", "adapters", "prefetch"),
+               ("schedule", "scheduler", "schedule"), ("forward", "runner", "run"))
+
+
+@contextlib.contextmanager
+def _phases_timed(engine, on: bool):
+    """While on, wrap the methods `STEP_PHASES` names on ``engine``'s parts so each adds its
+    seconds to the yielded dict (the caller clears it per step); put them back on exit."""
+    spent: dict[str, float] = {}
+    wrapped = []
+    for name, owner_attr, method in STEP_PHASES if on else ():
+        owner = getattr(engine, owner_attr, None)
+        if owner is None:
+            continue
+
+        def timed(*args, _real=getattr(owner, method), _name=name, **kwargs):
+            began = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - began
+
+        setattr(owner, method, timed)
+        wrapped.append((owner, method))
+    try:
+        yield spent
+    finally:
+        for owner, method in wrapped:
+            delattr(owner, method)  # the instance attribute goes: the class's method shows again
+
+
+def summarize_steps(steps: Sequence[tuple[StepShape, float]], phases: Sequence[dict[str, float]] | None = None,
+                    slowest: int = 10) -> dict:
     """Where a trace's step time went, by the tokens each forward ran (a graph's padded size):
     steps, mean milliseconds, mean tokens and prompt tokens; over all steps, the share that
-    computed prompt tokens and the share of the forwards' tokens that were padding."""
-    by_size: dict[int, list[tuple[StepShape, float]]] = {}
-    for shape, seconds in steps:
-        by_size.setdefault(shape.padded_tokens, []).append((shape, seconds))
+    computed prompt tokens and the share of the forwards' tokens that were padding. With the
+    steps' ``phases`` (`run_trace`): the mean milliseconds of each phase per size, and the
+    ``slowest`` steps with theirs."""
+    by_size: dict[int, list[int]] = {}
+    for i, (shape, _) in enumerate(steps):
+        by_size.setdefault(shape.padded_tokens, []).append(i)
     computed = sum(shape.num_tokens for shape, _ in steps)
     ran = sum(shape.padded_tokens for shape, _ in steps)
-    return {
+
+    def phase_ms(indices) -> dict[str, float]:
+        names = {name for i in indices for name in phases[i]}
+        return {name: 1e3 * sum(phases[i].get(name, 0.0) for i in indices) / len(indices) for name in sorted(names)}
+
+    summary = {
         "steps": len(steps),
         "step_ms_mean": 1e3 * sum(s for _, s in steps) / len(steps) if steps else None,
         "with_prompt_share": sum(shape.prompt_tokens > 0 for shape, _ in steps) / len(steps) if steps else None,
         "padding_share": 1 - computed / ran if ran else None,
         "by_padded_tokens": {
-            T: {"steps": len(group), "ms_mean": 1e3 * sum(s for _, s in group) / len(group),
-                "tokens_mean": sum(shape.num_tokens for shape, _ in group) / len(group),
-                "prompt_tokens_mean": sum(shape.prompt_tokens for shape, _ in group) / len(group),
-                "graph_share": sum(shape.graph for shape, _ in group) / len(group)}
+            T: {"steps": len(group), "ms_mean": 1e3 * sum(steps[i][1] for i in group) / len(group),
+                "tokens_mean": sum(steps[i][0].num_tokens for i in group) / len(group),
+                "prompt_tokens_mean": sum(steps[i][0].prompt_tokens for i in group) / len(group),
+                "graph_share": sum(steps[i][0].graph for i in group) / len(group),
+                **({"phase_ms_mean": phase_ms(group)} if phases else {})}
             for T, group in sorted(by_size.items())
         },
     }
+    if phases:
+        order = sorted(range(len(steps)), key=lambda i: -steps[i][1])[:slowest]
+        summary["slowest"] = [{"index": i, "ms": 1e3 * steps[i][1], "tokens": steps[i][0].num_tokens,
+                               "prompt_tokens": steps[i][0].prompt_tokens, "padded_tokens": steps[i][0].padded_tokens,
+                               "phase_ms": phase_ms([i])} for i in order]
+    return summary
 
 
 def _percentile(values: list[float], q: float) -> float | None:

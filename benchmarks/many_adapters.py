@@ -209,16 +209,16 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
     print(f"N={n}: wrote {len(used)} adapter files ({total / GB:.2f} GB) in {written_s:.1f} s; "
           f"replaying {len(trace.requests)} requests over {trace.requests[-1].arrival_s:.1f} s", flush=True)
     before = tier_counts(engine)
-    steps = []
+    steps, phases = [], []
     with compiles_watched() as compiled:
         records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
                             progress=lambda done, total_, s: print(f"  {done}/{total_} finished, {s:.0f} s", flush=True),
-                            steps=steps)
+                            steps=steps, phases=phases)
     after = tier_counts(engine)
     result = {"adapters": n, **summarize(records), "adapter_bytes_written": total, "write_seconds": written_s,
               **{key: after[key] - before.get(key, 0) for key in after},
               "load_average_1m": os.getloadavg()[0],  # other work on the host skews every number
-              "poisson_steps": summarize_steps(steps), "compiled_while_serving": compiled}
+              "poisson_steps": summarize_steps(steps, phases), "compiled_while_serving": compiled}
     print(f"  N={n}: {result['tokens_per_s']:.0f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms, p99 "
           f"{result['ttft_p99_ms']:.0f} ms; {result['cold_requests']} cold; {result['failed']} failed", flush=True)
     unload(engine, used, paths)

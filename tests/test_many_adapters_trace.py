@@ -24,6 +24,7 @@ from benchmarks.adapter_trace import (  # noqa: E402
     make_trace,
     run_trace,
     summarize,
+    summarize_steps,
     write_adapter_files,
 )
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
@@ -116,8 +117,9 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert len(used) > 5  # more than both tiers hold
     paths = write_adapter_files(used, model.config, tmp_path, torch.float32, workers=2)
     sizes = {a.name: adapter_nbytes(model.config, a.rank, a.targets, torch.float32) for a in used}
-    steps = []
-    records = run_trace(engine, trace, paths, max_tokens=4, adapter_bytes=lambda a: sizes[a.name], steps=steps)
+    steps, phases = [], []
+    records = run_trace(engine, trace, paths, max_tokens=4, adapter_bytes=lambda a: sizes[a.name], steps=steps,
+                        phases=phases)
 
     assert [r.request_id for r in records] == [r.request_id for r in trace.requests]
     # every token computed was in a logged step: each request's 6 prompt tokens and 3 decodes
@@ -125,6 +127,13 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert sum(shape.prompt_tokens for shape, _ in steps) >= 30 * 6 and all(s > 0 for _, s in steps)
     assert all(r.error is None and r.output_tokens == 4 for r in records), [r.error for r in records]
     assert all(r.arrival_s <= r.added_s + 1e-3 and r.arrival_s <= r.first_token_s <= r.finish_s for r in records)
+    # each step's phases: the forward ran in every one, and the phases fit inside the step
+    assert len(phases) == len(steps) and all(p["forward"] > 0 for p in phases)
+    assert all(sum(p.values()) <= s + 1e-4 for p, (_, s) in zip(phases, steps))
+    assert not {"run", "schedule", "prefetch", "collect"} & (vars(engine.runner).keys() | vars(engine.scheduler).keys()
+                                                             | vars(engine.adapters).keys())  # unwrapped again
+    timed = summarize_steps(steps, phases, slowest=3)
+    assert len(timed["slowest"]) == 3 and timed["slowest"][0]["ms"] == max(1e3 * s for _, s in steps)
     summary = summarize(records)
     assert summary["failed"] == 0 and summary["output_tokens"] == 30 * 4 and summary["tokens_per_s"] > 0
     assert summary["adapters_used"] == len(used)
