@@ -18,6 +18,7 @@ from loramux.engine.kernel_warmup import LoRAModuleShape, WarmupStep, plan_warmu
 from loramux.engine.layers import BaseLayerWithLoRA
 from loramux.engine.llm_engine import LLMEngine
 from loramux.kernels import attention, build_lora_meta, expand, shrink
+from loramux.kernels.tiles import next_pow2
 
 H100_PROGRAMS = 2 * 132  # tiles.target_programs on an H100 (132 SMs)
 R, SLOTS = 16, 8
@@ -48,7 +49,7 @@ def test_plan_reaches_every_shrink_expand_and_attention_config(h100_heuristics):
                                 num_slots=SLOTS, **EIGHT_B)
     shrinks = {(key[1], key[4], key[5]) for key in reached if key[0] == "shrink"}
     expands = {(key[1], key[4]) for key in reached if key[0] == "expand"}
-    attentions = {key[1] for key in reached if key[0] == "attention"}
+    attentions = {key[1:] for key in reached if key[0] == "attention"}
     device = EIGHT_B["device"]
     for T in range(1, max_tokens + 1):  # every token count a step of one adapter can have
         meta = build_lora_meta(torch.zeros(T, dtype=torch.int32), SLOTS)
@@ -56,10 +57,10 @@ def test_plan_reaches_every_shrink_expand_and_attention_config(h100_heuristics):
             launch = shrink.shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device)
             assert (m.stacked_rank, launch.config, launch.split_k) in shrinks, f"shrink at T={T}, {m}"
             assert (m.slice_sizes, expand.expand_config(meta, m.slice_sizes, R, m.dtype, device)) in expands
-        for B in (1, min(T, 64)):  # a prefill alone; a full batch of decodes beside a chunk
+        for B in range(1, min(T, 64) + 1, 1 if T % 97 == 0 else 63):  # every sequence count, at some T
             width = -(-(T - B + 1) // 16)
             cfg = attention.attention_config(max(T, 2), B, 32, 8, 128, width, 16, torch.bfloat16, device)
-            assert cfg in attentions, f"attention at T={T}, B={B}"
+            assert (cfg, max(16, next_pow2(B))) in attentions, f"attention at T={T}, B={B}"
     # one step per new launch configuration, far fewer than the token counts
     assert len(plan) <= len(reached) < max_tokens // 10
     assert all(step.lora for step in plan)
@@ -90,6 +91,19 @@ def test_plan_reaches_every_kernel_of_prefill_steps_with_many_adapters(h100_heur
             assert key in reached, f"T={meta.num_tokens}, {meta.num_active} adapters: {key}"
             cfg = expand.expand_config(meta, m.slice_sizes, R, m.dtype, device)
             assert ("expand", m.slice_sizes, R, m.dtype, cfg, lanes) in reached
+
+
+def test_plan_past_the_graphs_reaches_attention_at_every_sequence_count(h100_heuristics):
+    """A step of 517 tokens over 9 sequences compiled an attention kernel mid-serving on an H100:
+    the plan stood B = 2 for every B of 2..16, and `attention_config` takes shorter query blocks
+    as B grows."""
+    _, reached = plan_warmup(max_num_batched_tokens=2048, max_num_seqs=64, min_tokens=513, **EIGHT_B)
+    attentions = {key[1:] for key in reached if key[0] == "attention"}
+    for T in range(513, 2049, 7):
+        for B in range(1, 65):
+            width = -(-(T - B + 1) // 16)
+            cfg = attention.attention_config(T, B, 32, 8, 128, width, 16, torch.bfloat16, EIGHT_B["device"])
+            assert (cfg, max(16, next_pow2(B))) in attentions, f"attention at T={T}, B={B}"
 
 
 def test_plan_without_lora_has_attention_keys_only(h100_heuristics):

@@ -16,7 +16,8 @@ written; every block table row points at block 0). The candidate steps:
 
 - one sequence's prefill chunk of T tokens, T = 1 .. ``max_num_batched_tokens``, every token on
   one adapter when LoRA is enabled (a zero adapter held in a slot for the warm-up only);
-- B - 1 decode tokens beside one prefill chunk (T > B), for each padded sequence count B;
+- B - 1 decode tokens beside one prefill chunk (T > B), B at both ends of each padded sequence
+  count;
 - decode tokens only (T = B), as steps run when no graph serves them.
 
 A prefill-sized step's LoRA launch shapes depend on its token count alone, not on how its tokens
@@ -107,12 +108,12 @@ class LoRAModuleShape:
 
 def attention_keys(step: WarmupStep, *, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
                    dtype: torch.dtype, device: torch.device) -> set[Hashable]:
-    """The paged-attention launches of ``step``: its `attention_config`, the padded sequence
-    count, and how Triton specialises the block-table stride (1, a multiple of 16, or other)."""
+    """The paged-attention launches of ``step``: its `attention_config` and padded sequence count,
+    the kernel's constexprs that vary by step (the table's width and stride are not specialised)."""
     tokens, seqs = step.padded_tokens, step.num_seqs
     width = cdiv(step.chunk, block_size)  # the chunk's sequence has the widest table
     cfg = attention_config(tokens, seqs, num_heads, num_kv_heads, head_dim, width, block_size, dtype, device)
-    return {("attention", cfg, max(16, next_pow2(seqs)), width == 1, width % 16 == 0)}
+    return {("attention", cfg, max(16, next_pow2(seqs)))}
 
 
 def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots: int,
@@ -162,8 +163,11 @@ def plan_warmup(*, max_num_batched_tokens: int, max_num_seqs: int, num_heads: in
                     dtype=dtype, device=device)
     T = max_num_batched_tokens
     candidates = [WarmupStep(t, 1, lora) for t in range(1, T + 1)]
-    # decodes beside a chunk: B at each padded sequence count (next_pow2 steps past 16)
-    seq_counts = sorted({b for b in (2, 17, 33, 65, 129, 257, 513, 1025) if b <= max_num_seqs} | {max_num_seqs})
+    # decodes beside a chunk: B at both ends of each padded sequence count (next_pow2 past 16), as
+    # `attention_config` takes shorter query blocks as B grows (a 517-token step of 9 sequences
+    # compiled one mid-serving when only B = 2 stood for 2..16)
+    ends = {b for pad in (16, 32, 64, 128, 256, 512, 1024) for b in (pad // 2 + 1 if pad > 16 else 2, pad)}
+    seq_counts = sorted({b for b in ends if b <= max_num_seqs} | {max_num_seqs})
     candidates += [WarmupStep(t, b, lora) for b in seq_counts if b > 1 for t in range(b + 1, T + 1)]
     candidates += [WarmupStep(b, b, lora) for b in range(2, min(max_num_seqs, T) + 1)]
     by_tokens: dict[int, set] = {}  # LoRA keys depend on the token count only (one adapter on all)
