@@ -66,3 +66,32 @@ def test_a_prefetch_never_evicts_a_slot_in_use(engine_adapters):
     assert eng.lora_manager.stats.evictions == 1  # 'running' left only once its request ended
     assert finished["running"] == peft_greedy(engine_adapters["attn"], PROMPT, 40)
     assert finished["queued"] == peft_greedy(engine_adapters["all"], PROMPT, 6)
+
+
+def test_a_step_copies_at_most_a_few_adapters_ahead(engine_adapters, monkeypatch):
+    """Many free slots and many queued adapters in host memory: the copies spread over steps
+    (one step placing every queued adapter stalled a trace of 1,000 adapters for 1.5 s), and every
+    request still gets its adapter's output."""
+    from loramux.engine import adapter_life
+
+    monkeypatch.setattr(adapter_life, "PREFETCH_PER_STEP", 2)
+    eng = engine(max_loras=8, max_cpu_loras=8, max_num_seqs=1)
+    names = [f"attn{i}" for i in range(7)]  # one file, seven names: seven handles, seven slots
+    start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "attn"))
+    for i, name in enumerate(names):
+        eng.add_request(name, {"prompt_token_ids": PROMPT}, GREEDY,
+                        LoRARequest(name, 10 + i, str(engine_adapters["attn"])))
+    per_step, placed = [], []
+    real = eng.lora_manager.prefetch
+    monkeypatch.setattr(eng.lora_manager, "prefetch", lambda adapter, keep=(): placed.append(adapter.name) or real(
+        adapter, keep=keep))
+
+    def watch():
+        per_step.append(len(placed))
+        placed.clear()
+
+    finished = step_to_end(eng, max_steps=500, each_step=watch)
+    per_step.append(len(placed))
+    assert max(per_step) <= 2 and sum(per_step) >= 5  # seven queued adapters, over several steps
+    expected = peft_greedy(engine_adapters["attn"], PROMPT, 6)
+    assert all(finished[name] == expected for name in names + ["second"])
