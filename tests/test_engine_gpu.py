@@ -74,7 +74,7 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters):
         runner = llm.llm_engine.runner
         captured = runner.num_graphs
         steps, run = [0], runner.run
-        runner.run = lambda batch: steps.__setitem__(0, steps[0] + 1) or run(batch)
+        runner.run = lambda batch, beside=None: steps.__setitem__(0, steps[0] + 1) or run(batch, beside)
         runs[eager] = _greedy(llm, prompts, requests)
         assert runner.use_graphs is not eager and runner.compiled is not eager
         if not eager:  # (2, 4, 8, 16 tokens) x (base, LoRA), all captured at start, none while serving;

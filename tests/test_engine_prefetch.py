@@ -95,3 +95,27 @@ def test_a_step_copies_at_most_a_few_adapters_ahead(engine_adapters, monkeypatch
     assert max(per_step) <= 2 and sum(per_step) >= 5  # seven queued adapters, over several steps
     expected = peft_greedy(engine_adapters["attn"], PROMPT, 6)
     assert all(finished[name] == expected for name in names + ["second"])
+
+
+def test_the_prefetch_runs_while_the_step_computes(engine_adapters, monkeypatch):
+    """Its host work hides behind the step's GPU work: it runs inside the runner, after the
+    step's forward and sampling were queued and before the host reads the sampled tokens (on an
+    H100 with 1,000 adapters it had cost 10.6 ms of a 23.5 ms decode step, before the forward)."""
+    eng = engine(max_loras=2, max_num_seqs=1)
+    start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "mlp"))
+    events = []
+    runner, adapters = eng.runner, eng.adapters
+    real_run, real_sampler, real_prefetch = runner.run, runner.sampler, adapters.prefetch
+    monkeypatch.setattr(runner, "run", lambda batch, beside=None: events.append("run") or real_run(batch, beside))
+    monkeypatch.setattr(runner, "sampler", lambda *a, **kw: events.append("sample") or real_sampler(*a, **kw))
+    monkeypatch.setattr(adapters, "prefetch", lambda: events.append("prefetch") or real_prefetch())
+    orders = []
+
+    def watch():
+        orders.append(events[:])
+        events.clear()
+
+    finished = step_to_end(eng, max_steps=300, each_step=watch)
+    assert orders[1:] and all(order == ["run", "sample", "prefetch"] for order in orders[1:])
+    assert eng.adapters.prefetches >= 1  # 'second' took its slot ahead of its admission
+    assert finished["second"] == peft_greedy(engine_adapters["mlp"], PROMPT, 6)

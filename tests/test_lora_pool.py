@@ -648,8 +648,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
 def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(make_adapter):
     """12 adapters of ranks 2..16 over 8 slots and pools of 32 rows: several small ones (8 rows
     each) run in one step, the rank-16 ones take turns, every request gives what its adapter gives
-    alone, and each adapter is copied to the GPU once (a prefetch never evicts one prefetched for
-    a request ahead of it)."""
+    alone, and each adapter is copied to the GPU once (a prefetch never evicts one placed for a
+    request ahead of it)."""
     paths = [make_adapter(f"mixed{i}", seed=200 + i, r=r, lora_alpha=2 * r, target_modules=targets)
              for i, (r, targets) in enumerate(ENGINE_ADAPTERS)]
     budget = 2 * 16 * row_bytes(tiny_llama())  # room for 2 adapters of rank 16 on every layer
@@ -689,7 +689,7 @@ def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(ma
     # it jumps ahead, not even mixed10, which touches no q/k/v and would fit
     assert steps[0] == {f"mixed{i}" for i in range(5)}
     stats = eng.lora_manager.stats
-    assert stats.evictions > 0 and stats.loads == len(paths) and eng.adapters.prefetches == len(paths)
+    assert stats.evictions > 0 and stats.loads == len(paths)  # prefetched or placed at admission: once each
     assert finished["base"] == peft_greedy(None, PROMPT, 5)
     for i, path in enumerate(paths):
         assert finished[f"req{i}"] == peft_greedy(path, PROMPT, 5), i

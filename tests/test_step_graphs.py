@@ -45,11 +45,12 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter):
 
     eager_logits = []
     sample = runner._sample
-    runner._sample = lambda seqs, logits: eager_logits.append(logits.clone()) or sample(seqs, logits)
+    runner._sample = lambda seqs, logits, beside=None: eager_logits.append(logits.clone()) or sample(seqs, logits,
+                                                                                                  beside)
     run = runner.run
     seen = {"mixed": 0, "unsampled chunk": 0, "lora": 0, "padded": 0}
 
-    def checked_run(batch: ScheduledBatch):
+    def checked_run(batch: ScheduledBatch, beside=None):
         assert graphs.fits(batch)  # every step of this engine fits the 16-token graph
         sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
         inputs = graphs.step_inputs(batch.chunks)
@@ -58,7 +59,7 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter):
         by_variant = {lora: graphs.forward_fn(inputs.num_tokens, lora)()[: len(sampled)].clone()
                       for lora in (True, bool(inputs.active_slots))}
         eager_logits.clear()
-        result = run(batch)  # eager; writes the same K/V the graph forward wrote
+        result = run(batch, beside)  # eager; writes the same K/V the graph forward wrote
         if sampled:
             for logits in by_variant.values():
                 torch.testing.assert_close(logits, eager_logits[0], rtol=1e-4, atol=1e-4)
@@ -101,8 +102,8 @@ def test_cuda_graph_sizes_replace_the_default_sizes():
     graphs = StepGraphs(runner, runner.graph_sizes)
     padded = []
     run = runner.run
-    runner.run = lambda batch: padded.append((batch.num_tokens, graphs.step_inputs(batch.chunks).num_tokens)) \
-        or run(batch)
+    runner.run = lambda batch, beside=None: padded.append(
+        (batch.num_tokens, graphs.step_inputs(batch.chunks).num_tokens)) or run(batch, beside)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for request_id, prompt_len in (("a", 3), ("b", 10), ("c", 20)):
         engine.add_request(request_id, {"prompt_token_ids": list(range(3, 3 + prompt_len))}, params)

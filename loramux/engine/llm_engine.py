@@ -266,13 +266,17 @@ class LLMEngine:
                 idle = not self.scheduler.has_work()
                 for seq in self.adapters.collect(timeout=0.05 if idle else 0.0):
                     touched[seq.request_id] = seq
-                self.adapters.prefetch()  # queued requests' adapters into free slots, ahead
             batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
                 touched[seq.request_id] = seq
             self.scheduler.failed.clear()
+            # the adapters of requests still queued go into free GPU slots ahead of their admission,
+            # while the GPU runs this step (its host work, milliseconds an adapter, hides there)
+            prefetch = self.adapters.prefetch if self.adapters is not None else None
+            if not len(batch) and prefetch is not None:
+                prefetch()
             if len(batch):
-                sampled = self.runner.run(batch)
+                sampled = self.runner.run(batch, beside=prefetch)
                 for seq, n in batch.chunks:
                     seq.num_computed += n
                 for seq, token in sampled:

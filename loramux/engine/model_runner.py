@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -244,10 +245,12 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> list[tuple[Sequence, int]]:
+    def run(self, batch: ScheduledBatch, beside: Callable[[], None] | None = None) -> list[tuple[Sequence, int]]:
         """Compute the scheduled tokens and sample for every sequence whose last token was among them.
 
         Each sequence's GPU slot is ``seq.lora_slot`` (set by the scheduler at admission).
+        ``beside()`` runs once the step's GPU work is queued and before the host waits for the
+        sampled tokens: host work that then overlaps the step instead of delaying it.
         """
         tokens = batch.num_tokens
         prompt_tokens = sum(n for seq, n in batch.chunks if seq.num_computed < seq.num_prompt_tokens)
@@ -256,7 +259,7 @@ class ModelRunner:
             inputs = self.graphs.step_inputs(batch.chunks)
             self.last_step = StepShape(len(batch), tokens, prompt_tokens, inputs.num_tokens, graph=True)
             logits = self._on_all_ranks("_replay", inputs)
-            return self._sample(sampled, logits[: len(sampled)]) if sampled else []
+            return self._sample(sampled, logits[: len(sampled)], beside)
         self.last_step = StepShape(len(batch), tokens, prompt_tokens, max(tokens, 2), graph=False)
         ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
         lora_slots, logits, logit_slots, sampled = [], [], [], []
@@ -287,14 +290,17 @@ class ModelRunner:
         )
         if prompt_plan is not None:
             record_prompt_logprobs(out[len(sampled) : len(sampled) + len(prompt_plan.index)], prompt_plan)
-        return self._sample(sampled, out[: len(sampled)]) if sampled else []
+        return self._sample(sampled, out[: len(sampled)], beside)
 
     def _replay(self, inputs) -> torch.Tensor:
         return self.graphs.replay(inputs)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[tuple[Sequence, int]]:
-        tokens = self.sampler(logits, seqs).token_ids
-        return list(zip(seqs, tokens.tolist()))
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
+                beside: Callable[[], None] | None = None) -> list[tuple[Sequence, int]]:
+        tokens = self.sampler(logits, seqs).token_ids if seqs else None
+        if beside is not None:
+            beside()
+        return list(zip(seqs, tokens.tolist())) if seqs else []
 
     def _forward_packed(self, *, ids, positions, slots, tables, seq_lens, query_start, lora_slots, logits,
                         logit_slots) -> torch.Tensor:
