@@ -26,6 +26,10 @@ the host-warm bursts; the cold ratio is reported beside it), p99
 TTFT at the largest N at most 2x the smallest's, cold TTFT p50 at most warm p50 + 1.5 x (adapter
 bytes / disk read bandwidth), the bandwidth measured in this run by reading fresh adapter files
 with the page cache dropped.
+Every step of the calibration, the Poisson traces and the last host-warm burst is logged (its
+tokens, padded size and time; in the Poisson traces also its phases and the slowest steps,
+`adapter_trace.STEP_PHASES`), as is what compiled while a trace served (dynamo frames, Triton
+kernels) and the engine's start-up stages.
 Writes ``many_adapters_<tag>.json`` and ``.md`` into ``--out``; ``--plot`` draws the PNG from a JSON
 (matplotlib, the ``bench`` extra: a separate step, as the GPU machine has no matplotlib).
 """

@@ -57,10 +57,10 @@ class StepTimer:
         self.engine = engine
         run = engine.runner.run
 
-        def timed(batch):
+        def timed(batch, beside=None):
             kv_tokens = sum(seq.num_computed + n for seq, n in batch.chunks)
             t0 = time.perf_counter()
-            out = run(batch)  # returns after the sampled tokens reach the host
+            out = run(batch, beside)  # returns after the sampled tokens reach the host
             self.records.append((len(batch), batch.num_tokens, time.perf_counter() - t0, kv_tokens))
             return out
 

@@ -478,11 +478,11 @@ def test_a_failed_resolution_answers_before_any_other_requests_token():
     in_forward, release, resumed = threading.Event(), threading.Event(), threading.Event()
     run = engine.runner.run
 
-    def stuck(batch):
+    def stuck(batch, beside=None):
         in_forward.set()
         release.wait(30)
         resumed.set()
-        return run(batch)
+        return run(batch, beside)
 
     engine.runner.run = stuck
     _, client = make_client(engine)
