@@ -39,6 +39,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+from loramux.engine.config import EngineConfig  # noqa: E402
 from kernels import LAYERS, Timer, rel_err, sync  # noqa: E402  (benchmarks/kernels.py)
 from vllm_lora_ops import (  # noqa: E402  (benchmarks/vllm_lora_ops.py)
     CONFIG_MODES, EXPAND_ADD_INPUTS, config_sources, device_named, kernel_configs, load_or_exit, reset_config_caches,
@@ -49,7 +51,7 @@ RANKS = (16, 64)
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)
 ADAPTERS = (1, 32)
 DECODE_MAX, PREFILL_MIN = 256, 1024
-GRAPH_MAX = 512  # EngineConfig.max_graph_tokens' default: steps up to it replay a graph (static meta)
+GRAPH_MAX = EngineConfig.max_graph_tokens  # the default: steps up to it replay a graph (static meta)
 SCALE = 2.0  # vLLM's shrink takes one float scaling for all adapters; ours gets 2.0 per slot too
 
 

@@ -63,7 +63,7 @@ class EngineConfig:
     # the forward
     enforce_eager: bool = False
     compilation: bool = True
-    max_graph_tokens: int = 512
+    max_graph_tokens: int = 4096
     cuda_graph_sizes: list[int] | None = None  # None: graph_token_sizes(max_num_seqs, max_graph_tokens)
     seed: int | None = 0
 

@@ -60,7 +60,8 @@ class LLM:
         ``block_size`` (KV tokens per block, 16), ``gpu_memory_utilization`` (0.9: the device share
         for weights, slots, activations and KV blocks), ``num_gpu_blocks_override``,
         ``enable_prefix_caching`` (True), ``compilation`` (True: compile on CUDA),
-        ``max_graph_tokens`` (512: steps of up to this many tokens replay CUDA graphs),
+        ``max_graph_tokens`` (4096, capped at ``max_num_batched_tokens``: steps of up to this many
+        tokens replay CUDA graphs; lower it to save the memory of the larger graphs),
         ``cuda_graph_sizes`` (the padded token counts graphs are captured for, in place of the
         default: 2, 4, 8, steps of 16 up to ``max_num_seqs``, powers of two up to
         ``max_graph_tokens``),

@@ -273,8 +273,6 @@ class LLMEngine:
             # the adapters of requests still queued go into free GPU slots ahead of their admission,
             # while the GPU runs this step (its host work, milliseconds an adapter, hides there)
             prefetch = self.adapters.prefetch if self.adapters is not None else None
-            if not len(batch) and prefetch is not None:
-                prefetch()
             if len(batch):
                 sampled = self.runner.run(batch, beside=prefetch)
                 for seq, n in batch.chunks:
@@ -282,6 +280,8 @@ class LLMEngine:
                 for seq, token in sampled:
                     seq.append_token(token, self.eos_token_ids, self.max_model_len)
                     touched[seq.request_id] = seq
+            elif prefetch is not None:
+                prefetch()  # no step to run beside
             outputs = []
             for seq in touched.values():
                 if seq.is_finished:

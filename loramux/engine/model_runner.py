@@ -86,7 +86,7 @@ class ModelRunner:
         max_model_len: int,
         enforce_eager: bool = False,
         compilation: bool = True,
-        max_graph_tokens: int = 512,
+        max_graph_tokens: int = 4096,
         cuda_graph_sizes: list[int] | None = None,
         workers=None,
     ) -> None:

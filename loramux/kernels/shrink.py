@@ -16,10 +16,11 @@ Launches of the same device share the table: do not run two split-K shrinks at o
 different streams.
 
 Launch shape: from this batch's tiles (`shrink_config`, a decode-sized eager meta), or, for a
-static meta and any prefill-sized batch, from T, S and the module's shape alone (`static_shrink_config`), so the grid is the same for every
-mapping of T tokens: one CUDA graph serves any mix of adapters. The split count there is sized
-for the one-adapter case (the fewest real tiles), which wants the most parallelism in K; a
-mixed batch gets more real tiles from the same grid.
+static meta and any prefill-sized batch, from T, S and the module's shape alone
+(`static_shrink_config`), so the grid is the same for every mapping of T tokens: one CUDA graph
+serves any mix of adapters. The split count there is sized for the one-adapter case (the fewest
+real tiles), which wants the most parallelism in K; a mixed batch gets more real tiles from the
+same grid.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--compilation", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile the forward on CUDA; --no-compilation keeps CUDA graphs "
                         "without compiling (faster start)")
-    engine.add_argument("--max-graph-tokens", type=int, default=512, metavar="N",
+    engine.add_argument("--max-graph-tokens", type=int, default=4096, metavar="N",
                         help="steps of up to N tokens (decodes, short prompts, mixed steps) replay CUDA "
                         "graphs captured at start; larger ones run eagerly (default: %(default)s)")
     engine.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="T",
