@@ -334,7 +334,8 @@ def _replay_step(engine, pending, records, params, paths, adapter_bytes, start):
     return engine.runner.last_step, ended - began, ended - start, outputs
 
 
-# the parts of `LLMEngine.step` timed apart: (name, the engine's attribute that owns it, method)
+# the parts of `LLMEngine.step` timed apart: (name, the engine's attribute that owns it, method);
+# the prefetch runs inside the forward (beside the GPU's work), so "forward" includes it
 STEP_PHASES = (("collect", "adapters", "collect"), ("prefetch", "adapters", "prefetch"),
                ("schedule", "scheduler", "schedule"), ("forward", "runner", "run"))
 
