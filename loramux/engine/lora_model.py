@@ -321,6 +321,7 @@ class LoRAModelManager:
         size = self.workers.size if self.workers is not None else 1
         shards: list[dict[str, list[LoRAModuleWeights | None]]] = [{} for _ in range(size)]
         writes = []  # every layer's part, checked before anything is written, then run as one batch
+        untouched = []  # the layers it has no weights for: their part of the slot is cleared
         for name, layer in self.layers.items():
             weights = [adapter.modules.get(module) for module in layer.slice_names]
             if any(w is not None for w in weights):
@@ -333,21 +334,28 @@ class LoRAModelManager:
                 for rank in range(1, size):
                     shards[rank][name] = layer.shard_lora(weights, rank)
             else:
-                layer.reset_lora(slot)
+                untouched.append(layer)
+        self._clear_layers(untouched, slot)
         apply_slot_writes(writes)
         if self.workers is not None:
             self.workers.write_slot(slot, shards)
 
     def _clear_slot(self, slot: int) -> None:
-        cells = []  # every layer's part, zeroed in a call per dtype
-        for layer in self.layers.values():
-            if type(layer).reset_lora is BaseLayerWithLoRA.reset_lora:
-                cells += layer.reset_cells(slot)
-            else:  # a layer plugin that clears its slots its own way
-                layer.reset_lora(slot)
-        zero_all(cells)
+        self._clear_layers(self.layers.values(), slot)
         if self.workers is not None:
             self.workers.clear_slot(slot)
+
+    @staticmethod
+    def _clear_layers(layers, slot: int) -> None:
+        """Clear ``slot`` in ``layers``: loramux's own in one `zero_all` (a call per dtype over every
+        layer), a layer plugin's its own way."""
+        cells = []
+        for layer in layers:
+            if type(layer).reset_lora is BaseLayerWithLoRA.reset_lora:
+                cells += layer.reset_cells(slot)
+            else:
+                layer.reset_lora(slot)
+        zero_all(cells)
 
     def _resident_named(self, name: str) -> LoRAAdapter | None:
         """The most recently used resident adapter called ``name`` (standalone use by name)."""
