@@ -37,7 +37,6 @@ Writes ``many_adapters_<tag>.json`` and ``.md`` into ``--out``; ``--plot`` draws
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -76,35 +75,12 @@ from benchmarks.adapter_trace import (  # noqa: E402
     summarize_steps,
     write_adapter_files,
 )
-from benchmarks.startup_check import engine_stages  # noqa: E402
+from benchmarks.startup_check import compiles_watched, engine_stages  # noqa: E402
 
 GB = 1e9
 # the CPU default: a 2-layer Llama small enough that 2 cores replay every trace in seconds
 TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256)
-
-
-@contextlib.contextmanager
-def compiles_watched():
-    """What compiled inside the block: dynamo frames and Triton kernels (built, or read from the
-    disk cache), each a stall of the step that needed it. Yields a dict filled on exit."""
-    import triton
-
-    from loramux.engine.compilation import compiled_frames
-
-    knobs = getattr(triton, "knobs", None)
-    built: list[str] = []
-    frames = compiled_frames()
-    watched: dict = {}
-    if knobs is not None:
-        knobs.runtime.jit_post_compile_hook = lambda **kw: built.append(kw["repr"][:300])
-    try:
-        yield watched
-    finally:
-        if knobs is not None:
-            knobs.runtime.jit_post_compile_hook = None
-        watched.update(dynamo_frames=compiled_frames() - frames,
-                       triton_kernels=len(built) if knobs is not None else None, kernels=built)
 
 
 def build_engine(args):

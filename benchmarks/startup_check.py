@@ -17,6 +17,7 @@ too). Both should be 0. Prints a table and writes ``--json``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -40,6 +41,29 @@ def engine_stages(engine, engine_seconds: float) -> dict:
               "warmup_s": runner.startup_seconds.get("warmup", 0.0)}
     stages["other_s"] = engine_seconds - stages["compile_s"] - stages["capture_s"] - stages["warmup_s"]
     return stages
+
+
+@contextlib.contextmanager
+def compiles_watched():
+    """What compiled inside the block: dynamo frames and Triton kernels (built, or read from the
+    disk cache), each a stall of the step that needed it. Yields a dict filled on exit."""
+    import triton
+
+    from loramux.engine.compilation import compiled_frames
+
+    knobs = getattr(triton, "knobs", None)
+    built: list[str] = []
+    frames = compiled_frames()
+    watched: dict = {}
+    if knobs is not None:
+        knobs.runtime.jit_post_compile_hook = lambda **kw: built.append(kw["repr"][:300])
+    try:
+        yield watched
+    finally:
+        if knobs is not None:
+            knobs.runtime.jit_post_compile_hook = None
+        watched.update(dynamo_frames=compiled_frames() - frames,
+                       triton_kernels=len(built) if knobs is not None else None, kernels=built)
 
 
 def child(args) -> dict:
@@ -76,31 +100,25 @@ def child(args) -> dict:
               "frames_at_start": compiled_frames(), "compile_caches": caches}
 
     # serving: count dynamo frames and Triton kernels built from here on
-    import triton
-
-    built: list[str] = []
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        knobs.runtime.jit_post_compile_hook = lambda **kw: built.append(kw["repr"].split("[")[0])
-    frames = compiled_frames()
-    lora = None
-    if args.lora:
-        engine.registry.bind(random_adapter(model.config, "a", 16, ALL_SEVEN, 1, device, model.dtype))
-        lora = LoRARequest("a", 1)
-    vocab = model.config.get_text_config().vocab_size
-    steps = []
-    for length, n in SERVING_SHAPES:
-        t = time.perf_counter()
-        for i in range(n):
-            prompt = [(3 + 7 * i + j) % vocab for j in range(length)]
-            engine.add_request(f"{length}-{n}-{i}", {"prompt_token_ids": prompt},
-                               SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), lora if i % 2 else None)
-        while engine.has_unfinished_requests():
-            engine.step()
-        steps.append({"requests": n, "prompt_len": length, "seconds": time.perf_counter() - t})
-    result.update(serving=steps, frames_while_serving=compiled_frames() - frames,
-                  triton_kernels_while_serving=len(built) if knobs is not None else None,
-                  triton_kernels_built=sorted(set(built)))
+    with compiles_watched() as compiled:
+        lora = None
+        if args.lora:
+            engine.registry.bind(random_adapter(model.config, "a", 16, ALL_SEVEN, 1, device, model.dtype))
+            lora = LoRARequest("a", 1)
+        vocab = model.config.get_text_config().vocab_size
+        steps = []
+        for length, n in SERVING_SHAPES:
+            t = time.perf_counter()
+            for i in range(n):
+                prompt = [(3 + 7 * i + j) % vocab for j in range(length)]
+                params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+                engine.add_request(f"{length}-{n}-{i}", {"prompt_token_ids": prompt}, params, lora if i % 2 else None)
+            while engine.has_unfinished_requests():
+                engine.step()
+            steps.append({"requests": n, "prompt_len": length, "seconds": time.perf_counter() - t})
+    result.update(serving=steps, frames_while_serving=compiled["dynamo_frames"],
+                  triton_kernels_while_serving=compiled["triton_kernels"],
+                  triton_kernels_built=sorted({kernel.split("[")[0] for kernel in compiled["kernels"]}))
     return result
 
 
