@@ -34,8 +34,8 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import (block_m_for, cdiv, dot_precision, next_pow2, segment_tile, shape_from_tokens_alone,
-                    slot_lanes, static_block_m, target_programs)
+from .tiles import (DECODE_MAX_TOKENS, block_m_for, cdiv, dot_precision, next_pow2, segment_tile,
+                    shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
 MAX_SPLIT_K = 64
@@ -188,7 +188,7 @@ def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, d
 def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, target: int) -> ShrinkConfig:
     block_m = static_block_m(num_tokens)
     np2 = min(max(16, next_pow2(NR)), 256)
-    if num_tokens <= 256:  # decode: the weights dominate whatever the mix
+    if num_tokens <= DECODE_MAX_TOKENS:  # decode: the weights dominate whatever the mix
         block_n, block_k = 16, 128
     else:
         block_n, block_k = min(np2, 64), 64
