@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import json
 import os
 import statistics
@@ -69,6 +70,13 @@ MIXES = ("1", "8", "32", "8-half", "1-qv", "32-qv")
 SLOTS = 32
 PATHS = ("base", "two", "overlap", "overlap_pdl", "overlap_pool", "delta", "overlap_exact")
 LORA_PATHS = PATHS[1:]
+#: Variants named by pattern: `_carve{k}` runs the base GEMMs through cuBLASLt told to leave k SMs
+#: free (`torch._C._set_sm_carveout_experimental`) and sizes the LoRA launches for those k SMs;
+#: `_prio` puts the side stream at high priority; `_add` adds the delta into y after the join.
+#: `base_carve{k}` is the base GEMMs alone under the carveout.
+#: `_lt` prefers cuBLASLt without a carveout; `_wide` keeps the LoRA launches sized for every SM;
+#: `_nozero` skips the delta's zeroing (wrong output on base rows: timing only, not checked).
+VARIANT = re.compile(r"^(base|delta|overlap)((?:_carve\d+|_prio|_add|_lt|_wide|_nozero)*)$")
 TOL = 2e-2
 PDL_NOTE = ("PDL is not available on {device} (it needs CUDA compute capability 9.0+, the Triton interpreter off, "
             "and a Triton with gdc_wait and launch_pdl): overlap_pdl runs exactly as overlap")
@@ -157,8 +165,11 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
     from loramux.kernels.shrink import lora_shrink_triton
 
     sizes = [s for _, _, s in layers.mods]
+    carve = int(m.group(1)) if (m := re.search(r"_carve(\d+)", path)) else 0
+    prio = "_prio" in path
+    family = path.split("_")[0] if VARIANT.match(path) and path not in PATHS else path
 
-    side = torch.cuda.Stream(xs[0].device) if xs[0].is_cuda else None
+    side = torch.cuda.Stream(xs[0].device, priority=-1 if prio else 0) if xs[0].is_cuda else None
     deltas: dict = {}
 
     def fork():
@@ -172,41 +183,59 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
 
     exact = build_lora_meta(slots_buf, layers.S) if path.endswith("exact") else None  # this mix only
 
+    def gemm(x, W, y):
+        if not (carve or "_lt" in path) or not x.is_cuda:
+            torch.mm(x, W.t(), out=y)
+            return
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        torch._C._set_sm_carveout_experimental(carve or None)
+        try:
+            torch.mm(x, W.t(), out=y)
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+            torch.backends.cuda.preferred_blas_library(previous)
+
+    sms = carve if carve and "_wide" not in path else None  # the LoRA launches sized for the SMs left
+
     def run():
-        if path != "base":
+        if family != "base":
             meta = exact or build_lora_meta(slots_buf, layers.S, static=True)
         for layer in layers.layers:
             for w, x, y, sz in zip(layer, xs, ys, sizes):
-                if path == "two":
+                if family == "base":
+                    gemm(x, w["W"], y)
+                elif path == "two":
                     if base:
                         torch.mm(x, w["W"].t(), out=y)
                     buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
                     lora_expand_triton(y, buf, w["B"], tuple(sz), meta, w["ranks"], pdl=False)
-                elif path.startswith("overlap"):  # the engine's: the shrink on a side stream
+                elif family.startswith("overlap"):  # the engine's: the shrink on a side stream
                     buf = torch.empty(x.shape[0], w["A"].shape[1], dtype=torch.float32, device=x.device)
                     pooled = path == "overlap_pool"
                     a, b = (w["A_pool"], w["B_pool"]) if pooled else (w["A"], w["B"])
                     starts = w["starts"] if pooled else None
                     with fork():
                         lora_shrink_triton(x, a, w["scales"], meta, w["ranks"], out=buf, pool_starts=starts,
-                                           max_rank=layers.R)
+                                           max_rank=layers.R, sms=sms)
                     if base:
-                        torch.mm(x, w["W"].t(), out=y)
+                        gemm(x, w["W"], y)
                     join()
                     # only overlap_pdl asks for PDL: LORAMUX_PDL in the environment changes no other path
                     lora_expand_triton(y, buf, b, tuple(sz), meta, w["ranks"], pdl=path == "overlap_pdl",
-                                       pool_starts=starts)
-                elif path == "delta":  # the whole delta beside the GEMM into its own buffer, no add: what
+                                       pool_starts=starts, sms=sms)
+                elif family == "delta":  # the whole delta beside the GEMM into its own buffer, no add: what
                     # a layer folding `y + delta` into its next pointwise kernel would cost
                     dy = deltas.setdefault(id(y), torch.empty_like(y))
                     with fork():
-                        buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"])
-                        dy.zero_()
-                        lora_expand_triton(dy, buf, w["B"], tuple(sz), meta, w["ranks"], pdl=False)
+                        buf = lora_shrink_triton(x, w["A"], w["scales"], meta, w["ranks"], sms=sms)
+                        if "_nozero" not in path:
+                            dy.zero_()
+                        lora_expand_triton(dy, buf, w["B"], tuple(sz), meta, w["ranks"], pdl=False, sms=sms)
                     if base:
-                        torch.mm(x, w["W"].t(), out=y)
+                        gemm(x, w["W"], y)
                     join()
-                    if not base or not x.is_cuda:  # the reference check reads y
+                    if not base or not x.is_cuda or path.endswith("_add"):  # the reference check reads y
                         y.add_(dy)
                 elif base:
                     torch.mm(x, w["W"].t(), out=y)
@@ -263,6 +292,17 @@ class Graph:
                 self.replay()
             sync(self.device)
         return kernel_device_times(prof, replays)
+
+    def timeline(self) -> list[tuple[str, int, float, float]]:
+        """One replay's kernels as (name, stream, start us, duration us), in start order: which
+        kernels overlap and where the gaps are."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            self.replay()
+            sync(self.device)
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        t0 = min((e.time_range.start for e in kernels), default=0)
+        return sorted((e.name[:60], int(getattr(e, "device_resource_id", -1)), e.time_range.start - t0,
+                       e.time_range.end - e.time_range.start) for e in kernels)
 
     def replay(self):
         if self.graph is None:
@@ -374,7 +414,9 @@ def run(args, device, dtype, env, save):
                             graphs[path] = Graph(step_fn(path, layers, xs, ys, slots_buf, args.base), device)
                     row = dict(layout=layout, R=R, T=T, mix=mix, distinct=distinct, layers=args.layers)
                     for path in graphs:
-                        if path != "base":
+                        if "_nozero" in path:
+                            row[f"{path}_err"] = float("nan")
+                        elif not path.startswith("base"):
                             checked(row, path, check_against_reference(path, layers, xs, slots, device, dtype),
                                     save, rows, env)
                     for name, g in graphs.items():
@@ -382,6 +424,8 @@ def run(args, device, dtype, env, save):
                         row[f"{name}_us_per_layer"] = row[f"{name}_step_us"] / args.layers
                         if args.kernel_times and g.graph is not None:
                             row[f"{name}_kernels_us_per_step"] = g.kernel_times()
+                        if args.timeline and g.graph is not None and mix == args.mixes[0]:
+                            row[f"{name}_timeline"] = g.timeline()
                     nb = layers.lora_bytes(slots.cpu())
                     row["lora_bytes_per_layer"] = nb
                     row["floor_us_per_layer"] = nb / (bw * 1e3) if bw == bw else float("nan")
@@ -399,7 +443,7 @@ def run(args, device, dtype, env, save):
 
 
 def _have(r):
-    return [p for p in PATHS if f"{p}_us_per_layer" in r]
+    return [k[: -len("_us_per_layer")] for k in r if k.endswith("_us_per_layer") and k != "floor_us_per_layer"]
 
 
 def _line(r):
@@ -413,7 +457,7 @@ def _line(r):
 
 def markdown(rows, env, n_layers, S, dtype):
     have = _have(rows[0]) if rows else []
-    lora = [p for p in have if p != "base"]
+    lora = [p for p in have if p != "base"]  # base_carve rows too: their GEMMs against the default's
     L = ["# LoRA decode step: the two-kernel path (shrink + expand) over the base GEMMs (issue 13)", "",
          f"Device: **{env.get('device')}**; torch {env.get('torch')}, triton {env.get('triton')}; "
          f"copy bandwidth {env.get('copy_GBps', float('nan')):.0f} GB/s (read + write); {n_layers} layers per "
@@ -460,6 +504,8 @@ def main(argv=None):
                     "base is timed unless --no-base)")
     ap.add_argument("--kernel-times", action="store_true",
                     help="also profile each graph's replays: device time per kernel name, into the JSON rows")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also store one replay's kernels (name, stream, start, duration) for the first mix")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (1/64), 2 layers: a CPU check of the script")
     args = ap.parse_args(argv)
     args.layouts = args.layouts.split(",")
@@ -467,7 +513,8 @@ def main(argv=None):
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.mixes = args.mixes.split(",")
     args.paths = [p for p in args.paths.split(",") if p != "base"]
-    bad = [x for x in args.layouts if x not in LAYOUTS] + [p for p in args.paths if p not in LORA_PATHS] + [
+    bad = [x for x in args.layouts if x not in LAYOUTS] + [
+        p for p in args.paths if p not in LORA_PATHS and not VARIANT.match(p)] + [
         m for m in args.mixes if not m.split("-")[0].isdigit() or int(m.split("-")[0]) < 1 or m.count("-") > 1
         or (m.count("-") == 1 and m.split("-")[1] not in ("half", "qv"))]
     if bad:

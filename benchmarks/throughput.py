@@ -85,8 +85,11 @@ def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
     timer.stop()
     full = sorted((t, kv) for seqs, n, t, kv in timer.records if seqs == len(prompts) and n == len(prompts))
     median = full[len(full) // 2] if full else (None, None)
+    # the steps that are not full-batch decodes (prefill, the batch's tail): where the rest of the time goes
+    others = [(seqs, n, round(1e3 * t, 2)) for seqs, n, t, _ in timer.records if not (seqs == n == len(prompts))]
     return {"requests": len(prompts), "generated_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
-            "decode_step_ms": median[0] and 1e3 * median[0], "decode_kv_tokens": median[1], "decode_steps_timed": len(full)}
+            "decode_step_ms": median[0] and 1e3 * median[0], "decode_kv_tokens": median[1], "decode_steps_timed": len(full),
+            "other_steps_ms": sum(ms for *_, ms in others), "other_steps": others[:16]}
 
 
 def time_to_first_token(engine: LLMEngine, prompt, lora) -> float:

@@ -37,7 +37,7 @@ MODULES = [
 def h100_heuristics(monkeypatch):
     """The launch heuristics as on an H100 (on CPU they size grids for 4 programs)."""
     for module in (shrink, expand, attention):
-        monkeypatch.setattr(module, "target_programs", lambda device: H100_PROGRAMS)
+        monkeypatch.setattr(module, "target_programs", lambda device, sms=None: 2 * sms if sms else H100_PROGRAMS)
     attention.attention_config.cache_clear()
     yield
     attention.attention_config.cache_clear()

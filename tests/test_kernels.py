@@ -565,8 +565,8 @@ def test_h200_heuristic_configs_at_r64(monkeypatch):
     from loramux.kernels.expand import ExpandConfig
     from loramux.kernels.shrink import ShrinkConfig
 
-    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
-    monkeypatch.setattr(expand, "target_programs", lambda device: 264)
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
+    monkeypatch.setattr(expand, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     want = {  # (scenario, H, N): (shrink, expand)
         ("1-prefill", 4096, 14336): R64_LAUNCHES[0][1:],
         ("32-prefill", 4096, 1024): R64_LAUNCHES[1][1:],
@@ -587,7 +587,7 @@ def test_shrink_few_adapters_at_decode_size_take_the_static_shape(monkeypatch):
     a prefill-sized batch keeps the 64-wide shape."""
     from loramux.kernels import shrink
 
-    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     dev = torch.device("cpu")
     for T in (64, 256):
         meta = build_lora_meta(torch.zeros(T, dtype=torch.long), 32)
@@ -726,8 +726,8 @@ def test_static_launch_grid_depends_only_on_tokens_and_slots(T, monkeypatch):
     and the H100's program target (132 SMs); an exact meta's grid follows its mapping."""
     from loramux.kernels import expand, shrink
 
-    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
-    monkeypatch.setattr(expand, "target_programs", lambda device: 264)
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
+    monkeypatch.setattr(expand, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     S, R, gen = 32, 16, torch.Generator().manual_seed(T)
     ranks = torch.tensor([0, 0] + [R] * (S - 2), dtype=torch.int32)
     for H, sizes in [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]:
@@ -752,7 +752,7 @@ def test_static_split_k_is_sized_for_the_one_adapter_batch(monkeypatch):
     128-wide K steps), grid = 34 tiles (the bound: 31 one-token slots + 33 tokens) x 3 x 16."""
     from loramux.kernels import shrink
 
-    monkeypatch.setattr(shrink, "target_programs", lambda device: 264)
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     meta = build_lora_meta(torch.full((64,), -1), 32, static=True)
     launch = shrink.shrink_launch(meta, 48, 4096, torch.bfloat16, torch.device("cpu"))
     assert (launch.config.block_m, launch.config.block_n, launch.split_k, launch.n_tiles) == (16, 16, 16, 34)

@@ -1,7 +1,9 @@
-"""Issue 13: a LoRA projection's shrink runs on a side CUDA stream beside its base GEMM, inside one
-custom op (``loramux::lora_layer``). CPU tests: the decision, the fork/join order (with recording
-stand-ins for the CUDA streams), equality with the sequential path, the op under torch.compile;
-the real streams run in tests/test_layer_side_stream_gpu.py."""
+"""Issue 13: a LoRA projection computes its delta on a side CUDA stream beside its base GEMM, which
+leaves it some multiprocessors, in one custom op (``loramux::lora_delta``) that returns the base
+output and the delta apart; the layer adds them in traced code. CPU tests: the decision, the
+fork/join order (with recording stand-ins for the CUDA streams), equality with the sequential
+path (``loramux::lora_layer``), the ops under torch.compile; the real streams run in
+tests/test_layer_side_stream_gpu.py."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
 import loramux.engine.layers.base as base_module
+import loramux.engine.layers.side_stream as side_stream_module
 from loramux.engine.layers import BaseLayerWithLoRA, EmbeddingWithLoRA, LinearWithLoRA, LoRAContext
-from loramux.engine.layers.side_stream import shrink_beside_base
+from loramux.engine.layers.side_stream import delta_beside_base, gemm_carveout, lora_sms_beside
 from loramux.kernels import build_lora_meta, lora_shrink
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
@@ -39,38 +42,86 @@ def linear(dtype=torch.float32):
     return with_adapters(LinearWithLoRA(nn.Linear(16, 12).to(dtype), "proj", CONFIG))
 
 
+@pytest.fixture
+def beside(monkeypatch):
+    """Layers built from now on compute their delta beside the base GEMM, as on CUDA (here with
+    no streams: in order)."""
+    monkeypatch.setattr(base_module, "delta_beside_base", lambda device: True)
+
+
 # -- the decision -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("device", "kernels", "beside"), [
+@pytest.mark.parametrize(("device", "kernels", "expected"), [
     ("cuda", None, True), ("cuda:1", None, True), ("cuda", "triton", True),
     ("cuda", "torch", False),  # the torch reference on a GPU: sequential
     ("cpu", None, False), ("cpu", "triton", False),  # Triton's interpreter on the CPU: no streams there
 ])
-def test_the_shrink_goes_beside_the_base_gemm_only_on_cuda_with_the_triton_kernels(
-        device, kernels, beside, monkeypatch):
+def test_the_delta_goes_beside_the_base_gemm_only_on_cuda_with_the_triton_kernels(
+        device, kernels, expected, monkeypatch):
     if kernels is None:
         monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
     else:
         monkeypatch.setenv("LORAMUX_KERNELS", kernels)
-    assert shrink_beside_base(device) is beside
-    assert shrink_beside_base(torch.device(device)) is beside
+    assert delta_beside_base(device) is expected
+    assert delta_beside_base(torch.device(device)) is expected
+
+
+def test_a_layer_decides_once_and_again_when_moved(monkeypatch):
+    layer = linear()
+    assert not layer.delta_beside  # on the CPU
+    monkeypatch.setattr(base_module, "delta_beside_base", lambda device: True)
+    assert not layer.delta_beside and layer.float().delta_beside  # `_apply` (module.to, .float) asks again
+    embedding = with_adapters(EmbeddingWithLoRA(nn.Embedding(50, 12), "embed", CONFIG)).float()
+    assert not embedding.delta_beside  # its own kernels: base, then its delta, in order
+
+
+@pytest.mark.parametrize(("tokens", "share"), [(1, 0), (8, 0), (16, 8), (32, 8), (48, 4), (256, 4), (512, 0)])
+def test_the_gemm_leaves_the_delta_a_share_of_the_multiprocessors_between_9_and_256_tokens(
+        tokens, share, monkeypatch):
+    monkeypatch.setattr(side_stream_module, "num_sms", lambda index: 132)
+    assert lora_sms_beside(tokens, torch.device("cuda:0")) == (132 // share if share else 0)
+    assert lora_sms_beside(tokens, torch.device("cpu")) == 0
+
+
+def test_gemm_carveout_sets_and_puts_back_cublaslt_and_the_carveout(monkeypatch):
+    log, backend = [], ["cublas"]
+
+    def preferred(name=None):
+        if name is not None:
+            log.append(f"blas {name}")
+            backend[0] = name
+        return backend[0]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", preferred)
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental", lambda n: log.append(f"carveout {n}"),
+                        raising=False)
+    with gemm_carveout(0):
+        log.append("gemm")
+    assert log == ["gemm"]  # nothing to leave: nothing changes
+    log.clear()
+    with pytest.raises(RuntimeError, match="boom"):
+        with gemm_carveout(33):
+            log.append("gemm")
+            raise RuntimeError("boom")
+    assert log == ["blas cublaslt", "carveout 33", "gemm", "carveout None", "blas cublas"]
+    assert backend == ["cublas"]
 
 
 # -- the fork and the join, with recording stand-ins for the CUDA streams ------------------------------
 
 
 class Streams:
-    """Stand-ins for ``torch.cuda.current_stream``/``stream`` and the side stream that log, in
-    order, every wait and which stream each LoRA kernel and base GEMM was launched on."""
+    """Stand-ins for the current and the side stream, ``torch.cuda.stream`` and the carveout, that
+    log, in order, every wait and which stream each LoRA kernel and base GEMM was launched on."""
 
-    def __init__(self, monkeypatch) -> None:
+    def __init__(self, monkeypatch, sms: int = 0) -> None:
         self.log: list[str] = []
         self.current = "main"
         self.main, self.side = _Stream("main", self.log), _Stream("side", self.log)
-        monkeypatch.setattr(base_module, "shrink_beside_base", lambda device: True)  # as on CUDA
-        monkeypatch.setattr(base_module, "side_stream", lambda device: self.side)
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: getattr(self, self.current))
+        monkeypatch.setattr(base_module, "beside_streams", lambda device: (self.main, self.side))
+        monkeypatch.setattr(base_module, "lora_sms_beside", lambda tokens, device: sms)
+        monkeypatch.setattr(base_module, "gemm_carveout", self._carveout)
         monkeypatch.setattr(torch.cuda, "stream", self._on)
         for name in ("lora_shrink", "lora_expand", "lora_apply"):
             monkeypatch.setattr(base_module, name, self._logged(name, getattr(base_module, name)))
@@ -83,9 +134,14 @@ class Streams:
         finally:
             self.current = before
 
+    @contextlib.contextmanager
+    def _carveout(self, sms):
+        self.log.append(f"carveout {sms} on {self.current}")
+        yield
+
     def _logged(self, name, kernel):
         def run(*args, **kwargs):
-            self.log.append(f"{name} on {self.current}")
+            self.log.append(f"{name} on {self.current}" + (f" for {kwargs['sms']} SMs" if kwargs.get("sms") else ""))
             if "out" in kwargs:
                 self.out = kwargs["out"]
             return kernel(*args, **kwargs)
@@ -105,36 +161,41 @@ class _Stream:
 
 
 def sequential(layer, x):
-    """The layer's output with the shrink after the base layer, on one stream."""
-    original = base_module.shrink_beside_base
-    base_module.shrink_beside_base = lambda device: False
+    """The layer's output with the delta added after the base layer (``loramux::lora_layer``)."""
+    layer.delta_beside = False
     try:
         return layer(x)
     finally:
-        base_module.shrink_beside_base = original
+        layer.delta_beside = True
 
 
-# bfloat16 base with float32 slots: the delta is added in the slot dtype and written back
+# bfloat16 base with float32 slots: the delta is added in the slot dtype, the sum rounded once
 @pytest.mark.parametrize("base_dtype", [torch.float32, torch.bfloat16])
-def test_a_projection_forks_its_shrink_before_the_base_gemm_and_joins_before_the_expand(base_dtype, monkeypatch):
+def test_a_projection_forks_its_delta_beside_the_base_gemm_and_joins_before_returning(
+        base_dtype, beside, monkeypatch):
     layer = linear()
     layer.base_layer.to(base_dtype)
+    assert layer.delta_beside
     x = torch.randn(2, 3, 16, dtype=base_dtype)  # [B, S, in]: T = 6 rows
     layer.lora_context.set(SLOTS)
     expected = sequential(layer, x)
     assert not torch.equal(expected, layer.base_layer(x))  # the adapters change it
 
-    streams = Streams(monkeypatch)
+    streams = Streams(monkeypatch, sms=5)
     streams.watch(layer)
     got = layer(x)
-    assert streams.log == ["side waits main", "lora_shrink on side", "base on main", "main waits side",
-                           "lora_expand on main"]
+    assert streams.log == ["side waits main", "lora_shrink on side for 5 SMs", "lora_expand on side for 5 SMs",
+                           "carveout 5 on main", "base on main", "main waits side"]
     assert streams.out.dtype == torch.float32 and streams.out.shape == (6, 8)  # buf: [T, n_slices*R]
     assert got.dtype == base_dtype and got.shape == (2, 3, 12) and got.is_contiguous()
-    torch.testing.assert_close(got, expected, rtol=0, atol=0)  # same kernels, same order of sums
+    # the same kernels, and one rounding of base + delta: exactly the sequential path's sum
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    output, delta = torch.ops.loramux.lora_delta(x, layer.layer_id, (2, 3, 12), base_dtype, torch.float32)
+    assert torch.equal(output, layer.base_layer(x)) and delta.dtype == torch.float32
+    assert torch.equal(delta.view(6, 12)[SLOTS < 0], torch.zeros(2, 12))  # base rows: no delta
 
 
-def test_nothing_forks_without_adapters_for_a_rank_0_layer_or_for_an_embedding(monkeypatch):
+def test_nothing_forks_without_adapters_for_a_rank_0_layer_or_for_an_embedding(beside, monkeypatch):
     streams = Streams(monkeypatch)
     layer = linear()
     streams.watch(layer)
@@ -146,7 +207,7 @@ def test_nothing_forks_without_adapters_for_a_rank_0_layer_or_for_an_embedding(m
     streams.log.clear()
     untouched = with_adapters(LinearWithLoRA(nn.Linear(16, 12), "proj", CONFIG), ranks=(0, 0))
     streams.watch(untouched)
-    untouched.lora_context.set(SLOTS)  # the active adapters do not touch this layer
+    untouched.lora_context.set(SLOTS)  # the active adapters do not touch this layer (an eager step)
     assert torch.equal(untouched(x), untouched.base_layer(x)) and streams.log == ["base on main", "base on main"]
 
     streams.log.clear()
@@ -163,19 +224,23 @@ def test_on_the_cpu_a_layer_never_touches_cuda_streams(monkeypatch):
     def no_streams(*args, **kwargs):
         pytest.fail("a CPU forward asked for a CUDA stream")
 
-    monkeypatch.setattr(base_module, "side_stream", no_streams)
+    monkeypatch.setattr(side_stream_module, "side_stream", no_streams)
     monkeypatch.setattr(torch.cuda, "current_stream", no_streams)
-    layer = linear()
-    layer.lora_context.set(SLOTS)
-    x = torch.randn(6, 16)
-    assert not torch.equal(layer(x), layer.base_layer(x))
+    for delta_beside in (False, True):  # as the CPU decides, and forced
+        layer = linear()
+        layer.delta_beside = delta_beside
+        layer.lora_context.set(SLOTS)
+        x = torch.randn(6, 16)
+        assert not torch.equal(layer(x), layer.base_layer(x))
 
 
 # -- the op's contract ----------------------------------------------------------------------------
 
 
-def test_the_op_under_autocast_returns_autocasts_dtype():
+@pytest.mark.parametrize("delta_beside", [False, True], ids=["lora_layer", "lora_delta"])
+def test_the_op_under_autocast_returns_autocasts_dtype(delta_beside):
     layer = linear()
+    layer.delta_beside = delta_beside
     layer.lora_context.set(SLOTS)
     x = torch.randn(6, 16)
     expected = layer(x)
@@ -195,8 +260,10 @@ class _Float64Out(nn.Module):
         return self.inner(x).double()
 
 
-def test_a_base_layer_returning_other_than_its_spec_names_the_fix():
+@pytest.mark.parametrize("delta_beside", [False, True], ids=["lora_layer", "lora_delta"])
+def test_a_base_layer_returning_other_than_its_spec_names_the_fix(delta_beside):
     wrapper = with_adapters(BaseLayerWithLoRA(_Float64Out(), "odd", CONFIG, in_features=16, output_sizes=(12,)))
+    wrapper.delta_beside = delta_beside
     wrapper.lora_context.set(SLOTS)
     with pytest.raises(ValueError, match=r"'odd'.*returned torch.float64 \[6, 12\].*said torch.float32 \[6, 12\]"
                                          r".*override base_output_spec"):
@@ -233,9 +300,14 @@ class TwoProjections(nn.Module):
         return self.down(torch.relu(self.up(self.embed(ids))))
 
 
-def test_compiled_layers_do_not_recompile_as_adapters_come_and_go():
+@pytest.mark.parametrize(("delta_beside", "frames"), [(False, 1), (True, 2)], ids=["lora_layer", "lora_delta"])
+def test_compiled_layers_do_not_recompile_as_adapters_come_and_go(delta_beside, frames, monkeypatch):
+    """One frame, or with the delta beside the base GEMM two: with a mapping and without (the
+    context's ``active`` flag picks the op), each compiled once whatever the adapters."""
     torch._dynamo.reset()
+    monkeypatch.setattr(base_module, "delta_beside_base", lambda device: delta_beside)
     model = TwoProjections()
+    assert model.up.delta_beside is delta_beside and not model.embed.delta_beside
     counter = CompileCounterWithBackend("aot_eager")  # functionalizes the op, as inductor does
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     ids = torch.tensor([3, 7, 7, 0, 49, 12])
@@ -256,5 +328,5 @@ def test_compiled_layers_do_not_recompile_as_adapters_come_and_go():
         got = compiled(ids)
         torch.testing.assert_close(got, model(ids), rtol=0, atol=0)
         outputs.add(got.sum().item())
-    assert counter.frame_count == 1 and counter.op_count > 0
+    assert counter.frame_count == frames and counter.op_count > 0
     assert len(outputs) >= 5  # the adapters did change the output, step after step

@@ -1,6 +1,7 @@
-"""Issue 13 on the GPU: a LoRA step captured in a CUDA graph with every projection's shrink on the
-side stream replays what the eager step and the sequential path (shrink after the base GEMM)
-compute. Run on the GPU machine: ``pytest -m gpu tests/test_layer_side_stream_gpu.py``."""
+"""Issue 13 on the GPU: a LoRA step captured in a CUDA graph with every projection's delta on the
+side stream, beside a base GEMM that leaves it multiprocessors, replays what the eager step
+computes, and both equal the sequential path (delta added after the base GEMM) to rounding.
+Run on the GPU machine: ``pytest -m gpu tests/test_layer_side_stream_gpu.py``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-import loramux.engine.layers.base as base_module
+import loramux.engine.layers.side_stream as side_stream_module
 from loramux.engine.lora_model import LoRAModelManager
 from loramux.registry import LoRAConfig, load_adapter
 
@@ -26,27 +27,28 @@ MAPPINGS = {  # adapters and base rows mixed, swapped between replays; then base
 
 
 @torch.no_grad()
-def test_a_captured_step_with_the_shrink_beside_the_base_gemm_equals_eager_and_sequential(
+def test_a_captured_step_with_the_delta_beside_the_base_gemm_equals_eager_and_sequential(
         engine_adapters, monkeypatch):
-    """bfloat16. Each comparison is exact: the same kernels run on the same inputs with the same
-    launch shapes (one static meta), only the stream the shrink runs on differs, and a row's
-    values never depend on its neighbours'. A missing join would let the expand read the buf of
-    the previous replay, which held another mapping's adapters."""
+    """bfloat16. Replay and eager are compared exactly: the same kernels on the same inputs with the
+    same launch shapes (one static meta), and a row's values never depend on its neighbours'. A
+    missing join would let the sum read the delta of the previous replay, which held another
+    mapping's adapters. The sequential path sizes its launches for every multiprocessor and runs
+    the GEMM without the carveout (other split sums, another GEMM kernel): equal to rounding."""
     monkeypatch.delenv("LORAMUX_KERNELS", raising=False)  # the Triton kernels: the side stream applies
     device = torch.device("cuda")
-    assert base_module.shrink_beside_base(device)
+    assert side_stream_module.delta_beside_base(device)
+    assert side_stream_module.lora_sms_beside(B * S, device) > 0  # the GEMM leaves SMs at this size
     model = tiny_llama().to(device, torch.bfloat16)
     manager = LoRAModelManager(model, LoRAConfig(max_loras=2, max_lora_rank=8))
+    assert all(layer.delta_beside for layer in manager.layers.values() if not layer.is_embedding)
     for name in ("attn", "all"):
         manager.activate(load_adapter(engine_adapters[name], name=name))
     ids = torch.randint(3, 128, (B, S), generator=torch.Generator().manual_seed(3)).to(device)
     slots = manager.token_slots(MAPPINGS["mixed"], S)  # [B*S] int32: the graph's static input
 
     forks = []
-    real_side_stream = base_module.side_stream
-    monkeypatch.setattr(base_module, "side_stream", lambda dev: forks.append(dev) or real_side_stream(dev))
-
-    real_shrink_beside_base = base_module.shrink_beside_base
+    real_side_stream = side_stream_module.side_stream
+    monkeypatch.setattr(side_stream_module, "side_stream", lambda dev: forks.append(dev) or real_side_stream(dev))
 
     def forward() -> torch.Tensor:
         """Every wrapped projection of every layer, chained as the layer chains them (attention
@@ -66,11 +68,14 @@ def test_a_captured_step_with_the_shrink_beside_the_base_gemm_equals_eager_and_s
         return forward()
 
     def sequential() -> torch.Tensor:
-        monkeypatch.setattr(base_module, "shrink_beside_base", lambda dev: False)
+        beside = [layer for layer in manager.layers.values() if layer.delta_beside]
+        for layer in beside:
+            layer.delta_beside = False
         try:
             return step()
         finally:
-            monkeypatch.setattr(base_module, "shrink_beside_base", real_shrink_beside_base)
+            for layer in beside:
+                layer.delta_beside = True
 
     manager.set_mapping(None)
     base_out = forward()
@@ -87,7 +92,7 @@ def test_a_captured_step_with_the_shrink_beside_the_base_gemm_equals_eager_and_s
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         replayed = step()
     manager.set_mapping(None)
-    assert forks, "no projection forked its shrink while the graph was captured"
+    assert forks, "no projection forked its delta while the graph was captured"
 
     for label, names in MAPPINGS.items():
         slots.copy_(manager.token_slots(names, S))
@@ -96,10 +101,11 @@ def test_a_captured_step_with_the_shrink_beside_the_base_gemm_equals_eager_and_s
         eager = step()
         in_order = sequential()
         manager.set_mapping(None)
-        torch.testing.assert_close(eager, in_order, rtol=0, atol=0, msg=f"{label}: eager != sequential")
+        error = ((eager.double() - in_order.double()).norm() / in_order.double().norm()).item()
+        assert error < 1e-2, f"{label}: eager vs sequential, relative error {error:.1e}"
         torch.testing.assert_close(got, eager, rtol=0, atol=0, msg=f"{label}: replay != eager")
         for row, name in enumerate(names):
-            if name is None:  # base rows are left exactly as the base model computes them
-                torch.testing.assert_close(got[row], base_out[row], rtol=0, atol=0, msg=f"{label}: row {row}")
+            if name is None:  # base rows get no delta: the base model's output, to the GEMM's rounding
+                torch.testing.assert_close(got[row], base_out[row], msg=f"{label}: row {row}")
             else:
                 assert (got[row] - base_out[row]).abs().max() > 0.01, f"{label}: adapter row {row} unchanged"

@@ -43,6 +43,7 @@ def lora_shrink(
     out: torch.Tensor | None = None,
     pool_starts: torch.Tensor | None = None,
     max_rank: int | None = None,
+    sms: int | None = None,
 ) -> torch.Tensor:
     """buf[t, i*R:(i+1)*R] = (x[t] @ A[slot(t), i*R:(i+1)*R].T) * scales[slot(t), i].
 
@@ -59,12 +60,15 @@ def lora_shrink(
     `loramux.engine.layers.base`): lora_a is then [U, n_slices, H], slot s's rank row j of slice
     i being ``lora_a[pool_starts[s] + j, i]``, read for j < ranks[s] only (ranks is required);
     R = ``max_rank``.
+
+    sms: size the Triton launch for this many multiprocessors instead of all of them (a launch
+    beside a GEMM that leaves it those, `loramux.engine.layers.side_stream`); same result.
     """
     if _use_triton(x):
         from .shrink import lora_shrink_triton
 
         return lora_shrink_triton(x, lora_a, scales, meta, ranks, out=out, pool_starts=pool_starts,
-                                  max_rank=max_rank)
+                                  max_rank=max_rank, sms=sms)
     buf = reference.lora_shrink_ref(x, lora_a, scales, meta, ranks, pool_starts=pool_starts, max_rank=max_rank)
     if out is None:
         return buf
@@ -84,6 +88,7 @@ def lora_expand(
     *,
     pdl: bool | None = None,
     pool_starts: torch.Tensor | None = None,
+    sms: int | None = None,
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
 
@@ -99,11 +104,13 @@ def lora_expand(
     pool_starts: as for lora_shrink; lora_b is then a pool [U, N] (N = sum(slice_sizes)) holding
     slot s's B as one [N, w] block from element ``pool_starts[s] * N`` of its flat storage, w being
     its rank rounded up to `POOL_ROW_ALIGN` (`pool_rows`), the columns past the rank zero.
+    sms: as for lora_shrink.
     """
     if _use_triton(y):
         from .expand import lora_expand_triton
 
-        lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pdl=pdl, pool_starts=pool_starts)
+        lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pdl=pdl, pool_starts=pool_starts,
+                           sms=sms)
         return
     reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pool_starts=pool_starts)
 

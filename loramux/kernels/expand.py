@@ -145,33 +145,33 @@ class ExpandConfig:
 
 
 def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
-                  device: torch.device) -> ExpandConfig:
+                  device: torch.device, sms: int | None = None) -> ExpandConfig:
     """Launch shape, cached on the meta; a static meta and a prefill-sized batch get
     `static_expand_config` (`shape_from_tokens_alone`). 64-column blocks; shorter tiles for small
     ranks (buf rows are cheap) and taller ones for large ranks (fewer re-reads of B from L2);
     several blocks per program once the grid is more than twice the GPU (prefill), one otherwise
-    (decode)."""
-    key = ("expand", slice_sizes, R, dtype, device)
+    (decode); sized for ``sms`` multiprocessors when given (`target_programs`)."""
+    key = ("expand", slice_sizes, R, dtype, device, sms)
     cfg = meta._cache.get(key)
     if cfg is not None:
         return cfg
     if shape_from_tokens_alone(meta):
-        cfg = static_expand_config(meta.num_tokens, slice_sizes, R, dtype, device)
+        cfg = static_expand_config(meta.num_tokens, slice_sizes, R, dtype, device, sms)
         meta._cache[key] = cfg
         return cfg
     block_m = min(block_m_for(meta), 32 if R <= 32 else 64)
-    cfg = _expand_shape(block_m, max(1, meta.num_tiles(block_m)), slice_sizes, target_programs(device))
+    cfg = _expand_shape(block_m, max(1, meta.num_tiles(block_m)), slice_sizes, target_programs(device, sms))
     meta._cache[key] = cfg
     return cfg
 
 
 def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
-                         device: torch.device) -> ExpandConfig:
+                         device: torch.device, sms: int | None = None) -> ExpandConfig:
     """Launch shape for a static meta, from T and the module's shape only: the column split is
     sized for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that needs the most
     programs per tile; a mixed batch fills more tiles of the same grid."""
     block_m = min(static_block_m(num_tokens), 32 if R <= 32 else 64)
-    return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, target_programs(device))
+    return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, target_programs(device, sms))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -207,10 +207,11 @@ def _slice_table(slice_sizes: tuple[int, ...], device: torch.device) -> tuple[to
 
 
 def expand_launch(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
-                  device: torch.device, config: ExpandConfig | None = None) -> tuple[ExpandConfig, tuple[int], int]:
+                  device: torch.device, config: ExpandConfig | None = None,
+                  sms: int | None = None) -> tuple[ExpandConfig, tuple[int], int]:
     """(config, grid, work units per tile) of the launch `lora_expand_triton` makes. For a static
     meta it depends on (T, S, slice sizes, R, dtype, device) only: tests compare it across mappings."""
-    cfg = config or expand_config(meta, slice_sizes, R, dtype, device)
+    cfg = config or expand_config(meta, slice_sizes, R, dtype, device, sms)
     key = ("expand_launch", slice_sizes, cfg)
     hit = meta._cache.get(key)
     if hit is None:  # per step and module shape
@@ -230,9 +231,11 @@ def lora_expand_triton(
     config: ExpandConfig | None = None,
     pdl: bool | None = None,
     pool_starts: torch.Tensor | None = None,
+    sms: int | None = None,
 ) -> None:
     """Triton expand; same contract as `loramux.kernels.lora_expand`. `config` overrides the
-    heuristic launch shape (tests and benchmarks). `pdl`: launch with programmatic dependent
+    heuristic launch shape (tests and benchmarks); `sms`: the multiprocessors the launch is sized
+    for (default: all). `pdl`: launch with programmatic dependent
     launch, so the kernel's launch and prologue overlap the end of the kernels before it on this
     stream; None takes ``LORAMUX_PDL`` (off by default), and it is off wherever PDL is not
     available (`loramux.kernels.tiles.pdl_available`)."""
@@ -240,7 +243,7 @@ def lora_expand_triton(
     n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, pool_starts=pool_starts)
     if R == 0:
         return
-    cfg, grid, n_units = expand_launch(meta, slice_sizes, R, y.dtype, y.device, config)
+    cfg, grid, n_units = expand_launch(meta, slice_sizes, R, y.dtype, y.device, config, sms)
     if grid[0] == 0:
         return
     tab, sl_pad, _ = _slice_table(slice_sizes, y.device)

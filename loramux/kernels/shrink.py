@@ -141,24 +141,26 @@ class ShrinkConfig:
     num_stages: int
 
 
-def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device) -> ShrinkConfig:
+def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device,
+                  sms: int | None = None) -> ShrinkConfig:
     """Launch shape, cached on the meta (every layer of a step reuses it).
 
     A static meta and a prefill-sized batch (`shape_from_tokens_alone`) get `static_shrink_config`.
     A decode-sized batch (at most `DECODE_MAX_TOKENS` tokens) is latency bound whatever its mix:
     tiles of its segments' height, narrow rank blocks that spread the weights over many short
     programs (on an H100 one adapter over 64 tokens in 64-row tiles and 64-wide blocks took 2x the
-    time of this shape, and lost to vLLM's tuned kernel), K split until the grid fills the GPU.
+    time of this shape, and lost to vLLM's tuned kernel), K split until the grid fills the GPU
+    (or ``sms`` of its multiprocessors, `target_programs`).
     """
-    key = ("shrink", NR, H, dtype, device)
+    key = ("shrink", NR, H, dtype, device, sms)
     cfg = meta._cache.get(key)
     if cfg is not None:
         return cfg
     if shape_from_tokens_alone(meta):
-        cfg = static_shrink_config(meta.num_tokens, NR, H, dtype, device)
+        cfg = static_shrink_config(meta.num_tokens, NR, H, dtype, device, sms)
         meta._cache[key] = cfg
         return cfg
-    target = target_programs(device)
+    target = target_programs(device, sms)
     block_m = min(block_m_for(meta), static_block_m(meta.num_tokens))
     n_tiles = max(1, meta.num_tiles(block_m))
     block_n, block_k = min(max(16, next_pow2(NR)), 256), 128
@@ -173,7 +175,8 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     return cfg
 
 
-def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, device: torch.device) -> ShrinkConfig:
+def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, device: torch.device,
+                         sms: int | None = None) -> ShrinkConfig:
     """Launch shape for a static meta: a function of T and the module's shape only.
 
     The grid holds the worst-case tile count (T tokens over min(S, T) slots); its split count is
@@ -181,7 +184,7 @@ def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, d
     most. Many adapters then fill the same grid with more real tiles, each reading its own
     adapter's weights: more programs, each as short as in the one-adapter case.
     """
-    return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device))
+    return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device, sms))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -219,10 +222,10 @@ class ShrinkLaunch:
 
 
 def shrink_launch(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device,
-                  config: ShrinkConfig | None = None) -> ShrinkLaunch:
+                  config: ShrinkConfig | None = None, sms: int | None = None) -> ShrinkLaunch:
     """The launch `lora_shrink_triton` makes for this meta and module shape. For a static meta
-    it depends on (T, S, NR, H, dtype, device) only: tests compare it across mappings."""
-    cfg = config or shrink_config(meta, NR, H, dtype, device)
+    it depends on (T, S, NR, H, dtype, device, sms) only: tests compare it across mappings."""
+    cfg = config or shrink_config(meta, NR, H, dtype, device, sms)
     n_tiles = meta.num_tiles(cfg.block_m)
     k_chunks = cdiv(max(H, 1), cfg.block_k)
     k_per_split = cdiv(k_chunks, max(1, min(cfg.split_k, MAX_SPLIT_K))) * cfg.block_k
@@ -266,9 +269,11 @@ def lora_shrink_triton(
     out: torch.Tensor | None = None,
     pool_starts: torch.Tensor | None = None,
     max_rank: int | None = None,
+    sms: int | None = None,
 ) -> torch.Tensor:
     """Triton shrink; same contract as `loramux.kernels.lora_shrink`. `config` overrides the
-    heuristic launch shape (tests and benchmarks); `out` ([T, n_slices*R] float32) receives buf.
+    heuristic launch shape (tests and benchmarks); `out` ([T, n_slices*R] float32) receives buf;
+    `sms`: the multiprocessors the launch is sized for (default: all).
     Neither buf nor any scratch is zeroed: every launch is a single kernel."""
     n_slices, R = check_shrink(x, lora_a, scales, meta, ranks, pool_starts=pool_starts, max_rank=max_rank)
     T, H = x.shape
@@ -282,7 +287,7 @@ def lora_shrink_triton(
         buf = out
     if NR == 0 or T == 0:
         return buf
-    launch = shrink_launch(meta, NR, H, x.dtype, x.device, config)
+    launch = shrink_launch(meta, NR, H, x.dtype, x.device, config, sms)
     if launch.n_tiles == 0:
         return buf
     cfg = launch.config

@@ -88,10 +88,14 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def target_programs(device: torch.device) -> int:
-    """Programs that keep every multiprocessor busy (two per SM); tiny under the interpreter."""
+def target_programs(device: torch.device, sms: int | None = None) -> int:
+    """Programs that keep the multiprocessors a launch may use busy (two per SM): every SM of the
+    device, or ``sms`` of them (a launch beside a GEMM that leaves it that many,
+    `loramux.engine.layers.side_stream`); tiny under the interpreter."""
     if device.type != "cuda" or interpreting():
         return 4
+    if sms:
+        return 2 * sms
     return 2 * num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 

@@ -28,8 +28,9 @@ and both kinds keep
 
 with R = ``max_lora_rank``. ``forward`` is the base layer's output plus, for every token, the
 delta of that token's slot, read from the shared `LoRAContext`, all in one custom op
-(``loramux::lora_layer``, `lora_forward`): on CUDA a projection's shrink runs on a side stream
-beside its base GEMM. A subclass states its sizes in ``__init__`` and, when its input is not
+(``loramux::lora_layer``, `lora_forward`); on CUDA a pooled projection computes its delta on a
+side stream beside its base GEMM instead, and one op (``loramux::lora_delta``,
+`lora_delta_forward`) returns both for the compiled layer to add. A subclass states its sizes in ``__init__`` and, when its input is not
 ``[..., in_features]`` activations, overrides ``apply_lora`` (its delta then runs after the base
 layer, in order) and, when its base layer's output is not ``rows_shape(x) + (out_features,)``
 in x's dtype, ``rows_shape`` and ``base_output_spec``.
@@ -38,7 +39,7 @@ in x's dtype, ``rows_shape`` and ``base_output_spec``.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
 import torch
@@ -46,7 +47,7 @@ from torch import nn
 
 from loramux.engine.layers.context import LoRAContext
 from loramux.engine.layers.lora_op import register_layer
-from loramux.engine.layers.side_stream import shrink_beside_base, side_stream
+from loramux.engine.layers.side_stream import beside_streams, delta_beside_base, gemm_carveout, lora_sms_beside
 from loramux.engine.layers.slot_write import SlotWrite, apply_slot_writes, zero_all
 from loramux.engine.rank_pool import RankPool
 from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
@@ -134,7 +135,8 @@ class BaseLayerWithLoRA(nn.Module):
         self._views: dict[int, tuple] = {}  # slot -> its views, see _slot_views and _slot_cells
         self.lora_context: LoRAContext | None = None  # set by the model manager
         self.computes_logits = False  # the model's LM head (set by patch_model): its rows are the logits rows
-        self.layer_id = register_layer(self)  # how the lora_layer op finds this layer
+        self.layer_id = register_layer(self)  # how the lora ops find this layer
+        self.delta_beside = self._delta_beside()
 
     # -- the wrapped layer -------------------------------------------------------------------
 
@@ -165,7 +167,15 @@ class BaseLayerWithLoRA(nn.Module):
             self.lora_ranks = self.lora_ranks.int()
         if self.pooled and self.lora_pool_starts.dtype != torch.int32:
             self.lora_pool_starts = self.lora_pool_starts.int()
+        self.delta_beside = self._delta_beside()
         return self
+
+    def _delta_beside(self) -> bool:
+        """Whether this layer computes its delta beside its base GEMM (`lora_delta_forward`): a
+        pooled layer running the standard shrink and expand, on a device where that pays
+        (`delta_beside_base`). A plain attribute, read by the traced ``forward``."""
+        standard = self.pooled and type(self).apply_lora is BaseLayerWithLoRA.apply_lora
+        return standard and delta_beside_base(self.lora_scales.device)
 
     def _new_pool(self, units: int, dtype: torch.dtype, device: torch.device | None,
                   region: int | None = None) -> None:
@@ -444,37 +454,70 @@ class BaseLayerWithLoRA(nn.Module):
         gives the layer its `LoRAContext`."""
         if self.lora_context is None:
             return self.base_layer(x)
-        # one opaque op for the whole layer (see `lora_forward`): torch.compile traces no per-step
-        # Python state and cannot reorder the base GEMM and the shrink launched beside it
         shape, dtype = self.base_output_spec(x)
+        if self.delta_beside and self.lora_context.active:
+            # the delta comes back beside the base output and the sum is traced, so a compiled layer
+            # folds it into the pointwise kernel that reads the output next (no launch of its own)
+            output, delta = torch.ops.loramux.lora_delta(x, self.layer_id, shape, dtype, self.lora_dtype)
+            return output + delta if delta.dtype == dtype else (output + delta).to(dtype)
+        # one opaque op for the whole layer (see `lora_forward`): torch.compile traces no per-step
+        # Python state
         return torch.ops.loramux.lora_layer(x, self.layer_id, shape, dtype)
 
     def lora_forward(self, x: torch.Tensor) -> torch.Tensor:
         """``base_layer(x)`` plus the delta for the mapping the `LoRAContext` holds now, in a new
-        contiguous tensor: the body of the ``loramux::lora_layer`` op.
-
-        With nothing to add (no mapping, or no active slot touches this layer) it is the base
-        layer's output alone: a CUDA graph captured without adapters holds no LoRA kernel and no
-        stream fork. On CUDA with the Triton kernels (`shrink_beside_base`), a projection forks:
-
-            main:  alloc buf ─┬─ base GEMM ──────── wait(side) ─ expand into output
-            side:             └─ wait(main) ─ shrink into buf ─┘
-
-        The shrink is latency-bound at decode, so it hides beside the GEMM (numbers in
-        `loramux.engine.layers.side_stream`). Every fork is joined before the op returns, so a
-        CUDA-graph capture gets a parallel branch that ends inside the layer. Elsewhere, and for
-        a subclass that overrides `apply_lora` (its delta is not our shrink + expand: the
-        embedding's gather, a plugin's kernels), base then delta in order.
+        contiguous tensor, base then delta in order: the body of the ``loramux::lora_layer`` op
+        (the CPU, the torch reference kernels, a subclass that overrides `apply_lora`: the
+        embedding's gather, a plugin's kernels). With nothing to add (no mapping, or no active slot
+        touches this layer) it is the base layer's output alone: a CUDA graph captured without
+        adapters holds no LoRA kernel.
         """
         meta = self._lora_meta(x)
-        if meta is None:
-            return self.base_layer(x).contiguous()
-        if self.pooled and type(self).apply_lora is BaseLayerWithLoRA.apply_lora and shrink_beside_base(x.device):
-            return self._forward_shrink_beside_base(x, meta)
         output = self.base_layer(x).contiguous()
+        if meta is None:
+            return output
         with self._rows_in_slot_dtype(output) as y:
             self.apply_lora(x, y, meta)
         return output
+
+    def lora_delta_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(base_layer(x), delta)``, both contiguous and of the output's shape, the delta in the
+        slot dtype: the body of the ``loramux::lora_delta`` op, for a layer with `delta_beside`.
+
+        On CUDA the delta is computed on the side stream while the main stream runs the base
+        GEMM, which leaves `lora_sms_beside` multiprocessors to it (`gemm_carveout`):
+
+            main:  alloc buf, delta ─┬─ base GEMM (carveout) ─────────── wait(side) ─ return
+            side:                    └─ wait(main) ─ zero delta ─ shrink ─ expand ─┘
+
+        Every fork is joined before the op returns, so a CUDA-graph capture gets a parallel
+        branch that ends inside the layer. Elsewhere (tests) the same kernels run in order.
+        """
+        meta = self._lora_meta(x)
+        if meta is None:  # no token of this (eager) step uses an adapter touching this layer
+            output = self.base_layer(x).contiguous()
+            return output, torch.zeros(output.shape, dtype=self.lora_dtype, device=output.device)
+        T, device = meta.num_tokens, x.device
+        # made on the main stream, before the fork, so the main stream owns their memory
+        buf = torch.empty(T, self.n_slices * self.max_lora_rank, dtype=torch.float32, device=device)  # [T, n*R]
+        delta = torch.empty(T, self.out_features, dtype=self.lora_dtype, device=device)  # [T, N]
+        sms = lora_sms_beside(T, device)
+        streams = beside_streams(device)
+        if streams is not None:
+            main, side = streams
+            side.wait_stream(main)  # x is made on the main stream
+        with torch.cuda.stream(side) if streams is not None else nullcontext():
+            # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only
+            delta.zero_()  # rows of tokens without an adapter here stay zero
+            lora_shrink(self._lora_input(x), self.lora_a_pool, self.lora_scales, meta, self.lora_ranks, out=buf,
+                        pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank, sms=sms)
+            lora_expand(delta, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
+                        pool_starts=self.lora_pool_starts, sms=sms)
+        with gemm_carveout(sms):
+            output = self.base_layer(x).contiguous()  # on the main stream, beside the delta
+        if streams is not None:
+            main.wait_stream(side)  # the join: delta is written, and x's memory is not reused before it is read
+        return output, delta.view(output.shape)
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
         """``y [T, out] += delta``, in place, for activations ``x [..., in_features]``."""
@@ -485,25 +528,6 @@ class BaseLayerWithLoRA(nn.Module):
         else:  # a subclass that overrides apply_lora does not come here, but one may call super()
             lora_apply(y, self._lora_input(x), self.lora_a_stacked, self.lora_b_stacked, self.lora_scales,
                        self.lora_ranks, self.output_sizes, meta)
-
-    def _forward_shrink_beside_base(self, x: torch.Tensor, meta: LoRABatchMeta) -> torch.Tensor:
-        # buf is allocated on the main stream, before the fork, so the main stream owns its memory
-        buf = torch.empty(meta.num_tokens, self.n_slices * self.max_lora_rank, dtype=torch.float32,
-                          device=x.device)  # [T, n_slices*R]
-        # one side stream per device for every layer: shrinks run one after another there, so two
-        # split-K shrinks (sharing the device's counter table) never run at once
-        main, side = torch.cuda.current_stream(x.device), side_stream(x.device)
-        side.wait_stream(main)  # x is made on the main stream
-        with torch.cuda.stream(side):
-            # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only
-            lora_shrink(self._lora_input(x), self.lora_a_pool, self.lora_scales, meta, self.lora_ranks, out=buf,
-                        pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank)
-        output = self.base_layer(x).contiguous()  # on the main stream, beside the shrink
-        main.wait_stream(side)  # the join: buf is written, and x's memory is not reused before the shrink read it
-        with self._rows_in_slot_dtype(output) as y:
-            lora_expand(y, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
-                        pool_starts=self.lora_pool_starts)
-        return output
 
     def _lora_meta(self, x: torch.Tensor) -> LoRABatchMeta | None:
         """The kernel metadata for input ``x``, or None when no token gets a delta from this layer."""

@@ -32,6 +32,9 @@ class LoRAContext:
         self.num_slots = num_slots
         self.token_slots: torch.Tensor | None = None  # [T] int32, -1 = no adapter
         self.meta: LoRABatchMeta | None = None
+        # whether a mapping is set: a plain bool, so a compiled layer's guard on it is cheap and its
+        # two values are its two variants (with LoRA, without), each compiled once
+        self.active = False
         self._logits_meta: LoRABatchMeta | None = None
         self._derived: dict[tuple[int, ...], LoRABatchMeta] = {}
 
@@ -51,6 +54,7 @@ class LoRAContext:
         """
         self._derived = {}
         self._logits_meta = None
+        self.active = token_slots is not None
         if token_slots is None:
             self.token_slots = self.meta = None
             return

@@ -1,17 +1,23 @@
-"""``loramux::lora_layer``: a LoRA layer's whole forward (base layer and delta) as one torch custom op.
+"""The LoRA layer's forward as torch custom ops: ``torch.compile`` sees one opaque op per wrapped layer.
 
-``torch.compile`` sees one opaque op per wrapped layer, so it traces none of the per-step Python
-(the mapping, the kernel metadata, which slots a layer holds), the compiled forward never
-recompiles as adapters come and go, and nothing can move the base layer's GEMM away from the
-shrink launched beside it on a side stream (`BaseLayerWithLoRA.lora_forward`). The op finds its
-layer by an integer id handed out when the wrapper is built, and the layer reads the step's
-mapping from its `LoRAContext`. The same op runs in eager mode; under a CUDA-graph capture it
-records the base layer's kernels and whatever LoRA kernels the context's metadata asks for (none,
-and no stream fork, when the graph is captured without adapters).
+So it traces none of the per-step Python (the mapping, the kernel metadata, which slots a layer
+holds), the compiled forward never recompiles as adapters come and go, and nothing can move the
+base layer's GEMM away from the LoRA work forked beside it on a side stream. Two ops:
 
-The op returns a new tensor. Its fake (what ``torch.compile`` traces with) cannot ask the layer
+- ``loramux::lora_layer(x, ...)``: base output plus delta (`BaseLayerWithLoRA.lora_forward`), in
+  order; the CPU, the torch reference, layers with kernels of their own;
+- ``loramux::lora_delta(x, ...)``: the base output and the delta apart
+  (`BaseLayerWithLoRA.lora_delta_forward`), the delta computed beside the base GEMM on CUDA; the
+  layer adds them in traced code, so the compiled layer folds the sum into its next kernel.
+
+An op finds its layer by an integer id handed out when the wrapper is built, and the layer reads
+the step's mapping from its `LoRAContext`. The ops run in eager mode too; under a CUDA-graph
+capture they record the base layer's kernels and whatever LoRA kernels the context's metadata
+asks for (none, and no stream fork, when the graph is captured without adapters).
+
+The ops return new tensors. Their fakes (what ``torch.compile`` traces with) cannot ask the layer
 for the output's shape, since the layer id is a symbolic int there (one compiled graph serves
-every decoder layer), so the caller passes the shape and dtype it expects
+every decoder layer), so the caller passes the shape and dtypes it expects
 (`BaseLayerWithLoRA.base_output_spec`), and the real op checks them.
 """
 
@@ -40,6 +46,32 @@ def register_layer(layer: torch.nn.Module) -> int:
 def _lora_layer(x: torch.Tensor, layer_id: int, out_shape: Sequence[int], out_dtype: torch.dtype) -> torch.Tensor:
     layer = _layers[layer_id]
     output = layer.lora_forward(x)
+    _check_output(layer, x, output, out_shape, out_dtype)
+    return output
+
+
+@_lora_layer.register_fake
+def _(x, layer_id, out_shape, out_dtype) -> torch.Tensor:
+    return x.new_empty(out_shape, dtype=out_dtype)  # contiguous, as `lora_forward` returns
+
+
+@torch.library.custom_op("loramux::lora_delta", mutates_args=())
+def _lora_delta(x: torch.Tensor, layer_id: int, out_shape: Sequence[int], out_dtype: torch.dtype,
+                delta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    layer = _layers[layer_id]
+    output, delta = layer.lora_delta_forward(x)
+    _check_output(layer, x, output, out_shape, out_dtype)
+    return output, delta
+
+
+@_lora_delta.register_fake
+def _(x, layer_id, out_shape, out_dtype, delta_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # contiguous, as `lora_delta_forward` returns them
+    return x.new_empty(out_shape, dtype=out_dtype), x.new_empty(out_shape, dtype=delta_dtype)
+
+
+def _check_output(layer: torch.nn.Module, x: torch.Tensor, output: torch.Tensor, out_shape: Sequence[int],
+                  out_dtype: torch.dtype) -> None:
     if tuple(output.shape) != tuple(out_shape) or output.dtype != out_dtype:
         raise ValueError(
             f"{type(layer).__name__}({layer.module_name!r}): its base layer returned {output.dtype} "
@@ -47,9 +79,3 @@ def _lora_layer(x: torch.Tensor, layer_id: int, out_shape: Sequence[int], out_dt
             f"{list(out_shape)}; override base_output_spec (and rows_shape) to describe what the base "
             "layer returns"
         )
-    return output
-
-
-@_lora_layer.register_fake
-def _(x, layer_id, out_shape, out_dtype) -> torch.Tensor:
-    return x.new_empty(out_shape, dtype=out_dtype)  # contiguous, as `lora_forward` returns

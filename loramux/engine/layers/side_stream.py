@@ -1,34 +1,55 @@
-"""The side CUDA stream a LoRA projection's shrink runs on, beside the projection's base GEMM.
+"""Where a LoRA projection's delta is computed: on a side CUDA stream, beside its base GEMM.
 
-At decode a layer's two LoRA launches are latency-bound: the shrink reads a few rows of x and the
-adapters' A, far from filling the GPU. Launched on a side stream before the base GEMM, it runs
-beside the GEMM instead of after it; the expand then waits for it on the main stream. On an H100
-(`benchmarks/lora_decode.py`, Llama-3.1-8B fused layout, rank 16, 64 tokens, 32 layers in one
-CUDA graph) the LoRA cost of a layer fell from 46.5 to 37.6 us with 1 adapter and from 94.5 to
-86.9 us with 32; putting the expand on the side stream too was slower.
+At decode a projection's LoRA work (shrink, expand) is a chain of latency-bound launches that
+move a few MB: in line with the base GEMM it costs its latency, ~10 us a projection, 38 us a
+layer at Llama-3.1-8B shapes. So on CUDA with the Triton kernels (`delta_beside_base`) the whole
+delta is computed on a side stream into a buffer of its own, while the main stream runs the base
+GEMM; the op returns both and the compiled layer adds them in the pointwise kernel that reads the
+output next (RoPE, SiLU-mul, the residual add). Nothing of the delta is left in line with the
+GEMM but the join.
+
+A GEMM at decode takes every multiprocessor, so the side stream's kernels would wait for its
+tail. The GEMM is told to leave some free instead (`gemm_carveout`: cuBLASLt's SM count target,
+through torch's experimental carveout), and the LoRA launches are sized for those
+(`lora_sms_beside`). Measured on an H100 (`benchmarks/lora_decode.py`, 8B fused layout, rank 16,
+32 layers in one CUDA graph; us a layer over the base GEMMs, 1 / 32 adapters; no add after the
+join, which the compiled layer folds into its next kernel):
+
+    tokens   shrink beside, expand after   delta beside   delta beside, GEMM leaves SMs free
+    8        22.5 / 43.3                   10.0 / 30.0    15.6 / 33.0 (32 SMs)
+    16       27.0 / 63.4                   13.4 / 45.1    13.4 / 36.7 (16 SMs)
+    32       37.4 / 102.2                  20.7 / 86.9    14.8 / 54.5 (16 SMs)
+    64       38.5 / 88.0                   34.0 / 81.0    15.3 / 53.7 (32 SMs)
+    128      44.8 / 78.8                   41.4 / 71.2    28.3 / 62.4 (32 SMs)
+    256      72.6 / 110.6                  55.3 / 107.4   49.6 / 67.6 (32 SMs)
 
 One side stream per device, shared by every layer of every model in the process. The split-K
 shrink keeps one counter table per device (`loramux.kernels.shrink`: two split-K shrinks must
-never run at once on different streams). Every shrink that leaves the main stream goes to this
-one stream, in launch order, after the main stream's earlier work and before its later work
-(each layer joins the fork before it returns), so two shrinks never overlap.
+never run at once on different streams). Every delta goes to this one stream, in launch order,
+after the main stream's earlier work and before its later work (each layer joins the fork before
+it returns), so two shrinks never overlap.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from loramux.kernels.dispatch import uses_triton
+from loramux.kernels.tiles import num_sms
 
-__all__ = ["shrink_beside_base", "side_stream"]
+__all__ = ["beside_streams", "delta_beside_base", "gemm_carveout", "lora_sms_beside", "side_stream"]
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def shrink_beside_base(device: torch.device | str) -> bool:
-    """Whether LoRA projections on ``device`` launch their shrink on the side stream: on CUDA, when
-    the Triton kernels run (`loramux.kernels.dispatch.uses_triton`). Elsewhere, and with the torch
-    reference kernels (``LORAMUX_KERNELS=torch``), the shrink runs after the base layer, in order."""
+def delta_beside_base(device: torch.device | str) -> bool:
+    """Whether LoRA projections on ``device`` compute their delta beside the base GEMM: on CUDA,
+    when the Triton kernels run (`loramux.kernels.dispatch.uses_triton`). Elsewhere, and with the
+    torch reference kernels (``LORAMUX_KERNELS=torch``), the delta is added after the base layer,
+    in order."""
     device = torch.device(device)
     return device.type == "cuda" and uses_triton(device)
 
@@ -43,3 +64,41 @@ def side_stream(device: torch.device | str) -> torch.cuda.Stream:
     if stream is None:  # two threads racing here keep one stream between them
         stream = _SIDE_STREAMS.setdefault(index, torch.cuda.Stream(index))
     return stream
+
+
+def beside_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream] | None:
+    """(the current stream, the side stream) of a CUDA ``device``; None elsewhere (no fork)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device), side_stream(device)
+
+
+def lora_sms_beside(num_tokens: int, device: torch.device) -> int:
+    """Multiprocessors the base GEMM of a ``num_tokens``-token step leaves to the LoRA work beside
+    it (0: the GEMM takes them all, and the LoRA launches are sized for all). From the table in
+    this module's docstring: none up to 8 tokens (the GEMM's tail leaves room, and the GEMM lost
+    more than the delta gained), an eighth of them up to 32, a quarter up to 256; none past
+    that, where the GEMM is compute-bound and every multiprocessor counts."""
+    if device.type != "cuda" or num_tokens <= 8 or num_tokens > 256:
+        return 0
+    sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return sms // 8 if num_tokens <= 32 else sms // 4
+
+
+@contextmanager
+def gemm_carveout(sms: int) -> Iterator[None]:
+    """Matrix products in this block leave ``sms`` multiprocessors free: cuBLASLt with its SM
+    count target (torch's ``_set_sm_carveout_experimental``; the only BLAS that honours it), both
+    settings put back on exit. A no-op for 0, or where this torch has no carveout."""
+    set_carveout = getattr(torch._C, "_set_sm_carveout_experimental", None)
+    if not sms or set_carveout is None:
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    set_carveout(sms)
+    try:
+        yield
+    finally:
+        set_carveout(None)
+        torch.backends.cuda.preferred_blas_library(previous)
