@@ -18,7 +18,9 @@ first: a saturated burst over 4 warm adapters (busy, not drowning). Per N: outpu
 p50/p99, cold against warm TTFT, failed requests, tier loads and evictions under Poisson arrivals;
 then, from cold tiers and page cache again, ``--saturated-requests`` over the same adapters all at
 once: the throughput at saturation (under Poisson arrivals an engine that keeps up just serves the
-rate). Then the same burst once more with new prompts, its adapters now in host memory (the CPU
+rate). Before that, the Poisson trace is replayed once more with new prompts while its adapters are
+in host memory (mostly not in a GPU slot): the TTFT cliff past the slots, without the disk a cold
+start waits for (the p99 target is judged on it; the cold ratio is reported beside it). Then the same burst once more with new prompts, its adapters now in host memory (the CPU
 tier, and the page cache for those it had to evict): S-LoRA's setting, whose mark (2,000 adapters
 within ~5% of 5) kept every adapter in host memory; the cold burst is bound by the disk instead.
 The issue's targets: saturated throughput at the largest N within 5% of the smallest (judged on
@@ -201,6 +203,15 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
               "poisson_steps": summarize_steps(steps, phases), "compiled_while_serving": compiled}
     print(f"  N={n}: {result['tokens_per_s']:.0f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms, p99 "
           f"{result['ttft_p99_ms']:.0f} ms; {result['cold_requests']} cold; {result['failed']} failed", flush=True)
+    # the same arrivals again, new prompts, the adapters now in host memory (the CPU tier, the page
+    # cache past it) but mostly not in a GPU slot: the TTFT cliff the issue asks about, without the
+    # disk that a cold start waits for
+    warm = summarize(run_trace(engine, with_new_prompts(trace, vocab, args.seed + index + 7), paths,
+                               max_tokens=args.output_len))
+    result["host_warm_poisson"] = {key: warm[key] for key in ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "failed")}
+    result["failed"] += warm["failed"]
+    print(f"  N={n} again, host-warm: {warm['tokens_per_s']:.0f} tok/s, TTFT p50 {warm['ttft_p50_ms']:.0f} ms, "
+          f"p99 {warm['ttft_p99_ms']:.0f} ms", flush=True)
     unload(engine, used, paths)
     if burst is not None:  # throughput at saturation: what S-LoRA's mark compares
         saturated = summarize(run_trace(engine, burst, paths, max_tokens=args.output_len))
@@ -259,8 +270,16 @@ def check_targets(results: list[dict], disk_bytes_per_s: float) -> dict:
             checks["throughput_within_5pct"]["cold_tiers_largest_over_smallest"] = (
                 large["saturated_tokens_per_s"] / small["saturated_tokens_per_s"])
     if len(results) > 1 and small["ttft_p99_ms"] and large["ttft_p99_ms"] is not None:
-        ratio = large["ttft_p99_ms"] / small["ttft_p99_ms"]
-        checks["p99_ttft_at_most_2x"] = {"largest_over_smallest": ratio, "passed": ratio <= 2.0}
+        # judged on the host-warm replay where measured (a cold start waits for the disk, which the
+        # cold TTFT bound judges); the cold traces' ratio beside it
+        warm_small, warm_large = small.get("host_warm_poisson"), large.get("host_warm_poisson")
+        cold_ratio = large["ttft_p99_ms"] / small["ttft_p99_ms"]
+        if warm_small and warm_large and warm_small["ttft_p99_ms"] and warm_large["ttft_p99_ms"] is not None:
+            ratio = warm_large["ttft_p99_ms"] / warm_small["ttft_p99_ms"]
+            checks["p99_ttft_at_most_2x"] = {"largest_over_smallest": ratio, "measured": "host_warm_poisson",
+                                             "cold_largest_over_smallest": cold_ratio, "passed": ratio <= 2.0}
+        else:
+            checks["p99_ttft_at_most_2x"] = {"largest_over_smallest": cold_ratio, "passed": cold_ratio <= 2.0}
     cold = {}
     for r in results:
         if r["cold_ttft_p50_ms"] is None or r["warm_ttft_p50_ms"] is None:
@@ -291,9 +310,10 @@ def markdown(report: dict) -> str:
         f"(1 min) after each N: {loads} on {os.cpu_count()} CPUs.",
         "",
         "| N | used | GB on disk | tokens/s (Poisson) | saturated tokens/s, cold tiers | saturated, host-warm | "
-        "vs first | TTFT p50 (ms) | p99 (ms) | "
+        "vs first | TTFT p50 (ms) | p99 (ms) | again host-warm: p50 | p99 | "
         "cold req. | cold p50 (ms) | warm p50 (ms) | CPU loads | CPU evictions | GPU evictions | failed |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+        "| ---: | ---: | ---: |",
     ]
     key = "saturated_warm_tokens_per_s" if report["results"][0].get("saturated_warm_tokens_per_s") else "tokens_per_s"
     first = report["results"][0][key]
@@ -303,7 +323,9 @@ def markdown(report: dict) -> str:
             f"{fmt(r['tokens_per_s'])} | {fmt(r.get('saturated_tokens_per_s'))} | "
             f"{fmt(r.get('saturated_warm_tokens_per_s'))} | "
             f"{fmt(r[key] / first if first and r.get(key) else None, '{:.3f}x')} | "
-            f"{fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | {r['cold_requests']} | {fmt(r['cold_ttft_p50_ms'])} | "
+            f"{fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | "
+            f"{fmt(r.get('host_warm_poisson', {}).get('ttft_p50_ms'))} | "
+            f"{fmt(r.get('host_warm_poisson', {}).get('ttft_p99_ms'))} | {r['cold_requests']} | {fmt(r['cold_ttft_p50_ms'])} | "
             f"{fmt(r['warm_ttft_p50_ms'])} | {r.get('cpu_loads', '')} | {r.get('cpu_evictions', '')} | "
             f"{r.get('gpu_evictions', '')} | {r['failed']} |")
     lines += steps_table(report)

@@ -69,7 +69,16 @@ class StepTimer:
     def stop(self) -> None:
         del self.engine.runner.run  # the class's method again
 
+_FRESH = iter(range(1, 1 << 30))  # a new seed for every workload
+
+
 def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
+    """Serve one request per prompt length in ``prompts`` (new random tokens every call: no run
+    finds an earlier one's prompts in the prefix cache, as the adapter runs, whose blocks key on
+    the adapter, never could) and time it."""
+    vocab = engine.runner.model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(next(_FRESH))
+    prompts = [torch.randint(1, vocab, (len(p),), generator=generator).tolist() for p in prompts]
     timer = StepTimer(engine)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):

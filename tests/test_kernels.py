@@ -818,6 +818,34 @@ def test_triton_interpreter_static_meta_more_tokens_than_slots(mapping, monkeypa
     check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("meta_kind", ["static", "exact"])
+def test_expand_store_overwrites_the_rows_with_an_adapter_without_reading_them(impl, meta_kind, monkeypatch):
+    """``store=True`` (the delta buffer of `BaseLayerWithLoRA.lora_delta_forward`): rows whose slot
+    has a rank here get exactly the delta, whatever they held (NaN: never read); base rows and
+    rank-0 slots' rows are left bit for bit."""
+    if impl == "triton" and not INTERPRET:
+        pytest.skip("the Triton kernels on the CPU need TRITON_INTERPRET=1")
+    monkeypatch.setenv("LORAMUX_KERNELS", impl)
+    T, H, S, R, sizes = 12, 40, 6, 8, (16, 8, 24)
+    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=11)
+    slots = static_slots("mixed", T, S, ranks, gen)
+    slots[:2] = torch.tensor([0, 1], dtype=torch.int32)  # rank-0 slots' rows too
+    meta = build_lora_meta(slots, S, static=meta_kind == "static")
+    touched = (slots >= 0) & (ranks[slots.clamp(min=0).long()] > 0)
+    assert touched.any() and (~touched).any()
+    y0 = torch.randn(T, sum(sizes), generator=gen)
+    y0[touched] = float("nan")
+    y = y0.clone()
+    lora_expand(y, lora_shrink(x, A, scales, meta, ranks), B, sizes, meta, ranks, store=True)
+    delta = torch.zeros(T, sum(sizes), dtype=torch.float64)
+    meta64 = build_lora_meta(slots, S)
+    reference.lora_expand_ref(delta, reference.lora_shrink_ref(x.double(), A.double(), scales.double(), meta64, ranks),
+                              B.double(), sizes, meta64, ranks)
+    assert torch.equal(bits(y[~touched]), bits(y0[~touched])), "a base or rank-0 row changed"
+    assert torch.isfinite(y[touched]).all() and rel_err(y[touched].double(), delta[touched]) < 1e-5
+
+
 @needs_interpreter
 def test_triton_interpreter_no_zeroing_needed(monkeypatch):
     """buf and the split-K scratch NaN-filled, run twice: both results equal the reference, and the

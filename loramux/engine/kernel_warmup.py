@@ -132,7 +132,7 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
         shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device, sms=sms)
         keys.add(("shrink", m.stacked_rank, m.in_features, m.dtype, shrink.config, shrink.split_k, lanes))
         cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device, sms=sms)[0]
-        keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg, lanes))
+        keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg, lanes, m.beside))  # beside: STORE
     return keys
 
 

@@ -89,6 +89,7 @@ def lora_expand(
     pdl: bool | None = None,
     pool_starts: torch.Tensor | None = None,
     sms: int | None = None,
+    store: bool = False,
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
 
@@ -105,14 +106,17 @@ def lora_expand(
     slot s's B as one [N, w] block from element ``pool_starts[s] * N`` of its flat storage, w being
     its rank rounded up to `POOL_ROW_ALIGN` (`pool_rows`), the columns past the rank zero.
     sms: as for lora_shrink.
+    store: ``=`` instead of ``+=``: the rows of tokens whose slot has a rank on this module are
+    overwritten with their delta (rounded once to y's dtype) and never read, the others left as
+    they are: for a delta buffer of its own, zeroed first, which saves reading it.
     """
     if _use_triton(y):
         from .expand import lora_expand_triton
 
         lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pdl=pdl, pool_starts=pool_starts,
-                           sms=sms)
+                           sms=sms, store=store)
         return
-    reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pool_starts=pool_starts)
+    reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pool_starts=pool_starts, store=store)
 
 
 def write_kv(

@@ -39,8 +39,10 @@ def _expand_kernel(
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
     W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAGED: tl.constexpr,
-    EXIT_PAST_TILES: tl.constexpr,
+    EXIT_PAST_TILES: tl.constexpr, STORE: tl.constexpr,
 ):
+    # STORE: y's rows of tokens with an adapter touching the module are overwritten with the delta
+    # (y is a delta buffer of its own, zeroed before), never read
     # USE_PDL (launched with programmatic dependent launch): the program may start while the
     # kernels just before it (the base GEMM, the shrink) still run. Until `gdc_wait` it reads only
     # what was written before those kernels started (the step's meta, the slice table, the slot
@@ -127,8 +129,11 @@ def _expand_kernel(
             acc = tl.dot(hb, tl.trans(w))
         else:
             acc = tl.dot(hb, tl.trans(w.to(tl.float32)), input_precision=PRECISION)  # [BM, BN] f32
-        yt = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BM, BN]
-        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+        if STORE:
+            tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+        else:
+            yt = tl.load(y_ptrs, mask=y_mask, other=0.0)  # [BM, BN]
+            tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
         n_loc += BLOCK_N
         w_ptrs += BLOCK_N * stride_wn
         y_ptrs += BLOCK_N * stride_yn
@@ -232,6 +237,7 @@ def lora_expand_triton(
     pdl: bool | None = None,
     pool_starts: torch.Tensor | None = None,
     sms: int | None = None,
+    store: bool = False,
 ) -> None:
     """Triton expand; same contract as `loramux.kernels.lora_expand`. `config` overrides the
     heuristic launch shape (tests and benchmarks); `sms`: the multiprocessors the launch is sized
@@ -271,6 +277,6 @@ def lora_expand_triton(
         HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
         STAGES=cfg.num_stages, USE_PDL=use_pdl, PAGED=pool_starts is not None,
-        EXIT_PAST_TILES=real_tiles is not None,
+        EXIT_PAST_TILES=real_tiles is not None, STORE=store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options,
     )

@@ -113,8 +113,10 @@ def lora_expand_ref(
     ranks: torch.Tensor | None = None,
     *,
     pool_starts: torch.Tensor | None = None,
+    store: bool = False,
 ) -> None:
-    """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
+    """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place
+    (``store``: ``=``, on the rows of slots with a rank here; see `loramux.kernels.lora_expand`).
 
     y: [T, sum(slice_sizes)] (any strides); buf: [T, n_slices*R] float32; lora_b: [S, sum(n_i), R],
     or a pool [U, sum(n_i)] holding a [sum(n_i), width] block per slot from ``pool_starts``
@@ -146,5 +148,5 @@ def lora_expand_ref(
         delta = torch.cat(
             [bs[:, i] @ b[offs[i] : offs[i + 1], :r].to(mm).t() for i in range(n_slices)], dim=1
         )  # [n, N]
-        new = (y.index_select(0, rows).to(acc) + delta.to(acc)).to(y.dtype)
+        new = delta.to(y.dtype) if store else (y.index_select(0, rows).to(acc) + delta.to(acc)).to(y.dtype)
         y.index_copy_(0, rows, new)
