@@ -13,7 +13,8 @@ measures the disk's sequential read bandwidth (a 256 MiB file, dropped from the 
     python benchmarks/cold_load.py [--repeats 20] [--json out.json]
 
 Pin and copy run only with CUDA (pinned memory needs it); on CPU they are reported as n/a. With
-CUDA the weights are read straight into page-locked memory, so "pin" costs nothing of its own.
+CUDA the weights are read straight into a piece of a page-locked arena made beforehand, as the
+engine's loads are, so "pin" costs nothing of its own.
 The content digest is hashed chunk by chunk while the file is read; "digest_wait" is what is left
 of it after the checks and validation ran.
 """
@@ -84,12 +85,16 @@ class Stages:
         from loramux.registry import LoRAConfig, Registry
         from loramux.resolvers import FilesystemResolver
 
+        from loramux.registry.host_memory import PAGEABLE
+        from loramux.registry.pinned_arena import PinnedArena
+
         self.root, self.name, self.manager = root, name, manager
         self.config = LoRAConfig(max_loras=1, max_lora_rank=RANK, max_cpu_loras=1)
-        self.make_registry = lambda: Registry(
-            self.config, resolvers=[FilesystemResolver(root)], validate=manager.validate
-        )
         self.cuda = torch.cuda.is_available()
+        self.memory = PinnedArena(256 << 20) if self.cuda else PAGEABLE  # as the engine's loads
+        self.make_registry = lambda: Registry(
+            self.config, resolvers=[FilesystemResolver(root)], validate=manager.validate, host_memory=self.memory
+        )
 
     def run_once(self, drop: bool) -> dict[str, float]:
         from loramux.registry import loader
@@ -108,21 +113,17 @@ class Stages:
         location = registry.locate(self.name)
         t1 = time.perf_counter()
         peft_config = loader._read_config(location.path, self.name)
-        # read straight into pinned memory on CUDA: pinning is part of the read, not a copy
-        tensors, weights_file, digest = loader._read_tensors(location.path, self.name, pin_memory=self.cuda)
+        # read straight into the arena's page-locked memory on CUDA: pinning is part of the read
+        weights = loader._read_tensors(location.path, self.name, self.memory.allocate)
         t2 = time.perf_counter()
         loader._check_supported(peft_config, self.name, files[0])
-        modules = {
-            module: loader._module_weights(module, parts, peft_config, self.name, weights_file)
-            for module, parts in loader._group_by_module(tensors, self.name, weights_file).items()
-        }
-        loader._check_finite(modules, self.name, weights_file)
-        adapter = loader.LoRAAdapter(self.name, location.path, modules, peft_config["lora_alpha"],
-                                     peft_config["target_modules"], peft_config=peft_config)
+        settings = loader.config_digest(peft_config, None)
+        adapter = loader._checked_adapter(location.path, None, self.name, peft_config, settings, self.memory,
+                                          weights)
         t3 = time.perf_counter()
         self.manager.validate(adapter)
         t4 = time.perf_counter()
-        digest()  # the hash's tail, overlapped with the checks above
+        weights.digest()  # the hash's tail, overlapped with the checks above
         t5 = time.perf_counter()
         times.update(resolve=t1 - t0, read=t2 - t1, loader_checks=t3 - t2, engine_validate=t4 - t3,
                      digest_wait=t5 - t4)
@@ -134,7 +135,7 @@ class Stages:
             times["copy"] = time.perf_counter() - t4
         # the whole registry path, as the engine's loader thread runs it; the stages' copy is
         # freed first, so both paths meet the allocator in the same state
-        del adapter, modules, tensors
+        del adapter, weights
         registry = self.make_registry()
         if drop:
             drop_from_page_cache(*files)

@@ -2,8 +2,9 @@
 fixed sleep, so that only host time differs between N = 4 and N = 1,000 adapters.
 
 The engine is the real one (scheduler, loader threads, CPU tier, pooled GPU tier, step-graph
-inputs) on Llama-3.1-8B's layout at tiny widths (`slot_churn.TINY_8B_LAYOUT`), 256 slots sharing
-rows by rank as `many_adapters.py` runs them on CUDA. The forward is not run: each step builds a
+inputs, and the process settings the engine makes on CUDA: `prepare_process_for_serving`) on
+Llama-3.1-8B's layout at tiny widths (`slot_churn.TINY_8B_LAYOUT`), 256 slots sharing rows by
+rank as `many_adapters.py` runs them on CUDA. The forward is not run: each step builds a
 graph step's host inputs, then sleeps ``--gpu-ms`` (releasing the GIL, as a wait on the GPU
 does) and samples a fixed token. Reported per N: the mean step, its host share (the step less
 the sleep), and the host time per step and per call of the parts that grow with N (GPU-tier
@@ -15,6 +16,7 @@ placements and clears, prefetch, scheduling).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import tempfile
 import time
@@ -86,7 +88,18 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--gpu-lora-mb", type=int, default=240, help="the pool (240: ~7 rank rows a slot)")
     parser.add_argument("--preload", action="store_true", help="load every adapter into the CPU tier first")
     args = parser.parse_args(argv)
+    from loramux.engine.serving_process import prepare_process_for_serving
+
     engine = build_engine(args)
+    prepare_process_for_serving(freeze_gc=True)  # as the engine does on CUDA, whose host this is
+    try:
+        return run_traces(engine, args)
+    finally:
+        gc.unfreeze()  # a caller in this process (the tests) gets its collector back
+
+
+def run_traces(engine, args) -> list[dict]:
+    """Each N's trace through ``engine``: its step, host share and the timed parts."""
     spent: dict[str, tuple[float, int]] = {}
     manager, adapters = engine.lora_manager, engine.adapters
     for obj, name, key in ((manager, "_write_slot", "placements"), (manager, "_clear_slot", "clears"),

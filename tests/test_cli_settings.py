@@ -124,3 +124,25 @@ def test_settings_normalize_what_users_write(tmp_path):
     settings = ResolverSettings(order="a, b,,", directory=str(tmp_path), hf_repos="org/a, org/b")
     assert settings == ResolverSettings(order=("a", "b"), directory=Path(tmp_path), hf_repos=("org/a", "org/b"))
     assert ResolverSettings.from_env({}).order is None and ResolverSettings.from_env({}).directory is None
+
+
+def test_the_pinned_reservation_takes_a_size_or_zero_and_reaches_the_engine(monkeypatch, capsys):
+    from loramux.cli import main
+
+    assert build_parser().parse_args(["serve", "--max-pinned-lora-bytes", "0"]).max_pinned_lora_bytes == 0
+    assert build_parser().parse_args(["serve"]).max_pinned_lora_bytes is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-pinned-lora-bytes", "-1"])
+    assert "--max-pinned-lora-bytes" in capsys.readouterr().err
+    seen = {}
+
+    def fake_engine(model=None, *, config=None, **kwargs):
+        seen.update(vars(config))
+        raise ValueError("stopped before loading a model")
+
+    monkeypatch.setattr("loramux.engine.llm_engine.LLMEngine", fake_engine)
+    assert main(["serve", "org/model", "--max-cpu-lora-bytes", "2GiB", "--max-pinned-lora-bytes", "1GiB"]) == 1
+    assert seen["max_pinned_lora_bytes"] == 1 << 30
+    assert main(["serve", "org/model", "--max-cpu-lora-bytes", "1GiB", "--max-pinned-lora-bytes", "2GiB"]) == 1
+    error = capsys.readouterr().err
+    assert "max_pinned_lora_bytes: got 2147483648; allowed: an int from 0 to max_cpu_lora_bytes" in error

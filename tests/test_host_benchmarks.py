@@ -41,3 +41,38 @@ def test_the_trace_benchmark_reports_the_hosts_share_per_n():
     many = results[1]
     assert many["used"] > 8 and many["parts"]["placements"]["calls"] > 8  # more adapters than slots: churn
     assert many["parts"]["schedule"]["calls"] >= many["steps"]  # every step schedules; some compute nothing
+
+
+def test_host_contentions_arena_and_loads_loaders_carve_from_the_arena(tmp_path):
+    import threading
+    import time
+
+    from benchmarks.host_contention import loader, loader_memory
+
+    for kind in ("arena", "loads"):
+        memory = loader_memory(kind, tmp_path / kind, pinned=False)
+        arena = memory[0].host_memory if kind == "loads" else memory
+        before = arena.stats.allocations
+        stop = threading.Event()
+        thread = threading.Thread(target=loader, args=(kind, stop, 0, memory))
+        thread.start()
+        time.sleep(0.3)
+        stop.set()
+        thread.join()
+        assert arena.stats.allocations > before and arena.stats.fallbacks == 0
+
+
+def test_the_gil_benchmark_times_steps_beside_python_and_loads_per_switch_interval(tmp_path):
+    import sys
+
+    from benchmarks.loader_gil import main
+
+    before = sys.getswitchinterval()
+    report = main(["--switch-intervals", "0.005,0.0005", "--steps", "5", "--fleet", "8", "--gc-freeze",
+                   "--json", str(tmp_path / "gil.json")])
+    assert sys.getswitchinterval() == before  # put back
+    assert json.loads((tmp_path / "gil.json").read_text()) == report
+    rows = {(r["switch_interval_s"], r["beside"]): r for r in report["rows"]}
+    assert set(rows) == {(i, b) for i in (0.005, 0.0005) for b in ("nothing", "python", "loads")}
+    assert all(r["step_ms_median"] >= 5.0 for r in rows.values())  # the 5 ms "GPU" wait at least
+    assert rows[0.005, "loads"]["their_work_per_s"] > 0 and report["load_thread_cpu_ms"] > 0

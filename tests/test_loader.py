@@ -269,3 +269,26 @@ def test_skipped_tensors_do_not_keep_the_read_buffer_alive(tmp_path):
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
             for w in adapter.modules.values() for t in (w.lora_a, w.lora_b)}
     assert sum(held.values()) <= 1.25 * adapter.nbytes + 4096 < file_bytes
+
+
+def test_adapters_of_one_layout_share_its_parsed_header_but_each_keeps_its_own_config(make_adapter):
+    from functools import partial
+
+    from loramux.registry.weights_io import read_and_hash, read_layout
+
+    model = tiny_llama()
+    paths = [make_adapter("layout-a", model=model, lora_alpha=16),
+             make_adapter("layout-b", model=model, lora_alpha=32, seed=1)]
+    allocate = partial(torch.empty, dtype=torch.uint8)
+    layouts = [read_layout(read_and_hash(p / "adapter_model.safetensors", allocate)[0]) for p in paths]
+    assert layouts[0] is layouts[1]  # byte-identical headers: parsed once
+    first, second = (load_adapter(p) for p in paths)
+    name = "model.layers.0.self_attn.q_proj"
+    assert (first.modules[name].scaling, second.modules[name].scaling) == (2.0, 4.0)
+    assert not torch.equal(first.modules[name].lora_a, second.modules[name].lora_a)
+    nan_file = paths[1] / "adapter_model.safetensors"
+    data = bytearray(nan_file.read_bytes())
+    data[-4:] = bytes.fromhex("0000c07f")  # the layout and its plan are known: still checked
+    nan_file.write_bytes(bytes(data))
+    with pytest.raises(InvalidAdapterError, match="NaN or infinity"):
+        load_adapter(paths[1])

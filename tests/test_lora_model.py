@@ -194,7 +194,7 @@ def test_a_reload_is_a_new_handle_in_its_own_slot_beside_the_old(llama_setup, tm
     new = with_handle(load_adapter(new_dir, name="attn"), "attn")
     new_slot = manager.activate(new)
     assert new_slot != old_slot and manager.slot_of(old.handle.id) == old_slot
-    assert manager.activate(new) == new_slot and manager.adapter(new.handle.id) is new  # a hit now
+    assert manager.activate(new) == new_slot and manager.handle(new.handle.id) is new.handle  # a hit now
     rows = [old_slot, -1, new_slot, old_slot, new_slot]
     manager.set_mapping(torch.tensor(rows, dtype=torch.int32).repeat_interleave(INPUT.shape[1]))
     with torch.no_grad():
@@ -411,3 +411,23 @@ def test_readme_example_runs():
     exec(compile(code, "README.md", "exec"), namespace)
     logits, manager = namespace["logits"], namespace["manager"]
     assert logits.shape == (3, 5, 128) and manager.resident() == ["sql", "chat"]
+
+
+def test_validation_is_remembered_per_layout_and_another_shape_is_still_refused(llama_setup):
+    from dataclasses import replace
+
+    from loramux.errors import IncompatibleAdapterError
+
+    base, dirs, _ = llama_setup
+    _, manager = patched(base, dirs)
+    good = load_adapter(dirs["attn"], name="attn")
+    checks = []
+    check = manager.validator._check
+    manager.validator._check = lambda adapter: (checks.append(adapter.name), check(adapter))
+    manager.validate(good)
+    manager.validate(replace(good, name="same-layout"))
+    assert checks == ["attn"]
+    name, weights = next(iter(good.modules.items()))
+    wider = replace(weights, lora_a=torch.zeros(weights.rank, weights.in_features + 1))
+    with pytest.raises(IncompatibleAdapterError, match=name):
+        manager.validate(replace(good, name="wider", modules={**good.modules, name: wider}))

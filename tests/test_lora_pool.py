@@ -481,18 +481,18 @@ def test_a_prefetch_evicts_nothing_it_is_told_to_keep(pool_setup):
     model, manager = pooled(base, 32, max_loras=4)
     manager.activate(adapters["qv4-a"])
     manager.activate(adapters["qv4-b"])  # rows 0-15, neither held
-    ahead = {manager.adapter(name).handle.id for name in ("qv4-a", "qv4-b")} | {12345}  # not resident: ignored
+    ahead = {manager.handle(name).id for name in ("qv4-a", "qv4-b")} | {12345}  # not resident: ignored
     assert manager.prefetch(adapters["qv16"], keep=ahead) is not None  # rows 16-31: no eviction needed
-    ahead.add(manager.adapter("qv16").handle.id)
+    ahead.add(manager.handle("qv16").id)
     assert not manager.can_place(adapters["qv4-c"], keep=ahead) and manager.can_place(adapters["qv4-c"])
     assert manager.prefetch(adapters["qv4-c"], keep=ahead) is None
     assert manager.resident() == ["qv4-a", "qv4-b", "qv16"] and manager.stats.evictions == 0
     assert manager.prefetch(adapters["mlp6"], keep=ahead) is not None  # other layers: room beside them
-    ahead.discard(manager.adapter("qv4-b").handle.id)
+    ahead.discard(manager.handle("qv4-b").id)
     assert manager.prefetch(adapters["qv4-c"], keep=ahead) is not None  # evicts b, not a: a is kept
     assert manager.resident() == ["qv4-a", "qv16", "mlp6", "qv4-c"] and manager.stats.evictions == 1
     # every slot kept: no room, whatever the rows
-    assert not manager.can_place(adapters["qv2"], keep={manager.adapter(n).handle.id for n in manager.resident()})
+    assert not manager.can_place(adapters["qv2"], keep={manager.handle(n).id for n in manager.resident()})
     check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["qv4-c", "mlp6", None, "qv16", "qv4-a"])
 
@@ -706,7 +706,7 @@ def test_requests_pinned_adapters_leave_no_room_for_fail_and_the_queue_moves_on(
     manager.hold("qv4-a")
     manager.hold("qv4-c")  # pinned: 16 rows left, but no 16 in a row
     by_name = {"big": adapters["qv16"], "small": adapters["qv2"]}
-    pinned_ids = {manager.adapter(name).handle.id for name in ("qv4-a", "qv4-c")}
+    pinned_ids = {manager.handle(name).id for name in ("qv4-a", "qv4-c")}
     assert not manager.fits_beside(by_name["big"], pinned_ids) and manager.fits_beside(by_name["small"], pinned_ids)
     s = make_scheduler(rows=16, budget=64, max_loras=8,
                        has_room_for=lambda h: manager.can_place(by_name[h.name]),

@@ -71,6 +71,12 @@ def test_the_cpu_tier_has_a_byte_budget_by_default_from_host_memory():
     assert LoRAConfig(max_cpu_lora_bytes=123).max_cpu_lora_bytes == 123
 
 
+def test_the_pinned_arena_takes_the_cpu_tiers_budget_up_to_8_gib_by_default():
+    assert LoRAConfig(max_cpu_lora_bytes=123).max_pinned_lora_bytes == 123
+    assert LoRAConfig(max_cpu_lora_bytes=100 << 30).max_pinned_lora_bytes == 8 << 30
+    assert LoRAConfig(max_cpu_lora_bytes=100 << 30, max_pinned_lora_bytes=0).max_pinned_lora_bytes == 0
+
+
 def test_the_default_byte_budget_without_sysconf(monkeypatch):
     def unknown(name):
         raise ValueError(f"unrecognized configuration name {name!r}")
@@ -92,6 +98,9 @@ def test_the_default_byte_budget_without_sysconf(monkeypatch):
         (dict(lora_dtype=torch.int8), "lora_dtype", "torch.bfloat16"),
         (dict(max_cpu_lora_bytes=0), "max_cpu_lora_bytes", "an int >= 1"),
         (dict(max_cpu_lora_bytes=1.5e9), "max_cpu_lora_bytes", "an int >= 1"),
+        (dict(max_pinned_lora_bytes=-1), "max_pinned_lora_bytes", "from 0 to max_cpu_lora_bytes"),
+        (dict(max_cpu_lora_bytes=100, max_pinned_lora_bytes=101), "max_pinned_lora_bytes",
+         "from 0 to max_cpu_lora_bytes (100)"),
     ],
 )
 def test_config_errors_name_field_value_and_rule(kwargs, field, allowed):

@@ -54,3 +54,23 @@ def test_capacity_is_a_gauge_per_tier_the_cpu_budget_and_the_gpu_pools(make_adap
     assert budget.capacity_bytes == 40 * rows  # whole rows within the budget
     tiers = read_tiers(SimpleNamespace(registry=registry, lora_manager=budget))
     assert tiers["cpu"].bytes_capacity == 1 << 20 and tiers["gpu"].bytes_capacity == 40 * rows
+
+
+def test_the_cpu_tiers_page_locked_arena_reaches_metrics(make_adapter):
+    from loramux.registry.pinned_arena import PinnedArena
+
+    arena = PinnedArena(1 << 20, pinned=False)
+    registry = Registry(LoRAConfig(max_loras=1), resolvers=[], host_memory=arena)
+    adapter = registry.get(LoRARequest("a", 1, str(make_adapter("metric-arena"))))
+    arena.allocate(2 << 20)  # more than the arena: a fallback to pageable memory
+    tiers = read_tiers(SimpleNamespace(registry=registry, lora_manager=None))
+    cpu = tiers["cpu"]
+    assert cpu.pinned_bytes_capacity == 1 << 20 and cpu.pageable_fallbacks == 1
+    assert adapter.nbytes <= cpu.pinned_bytes_in_use == arena.stats.in_use_bytes
+    text = render(tiers)
+    assert 'loramux_adapter_pinned_bytes_capacity{tier="cpu"} 1.048576e+06' in text
+    assert 'loramux_adapter_pageable_fallbacks_total{tier="cpu"} 1.0' in text
+    assert f'loramux_adapter_pinned_bytes_in_use{{tier="cpu"}} {float(cpu.pinned_bytes_in_use)}' in text
+    plain = read_tiers(SimpleNamespace(registry=Registry(LoRAConfig(), resolvers=[], pin_memory=False),
+                                       lora_manager=None))["cpu"]
+    assert plain.pinned_bytes_capacity is None  # pageable memory has no arena to report

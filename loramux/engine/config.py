@@ -39,6 +39,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     max_cpu_lora_bytes: int | None = None
     max_gpu_lora_bytes: int | None = None
+    max_pinned_lora_bytes: int | None = None
     lora_dtype: str | torch.dtype = "auto"
     lora_modules: Mapping[str, str] | Iterable[LoRARequest | str] | None = None
     lora_target_modules: list[str] | str | None = None
@@ -119,7 +120,7 @@ class EngineConfig:
         return LoRAConfig(
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
             max_cpu_lora_bytes=self.max_cpu_lora_bytes, max_gpu_lora_bytes=self.max_gpu_lora_bytes,
-            lora_dtype=self.lora_dtype,
+            max_pinned_lora_bytes=self.max_pinned_lora_bytes, lora_dtype=self.lora_dtype,
         )
 
     @classmethod

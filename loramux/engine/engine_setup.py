@@ -21,6 +21,8 @@ it once); on CPU a fixed budget, capped at four times what ``max_num_seqs`` sequ
 from __future__ import annotations
 
 import functools
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -29,6 +31,10 @@ import torch
 from loramux.engine.config import EngineConfig
 from loramux.engine.siblings import fuse_siblings
 from loramux.registry import LoRAConfig, LoRARequest
+from loramux.registry.host_memory import PAGEABLE, HostMemory
+from loramux.registry.pinned_arena import PIECE_ALIGNMENT, PinnedArena
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["EngineSetup", "build_engine_setup"]
 
@@ -121,6 +127,8 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
                 lora_config, name, lora_manager.validate, config.resolver_settings
             )
             requests = _lora_requests(config.lora_modules)
+            if cuda:
+                _serve_from_pinned_arena(registry_obj, lora_manager, lora_config.max_pinned_lora_bytes)
     return EngineSetup(
         model=hf_model,
         tokenizer=tokenizer,
@@ -178,6 +186,33 @@ def _lora_requests(lora_modules) -> list[LoRARequest]:
         name, path = item
         requests.append(LoRARequest(name, number, str(path)))
     return requests
+
+
+def _serve_from_pinned_arena(registry, lora_manager, nbytes: int) -> None:
+    """Give ``registry`` a page-locked arena of ``nbytes`` (unless it has one of its own) and tell
+    the manager's slot writes to fence it: loads while serving then carve page-locked buffers
+    instead of allocating them (a ``cudaHostAlloc`` stalls every CUDA call of the engine's thread)."""
+    arena = getattr(registry, "host_memory", None)
+    if not isinstance(arena, PinnedArena):
+        arena = _reserve_pinned(nbytes)
+        registry.host_memory = arena
+    if isinstance(arena, PinnedArena):
+        lora_manager.on_host_copies = arena.fence
+
+
+def _reserve_pinned(nbytes: int) -> HostMemory:
+    """A `PinnedArena` of ``nbytes``, or pageable memory when that is 0 or cannot be page-locked."""
+    if nbytes < PIECE_ALIGNMENT:
+        return PAGEABLE
+    started = time.perf_counter()
+    try:
+        arena = PinnedArena(nbytes)
+    except RuntimeError as error:  # the host could not lock that much: serve, with slower copies
+        logger.warning("could not page-lock %d bytes for the adapters in host memory (%s); they stay in "
+                       "pageable memory. Lower max_pinned_lora_bytes (--max-pinned-lora-bytes).", nbytes, error)
+        return PAGEABLE
+    logger.info("adapters in host memory: %r, page-locked in %.1f s", arena, time.perf_counter() - started)
+    return arena
 
 
 def _make_registry(lora_config: LoRAConfig, model_name: str, validate, resolver_settings):

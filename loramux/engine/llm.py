@@ -67,7 +67,9 @@ class LLM:
         ``max_graph_tokens``),
         ``fuse_projections`` (True: q/k/v and gate/up as one GEMM each), ``max_cpu_lora_bytes``,
         ``max_gpu_lora_bytes`` (GPU memory for adapter weights, shared by rank: default room for
-        ``max_loras`` adapters of rank ``max_lora_rank``), ``registry``, ``resolver_settings``,
+        ``max_loras`` adapters of rank ``max_lora_rank``), ``max_pinned_lora_bytes`` (page-locked
+        host memory reserved at start on CUDA for the CPU tier: default ``max_cpu_lora_bytes``, at
+        most 8 GiB), ``registry``, ``resolver_settings``,
         ``tokenizer``, ``lora_target_modules``, ``seed``.
     """
 

@@ -36,6 +36,7 @@ from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
+from loramux.engine.serving_process import prepare_process_for_serving
 from loramux.engine.structured_output import StructuredOutputs
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import LoRAError
@@ -142,6 +143,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         for request in setup.lora_modules:
             self.add_lora(request)
+        prepare_process_for_serving(freeze_gc=setup.device.type == "cuda")  # the engine serves from now on
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ so the per-forward kernel metadata is built once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 
 import torch
@@ -70,7 +70,9 @@ class LoRAModelManager:
         if lora_config.max_gpu_lora_bytes is not None:
             self._size_pools(lora_config.max_gpu_lora_bytes)
         self._slots = SlotTable(lora_config.max_loras)
-        self._adapters: dict[int, LoRAAdapter] = {}  # resident adapters, by handle id
+        # resident handles by id: not the adapters, so a slot keeps no host memory alive (the CPU
+        # tier owns the weights, and an arena piece comes back once the tier lets it go)
+        self._handles: dict[int, AdapterHandle] = {}
         self._lock = threading.RLock()
         self.stats = CacheStats()  # the GPU tier's counters, as the CPU tier keeps them
         first = next(iter(self.layers.values()), None)
@@ -82,6 +84,10 @@ class LoRAModelManager:
         # graph is captured); the compute stream waits on a copy's event when its slot is held
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._copies: dict[int, torch.cuda.Event] = {}  # handle id -> its side-stream copy
+        # told, after every slot write on CUDA, of an event that completes when the write's
+        # asynchronous copies from host memory have run (the engine passes its PinnedArena's
+        # `fence`, so no arena piece is reused while a copy may still read it)
+        self.on_host_copies: Callable[[torch.cuda.Event], None] | None = None
 
     def _size_pools(self, budget: int) -> None:
         """Give every pooled layer the same number of rank rows, as many as ``budget`` bytes hold."""
@@ -190,12 +196,14 @@ class LoRAModelManager:
                     self._write_slot_aside(handle.id, slot, adapter)
                 else:
                     self._write_slot(slot, adapter)
+                    if self.device.type == "cuda" and self.on_host_copies is not None:
+                        self._fence_host_copies(torch.cuda.current_stream(self.device))
             except BaseException:
                 self._clear_slot(slot)
                 self._slots.drop(handle.id)  # a half-written slot is never used
                 self.stats.load_failures += 1
                 raise
-            self._adapters[handle.id] = adapter
+            self._handles[handle.id] = handle
             self.stats.loads += 1
             return slot
 
@@ -225,7 +233,7 @@ class LoRAModelManager:
         if len(self._slots.held()) >= self._slots.num_slots:
             raise self._slots.full_error(label)
         if not self._rows_fit_once_evicted(footprint, keep):
-            held = [self._adapters[i].name for i in self._slots.held()]
+            held = [self._handles[i].name for i in self._slots.held()]
             raise CacheFullError(
                 f"the adapters in use ({', '.join(held)}) leave no room for its weights in the GPU "
                 f"LoRA memory ({self.pool_units} rank rows per layer).",
@@ -290,14 +298,15 @@ class LoRAModelManager:
         """Free the slot and pool rows of a resident adapter nobody holds."""
         self._await_copy(handle_id)  # its own prefetch must land before its rows are written again
         self._clear_slot(self._slots.deallocate(handle_id))
-        del self._adapters[handle_id]
+        del self._handles[handle_id]
         self.stats.evictions += 1
 
     def _standalone_handle(self, adapter: LoRAAdapter) -> AdapterHandle:
         """The handle of a resident handle-less adapter of this name, or a new one (no registry)."""
         resident = self._resident_named(adapter.name)
-        return resident.handle if resident is not None and resident.handle.source == "memory" \
-            else memory_handle(adapter, adapter.name)
+        if resident is not None and resident.source == "memory":
+            return resident
+        return memory_handle(adapter, adapter.name)
 
     def _write_slot_aside(self, handle_id: int, slot: int, adapter: LoRAAdapter) -> None:
         """The copy on the side stream, after everything the compute stream has queued so far
@@ -306,9 +315,16 @@ class LoRAModelManager:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._write_slot(slot, adapter)
+        self._copies[handle_id] = self._fence_host_copies(stream)
+
+    def _fence_host_copies(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """An event after the copies queued on ``stream``, told to `on_host_copies` while the
+        caller still holds the adapter copied from (its host memory is not released before)."""
         event = torch.cuda.Event()
         event.record(stream)
-        self._copies[handle_id] = event
+        if self.on_host_copies is not None:
+            self.on_host_copies(event)
+        return event
 
     def _await_copy(self, handle_id: int) -> None:
         """Make the compute stream wait for ``handle_id``'s side-stream copy, if one is pending."""
@@ -357,15 +373,15 @@ class LoRAModelManager:
                 layer.reset_lora(slot)
         zero_all(cells)
 
-    def _resident_named(self, name: str) -> LoRAAdapter | None:
-        """The most recently used resident adapter called ``name`` (standalone use by name)."""
-        return next((self._adapters[i] for i in reversed(self._slots.ids()) if self._adapters[i].name == name), None)
+    def _resident_named(self, name: str) -> AdapterHandle | None:
+        """The handle of the most recently used resident adapter called ``name`` (standalone use by name)."""
+        return next((self._handles[i] for i in reversed(self._slots.ids()) if self._handles[i].name == name), None)
 
     def _id(self, key: int | str) -> int | None:
         """A handle id, or a name meaning the most recently used resident adapter of that name."""
         if isinstance(key, str):
-            adapter = self._resident_named(key)
-            return adapter.handle.id if adapter is not None else None
+            handle = self._resident_named(key)
+            return handle.id if handle is not None else None
         return key
 
     def can_activate(self, key: int | str) -> bool:
@@ -386,12 +402,12 @@ class LoRAModelManager:
             if self._slots.is_held(handle_id):
                 raise LoRAError(
                     "it is in use by running requests, so its GPU slot cannot be freed now.",
-                    adapter=self._adapters[handle_id].name,
+                    adapter=self._handles[handle_id].name,
                     fix="Free it when the scheduler releases it (its last request ends).",
                 )
             self._await_copy(handle_id)
             self._clear_slot(self._slots.deallocate(handle_id))
-            del self._adapters[handle_id]
+            del self._handles[handle_id]
             return True
 
     def hold(self, key: int | str) -> int:
@@ -431,24 +447,24 @@ class LoRAModelManager:
         """Names of the adapters in GPU slots, least recently used first (a name shows twice
         while an old handle of it finishes its requests beside the new one)."""
         with self._lock:
-            return [self._adapters[i].name for i in self._slots.ids()]
+            return [self._handles[i].name for i in self._slots.ids()]
 
     def resident_handles(self) -> list[AdapterHandle]:
         """Handles in GPU slots, least recently used first."""
         with self._lock:
-            return [self._adapters[i].handle for i in self._slots.ids()]
+            return [self._handles[i] for i in self._slots.ids()]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the weights of the adapters resident in slots (for the tier's metrics)."""
         with self._lock:
-            return sum(adapter.nbytes for adapter in self._adapters.values())
+            return sum(handle.nbytes for handle in self._handles.values())
 
-    def adapter(self, key: int | str) -> LoRAAdapter | None:
-        """The resident adapter of a handle id (or name), or None."""
+    def handle(self, key: int | str) -> AdapterHandle | None:
+        """The handle of a resident adapter, by handle id or name, or None."""
         with self._lock:
             handle_id = self._id(key)
-            return None if handle_id is None else self._adapters.get(handle_id)
+            return None if handle_id is None else self._handles.get(handle_id)
 
     # -- per-forward mapping ---------------------------------------------------------------------
 

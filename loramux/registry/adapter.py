@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -100,16 +101,24 @@ class LoRAAdapter:
         first = next(iter(self.modules.values()), None)
         return first is not None and first.lora_a.is_pinned() and first.lora_b.is_pinned()
 
-    def pack(self, dtype: torch.dtype | None = None, *, pin_memory: bool = False) -> "LoRAAdapter":
+    def pack(self, dtype: torch.dtype | None = None, *, pin_memory: bool = False,
+             allocate: Callable[[int], torch.Tensor] | None = None) -> "LoRAAdapter":
         """A copy whose tensors all live in one new host buffer (cast to ``dtype`` if given).
 
         One allocation instead of two per module: page-locked memory is costly to allocate
         (``cudaHostAlloc``), and PyTorch's host allocator caches whole blocks, so adapters of
         one size reuse each other's buffers. Cast and copy are one pass.
+
+        :param pin_memory: allocate the buffer page-locked.
+        :param allocate: allocate it with this instead (``allocate(nbytes)`` -> uint8 tensor; a
+            :class:`~loramux.registry.pinned_arena.PinnedArena`'s ``allocate``, say).
         """
         tensors = [t for w in self.modules.values() for t in (w.lora_a, w.lora_b)]
         sizes = [_aligned(t.numel() * (dtype or t.dtype).itemsize) for t in tensors]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin_memory)
+        if allocate is not None:
+            buffer = allocate(sum(sizes))
+        else:
+            buffer = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pin_memory)
         packed, offset = [], 0
         for tensor, size in zip(tensors, sizes):
             target = dtype or tensor.dtype

@@ -9,6 +9,7 @@ import torch
 
 __all__ = [
     "CPU_LORA_BYTES_FRACTION",
+    "DEFAULT_MAX_PINNED_LORA_BYTES",
     "LORA_DTYPES",
     "LoRAConfig",
     "MAX_LORA_RANK_LIMIT",
@@ -20,6 +21,12 @@ MAX_LORA_RANK_LIMIT = 512
 CPU_LORA_BYTES_FRACTION = 0.10
 # ... or this, where the OS does not say how much memory there is.
 FALLBACK_CPU_LORA_BYTES = 4 << 30
+# The CPU tier's page-locked arena (CUDA), allocated at engine start: at most this much by default.
+# Page-locking runs at a few GB/s (the engine logs the time it took), so 8 GiB adds a few seconds
+# to a start that compiles and captures graphs for tens of seconds; it holds the CPU tier of the
+# many-adapters trace (256 adapters of its mix, ~4 GB) twice over; and the default never locks more
+# than the tier's own budget (10% of the host's memory by default).
+DEFAULT_MAX_PINNED_LORA_BYTES = 8 << 30
 LORA_DTYPES: dict[str, torch.dtype | None] = {
     "auto": None,
     "float16": torch.float16,
@@ -69,6 +76,12 @@ class LoRAConfig:
         large ones do; a new adapter evicts the least recently used ones not in use until it
         fits. Default (None): each of the ``max_loras`` slots keeps room for an adapter of
         rank ``max_lora_rank`` on every layer, as if unpooled.
+    :param max_pinned_lora_bytes: bytes of page-locked host memory the engine reserves at start,
+        on CUDA, for the CPU tier (`loramux.registry.pinned_arena.PinnedArena`): loads carve their
+        buffers from it, so nothing is page-locked while serving; when it is full, a load takes
+        pageable memory (slower copies to the GPU). Default (None): ``max_cpu_lora_bytes``, at
+        most `DEFAULT_MAX_PINNED_LORA_BYTES` (8 GiB); 0: none, the CPU tier in pageable memory.
+        At most ``max_cpu_lora_bytes``.
     """
 
     max_loras: int = 1
@@ -77,6 +90,7 @@ class LoRAConfig:
     lora_dtype: str | torch.dtype = "auto"
     max_cpu_lora_bytes: int | None = None
     max_gpu_lora_bytes: int | None = None
+    max_pinned_lora_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_loras", self.max_loras, 1)
@@ -94,6 +108,14 @@ class LoRAConfig:
         _check_int("max_cpu_lora_bytes", self.max_cpu_lora_bytes, 1)
         if self.max_gpu_lora_bytes is not None:
             _check_int("max_gpu_lora_bytes", self.max_gpu_lora_bytes, 1)
+        if self.max_pinned_lora_bytes is None:
+            self.max_pinned_lora_bytes = min(self.max_cpu_lora_bytes, DEFAULT_MAX_PINNED_LORA_BYTES)
+        pinned = self.max_pinned_lora_bytes
+        if not _is_int(pinned) or not 0 <= pinned <= self.max_cpu_lora_bytes:
+            raise ValueError(
+                f"LoRAConfig.max_pinned_lora_bytes: got {pinned!r}; allowed: an int from 0 to "
+                f"max_cpu_lora_bytes ({self.max_cpu_lora_bytes}), as it holds the CPU tier's weights"
+            )
         if isinstance(self.lora_dtype, torch.dtype):
             names = {dtype: name for name, dtype in LORA_DTYPES.items() if dtype is not None}
             if self.lora_dtype not in names:

@@ -12,9 +12,9 @@ import json
 import math
 import re
 from collections.abc import Callable
-from functools import partial
 from os import PathLike
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -22,7 +22,15 @@ from loramux.errors import AdapterNotFoundError, IncompatibleAdapterError, Inval
 from loramux.registry.adapter import LoRAAdapter, LoRAModuleWeights
 from loramux.registry.config import LoRAConfig
 from loramux.registry.handle import combine_digest, config_digest
-from loramux.registry.weights_io import all_finite, parse_safetensors, read_and_hash, read_pickle
+from loramux.registry.host_memory import PAGEABLE, PINNED_EACH_LOAD, HostMemory, release_frames
+from loramux.registry.weights_io import (
+    SafetensorsLayout,
+    all_finite,
+    read_and_hash,
+    read_layout,
+    read_pickle,
+    spans_finite,
+)
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -138,19 +146,30 @@ def _check_base_model(config: dict, expected: str, name: str, config_file: Path)
         )
 
 
-def _read_tensors(
-    directory: Path, name: str, *, pin_memory: bool
-) -> tuple[dict[str, torch.Tensor], Path, Callable[[], bytes]]:
-    """The weights file's tensors (views into one buffer read once), its path, and a function
-    returning its digest (still being computed: call it last)."""
+class _Weights(NamedTuple):
+    """A weights file, read: its tensors, where they came from, and its digest (still being
+    computed: call it last)."""
+
+    tensors: dict[str, torch.Tensor]
+    file: Path
+    digest: Callable[[], bytes]
+    buffer: torch.Tensor | None  # the read buffer the tensors are views of (None: a pickle's own tensors)
+    layout: SafetensorsLayout | None
+
+
+def _read_tensors(directory: Path, name: str, allocate: Callable[[int], torch.Tensor]) -> _Weights:
+    """The weights file read once into ``allocate(its size)``; safetensors' tensors are views into
+    that buffer."""
     safetensors_file = directory / SAFETENSORS_FILE
     pickle_file = directory / PICKLE_FILE
-    allocate = partial(torch.empty, dtype=torch.uint8, pin_memory=pin_memory)
     if safetensors_file.is_file():
+        digest = None
         try:
             buffer, digest = read_and_hash(safetensors_file, allocate)
-            return parse_safetensors(buffer), safetensors_file, digest
+            layout = read_layout(buffer)
+            return _Weights(layout.tensors(buffer), safetensors_file, digest, buffer, layout)
         except (OSError, ValueError) as error:
+            _settle(digest)
             raise InvalidAdapterError(
                 f"the weights file is corrupt or truncated ({error}).",
                 adapter=name,
@@ -158,11 +177,13 @@ def _read_tensors(
                 fix="Download or save the adapter again.",
             ) from error
     if pickle_file.is_file():
+        digest = None
         try:
-            buffer, digest = read_and_hash(pickle_file, allocate)
+            buffer, digest = read_and_hash(pickle_file, PAGEABLE.allocate)  # torch.load copies out of it
             # weights_only=True refuses any pickle that would run code: nothing in it executes.
             tensors = read_pickle(buffer)
         except Exception as error:
+            _settle(digest)
             raise InvalidAdapterError(
                 f"refused to load {PICKLE_FILE}: it is not a plain tensor file ({error}).",
                 adapter=name,
@@ -175,9 +196,7 @@ def _read_tensors(
             raise InvalidAdapterError(
                 f"{PICKLE_FILE} must hold a dict of tensors.", adapter=name, path=pickle_file
             )
-        if pin_memory:
-            tensors = {key: tensor.pin_memory() for key, tensor in tensors.items()}
-        return tensors, pickle_file, digest
+        return _Weights(tensors, pickle_file, digest, None, None)
     raise InvalidAdapterError(
         f"no weights: neither {SAFETENSORS_FILE} nor {PICKLE_FILE} is present.",
         adapter=name,
@@ -186,11 +205,68 @@ def _read_tensors(
     )
 
 
+def _settle(digest: Callable[[], bytes] | None) -> None:
+    """Wait for a read's hash threads (they hold its buffer), so a failed load lets it go at once."""
+    if digest is not None:
+        digest()
+
+
+class _ModulePlan(NamedTuple):
+    """What a weights file means under a config: per module, the keys of its A and B, its
+    scaling and kind; the byte runs of the tensors kept (for the finite check); their bytes.
+
+    It depends only on the file's layout and the config's scaling fields, so for safetensors it is
+    made once per (layout, config) and kept with the layout: a load of an adapter of a kind seen
+    before does no per-tensor checks, only builds its views.
+    """
+
+    modules: tuple[tuple[str, str, str, float, bool], ...]  # (module, A key, B key, scaling, is_embedding)
+    spans: tuple[tuple[torch.dtype, int, int], ...]  # (dtype, begin, end) in the read buffer
+    nbytes: int
+
+
+_PLANS_PER_LAYOUT = 16
+
+
+def _module_plan(weights: _Weights, peft_config: dict, config_key: bytes, name: str) -> _ModulePlan:
+    layout = weights.layout
+    plans = layout.derived.setdefault("loader", {}) if layout is not None else {}
+    plan = plans.get(config_key)
+    if plan is not None:
+        return plan
+    modules = tuple(
+        _module_entry(module, parts, weights.tensors, peft_config, name, weights.file)
+        for module, parts in _group_by_module(weights.tensors, name, weights.file).items()
+    )
+    kept = {key for _, a_key, b_key, _, _ in modules for key in (a_key, b_key)}
+    nbytes = sum(weights.tensors[key].nbytes for key in kept)
+    plan = _ModulePlan(modules, _kept_spans(layout, kept) if layout is not None else (), nbytes)
+    if layout is not None:
+        if len(plans) >= _PLANS_PER_LAYOUT:
+            plans.clear()
+        plans[config_key] = plan
+    return plan
+
+
+def _kept_spans(layout: SafetensorsLayout, kept: set[str]) -> tuple[tuple[torch.dtype, int, int], ...]:
+    """The byte runs of ``layout`` that the ``kept`` tensors cover: neighbours of one dtype merged
+    (a whole adapter file is usually one run)."""
+    runs: list[list] = []
+    for entry in sorted((e for e in layout.entries if e.key in kept), key=lambda e: e.begin):
+        begin, end = layout.data_start + entry.begin, layout.data_start + entry.end
+        if runs and runs[-1][0] == entry.dtype and runs[-1][2] == begin:
+            runs[-1][2] = end
+        else:
+            runs.append([entry.dtype, begin, end])
+    return tuple((dtype, begin, end) for dtype, begin, end in runs if end > begin)
+
+
 def _group_by_module(
     tensors: dict[str, torch.Tensor], name: str, weights_file: Path
-) -> dict[str, dict[str, torch.Tensor]]:
-    grouped: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
+) -> dict[str, dict[str, str]]:
+    """Module -> {kind (lora_A, ...): tensor key}."""
+    grouped: dict[str, dict[str, str]] = {}
+    for key in tensors:
         if key.endswith(".base_layer.weight"):
             # PEFT saves the base embedding beside an embedding LoRA (save_embedding_layers);
             # it is the base model's own weight, which loramux never replaces.
@@ -203,7 +279,7 @@ def _group_by_module(
                 adapter=name,
                 path=weights_file,
             )
-        grouped.setdefault(match["module"], {})[match["kind"]] = tensor
+        grouped.setdefault(match["module"], {})[match["kind"]] = key
     if not grouped:
         raise InvalidAdapterError(
             "the weights file holds no LoRA tensors.", adapter=name, path=weights_file
@@ -211,22 +287,23 @@ def _group_by_module(
     return grouped
 
 
-def _module_weights(
-    module: str, parts: dict[str, torch.Tensor], config: dict, name: str, weights_file: Path
-) -> LoRAModuleWeights:
+def _module_entry(
+    module: str, parts: dict[str, str], tensors: dict[str, torch.Tensor], config: dict, name: str,
+    weights_file: Path,
+) -> tuple[str, str, str, float, bool]:
     is_embedding = "lora_embedding_A" in parts or "lora_embedding_B" in parts
-    a_key, b_key = ("lora_embedding_A", "lora_embedding_B") if is_embedding else ("lora_A", "lora_B")
-    if a_key not in parts or b_key not in parts:
-        missing = a_key if a_key not in parts else b_key
+    a_kind, b_kind = ("lora_embedding_A", "lora_embedding_B") if is_embedding else ("lora_A", "lora_B")
+    if a_kind not in parts or b_kind not in parts:
+        missing = a_kind if a_kind not in parts else b_kind
         raise InvalidAdapterError(
             f"module {module!r} has no {missing} tensor.", adapter=name, path=weights_file
         )
-    lora_a, lora_b = parts[a_key], parts[b_key]
+    lora_a, lora_b = tensors[parts[a_kind]], tensors[parts[b_kind]]
     rank = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
     alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
     if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != rank or lora_b.shape[1] != rank:
         raise InvalidAdapterError(
-            f"module {module!r}: {a_key} is {tuple(lora_a.shape)} and {b_key} is "
+            f"module {module!r}: {a_kind} is {tuple(lora_a.shape)} and {b_kind} is "
             f"{tuple(lora_b.shape)}, but the config says rank {rank} "
             f"(expected [{rank}, in] and [out, {rank}]).",
             adapter=name,
@@ -240,7 +317,7 @@ def _module_weights(
             path=weights_file,
         )
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    return LoRAModuleWeights(lora_a.contiguous(), lora_b.contiguous(), float(scaling), is_embedding)
+    return module, parts[a_kind], parts[b_kind], float(scaling), is_embedding
 
 
 def load_adapter(
@@ -250,6 +327,7 @@ def load_adapter(
     name: str | None = None,
     base_model_name: str | None = None,
     pin_memory: bool = False,
+    host_memory: HostMemory | None = None,
 ) -> LoRAAdapter:
     """Load and validate the PEFT LoRA adapter saved in directory ``path``.
 
@@ -259,16 +337,19 @@ def load_adapter(
     :param name: the adapter's name in error messages and in the result; defaults to the
         directory's name.
     :param base_model_name: when given, the adapter must have been trained for this model.
-    :param pin_memory: put the weights in page-locked memory (needs CUDA): read straight into
-        it when no cast is asked for, else cast into it, so it costs no extra copy.
-    :returns: the adapter, in host memory.
+    :param pin_memory: put the weights in page-locked memory allocated for this load (needs
+        CUDA): read straight into it when no cast is asked for, else cast into it, so it costs no
+        extra copy.
+    :param host_memory: where to put the weights instead (a
+        :class:`~loramux.registry.pinned_arena.PinnedArena`, say); overrides ``pin_memory``.
+    :returns: the adapter, in host memory: every tensor a view of one buffer from ``host_memory``.
     :raises AdapterNotFoundError: ``path`` is not a directory.
     :raises InvalidAdapterError: the files are missing, corrupt, unsafe or unsupported.
     :raises IncompatibleAdapterError: the rank exceeds ``config.max_lora_rank`` or the base
         model differs.
     """
     return load_adapter_with_digest(
-        path, config, name=name, base_model_name=base_model_name, pin_memory=pin_memory
+        path, config, name=name, base_model_name=base_model_name, pin_memory=pin_memory, host_memory=host_memory
     )[0]
 
 
@@ -279,11 +360,20 @@ def load_adapter_with_digest(
     name: str | None = None,
     base_model_name: str | None = None,
     pin_memory: bool = False,
+    host_memory: HostMemory | None = None,
 ) -> tuple[LoRAAdapter, str]:
     """:func:`load_adapter`, and the adapter's content digest (see :mod:`loramux.registry.handle`)
     computed from the bytes as they were read: the files are read once."""
-    directory = Path(path)
-    name = name or directory.name
+    memory = host_memory or (PINNED_EACH_LOAD if pin_memory else PAGEABLE)
+    try:
+        return _load(Path(path), config, name or Path(path).name, base_model_name, memory)
+    except BaseException as error:
+        release_frames(error)  # the failed load's buffer goes back now, not when the error is dropped
+        raise
+
+
+def _load(directory: Path, config: LoRAConfig | None, name: str, base_model_name: str | None,
+          memory: HostMemory) -> tuple[LoRAAdapter, str]:
     if not directory.is_dir():
         raise AdapterNotFoundError(
             "no adapter directory at this path.",
@@ -297,15 +387,28 @@ def load_adapter_with_digest(
     if base_model_name:
         _check_base_model(peft_config, base_model_name, name, config_file)
     cast_to = config.torch_dtype if config is not None else None
-    # Read straight into page-locked memory unless a cast makes a new copy anyway.
-    tensors, weights_file, weights_digest = _read_tensors(
-        directory, name, pin_memory=pin_memory and cast_to is None
-    )
-    modules = {
-        module: _module_weights(module, parts, peft_config, name, weights_file)
-        for module, parts in _group_by_module(tensors, name, weights_file).items()
-    }
-    _check_finite(modules, name, weights_file)
+    # Read straight into the adapter's host memory unless a cast makes a new copy anyway.
+    weights = _read_tensors(directory, name, (memory if cast_to is None else PAGEABLE).allocate)
+    settings = config_digest(peft_config, cast_to)
+    try:
+        adapter = _checked_adapter(directory, config, name, peft_config, settings, memory, weights)
+    except BaseException:
+        _settle(weights.digest)
+        raise
+    return adapter, combine_digest(settings, weights.digest())
+
+
+def _checked_adapter(directory: Path, config: LoRAConfig | None, name: str, peft_config: dict, settings: bytes,
+                     memory: HostMemory, weights: _Weights) -> LoRAAdapter:
+    """The adapter ``weights`` hold, checked, in one buffer of ``memory`` (``settings``: the
+    config's `config_digest`)."""
+    config_file = directory / ADAPTER_CONFIG_FILE
+    cast_to = config.torch_dtype if config is not None else None
+    plan = _module_plan(weights, peft_config, settings, name)
+    tensors = weights.tensors
+    modules = {module: LoRAModuleWeights(tensors[a_key], tensors[b_key], scaling, is_embedding)
+               for module, a_key, b_key, scaling, is_embedding in plan.modules}
+    _check_finite(modules, weights, plan, name)
     adapter = LoRAAdapter(
         name=name,
         path=directory,
@@ -322,32 +425,26 @@ def load_adapter_with_digest(
             path=config_file,
             fix=f"Raise max_lora_rank (--max-lora-rank) to at least {adapter.rank}.",
         )
-    if cast_to is not None or _held_bytes(adapter) > _WASTE_FACTOR * adapter.nbytes + 4096:
-        # a cast copies anyway; and a file that also holds tensors loramux skips (PEFT saves the
-        # base embedding beside an embedding LoRA) must not keep its whole read buffer alive
-        adapter = adapter.pack(cast_to, pin_memory=pin_memory)
-    digest = combine_digest(config_digest(peft_config, cast_to), weights_digest())
-    return adapter, digest
+    buffer = weights.buffer
+    if cast_to is not None or buffer is None or buffer.numel() > _WASTE_FACTOR * plan.nbytes + 4096:
+        # one buffer of `memory` holding just the weights: a cast copies anyway, a pickle's tensors
+        # are torch.load's own, and a file that also holds tensors loramux skips (PEFT saves the base
+        # embedding beside an embedding LoRA) must not keep its whole read buffer alive
+        adapter = adapter.pack(cast_to, allocate=memory.allocate)
+    return adapter
 
 
 _WASTE_FACTOR = 1.25
 
 
-def _held_bytes(adapter: LoRAAdapter) -> int:
-    """Bytes of host memory the adapter's tensors keep alive (their distinct storages)."""
-    storages = {
-        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-        for w in adapter.modules.values()
-        for t in (w.lora_a, w.lora_b)
-    }
-    return sum(storages.values())
-
-
-def _check_finite(modules: dict[str, LoRAModuleWeights], name: str, weights_file: Path) -> None:
-    tensors = [t for weights in modules.values() for t in (weights.lora_a, weights.lora_b)]
-    if all_finite(tensors):
+def _check_finite(modules: dict[str, LoRAModuleWeights], weights: _Weights, plan: _ModulePlan, name: str) -> None:
+    if weights.buffer is not None:
+        finite = spans_finite(weights.buffer, plan.spans)
+    else:
+        finite = all_finite([t for w in modules.values() for t in (w.lora_a, w.lora_b)])
+    if finite:
         return
     bad = next(m for m, w in modules.items() if not all_finite([w.lora_a, w.lora_b]))
     raise InvalidAdapterError(
-        f"module {bad!r}: the weights contain NaN or infinity.", adapter=name, path=weights_file
+        f"module {bad!r}: the weights contain NaN or infinity.", adapter=name, path=weights.file
     )

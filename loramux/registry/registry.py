@@ -31,6 +31,7 @@ from loramux.registry.adapter import LoRAAdapter
 from loramux.registry.config import LoRAConfig
 from loramux.registry.cpu_cache import CPUAdapterCache
 from loramux.registry.handle import AdapterHandle, memory_handle, next_handle_id
+from loramux.registry.host_memory import PAGEABLE, PINNED_EACH_LOAD, HostMemory, release_frames
 from loramux.registry.loader import load_adapter_with_digest
 from loramux.registry.request import LoRARequest
 from loramux.registry.sources import (
@@ -74,8 +75,13 @@ class Registry:
     :param validate: called once with each adapter after it loads, before it gets a handle (the
         engine passes ``LoRAModelManager.validate``); its exception fails the load and caches
         nothing.
-    :param pin_memory: keep weights in page-locked memory (read straight into it), so copies into
-        GPU slots run asynchronously; default: when CUDA is available.
+    :param pin_memory: keep weights in page-locked memory allocated for each load (read straight
+        into it), so copies into GPU slots run asynchronously; default: when CUDA is available.
+        Allocating it while serving stalls the engine's CUDA calls: the engine gives its registry
+        an arena instead (``host_memory``).
+    :param host_memory: where loads put weights (a :class:`~loramux.registry.pinned_arena.PinnedArena`,
+        made once, carved per adapter); overrides ``pin_memory``. Settable later (the engine sets
+        its arena on a registry it was given).
     :param on_unbind: called with a handle when its name is rebound (reload) or unbound
         (unload): nothing new will use it (outside the registry's lock).
     """
@@ -91,6 +97,7 @@ class Registry:
         cache: CPUAdapterCache | None = None,
         validate: Callable[[LoRAAdapter], None] | None = None,
         pin_memory: bool | None = None,
+        host_memory: HostMemory | None = None,
         on_unbind: Callable[[AdapterHandle], None] | None = None,
     ) -> None:
         from loramux.resolvers.collect import collect_resolvers
@@ -110,12 +117,20 @@ class Registry:
         self.cache = cache or CPUAdapterCache(
             self.lora_config.max_cpu_loras, self.lora_config.max_cpu_lora_bytes
         )
-        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        if host_memory is None:
+            pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
+            host_memory = PINNED_EACH_LOAD if pinned else PAGEABLE
+        self.host_memory: HostMemory = host_memory
         self._validate = validate
         self._unbind_listeners: list[Callable[[AdapterHandle], None]] = [on_unbind] if on_unbind else []
         self._bindings: dict[str, _Binding] = {}
         self._loading: dict[str, Future[LoRAAdapter]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether loads put weights in page-locked memory."""
+        return self.host_memory.pinned
 
     @property
     def resolvers(self) -> list[Resolver]:
@@ -254,15 +269,16 @@ class Registry:
         It is validated, digested from its tensors and given a handle; the registry holds a pin
         on it (nothing could reload it) until the name is unregistered or bound again.
 
-        :returns: the adapter as served (pinned host memory when ``pin_memory``), its handle set.
+        :returns: the adapter as served (in ``host_memory`` when that is page-locked and the
+            adapter is not), its handle set.
         """
         name = check_name(name or adapter.name)
         started = time.perf_counter()
         if self._validate is not None:
             self._validate(adapter)
         first = next(iter(adapter.modules.values()), None)
-        if self.pin_memory and first is not None and first.lora_a.device.type == "cpu":
-            adapter = adapter if adapter.is_pinned else adapter.pin_memory()
+        if self.pin_memory and first is not None and first.lora_a.device.type == "cpu" and not adapter.is_pinned:
+            adapter = adapter.pack(allocate=self.host_memory.allocate)
         handle = memory_handle(adapter, name, load_seconds=time.perf_counter() - started)
         adapter = replace(adapter, name=name, handle=handle)
         self.cache.put(adapter, pin=True)
@@ -301,6 +317,7 @@ class Registry:
         try:
             adapter = self._load(name, pin=pin, force=force)
         except BaseException as error:
+            release_frames(error)  # its buffer (an arena piece) must not live on in the error's frames
             with self._lock:
                 del self._loading[name]
             if not isinstance(error, CacheBusyError):  # waiting for room is no failure: it is retried
@@ -326,7 +343,7 @@ class Registry:
             self.lora_config,
             name=name,
             base_model_name=source.base_model_name if source is not None else None,
-            pin_memory=self.pin_memory,
+            host_memory=self.host_memory,
         )
         if self._validate is not None:
             self._validate(adapter)  # the one validation of this load, before any state changes

@@ -21,14 +21,20 @@ import json
 import math
 import os
 import threading
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["HASH_CHUNK_BYTES", "all_finite", "parse_safetensors", "read_and_hash", "read_pickle"]
+__all__ = [
+    "HASH_CHUNK_BYTES", "SafetensorsLayout", "all_finite", "parse_safetensors", "read_and_hash", "read_layout",
+    "read_pickle", "spans_finite",
+]
 
 HASH_CHUNK_BYTES = 1 << 20
 
@@ -53,8 +59,11 @@ def _hash_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _sha256(chunk: memoryview) -> bytes:
-    return hashlib.sha256(chunk).digest()
+def _sha256(chunk: list[memoryview]) -> bytes:
+    """SHA-256 of the one view in ``chunk``, taken out of it first: the pool's work item keeps its
+    arguments until after the result is set, and a view kept there would hold the read buffer
+    (an arena piece) past the moment its digest is known."""
+    return hashlib.sha256(chunk.pop()).digest()
 
 
 def read_and_hash(
@@ -65,7 +74,9 @@ def read_and_hash(
     :returns: the buffer, and a function returning the file's digest: SHA-256 over the SHA-256
         of each 1 MiB chunk in order (a function of the bytes alone, whatever the reads return).
         The last chunks may still be hashing when this returns; call the function when the
-        digest is needed, so parsing and checking the weights overlap the hash's tail.
+        digest is needed, so parsing and checking the weights overlap the hash's tail. The hash
+        threads hold the buffer until they are done: call it too before giving up on the buffer,
+        so that it is freed at once.
     :raises OSError: the file cannot be read, or it shrank while being read.
     """
     with open(path, "rb", buffering=0) as file:
@@ -74,15 +85,19 @@ def read_and_hash(
         view = memoryview(buffer.numpy())
         chunks: list[Future[bytes]] = []
         pool = _hash_pool()
-        for start in range(0, size, HASH_CHUNK_BYTES):
-            end = min(start + HASH_CHUNK_BYTES, size)
-            done = start
-            while done < end:
-                read = file.readinto(view[done:end])
-                if not read:
-                    raise OSError(f"{path} shrank while being read ({done} of {size} bytes)")
-                done += read
-            chunks.append(pool.submit(_sha256, view[start:end]))
+        try:
+            for start in range(0, size, HASH_CHUNK_BYTES):
+                end = min(start + HASH_CHUNK_BYTES, size)
+                done = start
+                while done < end:
+                    read = file.readinto(view[done:end])
+                    if not read:
+                        raise OSError(f"{path} shrank while being read ({done} of {size} bytes)")
+                    done += read
+                chunks.append(pool.submit(_sha256, [view[start:end]]))
+        except BaseException:
+            wait(chunks)  # they read the buffer: a failed read lets it go only once they are done
+            raise
 
     def digest() -> bytes:
         return hashlib.sha256(b"".join(chunk.result() for chunk in chunks)).digest()
@@ -90,11 +105,66 @@ def read_and_hash(
     return buffer, digest
 
 
-def parse_safetensors(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in ``buffer`` (uint8), as views into it.
+class _Entry(NamedTuple):
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]  # contiguous
+    begin: int  # byte offsets in the data section
+    end: int
+
+
+@dataclass(frozen=True, eq=False)
+class SafetensorsLayout:
+    """A safetensors header, parsed and checked: each tensor's dtype, shape and place.
+
+    Adapters of one kind (rank, targets, dtype) saved by one tool have byte-identical headers, so
+    a layout is parsed once and kept (`read_layout`): a load of 448 tensors then skips the JSON
+    and the per-tensor checks, and whatever is derived from the layout (the loader's module plan)
+    can be kept with it. Identity is equality: one object per distinct header.
+    """
+
+    data_start: int  # the data section's offset in the file: 8 + the header's length
+    entries: tuple[_Entry, ...]
+    data_end: int  # the largest end offset: the file must hold this many data bytes
+    derived: dict = field(default_factory=dict, repr=False)  # users' caches keyed by what they derive from
+
+    def tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The tensors of a file with this header held in ``buffer`` (uint8), as views into it.
+
+        :raises ValueError: the file is too short for its header.
+        """
+        data_len = buffer.numel() - self.data_start
+        if self.data_end > data_len:
+            raise ValueError(f"the header places tensors up to byte {self.data_end} of the data, but the "
+                             f"file has {max(data_len, 0)} data bytes")
+        storage = buffer.untyped_storage()
+        base = buffer.storage_offset() + self.data_start  # bytes from the storage's start
+        typed: dict[torch.dtype, torch.Tensor] = {}  # the whole storage seen as each dtype
+        tensors: dict[str, torch.Tensor] = {}
+        for key, dtype, shape, stride, begin, end in self.entries:
+            start = base + begin
+            if start % dtype.itemsize:  # never written so by safetensors; still legal
+                tensors[key] = buffer[self.data_start + begin : self.data_start + end].clone().view(dtype).view(shape)
+                continue
+            flat = typed.get(dtype)
+            if flat is None:
+                flat = typed[dtype] = torch.empty(0, dtype=dtype).set_(storage)
+            tensors[key] = flat.as_strided(shape, stride, start // dtype.itemsize)  # one op a tensor
+        return tensors
+
+
+_LAYOUTS_KEPT = 64
+_layouts: OrderedDict[bytes, SafetensorsLayout] = OrderedDict()  # by header bytes, most recent last
+_layouts_lock = threading.Lock()
+
+
+def read_layout(buffer: torch.Tensor) -> SafetensorsLayout:
+    """The layout of the safetensors file held in ``buffer`` (uint8): parsed and checked once per
+    distinct header (the last `_LAYOUTS_KEPT` are kept).
 
     :raises ValueError: the header is truncated, not JSON, or names a dtype, shape or offsets
-        that the file does not hold.
+        that are not a tensor's.
     """
     size = buffer.numel()
     raw = memoryview(buffer.numpy())
@@ -103,34 +173,51 @@ def parse_safetensors(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     header_len = int.from_bytes(raw[:8], "little")
     if header_len > size - 8:
         raise ValueError(f"the header claims {header_len} bytes but the file has {size - 8} after it")
+    header_bytes = bytes(raw[8 : 8 + header_len])
+    with _layouts_lock:
+        layout = _layouts.get(header_bytes)
+        if layout is not None:
+            _layouts.move_to_end(header_bytes)
+            return layout
+    layout = _parse_header(header_bytes)
+    with _layouts_lock:
+        _layouts[header_bytes] = layout
+        while len(_layouts) > _LAYOUTS_KEPT:
+            _layouts.popitem(last=False)
+    return layout
+
+
+def _parse_header(header_bytes: bytes) -> SafetensorsLayout:
     try:
-        header = json.loads(bytes(raw[8 : 8 + header_len]))
+        header = json.loads(header_bytes)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"the header is not JSON ({error})") from None
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
-    data_start, data_len = 8 + header_len, size - 8 - header_len
-    tensors: dict[str, torch.Tensor] = {}
+    entries = []
     for key, info in header.items():
         if key == "__metadata__":
             continue
         try:
             dtype = _DTYPES[info["dtype"]]
-            shape = [int(dim) for dim in info["shape"]]
+            shape = tuple(int(dim) for dim in info["shape"])
             begin, end = (int(offset) for offset in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"tensor {key!r} has a malformed header entry {info!r}") from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if min(shape, default=0) < 0 or not 0 <= begin <= end <= data_len or end - begin != nbytes:
-            raise ValueError(
-                f"tensor {key!r}: offsets {begin}..{end} do not hold {dtype} {shape} inside the "
-                f"{data_len} data bytes"
-            )
-        data = buffer[data_start + begin : data_start + end]
-        if (data_start + begin) % dtype.itemsize:  # never written so by safetensors; still legal
-            data = data.clone()
-        tensors[key] = data.view(dtype).view(shape)
-    return tensors
+        if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {key!r}: offsets {begin}..{end} do not hold {dtype} {list(shape)}")
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        entries.append(_Entry(key, dtype, shape, stride, begin, end))
+    return SafetensorsLayout(8 + len(header_bytes), tuple(entries), max((e.end for e in entries), default=0))
+
+
+def parse_safetensors(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``buffer`` (uint8), as views into it.
+
+    :raises ValueError: the header is truncated, not JSON, or names a dtype, shape or offsets
+        that the file does not hold.
+    """
+    return read_layout(buffer).tensors(buffer)
 
 
 def read_pickle(buffer: torch.Tensor) -> object:
@@ -156,21 +243,35 @@ def all_finite(tensors: list[torch.Tensor]) -> bool:
     Tensors that lie back to back in one storage (the views of one safetensors file) are checked
     as one span, so a file of 128 tensors costs a few large operations, not 128 small ones.
     """
-    for span in _spans(tensors):
-        mask = _EXPONENT_MASKS.get(span.dtype)
-        if mask is None:
-            if not torch.isfinite(span).all():
-                return False
-            continue
-        # numpy, not torch: one thread, SIMD, no intra-op thread pool to wake (which, on a busy
-        # host, made this check 10-100x slower); max, not any(): an int reduction is vectorized
-        bits = span.view(mask[0]).numpy()
-        scratch = np.empty(min(bits.size, _CHECK_ELEMENTS), dtype=bits.dtype)
-        for start in range(0, bits.size, _CHECK_ELEMENTS):
-            chunk = bits[start : start + _CHECK_ELEMENTS]
-            masked = np.bitwise_and(chunk, mask[1], out=scratch[: chunk.size])
-            if int(masked.max()) == mask[1]:
-                return False
+    return all(_span_finite(span) for span in _spans(tensors))
+
+
+def spans_finite(buffer: torch.Tensor, spans: Sequence[tuple[torch.dtype, int, int]]) -> bool:
+    """Whether every element in the byte ranges ``spans`` of ``buffer`` (uint8) is finite, each
+    ``(dtype, begin, end)`` a run of elements of ``dtype`` (the loader derives them once per
+    layout: no per-tensor work)."""
+    for dtype, begin, end in spans:
+        span = buffer[begin:end]
+        if span.storage_offset() % dtype.itemsize:  # a misaligned file: legal, never written so
+            span = span.clone()
+        if not _span_finite(span.view(dtype)):
+            return False
+    return True
+
+
+def _span_finite(span: torch.Tensor) -> bool:
+    mask = _EXPONENT_MASKS.get(span.dtype)
+    if mask is None:
+        return bool(torch.isfinite(span).all())
+    # numpy, not torch: one thread, SIMD, no intra-op thread pool to wake (which, on a busy
+    # host, made this check 10-100x slower); max, not any(): an int reduction is vectorized
+    bits = span.view(mask[0]).numpy()
+    scratch = np.empty(min(bits.size, _CHECK_ELEMENTS), dtype=bits.dtype)
+    for start in range(0, bits.size, _CHECK_ELEMENTS):
+        chunk = bits[start : start + _CHECK_ELEMENTS]
+        masked = np.bitwise_and(chunk, mask[1], out=scratch[: chunk.size])
+        if int(masked.max()) == mask[1]:
+            return False
     return True
 
 

@@ -13,14 +13,21 @@ def read_tiers(engine: Any) -> dict[str, TierStats]:
     """Each adapter tier's counters and residents: ``{"cpu": ..., "gpu": ...}``.
 
     The CPU tier is the registry's ``CPUAdapterCache`` (``.stats``, ``.names()``, ``.nbytes``,
-    ``.max_bytes``); the GPU tier is the ``LoRAModelManager`` (``.stats``, ``.resident()``,
-    ``.nbytes``, ``.capacity_bytes``). An engine without LoRA has neither.
+    ``.max_bytes``) and, on CUDA, its page-locked arena (the registry's ``host_memory.stats``);
+    the GPU tier is the ``LoRAModelManager`` (``.stats``, ``.resident()``, ``.nbytes``,
+    ``.capacity_bytes``). An engine without LoRA has neither.
     """
     tiers: dict[str, TierStats] = {}
-    cache = getattr(getattr(engine, "registry", None), "cache", None)
+    registry = getattr(engine, "registry", None)
+    cache = getattr(registry, "cache", None)
     if cache is not None:
         tiers["cpu"] = _tier(cache.stats, cache.names(), getattr(cache, "nbytes", None),
                              getattr(cache, "max_bytes", None))
+        arena = getattr(getattr(registry, "host_memory", None), "stats", None)
+        if arena is not None:
+            tiers["cpu"].pinned_bytes_capacity = arena.capacity_bytes
+            tiers["cpu"].pinned_bytes_in_use = arena.in_use_bytes
+            tiers["cpu"].pageable_fallbacks = arena.fallbacks
     manager = getattr(engine, "lora_manager", None)
     if manager is not None:
         tiers["gpu"] = _tier(getattr(manager, "stats", None), manager.resident(), getattr(manager, "nbytes", None),

@@ -43,6 +43,9 @@ class TierStats:
     resident: list[str] = field(default_factory=list)
     bytes_resident: int | None = None  # bytes of the resident adapters' weights
     bytes_capacity: int | None = None  # bytes the tier may hold (its budget)
+    pinned_bytes_capacity: int | None = None  # its page-locked arena's bytes (CPU tier on CUDA)
+    pinned_bytes_in_use: int | None = None  # of those, in pieces not freed yet
+    pageable_fallbacks: int | None = None  # loads that found the arena full and took pageable memory
 
 
 @dataclass
@@ -131,6 +134,20 @@ class _TierCollector:
                                            "Bytes of adapter weights held in the tier now.", labels=["tier"])
         capacity_bytes = GaugeMetricFamily("loramux_adapter_bytes_capacity",
                                            "Bytes of adapter weights the tier may hold.", labels=["tier"])
+        pinned = {
+            "pinned_bytes_capacity": GaugeMetricFamily(
+                "loramux_adapter_pinned_bytes_capacity",
+                "Bytes of the page-locked arena the tier's loads carve buffers from (reserved at start).",
+                labels=["tier"]),
+            "pinned_bytes_in_use": GaugeMetricFamily(
+                "loramux_adapter_pinned_bytes_in_use",
+                "Bytes of the page-locked arena in use (adapters, and copies still reading freed ones).",
+                labels=["tier"]),
+            "pageable_fallbacks": CounterMetricFamily(
+                "loramux_adapter_pageable_fallbacks",
+                "Loads that found the page-locked arena full and took pageable memory (slower copies "
+                "to the GPU; raise max_pinned_lora_bytes).", labels=["tier"]),
+        }
         for tier, stats in tiers.items():
             for name, family in families.items():
                 if getattr(stats, name) is not None:
@@ -140,10 +157,14 @@ class _TierCollector:
                 resident_bytes.add_metric([tier], stats.bytes_resident)
             if stats.bytes_capacity is not None:
                 capacity_bytes.add_metric([tier], stats.bytes_capacity)
+            for name, family in pinned.items():
+                if getattr(stats, name) is not None:
+                    family.add_metric([tier], getattr(stats, name))
         yield from families.values()
         yield resident
         yield resident_bytes
         yield capacity_bytes
+        yield from pinned.values()
 
 
 class Metrics:

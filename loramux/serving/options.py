@@ -10,7 +10,7 @@ import json
 import os
 import re
 
-__all__ = ["add_serve_arguments", "parse_byte_size", "parse_lora_module"]
+__all__ = ["add_serve_arguments", "parse_byte_size", "parse_byte_size_or_zero", "parse_lora_module"]
 
 API_KEY_ENV = "LORAMUX_API_KEY"
 RUNTIME_UPDATING_ENV = "LORAMUX_ALLOW_RUNTIME_LORA_UPDATING"
@@ -23,7 +23,7 @@ def _env_flag(name: str) -> bool:
 _BYTE_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(i?)b?|b)?\s*$", re.IGNORECASE)
 
 
-def parse_byte_size(text: str) -> int:
+def parse_byte_size(text: str, *, minimum: int = 1) -> int:
     """``1073741824``, ``512MiB``, ``8GiB``, ``2GB``, ``1.5G`` -> bytes (``KiB``: 1024, ``KB``: 1000)."""
     match = _BYTE_SIZE.match(text)
     if match is None:
@@ -32,9 +32,14 @@ def parse_byte_size(text: str) -> int:
     number, unit, binary = match.groups()
     base = 1024 if binary else 1000
     size = int(float(number) * base ** ("kmgt".index(unit.lower()) + 1 if unit else 0))
-    if size < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte")
+    if size < minimum:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than {minimum} byte{'s' * (minimum != 1)}")
     return size
+
+
+def parse_byte_size_or_zero(text: str) -> int:
+    """`parse_byte_size`, where 0 (turning a reservation off) is allowed too."""
+    return parse_byte_size(text, minimum=0)
 
 
 def parse_lora_module(text: str) -> tuple[str, str, str | None]:
@@ -105,6 +110,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                       "rank (a rank-8 adapter takes an eighth of a rank-64 one); raise --max-loras "
                       "with it so more small adapters fit (default: room for --max-loras adapters "
                       "of --max-lora-rank)")
+    lora.add_argument("--max-pinned-lora-bytes", type=parse_byte_size_or_zero, default=None, metavar="SIZE",
+                      help="page-locked host memory reserved at start (CUDA) for the adapters in host "
+                      "memory, e.g. 4GiB: loads carve from it, so nothing is page-locked while serving, "
+                      "and take pageable memory when it is full (default: --max-cpu-lora-bytes, at most "
+                      "8GiB; 0: none)")
     lora.add_argument("--lora-dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                       help="adapter weight dtype (default: the model's)")
     lora.add_argument(

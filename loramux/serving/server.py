@@ -107,7 +107,8 @@ def build_engine(
     engine_config = EngineConfig(
         args.model, enable_lora=args.enable_lora, max_loras=max_loras, max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras, max_cpu_lora_bytes=args.max_cpu_lora_bytes,
-        max_gpu_lora_bytes=args.max_gpu_lora_bytes, resolver_settings=resolver_settings, lora_dtype=args.lora_dtype, dtype=args.dtype, device=args.device,
+        max_gpu_lora_bytes=args.max_gpu_lora_bytes, max_pinned_lora_bytes=args.max_pinned_lora_bytes,
+        resolver_settings=resolver_settings, lora_dtype=args.lora_dtype, dtype=args.dtype, device=args.device,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_format=args.load_format,
         seed=args.seed, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
