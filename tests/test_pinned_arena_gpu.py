@@ -54,7 +54,8 @@ def test_the_engine_serves_from_its_arena_and_loads_allocate_no_page_locked_memo
     assert host_allocations() == before
     assert arena.stats.fallbacks == 0 and arena.stats.pieces <= 2  # the evicted ones came back
     prompt = [5, 17, 3, 9, 30]
-    eng.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+    # no ignore_eos: the oracle's greedy generate stops at the end-of-sequence token too
+    eng.add_request("r", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8),
                     LoRARequest("all", 99, str(engine_adapters["all"])))
     finished = []
     while eng.has_unfinished_requests():
