@@ -30,10 +30,11 @@ with R = ``max_lora_rank``. ``forward`` is the base layer's output plus, for eve
 delta of that token's slot, read from the shared `LoRAContext`, all in one custom op
 (``loramux::lora_layer``, `lora_forward`); on CUDA a pooled projection computes its delta on a
 side stream beside its base GEMM instead, and one op (``loramux::lora_delta``,
-`lora_delta_forward`) returns both for the compiled layer to add. A subclass states its sizes in ``__init__`` and, when its input is not
-``[..., in_features]`` activations, overrides ``apply_lora`` (its delta then runs after the base
-layer, in order) and, when its base layer's output is not ``rows_shape(x) + (out_features,)``
-in x's dtype, ``rows_shape`` and ``base_output_spec``.
+`lora_delta_forward`) returns both for the compiled layer to add. A subclass states its sizes
+in ``__init__`` and, when its input is not ``[..., in_features]`` activations, overrides
+``apply_lora`` (its delta then runs after the base layer, in order) and, when its base layer's
+output is not ``rows_shape(x) + (out_features,)`` in x's dtype, ``rows_shape`` and
+``base_output_spec``.
 """
 
 from __future__ import annotations
@@ -487,8 +488,8 @@ class BaseLayerWithLoRA(nn.Module):
         On CUDA the delta is computed on the side stream while the main stream runs the base
         GEMM, which leaves `lora_sms_beside` multiprocessors to it (`gemm_carveout`):
 
-            main:  alloc buf, delta ─┬─ base GEMM (carveout) ─────────── wait(side) ─ return
-            side:                    └─ wait(main) ─ zero delta ─ shrink ─ expand ─┘
+            main:  alloc buf, delta ─┬─ base GEMM (carveout) ─────────────────── wait(side) ─ return
+            side:                    └─ wait(main) ─ zero delta ─ shrink ─ expand (store) ─┘
 
         Every fork is joined before the op returns, so a CUDA-graph capture gets a parallel
         branch that ends inside the layer. Elsewhere (tests) the same kernels run in order.
