@@ -160,6 +160,7 @@ def make_io(layers: Layers, T: int, device, dtype):
 
 def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
     """The whole step of one path as a function (captured into a graph on CUDA)."""
+    from loramux.engine.layers.side_stream import gemm_carveout
     from loramux.kernels import build_lora_meta
     from loramux.kernels.expand import lora_expand_triton
     from loramux.kernels.shrink import lora_shrink_triton
@@ -184,17 +185,11 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
     exact = build_lora_meta(slots_buf, layers.S) if path.endswith("exact") else None  # this mix only
 
     def gemm(x, W, y):
-        if not (carve or "_lt" in path) or not x.is_cuda:
+        if not x.is_cuda:
             torch.mm(x, W.t(), out=y)
             return
-        previous = torch.backends.cuda.preferred_blas_library()
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-        torch._C._set_sm_carveout_experimental(carve or None)
-        try:
+        with gemm_carveout(carve), cublaslt() if "_lt" in path else contextlib.nullcontext():
             torch.mm(x, W.t(), out=y)
-        finally:
-            torch._C._set_sm_carveout_experimental(None)
-            torch.backends.cuda.preferred_blas_library(previous)
 
     sms = carve if carve and "_wide" not in path else None  # the LoRA launches sized for the SMs left
 
@@ -241,6 +236,17 @@ def step_fn(path: str, layers: Layers, xs, ys, slots_buf, base: bool):
                     torch.mm(x, w["W"].t(), out=y)
 
     return run
+
+
+@contextlib.contextmanager
+def cublaslt():
+    """Matrix products in this block through cuBLASLt (the carveout's BLAS) without a carveout."""
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 def kernel_resources() -> list[dict]:
