@@ -46,6 +46,54 @@ def kernel_table(prof, steps: int, top: int = 25) -> str:
     return "\n".join(lines)
 
 
+#: Kernels of a step graph's decoder layers, in launch order: the attention kernel starts a layer
+#: (o_proj, gate_up, down and the next layer's qkv follow it), cuBLAS GEMMs are ``nvjet_*``.
+ATTENTION, GEMM, EXPAND = "_paged_attention_kernel", "nvjet", "_expand_kernel"
+PROJECTIONS = ("o", "gate_up", "down", "qkv")
+
+
+def replay_timeline(trace_path: Path, idle_us: float = 300.0, min_kernels: int = 400) -> dict:
+    """Where a decode replay's GPU time goes, from a chrome trace of `torch.profiler`: the replays
+    (kernels split where the GPU idled ``idle_us``; those of at least ``min_kernels``), and their
+    medians: the span of a replay, the span before its first attention kernel (the graph's own
+    preparation: the LoRA meta, the embedding, the first layer's norm and qkv), a layer's span
+    (attention to attention), each projection's GEMM and, where a layer computes LoRA deltas
+    beside its GEMMs, how long after the GEMM its delta's expand ended (> 0: the join waited)."""
+    import json
+    import statistics
+
+    events = sorted((e for e in json.loads(trace_path.read_text())["traceEvents"]
+                     if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    replays, last_end = [], None
+    for event in events:
+        if last_end is None or event["ts"] - last_end > idle_us:
+            replays.append([])
+        replays[-1].append(event)
+        last_end = max(last_end or 0.0, event["ts"] + event["dur"])
+    spans: dict[str, list[float]] = {}
+    add = lambda key, value: spans.setdefault(key, []).append(value)  # noqa: E731
+    end = lambda e: e["ts"] + e["dur"]  # noqa: E731
+    for kernels in (r for r in replays if len(r) >= min_kernels):
+        starts = [i for i, e in enumerate(kernels) if e["name"].startswith(ATTENTION)]
+        if not starts:
+            continue
+        add("replay_us", end(max(kernels, key=end)) - kernels[0]["ts"])
+        add("before_first_attention_us", kernels[starts[0]]["ts"] - kernels[0]["ts"])
+        for a, b in zip(starts, starts[1:]):
+            layer = kernels[a:b + 1]
+            add("layer_us", layer[-1]["ts"] - layer[0]["ts"])
+            gemms = [e for e in layer if e["name"].startswith(GEMM)]
+            expands = [e for e in layer if e["name"].startswith(EXPAND)]
+            for name, gemm in zip(PROJECTIONS, gemms):
+                add(f"{name}_gemm_us", gemm["dur"])
+            if len(expands) == len(gemms):
+                for name, gemm, expand in zip(PROJECTIONS, gemms, expands):
+                    add(f"{name}_delta_after_gemm_us", end(expand) - end(gemm))
+    summary = {key: statistics.median(values) for key, values in spans.items()}
+    summary["replays"] = len(spans.get("replay_us", []))
+    return summary
+
+
 def ttft_profile(model, args) -> None:
     """Time to first token of one 128-token request: base, an adapter already in a GPU slot, and
     one that must first be copied into a slot (max_loras=1); wall time of each repeat, then
@@ -146,7 +194,9 @@ def main() -> None:
             torch.cuda.synchronize()
         report += ["", f"== decode, batch {args.batch}, {label}", kernel_table(prof, 5)]
         # the timeline (kernels inside the graph replays, both streams): chrome://tracing or perfetto
-        prof.export_chrome_trace(str(args.out.with_suffix(f".decode-{label.replace(' ', '-')}.trace.json")))
+        trace = args.out.with_suffix(f".decode-{label.replace(' ', '-')}.trace.json")
+        prof.export_chrome_trace(str(trace))
+        report += ["timeline (medians, us): " + ", ".join(f"{k} {v:.1f}" for k, v in replay_timeline(trace).items())]
         while engine.has_unfinished_requests():
             engine.step()
         # one prefill step of 8 x 1024 tokens (a first round warms its kernels up)

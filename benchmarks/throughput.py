@@ -198,6 +198,8 @@ def lora_runs(args, model, prompts, rank: int, record, result) -> None:
             run = {"scenario": f"{n} adapter{'s' if n > 1 else ''} ({label})", "rank": rank, "adapters": n,
                    **run_workload(engine, prompts, loras, args.output_len)}
             record(run, adapters[label][:n])
+    if rank == args.ranks[0] and args.repeats > 1:
+        result["interleaved"] = interleaved_runs(engine, prompts, requests, args)
     if rank == args.ranks[0]:
         # the q/v runs took every slot: first the adapter from host memory into a slot, then resident
         first = requests["all 7"][0]
@@ -210,6 +212,34 @@ def lora_runs(args, model, prompts, rank: int, record, result) -> None:
             result["ttft_ms"]["cold adapter (disk)"] = 1e3 * time_to_first_token(
                 engine, len(prompts[0]), LoRARequest("cold", 10_000, str(path)))
     close(engine)
+
+
+def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
+    """Base and adapter workloads in turn on one LoRA engine, ``--repeats`` rounds: each adapter
+    workload's decode step and tokens/s over the base run of its own round, and the median over
+    the rounds. Base steps moved by up to 6% between runs and between engines doing the same GPU
+    work, as much as one adapter costs: a single pair of runs cannot settle a 5% mark."""
+    vocab = engine.runner.model.config.get_text_config().vocab_size
+    most = max(args.adapters)
+    workloads = {f"{n} adapter{'s' if n > 1 else ''} ({label})": [group[i % n] for i in range(len(prompts))]
+                 for label, group in requests.items() for n in (1, most)}
+    rounds = []
+    for _ in range(args.repeats):
+        base = run_workload(engine, prompts, [None] * len(prompts), args.output_len)
+        row = {"base": {"decode_step_ms": base["decode_step_ms"], "tokens_per_s": base["tokens_per_s"]}}
+        for label, loras in workloads.items():
+            warm_up(engine, loras, vocab)  # into GPU slots before the clock starts
+            run = run_workload(engine, prompts, loras, args.output_len)
+            row[label] = {"decode_step_ms": run["decode_step_ms"], "tokens_per_s": run["tokens_per_s"],
+                          "step_vs_base": run["decode_step_ms"] / base["decode_step_ms"],
+                          "tokens_vs_base": run["tokens_per_s"] / base["tokens_per_s"]}
+        rounds.append(row)
+        print("  round:", {k: round(v.get("step_vs_base", v["decode_step_ms"]), 3) for k, v in row.items()}, flush=True)
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    summary = {label: {key: {"median": median([r[label][key] for r in rounds]),
+                             "min": min(r[label][key] for r in rounds), "max": max(r[label][key] for r in rounds)}
+                       for key in ("step_vs_base", "tokens_vs_base")} for label in workloads}
+    return {"rounds": rounds, "summary": summary}
 
 
 def qv_engine_runs(args, model, prompts, rank: int, record) -> None:
@@ -298,6 +328,8 @@ def main() -> None:
     parser.add_argument("--peft-adapters", type=int, default=32 if cuda else 0)
     parser.add_argument("--peft-tokens", type=int, default=8)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192 if cuda else 1024)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of base and adapter runs in turn on the first LoRA engine (>1: medians)")
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile")
     parser.add_argument("--concurrency", action="store_true", help="1k-token requests at max_model_len=32768")
@@ -417,6 +449,13 @@ def markdown(result: dict) -> str:
             f"{fmt(r.get('decode_step_ms'))} | {fmt(r.get('step_vs_base'), '{:.3f}x')} | {fmt(r.get('floor_ms'))} | "
             f"{fmt(r.get('vs_floor'), '{:.2f}x')} |"
         )
+    if "interleaved" in result:
+        lines += ["", f"Base and adapter runs in turn on the LoRA engine, {len(result['interleaved']['rounds'])} rounds: "
+                  "median (min-max) over the rounds of each run against its round's base run", "",
+                  "| workload | decode step vs base | tokens/s vs base |", "| --- | ---: | ---: |"]
+        for label, ratios in result["interleaved"]["summary"].items():
+            cells = [f"{r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})" for r in ratios.values()]
+            lines.append(f"| {label} | {' | '.join(cells)} |")
     extras = {k: result.get(k) for k in ("prefill_tokens_per_s", "ttft_ms", "startup", "num_gpu_blocks",
                                         "concurrent_1k_requests_at_32k", "kv_blocks_tokens", "cold_adapter_bytes")}
     lines += ["", "```", json.dumps({k: v for k, v in extras.items() if v is not None}, indent=1), "```"]

@@ -108,7 +108,7 @@ def test_the_prefetch_runs_while_the_step_computes(engine_adapters, monkeypatch)
     real_run, real_sampler, real_prefetch = runner.run, runner.sampler, adapters.prefetch
     monkeypatch.setattr(runner, "run", lambda batch, beside=None: events.append("run") or real_run(batch, beside))
     monkeypatch.setattr(runner, "sampler", lambda *a, **kw: events.append("sample") or real_sampler(*a, **kw))
-    monkeypatch.setattr(adapters, "prefetch", lambda: events.append("prefetch") or real_prefetch())
+    monkeypatch.setattr(adapters, "prefetch", lambda *a: events.append("prefetch") or real_prefetch(*a))
     orders = []
 
     def watch():
@@ -119,3 +119,64 @@ def test_the_prefetch_runs_while_the_step_computes(engine_adapters, monkeypatch)
     assert orders[1:] and all(order == ["run", "sample", "prefetch"] for order in orders[1:])
     assert eng.adapters.prefetches >= 1  # 'second' took its slot ahead of its admission
     assert finished["second"] == peft_greedy(engine_adapters["mlp"], PROMPT, 6)
+
+
+def test_admission_copies_no_adapter_the_prefetch_does(engine_adapters, monkeypatch):
+    """Every slot write happens beside a step (the prefetch), none in ``schedule``: a request whose
+    adapter has room but no slot waits a step for the copy, so no step's forward waits on the host
+    work of placing adapters (on an H100 those placements made a 1,000-adapter trace's slowest
+    steps, 52-103 ms). Every request still gets its adapter's output."""
+    eng = engine(max_loras=8, max_cpu_loras=8, max_num_seqs=4)
+    start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "attn"))
+    names = queue_mlp_requests(eng, engine_adapters, 6)
+    inside, writes = [], []  # the methods each slot write ran inside
+    for owner, method in ((eng.scheduler, "schedule"), (eng.adapters, "prefetch")):
+        def entered(*args, _real=getattr(owner, method), _name=method, **kwargs):
+            inside.append(_name)
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        monkeypatch.setattr(owner, method, entered)
+    real_write = eng.lora_manager._write_slot
+    monkeypatch.setattr(eng.lora_manager, "_write_slot", lambda *a: writes.append(tuple(inside)) or real_write(*a))
+    finished = step_to_end(eng, max_steps=300)
+    assert writes == [("prefetch",)] * len(names)  # ('second' runs on the adapter of 'first', placed before)
+    expected = peft_greedy(engine_adapters["mlp"], PROMPT, 6)
+    assert all(finished[name] == expected for name in names)
+    assert finished["second"] == peft_greedy(engine_adapters["attn"], PROMPT, 6)
+
+
+def test_past_one_copy_a_prefetch_goes_on_only_while_the_gpu_computes(engine_adapters):
+    """Its host work hides behind the step's GPU work until that ends (the runner's `computing`,
+    which the engine passes on CUDA): then one copy a step, no more; with nothing to hide behind
+    (None: the CPU, a step with nothing to run) the per-step cap alone bounds it."""
+    from loramux.engine.adapter_life import PREFETCH_PER_STEP
+
+    eng = engine(max_loras=20, max_cpu_loras=20, max_num_seqs=1)
+    start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "attn"))
+    queue_mlp_requests(eng, engine_adapters, PREFETCH_PER_STEP + 6)  # more than the three calls place
+    for _ in range(100):  # every load collected: the queue holds every adapter
+        eng.adapters.collect(timeout=0.05)
+        if len(eng.adapters) == 0:
+            break
+    placed = lambda: eng.lora_manager.stats.loads  # noqa: E731
+    before = placed()
+    eng.adapters.prefetch(busy=lambda: False)  # the GPU finished the step: one copy, then stop
+    assert placed() == before + 1
+    polls = []
+    eng.adapters.prefetch(busy=lambda: polls.append(1) or len(polls) < 3)  # busy for two more copies
+    assert placed() == before + 1 + 3
+    eng.adapters.prefetch()  # nothing to hide behind: up to the cap
+    assert placed() == before + 4 + PREFETCH_PER_STEP
+    assert not eng.runner.computing()  # the CPU ran its step before anything beside it
+    step_to_end(eng, max_steps=300)
+
+
+def queue_mlp_requests(eng, adapters, count: int) -> list[str]:
+    """``count`` requests on the "mlp" adapter file under as many names (handles, slots)."""
+    names = [f"mlp{i}" for i in range(count)]
+    for i, name in enumerate(names):
+        eng.add_request(name, {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest(name, 10 + i, str(adapters["mlp"])))
+    return names

@@ -76,3 +76,35 @@ def test_the_gil_benchmark_times_steps_beside_python_and_loads_per_switch_interv
     assert set(rows) == {(i, b) for i in (0.005, 0.0005) for b in ("nothing", "python", "loads")}
     assert all(r["step_ms_median"] >= 5.0 for r in rows.values())  # the 5 ms "GPU" wait at least
     assert rows[0.005, "loads"]["their_work_per_s"] > 0 and report["load_thread_cpu_ms"] > 0
+
+
+def test_the_replay_timeline_finds_the_graphs_preparation_layers_and_joins(tmp_path):
+    """benchmarks/profile_step.py's reading of a decode replay (a chrome trace): two replays of two
+    layers each, split by the GPU idling; the span before the first attention kernel, a layer's
+    span, each projection's GEMM and how long after it the delta beside it ended."""
+    from benchmarks.profile_step import replay_timeline
+
+    def replay(t0: float, prep: float, late_o: float) -> list[tuple[str, float, float]]:
+        kernels, t = [("meta", t0, prep)], t0 + prep
+        for _ in range(2):  # attention, then o / gate_up / down / qkv with a delta beside each
+            kernels.append(("_paged_attention_kernel", t, 20.0))
+            t += 20.0
+            for gemm_us, delta_end in ((15.0, late_o), (90.0, -40.0), (45.0, -20.0), (21.0, 0.0)):
+                kernels += [("nvjet_sm90_gemm", t, gemm_us), ("_shrink_kernel", t, 5.0),
+                            ("_expand_kernel", t + gemm_us + delta_end - 3.0, 3.0)]
+                t += gemm_us + max(delta_end, 0.0) + 2.0
+        kernels.append(("_paged_attention_kernel", t, 20.0))
+        return kernels
+
+    events = [{"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": dur}
+              for n, ts, dur in replay(0.0, 270.0, 2.0) + replay(5000.0, 270.0, 4.0)]
+    events.append({"ph": "X", "cat": "cpu_op", "name": "not a kernel", "ts": 1.0, "dur": 9999.0})
+    path = tmp_path / "t.trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    summary = replay_timeline(path, min_kernels=10)
+    assert summary["replays"] == 2
+    assert summary["before_first_attention_us"] == 270.0
+    assert summary["layer_us"] == pytest.approx(202.0)  # attention 20, o 19 or 21, gate_up 92, down 47, qkv 23
+    assert summary["gate_up_gemm_us"] == 90.0 and summary["qkv_gemm_us"] == 21.0
+    assert summary["o_delta_after_gemm_us"] == pytest.approx(3.0)  # the median of 2, 2, 4, 4
+    assert summary["gate_up_delta_after_gemm_us"] == pytest.approx(-40.0)

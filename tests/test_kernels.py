@@ -891,10 +891,14 @@ def test_gpu_static_meta_llama8b_matches_reference(mapping, monkeypatch):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_graph_captured_with_all_base_rows_replays_any_mix():
+@pytest.mark.parametrize("meta_kernel", ["0", "1"])
+def test_gpu_graph_captured_with_all_base_rows_replays_any_mix(meta_kernel, monkeypatch):
     """One CUDA graph captured with every row base (-1), replayed with 1 adapter and with 32
-    adapters over its 64 tokens: the reference's results each time (3 projections of a layer)."""
+    adapters over its 64 tokens: the reference's results each time (3 projections of a layer),
+    with the static meta built by torch ops and by one launch (``LORAMUX_META_KERNEL``)."""
     from loramux.kernels import lora_apply
+
+    monkeypatch.setenv("LORAMUX_META_KERNEL", meta_kernel)
 
     T, S, R = 64, 32, 16
     modules = [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]

@@ -684,10 +684,11 @@ def test_an_engine_serves_many_mixed_adapters_in_a_budget_for_two_at_max_rank(ma
     # small adapters ran together on one layer, where 2 of max rank fill its pool
     on_q_proj = {f"mixed{i}" for i, (_, targets) in enumerate(ENGINE_ADAPTERS) if "q_proj" in targets}
     assert max(len(step & on_q_proj) for step in steps) > 2
-    # admission in arrival order up to the first adapter with no room: mixed5 (rank 2) needs 8 rows
+    # admission (once the first step's prefetch placed them) in arrival order up to the first
+    # adapter with no room: mixed5 (rank 2) needs 8 rows
     # of the fused q/k/v pool, where mixed0..4 (ranks 2..3, 8 rows each) leave none; none behind
     # it jumps ahead, not even mixed10, which touches no q/k/v and would fit
-    assert steps[0] == {f"mixed{i}" for i in range(5)}
+    assert next(step for step in steps if step) == {f"mixed{i}" for i in range(5)}
     stats = eng.lora_manager.stats
     assert stats.evictions > 0 and stats.loads == len(paths)  # prefetched or placed at admission: once each
     assert finished["base"] == peft_greedy(None, PROMPT, 5)

@@ -226,7 +226,7 @@ def test_the_engine_keeps_a_registrys_own_arena_and_fences_its_slot_writes_on_it
     arena = PinnedArena(1 << 20, pinned=False)
     registry = Registry(LoRAConfig(), resolvers=[], host_memory=arena)
     manager = SimpleNamespace(on_host_copies=None)
-    _serve_from_pinned_arena(registry, manager, 8 << 30)
+    assert _serve_from_pinned_arena(registry, manager, 8 << 30) is None  # nothing to page-lock
     assert registry.host_memory is arena and manager.on_host_copies == arena.fence
 
 
@@ -242,6 +242,44 @@ def test_without_page_locked_memory_the_engine_serves_from_pageable_memory_never
         assert registry.host_memory is PINNED_EACH_LOAD
         manager = SimpleNamespace(on_host_copies=None)
         caplog.clear()
-        _serve_from_pinned_arena(registry, manager, nbytes)
+        _serve_from_pinned_arena(registry, manager, nbytes).wait()
         assert registry.host_memory is PAGEABLE and not registry.pin_memory and manager.on_host_copies is None
         assert ("could not page-lock" in caplog.text) == warned
+
+
+def test_the_arena_is_page_locked_beside_the_start_and_served_from_once_waited_for(monkeypatch):
+    """Page-locking 8 GiB takes seconds: a thread of its own does it while the engine compiles,
+    and the registry and the slot writes take the arena only in `wait` (which the engine calls
+    before it captures a graph); an error there reaches the engine's thread."""
+    import threading
+    from types import SimpleNamespace
+
+    from loramux.engine import engine_setup
+
+    release = threading.Event()
+    made = PinnedArena(1 << 20, pinned=False)
+
+    def slow_pin(nbytes):
+        assert threading.current_thread() is not threading.main_thread()
+        release.wait(timeout=10)
+        return made
+
+    monkeypatch.setattr(engine_setup, "_reserve_pinned", slow_pin)
+    registry = Registry(LoRAConfig(), resolvers=[])
+    before = registry.host_memory
+    manager = SimpleNamespace(on_host_copies=None)
+    pinning = engine_setup._serve_from_pinned_arena(registry, manager, 1 << 20)
+    assert registry.host_memory is before and manager.on_host_copies is None  # still page-locking
+    release.set()
+    pinning.wait()
+    assert registry.host_memory is made and manager.on_host_copies == made.fence
+    pinning.wait()  # once is enough: a second wait changes nothing
+
+    def failing_pin(nbytes):
+        raise MemoryError("no host memory")
+
+    monkeypatch.setattr(engine_setup, "_reserve_pinned", failing_pin)
+    registry = Registry(LoRAConfig(), resolvers=[])
+    pinning = engine_setup._serve_from_pinned_arena(registry, SimpleNamespace(on_host_copies=None), 1 << 20)
+    with pytest.raises(MemoryError, match="no host memory"):
+        pinning.wait()

@@ -29,7 +29,7 @@ __all__ = ["EngineAdapters", "PREFETCH_PER_STEP"]
 
 # adapters a step copies into GPU slots ahead of admission: requests arrive a few per step even
 # at saturation, so this keeps ahead of them without one step doing the work of hundreds
-PREFETCH_PER_STEP = 4
+PREFETCH_PER_STEP = 8
 
 
 class EngineAdapters:
@@ -64,7 +64,8 @@ class EngineAdapters:
         """The ``Scheduler`` keyword arguments that tie its reference counts to the tiers."""
         return dict(on_adapter_referenced=self._referenced, on_adapter_start=self._start,
                     on_adapter_end=self._end, on_adapter_released=self._released,
-                    has_room_for=self._has_room_for, fits_beside_pinned=self._fits_beside_pinned)
+                    has_room_for=self._has_room_for, fits_beside_pinned=self._fits_beside_pinned,
+                    is_placed=self._is_placed)
 
     # -- loading beside the loop (step thread, except _load and _settled) --------------------
 
@@ -123,8 +124,9 @@ class EngineAdapters:
                 self._unpin_cpu(result.adapter)  # the load's own pin: the references hold it now
         return failed
 
-    def prefetch(self) -> None:
-        """Copy the adapters of the oldest queued requests into GPU slots before admission.
+    def prefetch(self, busy: Callable[[], bool] | None = None) -> None:
+        """Copy the adapters of the oldest queued requests into GPU slots, the only place where
+        they get one: admission starts a request only once its adapter is there.
 
         At most as many handles as admission could start now (``max_loras`` less the slots in
         use), in queue order: exactly the ones it admits next, so no cached adapter is evicted
@@ -133,17 +135,21 @@ class EngineAdapters:
         room beside those stops); the copy runs on the manager's side stream (CUDA) and the step
         waits on it only at admission.
 
-        At most `PREFETCH_PER_STEP` copies a step: each costs the engine's thread milliseconds of
-        host work, and with hundreds of slots free (a fresh engine, a burst after a quiet spell)
-        one step placed every queued adapter at once (on an H100, 1.1-1.5 s single steps in a
-        trace of 1,000 adapters). Admission places what it needs that was not prefetched.
+        Each copy costs the engine's thread milliseconds of host work, hidden while the GPU
+        computes the step this runs beside. So a step copies one adapter, then more only while
+        ``busy()`` says the GPU still computes (the runner's `computing`; None where there is no
+        GPU work to hide behind: the CPU, a step with nothing to run), and never more than
+        `PREFETCH_PER_STEP`: with hundreds of slots free (a fresh engine, a burst after a quiet
+        spell) one step had placed every queued adapter at once (on an H100, 1.1-1.5 s single
+        steps in a trace of 1,000 adapters), and placements at admission, before the step's
+        forward, made its slowest steps (52-103 ms of a 1,000-adapter trace).
         """
         in_slots = self.scheduler.handles_in_slots()
         room = self.scheduler.max_loras - len(in_slots)
         copies = 0
         seen: set[int] = set()
         for seq in self.scheduler.waiting:
-            if room <= 0 or copies >= PREFETCH_PER_STEP:
+            if room <= 0 or copies >= PREFETCH_PER_STEP or (copies and busy is not None and not busy()):
                 return
             handle = seq.handle
             if handle is None or handle.id in in_slots or handle.id in seen:
@@ -208,6 +214,9 @@ class EngineAdapters:
     def _fits_beside_pinned(self, handle: AdapterHandle, pinned: set[int]) -> bool:
         adapter = self.registry.cache.peek(handle.id)
         return adapter is None or self.manager.fits_beside(adapter, pinned)
+
+    def _is_placed(self, handle: AdapterHandle) -> bool:
+        return self.manager.slot_of(handle.id) is not None
 
     def _start(self, handle: AdapterHandle) -> int:
         adapter = self.registry.cache.get(handle.id)  # pinned while referenced, so resident

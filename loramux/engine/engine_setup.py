@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class EngineSetup:
     seed: int | None
     max_loading_workers: int
     tensor_parallel_size: int = 1
+    pinning: ArenaPinning | None = None  # the CPU tier's arena, page-locked beside the start
 
 
 def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup:
@@ -115,6 +117,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
 
     lora_manager = registry_obj = None
     requests: list[LoRARequest] = []
+    pinning = None
     if config.enable_lora:
         if tp_rank > 0:  # a worker's slots are written from the driver's
             from loramux.engine.tensor_parallel.worker import WorkerLoRAManager as manager_class
@@ -128,7 +131,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
             )
             requests = _lora_requests(config.lora_modules)
             if cuda:
-                _serve_from_pinned_arena(registry_obj, lora_manager, lora_config.max_pinned_lora_bytes)
+                pinning = _serve_from_pinned_arena(registry_obj, lora_manager, lora_config.max_pinned_lora_bytes)
     return EngineSetup(
         model=hf_model,
         tokenizer=tokenizer,
@@ -150,6 +153,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
         seed=config.seed,
         max_loading_workers=config.max_loading_workers,
         tensor_parallel_size=tp_size,
+        pinning=pinning,
     )
 
 
@@ -188,16 +192,55 @@ def _lora_requests(lora_modules) -> list[LoRARequest]:
     return requests
 
 
-def _serve_from_pinned_arena(registry, lora_manager, nbytes: int) -> None:
-    """Give ``registry`` a page-locked arena of ``nbytes`` (unless it has one of its own) and tell
-    the manager's slot writes to fence it: loads while serving then carve page-locked buffers
-    instead of allocating them (a ``cudaHostAlloc`` stalls every CUDA call of the engine's thread)."""
+def _serve_from_pinned_arena(registry, lora_manager, nbytes: int) -> ArenaPinning | None:
+    """Serve ``registry``'s loads from a page-locked arena: its own, whose slot writes are fenced
+    from now on (None), or one of ``nbytes`` page-locked beside the engine's start (`ArenaPinning`)."""
     arena = getattr(registry, "host_memory", None)
-    if not isinstance(arena, PinnedArena):
-        arena = _reserve_pinned(nbytes)
-        registry.host_memory = arena
     if isinstance(arena, PinnedArena):
         lora_manager.on_host_copies = arena.fence
+        return None
+    return ArenaPinning(registry, lora_manager, nbytes)
+
+
+class ArenaPinning:
+    """Page-locks the CPU tier's arena (`PinnedArena`, ``nbytes``) on a thread of its own, beside
+    the rest of the engine's start (compile, profile run: page-locking 8 GiB takes seconds), then
+    gives it to ``registry`` and has the manager's slot writes fence it: loads while serving then
+    carve page-locked buffers instead of allocating them (a ``cudaHostAlloc`` stalls every CUDA
+    call of the engine's thread). The engine calls `wait` before it captures any CUDA graph (a
+    ``cudaHostAlloc`` on another thread breaks a capture) and before it loads an adapter."""
+
+    def __init__(self, registry, lora_manager, nbytes: int) -> None:
+        self.seconds = 0.0  # page-locking took (on its thread)
+        self.waited = 0.0  # the engine's start waited for it
+        self._registry, self._manager, self._nbytes = registry, lora_manager, nbytes
+        self._arena: HostMemory | None = None
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = threading.Thread(target=self._pin, name="loramux-pin-arena",
+                                                                 daemon=True)
+        self._thread.start()
+
+    def _pin(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._arena = _reserve_pinned(self._nbytes)
+        except BaseException as error:  # raised by `wait`, on the engine's thread
+            self._error = error
+        self.seconds = time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Join the page-locking thread and serve from its arena (once; later calls return)."""
+        if self._thread is None:
+            return
+        started = time.perf_counter()
+        self._thread.join()
+        self._thread = None
+        self.waited = time.perf_counter() - started
+        if self._error is not None:
+            raise self._error
+        self._registry.host_memory = self._arena
+        if isinstance(self._arena, PinnedArena):
+            self._manager.on_host_copies = self._arena.fence
 
 
 def _reserve_pinned(nbytes: int) -> HostMemory:

@@ -105,6 +105,8 @@ class LLMEngine:
             )
             num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
             self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
+            if setup.pinning is not None:
+                setup.pinning.wait()  # before any capture (a page-locking thread would break it)
             self.runner.capture_graphs()  # every step graph, now: none is captured while serving
             self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
         except BaseException:
@@ -276,7 +278,9 @@ class LLMEngine:
             # while the GPU runs this step (its host work, milliseconds an adapter, hides there)
             prefetch = self.adapters.prefetch if self.adapters is not None else None
             if len(batch):
-                sampled = self.runner.run(batch, beside=prefetch)
+                busy = self.runner.computing if self.setup.device.type == "cuda" else None
+                beside = (lambda: prefetch(busy)) if prefetch is not None else None
+                sampled = self.runner.run(batch, beside=beside)
                 for seq, n in batch.chunks:
                     seq.num_computed += n
                 for seq, token in sampled:

@@ -117,6 +117,7 @@ class ModelRunner:
         capacity = max(6 * T + 4 * S + 4, 8 * self.max_graph_tokens) + S * self.max_blocks + FIELD_ALIGN * 16
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
+        self._queued: torch.cuda.Event | None = None  # recorded after the last step's GPU work
         self.graphs: StepGraphs | None = None
         self.last_step: StepShape | None = None  # the last `run`'s shape
         #: start-up seconds by stage ("capture", "warmup"; compile time is in `regions`)
@@ -250,7 +251,8 @@ class ModelRunner:
 
         Each sequence's GPU slot is ``seq.lora_slot`` (set by the scheduler at admission).
         ``beside()`` runs once the step's GPU work is queued and before the host waits for the
-        sampled tokens: host work that then overlaps the step instead of delaying it.
+        sampled tokens: host work that then overlaps the step instead of delaying it (`computing`
+        tells it whether the GPU still runs the step).
         """
         tokens = batch.num_tokens
         prompt_tokens = sum(n for seq, n in batch.chunks if seq.num_computed < seq.num_prompt_tokens)
@@ -299,8 +301,16 @@ class ModelRunner:
                 beside: Callable[[], None] | None = None) -> list[tuple[Sequence, int]]:
         tokens = self.sampler(logits, seqs).token_ids if seqs else None
         if beside is not None:
+            if self.device.type == "cuda":
+                self._queued = torch.cuda.Event()
+                self._queued.record()
             beside()
         return list(zip(seqs, tokens.tolist())) if seqs else []
+
+    def computing(self) -> bool:
+        """Whether the GPU still runs the last step's work (on the CPU, which runs it before
+        ``beside``: False). Host work beside the step is hidden until then."""
+        return self._queued is not None and not self._queued.query()
 
     def _forward_packed(self, *, ids, positions, slots, tables, seq_lens, query_start, lora_slots, logits,
                         logit_slots) -> torch.Tensor:

@@ -203,32 +203,14 @@ def _slot_vector_pad(num_slots: int) -> int:
 
 
 def _build_static_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMeta:
-    """The layout of build_lora_meta without a host sync (no bincount, no sort): counts by
-    scatter-add, each token's place in its segment by a one-hot prefix sum."""
-    T, S, device = token_slots.numel(), num_slots, token_slots.device
-    slots = token_slots.to(torch.int64)
-    key = torch.where((slots < 0) | (slots >= S), torch.full_like(slots, S), slots)  # [T], S = none
-    onehot = (key[:, None] == torch.arange(S + 1, device=device)[None, :]).to(torch.int32)  # [T, S+1]
-    counts_all = onehot.sum(0)  # [S+1]
-    starts_all = torch.cumsum(counts_all, 0) - counts_all
-    within = (torch.cumsum(onehot, 0) * onehot).sum(1) - 1  # [T] rank of each token in its segment
-    dest = starts_all[key] + within
-    sorted_token_ids = torch.empty(T, dtype=torch.int32, device=device)
-    sorted_token_ids.scatter_(0, dest, torch.arange(T, dtype=torch.int32, device=device))
-    counts, starts = counts_all[:S], starts_all[:S]
-    # active slots first (ascending), then the rest: each slot's place without a sort
-    used = (counts > 0).to(torch.int64)
-    place = torch.where(used > 0, torch.cumsum(used, 0) - used, used.sum() + torch.cumsum(1 - used, 0) - (1 - used))
-    order = torch.empty(S, dtype=torch.int64, device=device).scatter_(0, place, torch.arange(S, device=device))
-    pad = _slot_vector_pad(S)
-    active_slots = order[:1].to(torch.int32).repeat(pad)  # past S: the first active slot (hot in cache)
-    active_slots[:S] = order.to(torch.int32)
-    active_counts = torch.zeros(pad, dtype=torch.int32, device=device)
-    active_counts[:S] = counts[order].to(torch.int32)
-    active_starts = torch.zeros(pad, dtype=torch.int32, device=device)
-    active_starts[:S] = starts[order].to(torch.int32)
-    heights = 16 << torch.arange(len(STATIC_TILE_HEIGHTS), device=device)  # STATIC_TILE_HEIGHTS
-    tile_counts = ((counts[:, None] + heights - 1) // heights).sum(0).to(torch.int32)
+    """The layout of build_lora_meta without a host sync: its device arrays from torch ops
+    (`_static_arrays`) or, opted in on CUDA, one Triton launch (`loramux.kernels.static_meta`)."""
+    from .static_meta import static_meta_arrays, use_meta_kernel  # it imports tiles, which imports us
+
+    T, S = token_slots.numel(), num_slots
+    build = static_meta_arrays if use_meta_kernel(token_slots.device) else _static_arrays
+    sorted_token_ids, active_slots, active_counts, active_starts, tile_counts = build(
+        token_slots, S, _slot_vector_pad(S))
     a = min(S, T)
     # worst case over batches of T tokens on <= a slots: a - 1 + ceil((T - a + 1) / m) tiles of
     # height m (every other split of T into a segments has at most as many tiles)
@@ -250,3 +232,34 @@ def _build_static_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMe
         static=True,
         tile_counts=tile_counts,
     )
+
+
+def _static_arrays(token_slots: torch.Tensor, S: int, pad: int
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A static meta's device arrays by torch ops, no host sync (no bincount, no sort): counts by
+    a one-hot sum, each token's place in its segment by a one-hot prefix sum. Returns
+    (sorted_token_ids [T], active_slots, active_counts, active_starts [pad], tile_counts [3])."""
+    T, device = token_slots.numel(), token_slots.device
+    slots = token_slots.to(torch.int64)
+    key = torch.where((slots < 0) | (slots >= S), torch.full_like(slots, S), slots)  # [T], S = none
+    onehot = (key[:, None] == torch.arange(S + 1, device=device)[None, :]).to(torch.int32)  # [T, S+1]
+    counts_all = onehot.sum(0)  # [S+1]
+    starts_all = torch.cumsum(counts_all, 0) - counts_all
+    within = (torch.cumsum(onehot, 0) * onehot).sum(1) - 1  # [T] rank of each token in its segment
+    dest = starts_all[key] + within
+    sorted_token_ids = torch.empty(T, dtype=torch.int32, device=device)
+    sorted_token_ids.scatter_(0, dest, torch.arange(T, dtype=torch.int32, device=device))
+    counts, starts = counts_all[:S], starts_all[:S]
+    # active slots first (ascending), then the rest: each slot's place without a sort
+    used = (counts > 0).to(torch.int64)
+    place = torch.where(used > 0, torch.cumsum(used, 0) - used, used.sum() + torch.cumsum(1 - used, 0) - (1 - used))
+    order = torch.empty(S, dtype=torch.int64, device=device).scatter_(0, place, torch.arange(S, device=device))
+    active_slots = order[:1].to(torch.int32).repeat(pad)  # past S: the first active slot (hot in cache)
+    active_slots[:S] = order.to(torch.int32)
+    active_counts = torch.zeros(pad, dtype=torch.int32, device=device)
+    active_counts[:S] = counts[order].to(torch.int32)
+    active_starts = torch.zeros(pad, dtype=torch.int32, device=device)
+    active_starts[:S] = starts[order].to(torch.int32)
+    heights = 16 << torch.arange(len(STATIC_TILE_HEIGHTS), device=device)  # STATIC_TILE_HEIGHTS
+    tile_counts = ((counts[:, None] + heights - 1) // heights).sum(0).to(torch.int32)
+    return sorted_token_ids, active_slots, active_counts, active_starts, tile_counts

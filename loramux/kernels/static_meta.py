@@ -1,0 +1,105 @@
+"""A static LoRA meta's device arrays in one Triton launch (opt-in: ``LORAMUX_META_KERNEL=1``).
+
+A CUDA graph built with a static meta (`loramux.kernels.metadata`) recomputes the meta's device
+arrays from ``token_slots`` on every replay. With torch ops that is about 60 small kernels a meta,
+two metas a step (token rows, logits rows): on an H100 (Llama-3.1-8B shapes, batch 64, one
+adapter) the LoRA step graph spent 270 us before its first attention kernel against 55 us for the
+base step's graph, about a third of what one adapter cost the step (`benchmarks/profile_step.py`,
+docs/benchmarks/engine-h100.md, ninth session). This kernel computes the same arrays in one
+program: the slots' counts (a one-hot sum over blocks of tokens), their starts (a prefix sum),
+each token's place in its slot's segment (a running count per slot), the active slots first in
+ascending order, the padding past the slot vector, and the real tile counts.
+
+Not yet measured on a GPU, so off by default: `use_meta_kernel` reads ``LORAMUX_META_KERNEL``.
+The CPU tests run it under Triton's interpreter against the torch build.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .tiles import next_pow2
+
+__all__ = ["ENV_VAR", "static_meta_arrays", "use_meta_kernel"]
+
+ENV_VAR = "LORAMUX_META_KERNEL"
+#: Tokens a loop iteration takes (a [BLOCK_T, S_PAD] one-hot in registers).
+BLOCK_T = 16
+
+
+def use_meta_kernel(device: torch.device) -> bool:
+    """Whether static metas on ``device`` are built by this kernel: on CUDA with
+    ``LORAMUX_META_KERNEL=1``; unset or 0, and elsewhere, the torch ops build them."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV_VAR}={value!r} is not understood; use 1 (on), 0 (off) or leave it unset")
+    return value == "1" and device.type == "cuda"
+
+
+# T is not specialized: one compiled kernel serves every graph size
+@triton.jit(do_not_specialize=["T"])
+def _static_meta_kernel(slots_ptr, sorted_ptr, act_slots_ptr, act_counts_ptr, act_starts_ptr, tiles_ptr,
+                        T, S, PAD, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr, P_PAD: tl.constexpr):
+    lanes = tl.arange(0, S_PAD)  # lane s < S: slot s; lane S: tokens without an adapter
+    # pass 1: tokens per lane
+    counts = tl.zeros([S_PAD], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        offs = t0 + tl.arange(0, BLOCK_T)
+        valid = offs < T
+        slot = tl.load(slots_ptr + offs, mask=valid, other=-1)
+        key = tl.where((slot < 0) | (slot >= S), S, slot)
+        key = tl.where(valid, key, S_PAD)  # past T: no lane
+        counts += tl.sum((key[:, None] == lanes[None, :]).to(tl.int32), 0)
+    starts = tl.cumsum(counts, 0) - counts
+    # pass 2: each token's place, its lane's start plus the tokens of that lane before it
+    seen = tl.zeros([S_PAD], dtype=tl.int32)
+    for t0 in range(0, T, BLOCK_T):
+        offs = t0 + tl.arange(0, BLOCK_T)
+        valid = offs < T
+        slot = tl.load(slots_ptr + offs, mask=valid, other=-1)
+        key = tl.where((slot < 0) | (slot >= S), S, slot)
+        key = tl.where(valid, key, S_PAD)
+        onehot = (key[:, None] == lanes[None, :]).to(tl.int32)  # [BLOCK_T, S_PAD]
+        rank = tl.cumsum(onehot, 0) - 1 + seen[None, :] + starts[None, :]
+        dest = tl.sum(onehot * rank, 1)
+        tl.store(sorted_ptr + dest, offs, mask=valid)
+        seen += tl.sum(onehot, 0)
+    # the slot vector: active slots first (ascending), then the rest, then the padding
+    real = lanes < S
+    used = ((counts > 0) & real).to(tl.int32)
+    unused = ((counts == 0) & real).to(tl.int32)
+    place = tl.where(used > 0, tl.cumsum(used, 0) - used, tl.sum(used, 0) + tl.cumsum(unused, 0) - unused)
+    tl.store(act_slots_ptr + place, lanes, mask=real)
+    tl.store(act_counts_ptr + place, counts, mask=real)
+    tl.store(act_starts_ptr + place, starts, mask=real)
+    first = tl.sum(tl.where(real & (place == 0), lanes, 0), 0)
+    pads = tl.arange(0, P_PAD)
+    past = (pads >= S) & (pads < PAD)
+    zeros = tl.zeros([P_PAD], dtype=tl.int32)
+    tl.store(act_slots_ptr + pads, zeros + first, mask=past)
+    tl.store(act_counts_ptr + pads, zeros, mask=past)
+    tl.store(act_starts_ptr + pads, zeros, mask=past)
+    # real tiles at the static heights (metadata.STATIC_TILE_HEIGHTS: 16, 32, 64)
+    c = tl.where(real, counts, 0)
+    tl.store(tiles_ptr + 0, tl.sum((c + 15) // 16, 0))
+    tl.store(tiles_ptr + 1, tl.sum((c + 31) // 32, 0))
+    tl.store(tiles_ptr + 2, tl.sum((c + 63) // 64, 0))
+
+
+def static_meta_arrays(token_slots: torch.Tensor, num_slots: int, pad: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids [T], active_slots, active_counts, active_starts [pad], tile_counts [3]),
+    all int32, as `metadata._build_static_meta` lays them out; one launch, no host sync."""
+    T, device = token_slots.numel(), token_slots.device
+    assert pad >= num_slots, (pad, num_slots)
+    slots = token_slots.to(torch.int32)
+    sorted_ids = torch.empty(T, dtype=torch.int32, device=device)
+    active = torch.empty(3, pad, dtype=torch.int32, device=device)
+    tiles = torch.empty(3, dtype=torch.int32, device=device)
+    _static_meta_kernel[(1,)](slots, sorted_ids, active[0], active[1], active[2], tiles, T, num_slots, pad,
+                              BLOCK_T=BLOCK_T, S_PAD=next_pow2(num_slots + 1), P_PAD=next_pow2(pad), num_warps=4)
+    return sorted_ids, active[0], active[1], active[2], tiles
