@@ -40,33 +40,35 @@ def use_meta_kernel(device: torch.device) -> bool:
     return value == "1" and device.type == "cuda"
 
 
+@triton.jit
+def _one_hot(slots_ptr, t0, T, S, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr):
+    """Tokens t0.. of a block: (their indices, which are < T, their [BLOCK_T, S_PAD] one-hot over
+    the lanes: lane s < S is slot s, lane S the tokens without an adapter, none past T)."""
+    offs = t0 + tl.arange(0, BLOCK_T)
+    valid = offs < T
+    slot = tl.load(slots_ptr + offs, mask=valid, other=-1)
+    key = tl.where((slot < 0) | (slot >= S), S, slot)
+    key = tl.where(valid, key, S_PAD)
+    return offs, valid, (key[:, None] == tl.arange(0, S_PAD)[None, :]).to(tl.int32)
+
+
 # T is not specialized: one compiled kernel serves every graph size
 @triton.jit(do_not_specialize=["T"])
 def _static_meta_kernel(slots_ptr, sorted_ptr, act_slots_ptr, act_counts_ptr, act_starts_ptr, tiles_ptr,
                         T, S, PAD, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr, P_PAD: tl.constexpr):
-    lanes = tl.arange(0, S_PAD)  # lane s < S: slot s; lane S: tokens without an adapter
+    lanes = tl.arange(0, S_PAD)
     # pass 1: tokens per lane
     counts = tl.zeros([S_PAD], dtype=tl.int32)
     for t0 in range(0, T, BLOCK_T):
-        offs = t0 + tl.arange(0, BLOCK_T)
-        valid = offs < T
-        slot = tl.load(slots_ptr + offs, mask=valid, other=-1)
-        key = tl.where((slot < 0) | (slot >= S), S, slot)
-        key = tl.where(valid, key, S_PAD)  # past T: no lane
-        counts += tl.sum((key[:, None] == lanes[None, :]).to(tl.int32), 0)
+        _, _, onehot = _one_hot(slots_ptr, t0, T, S, BLOCK_T, S_PAD)
+        counts += tl.sum(onehot, 0)
     starts = tl.cumsum(counts, 0) - counts
     # pass 2: each token's place, its lane's start plus the tokens of that lane before it
     seen = tl.zeros([S_PAD], dtype=tl.int32)
     for t0 in range(0, T, BLOCK_T):
-        offs = t0 + tl.arange(0, BLOCK_T)
-        valid = offs < T
-        slot = tl.load(slots_ptr + offs, mask=valid, other=-1)
-        key = tl.where((slot < 0) | (slot >= S), S, slot)
-        key = tl.where(valid, key, S_PAD)
-        onehot = (key[:, None] == lanes[None, :]).to(tl.int32)  # [BLOCK_T, S_PAD]
+        offs, valid, onehot = _one_hot(slots_ptr, t0, T, S, BLOCK_T, S_PAD)
         rank = tl.cumsum(onehot, 0) - 1 + seen[None, :] + starts[None, :]
-        dest = tl.sum(onehot * rank, 1)
-        tl.store(sorted_ptr + dest, offs, mask=valid)
+        tl.store(sorted_ptr + tl.sum(onehot * rank, 1), offs, mask=valid)
         seen += tl.sum(onehot, 0)
     # the slot vector: active slots first (ascending), then the rest, then the padding
     real = lanes < S
