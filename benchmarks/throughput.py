@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -235,8 +236,7 @@ def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
                           "tokens_vs_base": run["tokens_per_s"] / base["tokens_per_s"]}
         rounds.append(row)
         print("  round:", {k: round(v.get("step_vs_base", v["decode_step_ms"]), 3) for k, v in row.items()}, flush=True)
-    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
-    summary = {label: {key: {"median": median([r[label][key] for r in rounds]),
+    summary = {label: {key: {"median": statistics.median(r[label][key] for r in rounds),
                              "min": min(r[label][key] for r in rounds), "max": max(r[label][key] for r in rounds)}
                        for key in ("step_vs_base", "tokens_vs_base")} for label in workloads}
     return {"rounds": rounds, "summary": summary}
