@@ -180,3 +180,37 @@ def queue_mlp_requests(eng, adapters, count: int) -> list[str]:
     for i, name in enumerate(names):
         eng.add_request(name, {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest(name, 10 + i, str(adapters["mlp"])))
     return names
+
+
+def test_an_adapter_the_prefetch_cannot_place_fails_only_its_requests(engine_adapters, monkeypatch):
+    """The prefetch is where adapters get slots, so an adapter refused there (a `LoRAError` from
+    the slot write) fails its own queued requests, with the error, and nothing else: the other
+    requests finish with their adapters' outputs and the slot is left free."""
+    from loramux.errors import LoRAError
+
+    eng = engine(max_loras=4, max_cpu_loras=4, max_num_seqs=4)
+    start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "mlp"))
+    eng.add_request("refused", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("bad", 9, str(engine_adapters["all"])))
+    eng.add_request("refused too", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("bad", 9, str(engine_adapters["all"])))
+    real_write = eng.lora_manager._write_slot
+
+    def write(slot, adapter):
+        if adapter.name == "bad":
+            raise LoRAError("its weights could not be written.", adapter="bad")
+        return real_write(slot, adapter)
+
+    monkeypatch.setattr(eng.lora_manager, "_write_slot", write)
+    outputs = {}
+    for _ in range(300):
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                outputs[out.request_id] = out
+    for name in ("refused", "refused too"):
+        assert outputs[name].outputs[0].finish_reason == "error"
+        assert "could not be written" in str(outputs[name].error) and outputs[name].outputs[0].token_ids == []
+    assert outputs["first"].error is None and outputs["first"].outputs[0].token_ids == peft_greedy(
+        engine_adapters["attn"], PROMPT, 40)
+    assert outputs["second"].outputs[0].token_ids == peft_greedy(engine_adapters["mlp"], PROMPT, 6)
+    assert "bad" not in eng.lora_manager.resident() and eng.scheduler.adapters == {}

@@ -148,7 +148,7 @@ class EngineAdapters:
         room = self.scheduler.max_loras - len(in_slots)
         copies = 0
         seen: set[int] = set()
-        for seq in self.scheduler.waiting:
+        for seq in list(self.scheduler.waiting):
             if room <= 0 or copies >= PREFETCH_PER_STEP or (copies and busy is not None and not busy()):
                 return
             handle = seq.handle
@@ -159,8 +159,12 @@ class EngineAdapters:
             if self.manager.slot_of(handle.id) is not None:
                 continue  # still resident from an earlier use
             adapter = self.registry.cache.get(handle.id)  # referenced, so pinned in the CPU tier
-            if adapter is None or self.manager.prefetch(adapter, keep=seen) is None:
-                return
+            try:
+                if adapter is None or self.manager.prefetch(adapter, keep=seen) is None:
+                    return
+            except LoRAError as error:  # only this adapter's requests fail (the next step reports them)
+                self.scheduler.fail_waiting(handle, error)
+                continue
             self.prefetches += 1
             copies += 1
 

@@ -321,6 +321,12 @@ class Scheduler:
         seq.lora_slot = use.slot
         return True
 
+    def fail_waiting(self, handle: AdapterHandle, error: LoRAError) -> None:
+        """Fail every queued sequence of ``handle`` with ``error`` (its adapter could not be placed);
+        they are in `failed` until the engine reports them."""
+        for seq in [seq for seq in self.waiting if seq.handle is not None and seq.handle.id == handle.id]:
+            self._fail(seq, error)
+
     def _fail(self, seq: Sequence, error: LoRAError) -> None:
         self.waiting.remove(seq)
         self._unreference(seq)
