@@ -4,6 +4,7 @@ projections, and a churn trace with many more adapters than tiers (issue 10, ite
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -17,10 +18,25 @@ from loramux.engine.siblings import SiblingSlice, fuse_siblings
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
-def run(engine: LLMEngine, requests, max_steps: int = 2000) -> dict[str, list[int]]:
-    """Add ``(id, prompt, lora_request)`` and step to the end; the generated tokens per id."""
+def run(engine: LLMEngine, requests, max_steps: int = 2000, *, loaded_first: bool = False) -> dict[str, list[int]]:
+    """Add ``(id, prompt, lora_request)`` and step to the end; the generated tokens per id.
+    ``loaded_first``: the first step waits until every adapter is in host memory, so admission
+    does not depend on when loads finish (each adapter takes its GPU slot a step before its
+    requests start): a tight KV pool then preempts in every run, not in some."""
+    names = {lora.lora_name for _, _, lora in requests if lora is not None} if loaded_first else set()
+    ready, all_ready = set(), threading.Event()
+
+    def listen(event):
+        if event.kind == "ready":
+            ready.add(event.name)
+            if ready == names:
+                all_ready.set()
+
+    if names:
+        engine.add_event_listener(listen)
     for request_id, prompt, lora in requests:
         engine.add_request(request_id, {"prompt_token_ids": prompt}, GREEDY, lora)
+    assert not names or all_ready.wait(30)
     finished = step_to_end(engine, max_steps=max_steps)
     assert not engine.has_unfinished_requests()
     return finished
@@ -45,16 +61,17 @@ def engine(dtype: torch.dtype = torch.float32, **kwargs) -> LLMEngine:
 
 
 def test_forced_preemption_gives_the_same_greedy_tokens(engine_adapters):
-    # float64: the two runs batch differently (adapter loads finish when they finish, preempted
-    # sequences are recomputed in other batches), and in float32 a near-tie between two logits of
-    # this random model can flip once in many runs
+    # float64: the two runs batch differently (preempted sequences are recomputed in other
+    # batches), and in float32 a near-tie between two logits of this random model can flip once
+    # in many runs
     requests = mixed_requests(engine_adapters, 10, seed=1)
-    roomy = run(engine(torch.float64), requests)
+    roomy = run(engine(torch.float64, max_cpu_loras=3), requests, loaded_first=True)
     # 12 usable blocks of 16 tokens for 6 sequences of up to 52 tokens: decodes run out of blocks
-    tight = engine(torch.float64, num_gpu_blocks_override=13, enable_prefix_caching=False)
-    assert run(tight, requests) == roomy
+    tight = engine(torch.float64, num_gpu_blocks_override=13, enable_prefix_caching=False, max_cpu_loras=3)
+    assert run(tight, requests, loaded_first=True) == roomy
     assert tight.scheduler.num_preemptions > 0
     assert tight.block_manager.num_free_blocks == 12  # nothing leaked
+
 
 
 def test_prefix_cache_hits_give_the_same_tokens_as_misses(engine_adapters):
