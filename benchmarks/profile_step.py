@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -59,9 +61,6 @@ def replay_timeline(trace_path: Path, idle_us: float = 300.0, min_kernels: int =
     preparation: the LoRA meta, the embedding, the first layer's norm and qkv), a layer's span
     (attention to attention), each projection's GEMM and, where a layer computes LoRA deltas
     beside its GEMMs, how long after the GEMM its delta's expand ended (> 0: the join waited)."""
-    import json
-    import statistics
-
     events = sorted((e for e in json.loads(trace_path.read_text())["traceEvents"]
                      if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
     replays, last_end = [], None

@@ -124,6 +124,16 @@ def warm_up(engine: LLMEngine, loras, vocab: int) -> None:
         engine.step()
 
 
+def in_turn(group: list, n: int, count: int) -> list:
+    """``count`` requests' adapters: the first ``n`` of ``group``, in turn."""
+    return [group[i % n] for i in range(count)]
+
+
+def scenario(n: int, label: str) -> str:
+    """A workload's name in the tables: "1 adapter (all 7)", "32 adapters (q/v)"."""
+    return f"{n} adapter{'s' if n > 1 else ''} ({label})"
+
+
 def close(engine: LLMEngine) -> None:
     engine.close()
     engine.kv_cache = engine.runner.kv = None
@@ -194,9 +204,9 @@ def lora_runs(args, model, prompts, rank: int, record, result) -> None:
             **run_workload(engine, prompts, [None] * len(prompts), args.output_len)}, [])
     for label, group in requests.items():
         for n in args.adapters if label == "all 7" else (1, most):
-            loras = [group[i % n] for i in range(len(prompts))]
+            loras = in_turn(group, n, len(prompts))
             warm_up(engine, group[:n], vocab)  # into GPU slots before the clock starts
-            run = {"scenario": f"{n} adapter{'s' if n > 1 else ''} ({label})", "rank": rank, "adapters": n,
+            run = {"scenario": scenario(n, label), "rank": rank, "adapters": n,
                    **run_workload(engine, prompts, loras, args.output_len)}
             record(run, adapters[label][:n])
     if rank == args.ranks[0] and args.repeats > 1:
@@ -222,8 +232,8 @@ def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
     work, as much as one adapter costs: a single pair of runs cannot settle a 5% mark."""
     vocab = engine.runner.model.config.get_text_config().vocab_size
     most = max(args.adapters)
-    workloads = {f"{n} adapter{'s' if n > 1 else ''} ({label})": [group[i % n] for i in range(len(prompts))]
-                 for label, group in requests.items() for n in (1, most)}
+    workloads = {scenario(n, label): in_turn(group, n, len(prompts)) for label, group in requests.items()
+                 for n in (1, most)}
     rounds = []
     for _ in range(args.repeats):
         base = run_workload(engine, prompts, [None] * len(prompts), args.output_len)
@@ -260,9 +270,9 @@ def qv_engine_runs(args, model, prompts, rank: int, record) -> None:
     warm_up(engine, [None], vocab)
     run_workload(engine, prompts, [None] * len(prompts), min(args.output_len, 16))  # first-use costs
     for n in (1, most):
-        loras = [requests[i % n] for i in range(len(prompts))]
+        loras = in_turn(requests, n, len(prompts))
         warm_up(engine, requests[:n], vocab)
-        record({"scenario": f"{n} adapter{'s' if n > 1 else ''} (q/v, engine wraps q/v only)", "rank": rank,
+        record({"scenario": scenario(n, "q/v, engine wraps q/v only"), "rank": rank,
                 "adapters": n, **run_workload(engine, prompts, loras, args.output_len)}, adapters[:n])
     close(engine)
 
