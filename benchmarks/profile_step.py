@@ -165,24 +165,32 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--out", type=Path, default=Path("profile.txt"))
     parser.add_argument("--ttft", action="store_true", help="only: one 128-token request's time to first token")
+    parser.add_argument("--adapters", default="1", help="adapter counts to profile beside the base step, e.g. 1,32")
+    parser.add_argument("--decode-only", action="store_true", help="skip the prefill profiles")
+    parser.add_argument("--json", type=Path, default=None, help="also write the timelines as JSON")
     args = parser.parse_args()
     if args.ttft:  # runs on the CPU too (embedded model): a check of the script
         cuda = torch.cuda.is_available()
         model = load_model(args.model if cuda else None, dtype="bfloat16" if cuda else "float32",
                            device="cuda" if cuda else "cpu", load_format="dummy" if cuda else "auto")[0]
         return ttft_profile(model, args)
+    counts = [int(n) for n in args.adapters.split(",")]
     model = load_model(args.model, dtype="bfloat16", device="cuda", load_format="dummy")[0]
-    adapter = random_adapter(model.config, "a", 16, ALL_SEVEN, 1, "cuda", torch.bfloat16)
+    adapters = [random_adapter(model.config, f"a{i}", 16, ALL_SEVEN, 1 + i, "cuda", torch.bfloat16)
+                for i in range(max(counts))]
     t0 = time.perf_counter()
-    engine = LLMEngine(model, enable_lora=True, max_loras=8, max_lora_rank=16, max_num_seqs=args.batch,
-                       max_model_len=1100, max_num_batched_tokens=8192)
+    engine = LLMEngine(model, enable_lora=True, max_loras=max(8, max(counts)), max_lora_rank=16,
+                       max_num_seqs=args.batch, max_model_len=1100, max_num_batched_tokens=8192)
     report = [f"engine init {time.perf_counter() - t0:.1f} s, {engine.runner.num_graphs} graphs"]
-    engine.registry.bind(adapter)
+    for adapter in adapters:
+        engine.registry.bind(adapter)
     vocab = model.config.vocab_size
     prompts = torch.randint(1, vocab, (args.batch, 128), generator=torch.Generator().manual_seed(0)).tolist()
-    for label, lora in (("base", None), ("1 adapter", LoRARequest("a", 1))):
+    timelines = {}
+    for label, n in [("base", 0)] + [(f"{n} adapter{'s' * (n > 1)}", n) for n in counts]:
+        loras = [LoRARequest(f"a{i % n}", 1 + i % n) if n else None for i in range(args.batch)]
         params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-        for i, p in enumerate(prompts):
+        for i, (p, lora) in enumerate(zip(prompts, loras)):
             engine.add_request(f"{label}{i}", {"prompt_token_ids": p}, params, lora)
         for _ in range(20):  # prefill, then decode steps
             engine.step()
@@ -195,14 +203,18 @@ def main() -> None:
         # the timeline (kernels inside the graph replays, both streams): chrome://tracing or perfetto
         trace = args.out.with_suffix(f".decode-{label.replace(' ', '-')}.trace.json")
         prof.export_chrome_trace(str(trace))
-        report += ["timeline (medians, us): " + ", ".join(f"{k} {v:.1f}" for k, v in replay_timeline(trace).items())]
+        timelines[label] = replay_timeline(trace)
+        report += ["timeline (medians, us): " + ", ".join(f"{k} {v:.1f}" for k, v in timelines[label].items())]
         while engine.has_unfinished_requests():
             engine.step()
+        if args.decode_only:
+            continue
         # one prefill step of 8 x 1024 tokens (a first round warms its kernels up)
         long = torch.randint(1, vocab, (8, 1024), generator=torch.Generator().manual_seed(1)).tolist()
         for round_ in range(2):
             for i, p in enumerate(long):
-                engine.add_request(f"{label}-p{round_}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1), lora)
+                engine.add_request(f"{label}-p{round_}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1),
+                                   loras[i])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -213,6 +225,9 @@ def main() -> None:
         report += ["", f"== prefill 8 x 1024, {label}: wall {wall:.1f} ms", kernel_table(prof, 1)]
     text = "\n".join(report)
     args.out.write_text(text + "\n")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "batch": args.batch,
+                                         "timelines": timelines}, indent=2) + "\n")
     print(text)
 
 

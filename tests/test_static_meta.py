@@ -1,5 +1,5 @@
-"""`loramux.kernels.static_meta`: a static LoRA meta's device arrays in one Triton launch (opt-in,
-``LORAMUX_META_KERNEL=1``) equal the torch build's, for every kind of mapping (CPU interpreter and
+"""`loramux.kernels.static_meta`: a static LoRA meta's device arrays in one Triton launch (the
+default on CUDA, ``LORAMUX_META_KERNEL=0`` turns it off) equal the torch build's, for every kind of mapping (CPU interpreter and
 `gpu`); bad settings are refused with the variable's name."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_one_launch_lays_the_meta_out_as_the_torch_ops_do(T, S):
 
 @needs_interpreter
 def test_a_static_meta_built_by_the_kernel_is_the_torch_built_one(monkeypatch):
-    """Opted in, `build_lora_meta(static=True)` takes its device arrays from the kernel; every
+    """Where it is used, `build_lora_meta(static=True)` takes its device arrays from the kernel; every
     field of the meta matches the torch build (here on the CPU, the kernel interpreted)."""
     from loramux.kernels import static_meta
 
@@ -51,7 +51,7 @@ def test_a_static_meta_built_by_the_kernel_is_the_torch_built_one(monkeypatch):
 
 
 def test_the_setting_is_read_and_bad_values_are_refused(monkeypatch):
-    for value, cuda, expected in (("", True, False), ("0", True, False), ("1", True, True), ("1", False, False)):
+    for value, cuda, expected in (("", True, True), ("0", True, False), ("1", True, True), ("1", False, False)):
         monkeypatch.setenv(ENV_VAR, value)
         assert use_meta_kernel(torch.device("cuda" if cuda else "cpu")) is expected, (value, cuda)
     monkeypatch.setenv(ENV_VAR, "yes")

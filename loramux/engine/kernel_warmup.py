@@ -128,7 +128,7 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
     lanes = slot_lanes(meta)  # a constexpr of both kernels
     keys: set[Hashable] = set()
     for m in modules:
-        sms = lora_sms_beside(meta.num_tokens, device) if m.beside else None
+        sms = lora_sms_beside(meta.num_tokens, device, m.in_features * sum(m.slice_sizes)) if m.beside else None
         shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device, sms=sms)
         keys.add(("shrink", m.stacked_rank, m.in_features, m.dtype, shrink.config, shrink.split_k, lanes))
         cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device, sms=sms)[0]

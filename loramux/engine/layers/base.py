@@ -502,7 +502,7 @@ class BaseLayerWithLoRA(nn.Module):
         # made on the main stream, before the fork, so the main stream owns their memory
         buf = torch.empty(T, self.n_slices * self.max_lora_rank, dtype=torch.float32, device=device)  # [T, n*R]
         delta = torch.empty(T, self.out_features, dtype=self.lora_dtype, device=device)  # [T, N]
-        sms = lora_sms_beside(T, device)
+        sms = lora_sms_beside(T, device, self.in_features * self.out_features)
         streams = beside_streams(device)
         if streams is not None:
             main, side = streams

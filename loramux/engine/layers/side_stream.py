@@ -73,16 +73,31 @@ def beside_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.
     return torch.cuda.current_stream(device), side_stream(device)
 
 
-def lora_sms_beside(num_tokens: int, device: torch.device) -> int:
+#: A GEMM reading at least this many weights runs long enough at 33-256 tokens for the delta
+#: beside it to finish on a small share of the multiprocessors (`lora_sms_beside`); on Llama-3.1-8B
+#: shapes gate_up (117M weights) and down (59M) do, qkv (25M) and o (17M) do not.
+BIG_GEMM_WEIGHTS = 1 << 25
+
+
+def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0) -> int:
     """Multiprocessors the base GEMM of a ``num_tokens``-token step leaves to the LoRA work beside
-    it (0: the GEMM takes them all, and the LoRA launches are sized for all). From the table in
-    this module's docstring: none up to 8 tokens (the GEMM's tail leaves room, and the GEMM lost
-    more than the delta gained), an eighth of them up to 32, a quarter up to 256; none past
-    that, where the GEMM is compute-bound and every multiprocessor counts."""
+    it (0: the GEMM takes them all, and the LoRA launches are sized for all); ``gemm_weights``:
+    the GEMM's ``in_features * out_features``.
+
+    From the table in this module's docstring: none up to 8 tokens (the GEMM's tail leaves room,
+    and the GEMM lost more than the delta gained), an eighth of them up to 32, and none past 256
+    tokens, where the GEMM is compute-bound and every multiprocessor counts. At 33-256 tokens the
+    share follows the GEMM's length: a big GEMM (`BIG_GEMM_WEIGHTS`) leaves an eighth, a small one
+    a third. Measured on an H100 (8B, batch 64, decode replay; docs/benchmarks/engine-h100.md,
+    tenth session), against a quarter for every GEMM: one adapter 7,553 -> 7,529 us, 32 adapters
+    9,029 -> 8,938 us (base 7,083). gate_up's delta still ends 20 us before its GEMM on an eighth,
+    while o's and qkv's end after theirs; leaving gate_up nothing cost 330 us a step."""
     if device.type != "cuda" or num_tokens <= 8 or num_tokens > 256:
         return 0
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    return sms // 8 if num_tokens <= 32 else sms // 4
+    if num_tokens <= 32 or gemm_weights >= BIG_GEMM_WEIGHTS:
+        return sms // 8
+    return sms // 3
 
 
 @contextmanager
