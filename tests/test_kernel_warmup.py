@@ -90,7 +90,7 @@ def test_plan_reaches_every_kernel_of_prefill_steps_with_many_adapters(h100_heur
             key = ("shrink", m.stacked_rank, m.in_features, m.dtype, launch.config, launch.split_k, lanes)
             assert key in reached, f"T={meta.num_tokens}, {meta.num_active} adapters: {key}"
             cfg = expand.expand_config(meta, m.slice_sizes, R, m.dtype, device)
-            assert ("expand", m.slice_sizes, R, m.dtype, cfg, lanes, m.beside) in reached
+            assert ("expand", m.slice_sizes, R, m.dtype, cfg, lanes) in reached
 
 
 def test_plan_past_the_graphs_reaches_attention_at_every_sequence_count(h100_heuristics):

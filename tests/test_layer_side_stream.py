@@ -185,7 +185,7 @@ def test_a_projection_forks_its_delta_beside_the_base_gemm_and_joins_before_retu
     layer.base_layer.to(base_dtype)
     assert layer.delta_beside
     x = torch.randn(2, 3, 16, dtype=base_dtype)  # [B, S, in]: T = 6 rows
-    layer.lora_context.set(SLOTS)
+    layer.lora_context.set(SLOTS, static=True)  # a step graph's mapping
     expected = sequential(layer, x)
     assert not torch.equal(expected, layer.base_layer(x))  # the adapters change it
 
@@ -201,6 +201,21 @@ def test_a_projection_forks_its_delta_beside_the_base_gemm_and_joins_before_retu
     output, delta = torch.ops.loramux.lora_delta(x, layer.layer_id, (2, 3, 12), base_dtype, torch.float32)
     assert torch.equal(output, layer.base_layer(x)) and delta.dtype == torch.float32
     assert torch.equal(delta.view(6, 12)[SLOTS < 0], torch.zeros(2, 12))  # base rows: no delta
+
+
+def test_an_eager_step_adds_the_delta_in_line(beside, monkeypatch):
+    """An exact (eager) mapping: no fork, the delta added after the base GEMM on the main stream,
+    the same sum as the step graph's; a layer no adapter of the step touches runs its GEMM alone."""
+    layer = linear()
+    x = torch.randn(6, 16)
+    layer.lora_context.set(SLOTS, static=True)
+    in_graph = layer(x)
+    streams = Streams(monkeypatch, sms=5)
+    streams.watch(layer)
+    layer.lora_context.set(SLOTS)
+    assert not layer.lora_context.beside
+    torch.testing.assert_close(layer(x), in_graph, rtol=0, atol=0)
+    assert streams.log == ["base on main", "lora_apply on main"]
 
 
 def test_nothing_forks_without_adapters_for_a_rank_0_layer_or_for_an_embedding(beside, monkeypatch):
@@ -237,7 +252,7 @@ def test_on_the_cpu_a_layer_never_touches_cuda_streams(monkeypatch):
     for delta_beside in (False, True):  # as the CPU decides, and forced
         layer = linear()
         layer.delta_beside = delta_beside
-        layer.lora_context.set(SLOTS)
+        layer.lora_context.set(SLOTS, static=True)
         x = torch.randn(6, 16)
         assert not torch.equal(layer(x), layer.base_layer(x))
 
@@ -249,7 +264,7 @@ def test_on_the_cpu_a_layer_never_touches_cuda_streams(monkeypatch):
 def test_the_op_under_autocast_returns_autocasts_dtype(delta_beside):
     layer = linear()
     layer.delta_beside = delta_beside
-    layer.lora_context.set(SLOTS)
+    layer.lora_context.set(SLOTS, static=True)
     x = torch.randn(6, 16)
     expected = layer(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -272,7 +287,7 @@ class _Float64Out(nn.Module):
 def test_a_base_layer_returning_other_than_its_spec_names_the_fix(delta_beside):
     wrapper = with_adapters(BaseLayerWithLoRA(_Float64Out(), "odd", CONFIG, in_features=16, output_sizes=(12,)))
     wrapper.delta_beside = delta_beside
-    wrapper.lora_context.set(SLOTS)
+    wrapper.lora_context.set(SLOTS, static=True)
     with pytest.raises(ValueError, match=r"'odd'.*returned torch.float64 \[6, 12\].*said torch.float32 \[6, 12\]"
                                          r".*override base_output_spec"):
         wrapper(torch.randn(6, 16))
@@ -310,8 +325,9 @@ class TwoProjections(nn.Module):
 
 @pytest.mark.parametrize(("delta_beside", "frames"), [(False, 1), (True, 2)], ids=["lora_layer", "lora_delta"])
 def test_compiled_layers_do_not_recompile_as_adapters_come_and_go(delta_beside, frames, monkeypatch):
-    """One frame, or with the delta beside the base GEMM two: with a mapping and without (the
-    context's ``active`` flag picks the op), each compiled once whatever the adapters."""
+    """One frame, or with the delta beside the base GEMM two: a step graph's mapping, and any
+    other (none, or an eager step's; the context's ``beside`` flag picks the op), each compiled
+    once whatever the adapters."""
     torch._dynamo.reset()
     monkeypatch.setattr(base_module, "delta_beside_base", lambda device: delta_beside)
     model = TwoProjections()
@@ -324,11 +340,13 @@ def test_compiled_layers_do_not_recompile_as_adapters_come_and_go(delta_beside, 
     steps = [
         lambda: context.set(None),  # no adapter: the base layers alone
         lambda: context.set(SLOTS),  # two adapters and base rows
+        lambda: context.set(SLOTS, static=True),  # the same, as a step graph maps them
         lambda: context.set(torch.tensor([1, 1, 1, 1, 1, 1], dtype=torch.int32)),  # one adapter
         lambda: model.up.set_lora(2, [weights]),  # an adapter arrives in a new slot ...
-        lambda: context.set(torch.tensor([2, -1, 2, 0, -1, -1], dtype=torch.int32)),
+        lambda: context.set(torch.tensor([2, -1, 2, 0, -1, -1], dtype=torch.int32), static=True),
         lambda: model.up.reset_lora(0),  # ... and one leaves
         lambda: context.set(torch.tensor([-1, -1, -1, -1, -1, -1], dtype=torch.int32)),  # base rows only
+        lambda: context.set(torch.tensor([1, -1, 1, 1, -1, 1], dtype=torch.int32), static=True),
     ]
     outputs = set()
     for change in steps:

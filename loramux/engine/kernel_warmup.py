@@ -51,7 +51,6 @@ import torch
 from tqdm.auto import tqdm
 
 from loramux.engine.kv_cache import kv_cache_geometry
-from loramux.engine.layers.side_stream import lora_sms_beside
 from loramux.engine.lora_patch import matches_target
 from loramux.kernels import LoRABatchMeta, build_lora_meta
 from loramux.kernels.attention import attention_config
@@ -95,15 +94,14 @@ class WarmupStep:
 @dataclass(frozen=True)
 class LoRAModuleShape:
     """What a LoRA layer's kernel launches depend on: stacked rank ``n_slices * R``, input width,
-    output slices, R, dtype, and whether it computes its delta beside its base GEMM (its launches
-    are then sized for the multiprocessors the GEMM leaves, `lora_sms_beside`)."""
+    output slices, R and dtype. The steps warmed up here run eagerly, and an eager step adds each
+    delta in line (`LoRAContext.beside`): its launches are sized for every multiprocessor."""
 
     stacked_rank: int
     in_features: int
     slice_sizes: tuple[int, ...]
     max_rank: int
     dtype: torch.dtype
-    beside: bool = False
 
 
 # -- launch-configuration keys (host only) ------------------------------------------------------
@@ -128,11 +126,10 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
     lanes = slot_lanes(meta)  # a constexpr of both kernels
     keys: set[Hashable] = set()
     for m in modules:
-        sms = lora_sms_beside(meta.num_tokens, device, m.in_features * sum(m.slice_sizes)) if m.beside else None
-        shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device, sms=sms)
+        shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device)
         keys.add(("shrink", m.stacked_rank, m.in_features, m.dtype, shrink.config, shrink.split_k, lanes))
-        cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device, sms=sms)[0]
-        keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg, lanes, m.beside))  # beside: STORE
+        cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device)[0]
+        keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg, lanes))
     return keys
 
 
@@ -192,7 +189,7 @@ def lora_module_shapes(lora_manager) -> list[LoRAModuleShape]:
     """The distinct shapes of a manager's LoRA layers that run the shrink/expand kernels."""
     shapes = [
         LoRAModuleShape(layer.n_slices * layer.max_lora_rank, layer.in_features, layer.output_sizes,
-                        layer.max_lora_rank, layer.lora_dtype, layer.delta_beside)
+                        layer.max_lora_rank, layer.lora_dtype)
         for layer in lora_manager.layers.values() if not layer.is_embedding
     ]
     return list(dict.fromkeys(shapes))

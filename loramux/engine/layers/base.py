@@ -28,9 +28,10 @@ and both kinds keep
 
 with R = ``max_lora_rank``. ``forward`` is the base layer's output plus, for every token, the
 delta of that token's slot, read from the shared `LoRAContext`, all in one custom op
-(``loramux::lora_layer``, `lora_forward`); on CUDA a pooled projection computes its delta on a
-side stream beside its base GEMM instead, and one op (``loramux::lora_delta``,
-`lora_delta_forward`) returns both for the compiled layer to add. A subclass states its sizes
+(``loramux::lora_layer``, `lora_forward`); on CUDA, in a step graph, a pooled projection
+computes its delta on a side stream beside its base GEMM instead, and one op
+(``loramux::lora_delta``, `lora_delta_forward`) returns both for the compiled layer to add
+(`LoRAContext.beside` says when). A subclass states its sizes
 in ``__init__`` and, when its input is not ``[..., in_features]`` activations, overrides
 ``apply_lora`` (its delta then runs after the base layer, in order) and, when its base layer's
 output is not ``rows_shape(x) + (out_features,)`` in x's dtype, ``rows_shape`` and
@@ -456,7 +457,7 @@ class BaseLayerWithLoRA(nn.Module):
         if self.lora_context is None:
             return self.base_layer(x)
         shape, dtype = self.base_output_spec(x)
-        if self.delta_beside and self.lora_context.active:
+        if self.delta_beside and self.lora_context.beside:
             # the delta comes back beside the base output and the sum is traced, so a compiled layer
             # folds it into the pointwise kernel that reads the output next (no launch of its own)
             output, delta = torch.ops.loramux.lora_delta(x, self.layer_id, shape, dtype, self.lora_dtype)

@@ -32,9 +32,13 @@ class LoRAContext:
         self.num_slots = num_slots
         self.token_slots: torch.Tensor | None = None  # [T] int32, -1 = no adapter
         self.meta: LoRABatchMeta | None = None
-        # whether a mapping is set: a plain bool, so a compiled layer's guard on it is cheap and its
-        # two values are its two variants (with LoRA, without), each compiled once
-        self.active = False
+        #: whether layers that can (`BaseLayerWithLoRA.delta_beside`) compute their delta beside
+        #: their base GEMM: in a step graph (a static mapping) only. A plain bool, so a compiled
+        #: layer's guard on it is cheap and its two values are its two variants, each compiled
+        #: once. An eager step adds each delta in line instead: its exact metadata can show that
+        #: no adapter of the step touches a layer, which then runs its base GEMM alone, where a
+        #: delta of its own would be a [T, N] buffer of zeros written and read.
+        self.beside = False
         self._logits_meta: LoRABatchMeta | None = None
         self._derived: dict[tuple[int, ...], LoRABatchMeta] = {}
 
@@ -54,7 +58,7 @@ class LoRAContext:
         """
         self._derived = {}
         self._logits_meta = None
-        self.active = token_slots is not None
+        self.beside = token_slots is not None and static
         if token_slots is None:
             self.token_slots = self.meta = None
             return

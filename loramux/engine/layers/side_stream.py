@@ -2,7 +2,8 @@
 
 At decode a projection's LoRA work (shrink, expand) is a chain of latency-bound launches that
 move a few MB: in line with the base GEMM it costs its latency, ~10 us a projection, 38 us a
-layer at Llama-3.1-8B shapes. So on CUDA with the Triton kernels (`delta_beside_base`) the whole
+layer at Llama-3.1-8B shapes. So in a step graph on CUDA with the Triton kernels
+(`delta_beside_base`; eager steps add it in line, `LoRAContext.beside`) the whole
 delta is computed on a side stream into a buffer of its own, while the main stream runs the base
 GEMM; the op returns both and the compiled layer adds them in the pointwise kernel that reads the
 output next (RoPE, SiLU-mul, the residual add). Nothing of the delta is left in line with the
