@@ -218,6 +218,20 @@ def test_an_eager_step_adds_the_delta_in_line(beside, monkeypatch):
     assert streams.log == ["base on main", "lora_apply on main"]
 
 
+def test_the_lm_head_adds_its_delta_in_line_in_a_step_graph_too(beside, monkeypatch):
+    """Nothing would fold the LM head's sum (it runs outside the compiled layers): no fork, the
+    delta added after the base GEMM, the same logits as the sequential path."""
+    head = linear()
+    head.computes_logits = True
+    x = torch.randn(6, 16)
+    head.lora_context.set(SLOTS, static=True)
+    expected = sequential(head, x)
+    streams = Streams(monkeypatch, sms=5)
+    streams.watch(head)
+    torch.testing.assert_close(head(x), expected, rtol=0, atol=0)
+    assert streams.log == ["base on main", "lora_apply on main"]
+
+
 def test_nothing_forks_without_adapters_for_a_rank_0_layer_or_for_an_embedding(beside, monkeypatch):
     streams = Streams(monkeypatch)
     layer = linear()

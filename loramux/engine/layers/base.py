@@ -457,7 +457,10 @@ class BaseLayerWithLoRA(nn.Module):
         if self.lora_context is None:
             return self.base_layer(x)
         shape, dtype = self.base_output_spec(x)
-        if self.delta_beside and self.lora_context.beside:
+        # the LM head runs outside the compiled layers: nothing would fold its sum, which would
+        # be a launch of its own over the whole logits (14 us a decode step at 8B on an H100),
+        # and its delta's buffer zeros to write; in line, a slot without LoRA there costs nothing
+        if self.delta_beside and self.lora_context.beside and not self.computes_logits:
             # the delta comes back beside the base output and the sum is traced, so a compiled layer
             # folds it into the pointwise kernel that reads the output next (no launch of its own)
             output, delta = torch.ops.loramux.lora_delta(x, self.layer_id, shape, dtype, self.lora_dtype)

@@ -1,8 +1,8 @@
 """LoRA on token embeddings (`nn.Embedding` and subclasses such as Gemma's scaled embedding).
 
 PEFT's embedding LoRA is ``delta = A.T[token_id] @ B.T * scaling`` with A ``[r, vocab]`` and
-B ``[dim, r]``: the shrink is a gather of one column of A per token, the expand is the usual
-kernel. An embedding that scales its own output (``embed_scale``, Gemma) scales the delta too,
+B ``[dim, r]``: the shrink is a gather of one column of A per token (`embedding_shrink`, one
+launch on CUDA), the expand is the usual kernel. An embedding that scales its own output (``embed_scale``, Gemma) scales the delta too,
 as PEFT does. A lookup is no GEMM to hide a shrink behind: the delta runs after it, on the main
 stream (it overrides ``apply_lora``).
 """
@@ -14,6 +14,7 @@ from torch import nn
 
 from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.kernels import LoRABatchMeta, lora_expand
+from loramux.kernels.embedding import embedding_shrink
 from loramux.registry import LoRAConfig
 
 __all__ = ["EmbeddingWithLoRA"]
@@ -56,12 +57,8 @@ class EmbeddingWithLoRA(BaseLayerWithLoRA):
         return (*x.shape, self.out_features), self.base_layer.weight.dtype  # a lookup: no autocast
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
-        token_ids = x.reshape(-1).long()  # [T]
-        slots = meta.token_slots.long().clamp(min=0)  # [T]; rows of slot -1 are ignored by expand
         # buf: [T, R] f32 = A[slot][j, token] * scale[slot] for j < the slot's rank, else 0
-        j = torch.arange(self.max_lora_rank, device=x.device)  # [R]
-        rows = (self.lora_pool_starts[slots].long()[:, None] + j).clamp(max=max(0, self.rank_pool.units - 1))
-        gathered = self.lora_a_pool[rows, 0, token_ids[:, None]].float()  # [T, R]
-        buf = torch.where(j < self.lora_ranks[slots][:, None], gathered, 0.0) * self.lora_scales[slots]
+        buf = embedding_shrink(x.reshape(-1), meta.token_slots, self.lora_a_pool, self.lora_pool_starts,
+                               self.lora_ranks, self.lora_scales, self.max_lora_rank)
         lora_expand(y, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
                     pool_starts=self.lora_pool_starts)
