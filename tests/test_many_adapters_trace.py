@@ -203,6 +203,21 @@ def test_the_targets_are_judged_on_the_smallest_and_largest_n():
     assert throughput["cold_tiers_largest_over_smallest"] == pytest.approx(0.5)
     saturated[1]["saturated_warm_tokens_per_s"] = 2900.0  # 0.935x
     assert not check_targets(saturated, 1e9)["throughput_within_5pct"]["passed"]
+    # the bytes floor: a step reading 16 GB of model and its wave's adapters, nothing else
+    assert "bytes_floor" not in throughput
+    saturated[0]["saturated_wave_adapter_bytes"], saturated[1]["saturated_wave_adapter_bytes"] = 0.05e9, 0.55e9
+    floor = check_targets(saturated, 1e9, model_bytes=16e9)["throughput_within_5pct"]["bytes_floor"]
+    assert floor == pytest.approx(16.05 / 16.55)
+
+
+def test_a_bursts_bytes_floor_counts_each_waves_distinct_adapters_once():
+    from benchmarks.many_adapters import wave_adapter_bytes
+
+    trace = make_trace(3, 6, rate=math.inf, prompt_len=1, vocab_size=2, seed=0)
+    sizes = {a.name: 10 ** i for i, a in enumerate(trace.adapters)}  # 1, 10, 100 bytes
+    waves = [trace.requests[:4], trace.requests[4:]]
+    expected = [sum(sizes[n] for n in {r.adapter.name for r in w}) for w in waves]
+    assert wave_adapter_bytes(trace, sizes, 4) == pytest.approx(sum(expected) / 2)
 
 
 def test_the_p99_target_is_judged_on_the_host_warm_replay_where_measured():

@@ -89,10 +89,11 @@ def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0
     and the GEMM lost more than the delta gained), an eighth of them up to 32, and none past 256
     tokens, where the GEMM is compute-bound and every multiprocessor counts. At 33-256 tokens the
     share follows the GEMM's length: a big GEMM (`BIG_GEMM_WEIGHTS`) leaves an eighth, a small one
-    a third. Measured on an H100 (8B, batch 64, decode replay; docs/benchmarks/engine-h100.md,
-    tenth session), against a quarter for every GEMM: one adapter 7,553 -> 7,529 us, 32 adapters
-    9,029 -> 8,938 us (base 7,083). gate_up's delta still ends 20 us before its GEMM on an eighth,
-    while o's and qkv's end after theirs; leaving gate_up nothing cost 330 us a step."""
+    a third. Measured on an H100 (8B, batch 64, decode replay, us; docs/benchmarks/engine-h100.md,
+    tenth session): a quarter everywhere -> an eighth for gate_up and down, one adapter 7,622 ->
+    7,573, 32 adapters 9,078 -> 9,034; then a third for qkv and o, 7,553 -> 7,529 and 9,029 ->
+    8,938 (base 7,071-7,083). gate_up's delta still ends 20 us before its GEMM on an eighth,
+    while o's and qkv's end after theirs; leaving gate_up and down nothing cost 70-330 us a step."""
     if device.type != "cuda" or num_tokens <= 8 or num_tokens > 256:
         return 0
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
