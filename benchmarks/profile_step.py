@@ -209,9 +209,11 @@ def main() -> None:
             engine.step()
         if args.decode_only:
             continue
-        # one prefill step of 8 x 1024 tokens (a first round warms its kernels up)
-        long = torch.randint(1, vocab, (8, 1024), generator=torch.Generator().manual_seed(1)).tolist()
+        # one prefill step of 8 x 1024 tokens (a first round warms its kernels up); fresh prompts each
+        # round, or the prefix cache serves the second from the first's blocks and it computes 8 tokens
         for round_ in range(2):
+            generator = torch.Generator().manual_seed(1 + round_)
+            long = torch.randint(1, vocab, (8, 1024), generator=generator).tolist()
             for i, p in enumerate(long):
                 engine.add_request(f"{label}-p{round_}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1),
                                    loras[i])
