@@ -8,6 +8,8 @@ import torch
 from conftest import peft_greedy, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
+from loramux.engine.cuda_graphs import LORA, LORA_SMALL_GEMMS
+from loramux.engine.layers import side_stream
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,9 +61,14 @@ def _greedy(llm, prompts, requests, max_tokens=12):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def test_decode_graphs_match_eager_and_the_oracle(engine_adapters):
+@pytest.mark.parametrize("big_gemms", [False, True], ids=["small GEMMs", "big gate_up, embedding, LM head"])
+def test_decode_graphs_match_eager_and_the_oracle(engine_adapters, big_gemms, monkeypatch):
     """Decode steps replayed from CUDA graphs (padded buckets, adapters swapped between replays in
-    slots captured with other adapters) give the eager engine's and PEFT's greedy tokens."""
+    slots captured with other adapters) give the eager engine's and PEFT's greedy tokens. With big
+    GEMMs (the threshold lowered so this model's gate_up, embedding and LM head are big), steps of
+    adapters that leave them alone ("attn", "mlp": down only) replay the third variant."""
+    if big_gemms:
+        monkeypatch.setattr(side_stream, "BIG_GEMM_WEIGHTS", 32 * 128)
     names = [None, "attn", "all", "mlp", "attn", None, "all", "mlp", "all"]
     ids = {"attn": 1, "all": 2, "mlp": 3}
     requests = [None if n is None else LoRARequest(n, ids[n], str(engine_adapters[n])) for n in names]
@@ -75,11 +82,17 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters):
         captured = runner.num_graphs
         steps, run = [0], runner.run
         runner.run = lambda batch, beside=None: steps.__setitem__(0, steps[0] + 1) or run(batch, beside)
+        variants = []
+        if not eager:
+            replay = runner.graphs.replay
+            runner.graphs.replay = lambda inputs: variants.append(inputs.variant) or replay(inputs)
         runs[eager] = _greedy(llm, prompts, requests)
+        if not eager:
+            assert (LORA_SMALL_GEMMS in variants) is big_gemms and LORA in variants
         assert runner.use_graphs is not eager and runner.compiled is not eager
         if not eager:  # (2, 4, 8, 16 tokens) x (base, LoRA), all captured at start, none while serving;
             # prefill chunks and mixed steps replay them too (16 tokens = max_num_batched_tokens)
-            assert captured == 8 and runner.num_graphs == captured and runner.graph_steps > 10
+            assert captured == (12 if big_gemms else 8) and runner.num_graphs == captured and runner.graph_steps > 10
             assert runner.graph_steps == steps[0]
     assert runs[False] == runs[True]
     for name, prompt, tokens in zip(names, prompts, runs[False]):

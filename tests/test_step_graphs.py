@@ -9,7 +9,8 @@ import torch
 from conftest import step_to_end, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.cuda_graphs import StepGraphs, graph_token_sizes
+from loramux.engine.cuda_graphs import BASE, LORA, LORA_SMALL_GEMMS, StepGraphs, graph_token_sizes
+from loramux.engine.layers import side_stream
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.model_runner import StepShape
 from loramux.engine.scheduler import ScheduledBatch
@@ -28,14 +29,26 @@ def head_adapter(make_adapter):
     return make_adapter("head", seed=21, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj", "lm_head"])
 
 
-def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter):
+@pytest.mark.parametrize("big_gemms", [False, True], ids=["small GEMMs", "big gate_up, embedding, LM head"])
+def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter, big_gemms, monkeypatch):
+    """Every variant a step may replay equals the eager step. With big GEMMs (the threshold lowered
+    so this model's gate_up, embedding and LM head are big, as gate_up and down are at 8B), steps
+    whose adapters all leave those layers alone (q/v) take the variant that runs them base-only."""
+    if big_gemms:
+        monkeypatch.setattr(side_stream, "BIG_GEMM_WEIGHTS", 32 * 128)
     engine = LLMEngine(tiny_llama(), max_loras=3, max_lora_rank=8, max_num_seqs=4, max_model_len=64,
                        max_num_batched_tokens=16)
     runner = engine.runner
     assert runner.graphs is None  # the CPU runs eagerly: this test feeds the graphs' forward by hand
     graphs = StepGraphs(runner, graph_token_sizes(4, 16))
+    big = {name for name, layer in runner.lora_manager.layers.items() if layer.big_gemm}
+    assert (graphs.variants == (BASE, LORA, LORA_SMALL_GEMMS)) is big_gemms
+    assert all(name.endswith(("mlp.gate_proj.siblings.fused", "embed_tokens", "lm_head")) for name in big)
+    assert bool(big) is big_gemms
     adapters = {"attn": engine_adapters["attn"], "all": engine_adapters["all"], "head": head_adapter}
     requests = [None, "head", "all", None, "attn", "head", "all", None, "head"]
+    if big_gemms:  # steps of q/v adapters alone, then with adapters on gate_up or the LM head beside them
+        requests = ["attn", None, "attn", "attn", "all", "attn", None, "head", "attn"]
     generator = torch.Generator().manual_seed(3)
     for i, name in enumerate(requests):
         prompt = torch.randint(3, 128, (int(torch.randint(1, 23, (1,), generator=generator)),), generator=generator)
@@ -49,20 +62,32 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter):
                                                                                                   beside)
     run = runner.run
     seen = {"mixed": 0, "unsampled chunk": 0, "lora": 0, "padded": 0}
+    if big_gemms:
+        seen.update({LORA: 0, LORA_SMALL_GEMMS: 0, "skip checked": 0})
 
     def checked_run(batch: ScheduledBatch, beside=None):
         assert graphs.fits(batch)  # every step of this engine fits the 16-token graph
         sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
         inputs = graphs.step_inputs(batch.chunks)
         graphs._load(inputs)
-        # both variants of the graph: the LoRA one must give base rows exactly the base model
-        by_variant = {lora: graphs.forward_fn(inputs.num_tokens, lora)()[: len(sampled)].clone()
-                      for lora in (True, bool(inputs.active_slots))}
+        # the LoRA variant, which must give base rows exactly the base model, and the step's own
+        by_variant = {variant: graphs.forward_fn(inputs.num_tokens, variant)()[: len(sampled)].clone()
+                      for variant in (LORA, inputs.variant)}
+        names = {seq.lora_request.lora_name for seq, _ in batch.chunks if seq.lora_request is not None}
+        small = bool(names) and big_gemms and names <= {"attn"}
+        assert inputs.variant == (BASE if not names else LORA_SMALL_GEMMS if small else LORA), (names, inputs.variant)
+        if inputs.variant in seen:
+            seen[inputs.variant] += 1
+        if big_gemms and any(seq.lora_name == "all" for seq in sampled):  # the variant skips: it drops "all"'s gate_up delta
+            by_variant["skipping gate_up"] = graphs.forward_fn(inputs.num_tokens, LORA_SMALL_GEMMS)()[: len(sampled)].clone()
+            seen["skip checked"] += 1
         eager_logits.clear()
         result = run(batch, beside)  # eager; writes the same K/V the graph forward wrote
         if sampled:
+            skipping = by_variant.pop("skipping gate_up", None)
             for logits in by_variant.values():
                 torch.testing.assert_close(logits, eager_logits[0], rtol=1e-4, atol=1e-4)
+            assert skipping is None or not torch.allclose(skipping, eager_logits[0], rtol=1e-4, atol=1e-4)
         prefills = [n for _, n in batch.chunks if n > 1]
         seen["mixed"] += bool(prefills) and len(prefills) < len(batch.chunks)
         seen["unsampled chunk"] += len(sampled) < len(batch.chunks)
@@ -123,3 +148,20 @@ def test_the_runner_records_each_steps_shape():
     assert engine.runner.last_step == StepShape(2, 6, 5, 6, graph=False)
     engine.step()  # both decode
     assert engine.runner.last_step == StepShape(2, 2, 0, 2, graph=False)
+
+
+def test_the_manager_knows_which_slots_leave_the_big_gemms_alone(engine_adapters, monkeypatch):
+    """Per slot, from the adapter's pool footprint: q/v leaves gate_up alone, every projection does
+    not; an empty slot, or one freed since, counts as touching them (the full LoRA graph serves it)."""
+    monkeypatch.setattr(side_stream, "BIG_GEMM_WEIGHTS", 32 * 128)  # gate_up, embedding, LM head
+    engine = LLMEngine(tiny_llama(), max_loras=3, max_lora_rank=8, max_num_seqs=4, max_model_len=64)
+    manager = engine.runner.lora_manager
+    assert manager.has_big_gemms
+    slots = {name: manager.activate(engine.registry.get(LoRARequest(name, i + 1, str(engine_adapters[name]))))
+             for i, name in enumerate(("attn", "all"))}
+    assert manager.leaves_big_gemms([slots["attn"]]) and not manager.leaves_big_gemms([slots["all"]])
+    assert not manager.leaves_big_gemms([slots["attn"], slots["all"]])
+    free = ({0, 1, 2} - set(slots.values())).pop()
+    assert not manager.leaves_big_gemms([free])
+    manager.deactivate("attn")
+    assert not manager.leaves_big_gemms([slots["attn"]])

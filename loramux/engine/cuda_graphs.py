@@ -8,7 +8,11 @@ graph too (eagerly, the Python of a step's 32 layers costs several times the GPU
 graphs up to 4096 tokens took the p99 time to first token of a 4-adapter trace from 68-175 ms to
 53-55 ms, `docs/benchmarks/many-adapters.md`). With
 LoRA enabled each size has a second graph for steps that use adapters (the base graph launches no
-LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step).
+LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step), and, where
+some layers' GEMMs are big (`BaseLayerWithLoRA.big_gemm`: gate_up and down at 8B), a third for
+steps whose adapters all leave those layers alone (q/v adapters): there those layers run their
+base GEMM only, without the SMs a delta beside it would take. The variant is chosen per replay
+from the adapters in use, not their number: each of the three serves any mix of its kind.
 
 A graph of ``T`` tokens holds up to ``T`` sequences (each has at least one token). Its inputs are
 static device tensors filled before each replay in one transfer: per token the id, position,
@@ -43,7 +47,10 @@ if TYPE_CHECKING:
     from loramux.engine.scheduler import ScheduledBatch
     from loramux.engine.sequence import Sequence
 
-__all__ = ["StepGraphs", "StepInputs", "graph_batch_sizes", "graph_token_sizes"]
+__all__ = ["BASE", "LORA", "LORA_SMALL_GEMMS", "StepGraphs", "StepInputs", "graph_batch_sizes", "graph_token_sizes"]
+
+#: The graph variants of a size: no adapter; adapters; adapters that leave every big-GEMM layer alone.
+BASE, LORA, LORA_SMALL_GEMMS = "base", "lora", "lora, small GEMMs only"
 
 #: Rows of the per-token and per-sequence fields: ids, positions, cache slots, adapter slots;
 #: sequence lengths, token ends, logits rows, logits rows' adapter slots
@@ -53,13 +60,15 @@ _FIELDS = 8
 @dataclass
 class StepInputs:
     """One replay's inputs, on the host: the padded token count, the flattened fields and block
-    tables (`StepGraphs._host_fields`), and the adapter slots in use. Plain lists, so a
-    tensor-parallel driver can send them to its workers, whose graphs replay the same step."""
+    tables (`StepGraphs._host_fields`), the adapter slots in use and the graph variant that
+    serves them (`BASE`, `LORA`, `LORA_SMALL_GEMMS`). Plain values, so a tensor-parallel driver
+    can send them to its workers, whose graphs replay the same step."""
 
     num_tokens: int
     num_seqs: int
     host_fields: list[list[int]]
     active_slots: list[int]
+    variant: str = BASE
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -102,8 +111,10 @@ class StepGraphs:
         self.inputs = {T: (torch.zeros(T, dtype=torch.int32, device=device),
                            torch.zeros(T, dtype=torch.int32, device=device),
                            torch.zeros(rows[T], dtype=torch.int32, device=device)) for T in sizes}
-        self.variants = (False, True) if runner.lora_manager is not None else (False,)
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        manager = runner.lora_manager
+        self.variants = (BASE,) if manager is None else (BASE, LORA, LORA_SMALL_GEMMS) if manager.has_big_gemms \
+            else (BASE, LORA)
+        self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.steps = 0  # steps served by a replay (tests and benchmarks read it)
 
@@ -121,7 +132,14 @@ class StepGraphs:
         tokens = sum(n for _, n in chunks)
         T = next(t for t in self.sizes if t >= tokens)
         slots = sorted({seq.lora_slot for seq, _ in chunks if seq.lora_slot >= 0})
-        return StepInputs(T, len(chunks), self._host_fields(chunks, T), slots)
+        return StepInputs(T, len(chunks), self._host_fields(chunks, T), slots, self._variant(slots))
+
+    def _variant(self, slots: list[int]) -> str:
+        if not slots:
+            return BASE
+        if LORA_SMALL_GEMMS in self.variants and self.runner.lora_manager.leaves_big_gemms(slots):
+            return LORA_SMALL_GEMMS
+        return LORA
 
     def _host_fields(self, chunks: list[tuple[Sequence, int]], T: int) -> list[list[int]]:
         """The static inputs' values for ``chunks`` padded to ``T`` tokens: the fields' rows
@@ -175,21 +193,22 @@ class StepGraphs:
         self._load(inputs)
         if inputs.active_slots:
             self.runner.lora_manager.mark_used(inputs.active_slots)
-        graph, logits = self._graphs[(inputs.num_tokens, bool(inputs.active_slots))]
+        graph, logits = self._graphs[(inputs.num_tokens, inputs.variant)]
         graph.replay()
         self.steps += 1
         return logits
 
     @torch.inference_mode()
     def capture_all(self) -> None:
-        keys = [(T, lora) for T in reversed(self.sizes) for lora in self.variants]  # largest first: pool reuse
-        for T, lora in tqdm(keys, desc="Capturing step graphs", unit="graph", leave=False):
-            self._graphs[(T, lora)] = self._capture(T, lora)
+        keys = [(T, variant) for T in reversed(self.sizes) for variant in self.variants]  # largest first: pool reuse
+        for T, variant in tqdm(keys, desc="Capturing step graphs", unit="graph", leave=False):
+            self._graphs[(T, variant)] = self._capture(T, variant)
 
-    def forward_fn(self, T: int, lora: bool) -> Callable[[], torch.Tensor]:
+    def forward_fn(self, T: int, variant: str) -> Callable[[], torch.Tensor]:
         """The forward a graph of ``T`` tokens captures, reading the static inputs (which it
-        builds, for LoRA, the kernel metadata from inside the graph); ``lora``: the adapter variant.
-        Runs without a capture too (tests compare it with the eager step on the CPU)."""
+        builds, for LoRA, the kernel metadata from inside the graph); ``variant``: `BASE`, `LORA`
+        or `LORA_SMALL_GEMMS`. Runs without a capture too (tests compare it with the eager step on
+        the CPU)."""
         runner = self.runner
         _, _, cache_slots, lora_slots, lens, _, _, logits_slots = self.fields[:, :T]
         ids, pos, logits_rows = self.inputs[T]
@@ -202,8 +221,9 @@ class StepGraphs:
 
         def forward() -> torch.Tensor:
             if manager is not None:  # the kernel metadata is built inside the graph from the slots
-                if lora:  # the logits rows' own slots only for a model whose LM head has LoRA
-                    manager.set_mapping(lora_slots, logits_slots if manager.has_logits_layer else None, static=True)
+                if variant != BASE:  # the logits rows' own slots only for a model whose LM head has LoRA
+                    manager.set_mapping(lora_slots, logits_slots if manager.has_logits_layer else None, static=True,
+                                        skip_big=variant == LORA_SMALL_GEMMS)
                 else:
                     manager.set_mapping(None)
             with forward_context(metadata):
@@ -211,11 +231,11 @@ class StepGraphs:
 
         return forward
 
-    def _capture(self, T: int, lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, T: int, variant: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         runner = self.runner
         manager = runner.lora_manager
         self._load(StepInputs(T, 0, self._host_fields([], T), []))  # all padding
-        forward = self.forward_fn(T, lora)
+        forward = self.forward_fn(T, variant)
         # warm up outside the capture (compilation, autotuning, lazily made tables)
         stream = torch.cuda.Stream(runner.device)
         stream.wait_stream(torch.cuda.current_stream(runner.device))

@@ -65,6 +65,7 @@ class LoRAModelManager:
         self.validator = AdapterValidator(type(model).__name__, module_types, self.layers, target_modules)
         self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
         self._pooled = [layer for layer in self.layers.values() if layer.pooled]
+        self._touches_big: dict[int, bool] = {}  # slot -> whether its adapter touches a big-GEMM layer
         self._footprints: dict[int, list[tuple[BaseLayerWithLoRA, int]]] = {}  # handle id -> _footprint
         self._fit_answers: tuple[int, dict] = (-1, {})  # (the slot table's version, its answers)
         if lora_config.max_gpu_lora_bytes is not None:
@@ -204,6 +205,7 @@ class LoRAModelManager:
                 self.stats.load_failures += 1
                 raise
             self._handles[handle.id] = handle
+            self._touches_big[slot] = any(layer.big_gemm for layer, _ in footprint)
             self.stats.loads += 1
             return slot
 
@@ -357,6 +359,7 @@ class LoRAModelManager:
             self.workers.write_slot(slot, shards)
 
     def _clear_slot(self, slot: int) -> None:
+        self._touches_big.pop(slot, None)
         self._clear_layers(self.layers.values(), slot)
         if self.workers is not None:
             self.workers.clear_slot(slot)
@@ -484,6 +487,19 @@ class LoRAModelManager:
         return rows.repeat_interleave(seq_len).to(self.device)
 
     @property
+    def has_big_gemms(self) -> bool:
+        """Whether some layer's GEMM is big (`BaseLayerWithLoRA.big_gemm`): step graphs then have a
+        variant for adapters that leave those layers alone (`leaves_big_gemms`)."""
+        return any(layer.big_gemm for layer in self._pooled)
+
+    def leaves_big_gemms(self, slots) -> bool:
+        """Whether the adapters in ``slots`` all leave every big-GEMM layer alone (q/v adapters
+        on Llama-3.1-8B leave gate_up and down), so a step of theirs may run those layers' base
+        GEMMs only. A slot holding no adapter counts as touching them."""
+        with self._lock:
+            return not any(self._touches_big.get(slot, True) for slot in slots)
+
+    @property
     def has_logits_layer(self) -> bool:
         """Whether the model's LM head carries LoRA (its rows then need their own slots)."""
         return any(layer.computes_logits for layer in self.layers.values())
@@ -494,6 +510,7 @@ class LoRAModelManager:
         logits_slots: torch.Tensor | None = None,
         *,
         static: bool = False,
+        skip_big: bool = False,
     ) -> None:
         """State the slot of every token of the next forward (``[T]``, -1 = base model).
 
@@ -505,7 +522,8 @@ class LoRAModelManager:
         ``static`` (CUDA-graph capture): build a static meta, without a host sync, whose launch
         grids hold any mapping of this many tokens (any mix of adapters and base rows). The slots
         are then not checked here; the caller states the slots each replay uses with
-        :meth:`mark_used`.
+        :meth:`mark_used`. ``skip_big`` (with ``static``): a graph for adapters that leave every
+        big-GEMM layer alone (:meth:`leaves_big_gemms`), whose base GEMMs then run alone.
         """
         if token_slots is None:
             self.context.set(None)
@@ -513,7 +531,7 @@ class LoRAModelManager:
         token_slots = torch.as_tensor(token_slots).to(self.device, non_blocking=True)
         if logits_slots is not None:
             logits_slots = torch.as_tensor(logits_slots).to(self.device, non_blocking=True)
-        self.context.set(token_slots, logits_slots, static=static)
+        self.context.set(token_slots, logits_slots, static=static, skip_big=skip_big)
         if static:
             return
         try:

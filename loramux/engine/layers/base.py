@@ -49,7 +49,8 @@ from torch import nn
 
 from loramux.engine.layers.context import LoRAContext
 from loramux.engine.layers.lora_op import register_layer
-from loramux.engine.layers.side_stream import beside_streams, delta_beside_base, gemm_carveout, lora_sms_beside
+from loramux.engine.layers.side_stream import (beside_streams, delta_beside_base, gemm_carveout, is_big_gemm,
+                                                lora_sms_beside)
 from loramux.engine.layers.slot_write import SlotWrite, apply_slot_writes, zero_all
 from loramux.engine.rank_pool import RankPool
 from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
@@ -139,6 +140,10 @@ class BaseLayerWithLoRA(nn.Module):
         self.computes_logits = False  # the model's LM head (set by patch_model): its rows are the logits rows
         self.layer_id = register_layer(self)  # how the lora ops find this layer
         self.delta_beside = self._delta_beside()
+        # a pooled layer whose GEMM is big: a step graph for adapters that leave every such layer
+        # alone runs its base GEMM only (`LoRAContext.skip_big`; the model manager knows, per slot,
+        # from the adapter's pool footprint, which only pooled layers have)
+        self.big_gemm = self.pooled and is_big_gemm(self.in_features * self.out_features)
 
     # -- the wrapped layer -------------------------------------------------------------------
 
@@ -454,7 +459,7 @@ class BaseLayerWithLoRA(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``base_layer(x)`` plus each token's delta; the base layer alone until the model manager
         gives the layer its `LoRAContext`."""
-        if self.lora_context is None:
+        if self.lora_context is None or (self.big_gemm and self.lora_context.skip_big):
             return self.base_layer(x)
         shape, dtype = self.base_output_spec(x)
         # the LM head runs outside the compiled layers: nothing would fold its sum, which would

@@ -39,6 +39,9 @@ class LoRAContext:
         #: no adapter of the step touches a layer, which then runs its base GEMM alone, where a
         #: delta of its own would be a [T, N] buffer of zeros written and read.
         self.beside = False
+        #: a step graph's mapping whose adapters touch no big-GEMM layer (`BaseLayerWithLoRA.big_gemm`):
+        #: those layers run their base GEMM alone (no carveout, no delta). Also a plain bool.
+        self.skip_big = False
         self._logits_meta: LoRABatchMeta | None = None
         self._derived: dict[tuple[int, ...], LoRABatchMeta] = {}
 
@@ -48,6 +51,7 @@ class LoRAContext:
         logits_slots: torch.Tensor | None = None,
         *,
         static: bool = False,
+        skip_big: bool = False,
     ) -> None:
         """Build the metadata for the next forward; ``None`` means no adapter for any token.
 
@@ -55,10 +59,14 @@ class LoRAContext:
         token count and the number of slots only, so the graph replays for any mix of adapters),
         see `build_lora_meta`. Layers then launch their kernels whatever the slots' ranks, since
         the graph replays with other adapters than those present at capture.
+
+        ``skip_big`` (with ``static``): the graph replays only for adapters that leave every
+        big-GEMM layer alone, which then run their base GEMM only.
         """
         self._derived = {}
         self._logits_meta = None
         self.beside = token_slots is not None and static
+        self.skip_big = self.beside and skip_big
         if token_slots is None:
             self.token_slots = self.meta = None
             return

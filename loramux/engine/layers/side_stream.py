@@ -41,7 +41,7 @@ import torch
 from loramux.kernels.dispatch import uses_triton
 from loramux.kernels.tiles import num_sms
 
-__all__ = ["beside_streams", "delta_beside_base", "gemm_carveout", "lora_sms_beside", "side_stream"]
+__all__ = ["beside_streams", "delta_beside_base", "gemm_carveout", "is_big_gemm", "lora_sms_beside", "side_stream"]
 
 _SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
@@ -80,6 +80,13 @@ def beside_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.
 BIG_GEMM_WEIGHTS = 1 << 25
 
 
+def is_big_gemm(gemm_weights: int) -> bool:
+    """Whether a GEMM of ``gemm_weights`` weights (``in_features * out_features``) is big
+    (`BIG_GEMM_WEIGHTS`): it leaves a smaller share of the SMs to its delta, and a step graph for
+    adapters that touch no big GEMM runs it alone (`LoRAContext.skip_big`)."""
+    return gemm_weights >= BIG_GEMM_WEIGHTS
+
+
 def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0) -> int:
     """Multiprocessors the base GEMM of a ``num_tokens``-token step leaves to the LoRA work beside
     it (0: the GEMM takes them all, and the LoRA launches are sized for all); ``gemm_weights``:
@@ -97,7 +104,7 @@ def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0
     if device.type != "cuda" or num_tokens <= 8 or num_tokens > 256:
         return 0
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if num_tokens <= 32 or gemm_weights >= BIG_GEMM_WEIGHTS:
+    if num_tokens <= 32 or is_big_gemm(gemm_weights):
         return sms // 8
     return sms // 3
 
