@@ -112,8 +112,9 @@ class StepGraphs:
                            torch.zeros(T, dtype=torch.int32, device=device),
                            torch.zeros(rows[T], dtype=torch.int32, device=device)) for T in sizes}
         manager = runner.lora_manager
-        self.variants = (BASE,) if manager is None else (BASE, LORA, LORA_SMALL_GEMMS) if manager.has_big_gemms \
-            else (BASE, LORA)
+        self.variants: tuple[str, ...] = (BASE,)
+        if manager is not None:
+            self.variants += (LORA, LORA_SMALL_GEMMS) if manager.has_big_gemms else (LORA,)
         self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.steps = 0  # steps served by a replay (tests and benchmarks read it)
