@@ -216,7 +216,7 @@ def main() -> None:
             long = torch.randint(1, vocab, (8, 1024), generator=generator).tolist()
             for i, p in enumerate(long):
                 engine.add_request(f"{label}-p{round_}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1),
-                                   loras[i])
+                                   loras[i % len(loras)])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
