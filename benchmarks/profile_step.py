@@ -1,5 +1,7 @@
 """Where a step's time goes: torch.profiler over decode steps (graph replays) and one prefill step,
-kernels grouped by name, for the base model and one adapter (GPU; 8B dummy by default).
+kernels grouped by name, for the base model, N adapters (``--adapters``: rank 16, all seven
+projections) and batches drawn from a fleet as `many_adapters.py` draws them (``--fleet``)
+(GPU; 8B dummy by default).
 
     PYTHONPATH=. TORCH_LOGS=recompiles python benchmarks/profile_step.py --out prof.txt
 """
@@ -10,7 +12,9 @@ import argparse
 import cProfile
 import io
 import json
+import math
 import pstats
+import re
 import statistics
 import sys
 import time
@@ -21,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import kernel_device_times  # noqa: E402
+from benchmarks.adapter_trace import make_trace  # noqa: E402
 from benchmarks.throughput import ALL_SEVEN, random_adapter  # noqa: E402
 from loramux import LoRARequest, SamplingParams  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
@@ -166,6 +171,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("profile.txt"))
     parser.add_argument("--ttft", action="store_true", help="only: one 128-token request's time to first token")
     parser.add_argument("--adapters", default="1", help="adapter counts to profile beside the base step, e.g. 1,32")
+    parser.add_argument("--fleet", default="",
+                        help="also profile a batch drawn from a fleet of N adapters as many_adapters.py draws its "
+                             "requests (mixed ranks and targets, Zipf popularity), e.g. 4,1000 (N/seed: other requests "
+                             "over the same adapters); sets max_lora_rank 64")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill profiles")
     parser.add_argument("--json", type=Path, default=None, help="also write the timelines as JSON")
     args = parser.parse_args()
@@ -176,34 +185,59 @@ def main() -> None:
         return ttft_profile(model, args)
     counts = [int(n) for n in args.adapters.split(",")]
     model = load_model(args.model, dtype="bfloat16", device="cuda", load_format="dummy")[0]
+    vocab = model.config.vocab_size
     adapters = [random_adapter(model.config, f"a{i}", 16, ALL_SEVEN, 1 + i, "cuda", torch.bfloat16)
                 for i in range(max(counts))]
+    batches = [("base", [None] * args.batch)]
+    batches += [(f"{n} adapter{'s' * (n > 1)}", [LoRARequest(f"a{i % n}", 1 + i % n) for i in range(args.batch)])
+                for n in counts]
+    for fleet in (f for f in args.fleet.split(",") if f):
+        n, _, seed = fleet.partition("/")  # N, or N/seed: another batch over the same N adapters
+        trace = make_trace(int(n), args.batch, rate=math.inf, prompt_len=1, vocab_size=vocab,
+                           name_prefix=f"fleet{fleet.replace('/', 's')}-", first_id=1000 * (1 + len(batches)),
+                           request_seed=int(seed) if seed else None)
+        used = trace.used_adapters()
+        adapters += [random_adapter(model.config, a.name, a.rank, a.targets, a.seed, "cuda", torch.bfloat16)
+                     for a in used]
+        big = sum("gate_proj" in a.targets for a in used)
+        batches.append((f"fleet {fleet} ({len(used)} distinct, {big} on all 7)",
+                        [LoRARequest(r.adapter.name, r.adapter.lora_int_id) for r in trace.requests]))
     t0 = time.perf_counter()
-    engine = LLMEngine(model, enable_lora=True, max_loras=max(8, max(counts)), max_lora_rank=16,
-                       max_num_seqs=args.batch, max_model_len=1100, max_num_batched_tokens=8192)
+    distinct = max(len({lora.lora_name for lora in loras if lora}) for _, loras in batches)
+    engine = LLMEngine(model, enable_lora=True, max_loras=max(8, distinct), max_lora_rank=64 if args.fleet else 16,
+                       max_cpu_loras=max(8, len(adapters)), max_num_seqs=args.batch, max_model_len=1100,
+                       max_num_batched_tokens=8192)
     report = [f"engine init {time.perf_counter() - t0:.1f} s, {engine.runner.num_graphs} graphs"]
     for adapter in adapters:
         engine.registry.bind(adapter)
-    vocab = model.config.vocab_size
     prompts = torch.randint(1, vocab, (args.batch, 128), generator=torch.Generator().manual_seed(0)).tolist()
     timelines = {}
-    for label, n in [("base", 0)] + [(f"{n} adapter{'s' * (n > 1)}", n) for n in counts]:
-        loras = [LoRARequest(f"a{i % n}", 1 + i % n) if n else None for i in range(args.batch)]
-        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for label, loras in batches:
+        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
         for i, (p, lora) in enumerate(zip(prompts, loras)):
             engine.add_request(f"{label}{i}", {"prompt_token_ids": p}, params, lora)
         for _ in range(20):  # prefill, then decode steps
             engine.step()
+        for _ in range(40):  # a fleet's adapters are placed a few a step: until every request decodes
+            running = engine.scheduler.running
+            if len(running) == args.batch and all(seq.num_computed >= 128 for seq in running):
+                break
+            engine.step()
         torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            engine.step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) / 10 * 1e3  # the host's and the GPU's step, unprofiled
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 engine.step()
             torch.cuda.synchronize()
         report += ["", f"== decode, batch {args.batch}, {label}", kernel_table(prof, 5)]
         # the timeline (kernels inside the graph replays, both streams): chrome://tracing or perfetto
-        trace = args.out.with_suffix(f".decode-{label.replace(' ', '-')}.trace.json")
+        trace = args.out.with_suffix(f".decode-{re.sub(r'[^0-9a-z]+', '-', label)}.trace.json")
         prof.export_chrome_trace(str(trace))
-        timelines[label] = replay_timeline(trace)
+        timelines[label] = replay_timeline(trace) | {"step_wall_us": 1e3 * wall_ms}
         report += ["timeline (medians, us): " + ", ".join(f"{k} {v:.1f}" for k, v in timelines[label].items())]
         while engine.has_unfinished_requests():
             engine.step()

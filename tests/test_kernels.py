@@ -591,8 +591,8 @@ def test_shrink_few_adapters_at_decode_size_take_the_static_shape(monkeypatch):
     dev = torch.device("cpu")
     for T in (64, 256):
         meta = build_lora_meta(torch.zeros(T, dtype=torch.long), 32)
-        cfg = shrink.shrink_config(meta, 48, 4096, torch.bfloat16, dev)
-        assert cfg == shrink._static_shrink_config(T, 48, 4096, torch.bfloat16, 264), T
+        cfg = shrink.shrink_config(meta, 48, 4096, torch.bfloat16, dev, rank=16)
+        assert cfg == shrink._static_shrink_config(T, 48, 4096, torch.bfloat16, 264, 16), T
         assert cfg.block_n == 16
     prefill = build_lora_meta(torch.zeros(1024, dtype=torch.long), 32)
     assert shrink.shrink_config(prefill, 48, 4096, torch.bfloat16, dev).block_n == 64
@@ -712,7 +712,8 @@ def static_launches(meta, H, R, sizes, dtype, device=torch.device("cpu")):
     from loramux.kernels.expand import expand_launch
     from loramux.kernels.shrink import shrink_launch
 
-    return shrink_launch(meta, len(sizes) * R, H, dtype, device), expand_launch(meta, tuple(sizes), R, dtype, device)
+    return (shrink_launch(meta, len(sizes) * R, H, dtype, device, rank=R),
+            expand_launch(meta, tuple(sizes), R, dtype, device))
 
 
 def test_static_meta_rejects_a_non_bool_static():
@@ -754,9 +755,40 @@ def test_static_split_k_is_sized_for_the_one_adapter_batch(monkeypatch):
 
     monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     meta = build_lora_meta(torch.full((64,), -1), 32, static=True)
-    launch = shrink.shrink_launch(meta, 48, 4096, torch.bfloat16, torch.device("cpu"))
+    launch = shrink.shrink_launch(meta, 48, 4096, torch.bfloat16, torch.device("cpu"), rank=16)
     assert (launch.config.block_m, launch.config.block_n, launch.split_k, launch.n_tiles) == (16, 16, 16, 34)
     assert launch.grid == (34 * 3 * 16,)
+
+
+def test_static_decode_blocks_split_k_at_rank_64(monkeypatch):
+    """At max_lora_rank 64 (a fleet of mixed ranks), on the third of an H100 that qkv's delta
+    gets: 32-wide rank blocks, so the one-adapter grid leaves room to split K (3 ways, each program
+    11 K steps); 16-wide blocks filled it, and every program of a many-adapter batch read all of K.
+    At rank 16 the blocks stay 16 wide."""
+    from loramux.kernels import shrink
+
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
+    meta = build_lora_meta(torch.full((64,), -1), 256, static=True)
+    cpu = torch.device("cpu")
+    r64 = shrink.shrink_launch(meta, 3 * 64, 4096, torch.bfloat16, cpu, sms=44, rank=64)
+    assert (r64.config.block_n, r64.split_k, r64.k_per_split) == (32, 3, 11 * 128)
+    r16 = shrink.shrink_launch(meta, 3 * 16, 4096, torch.bfloat16, cpu, sms=44, rank=16)
+    assert (r16.config.block_n, r16.split_k) == (16, 7)
+
+
+def test_static_decode_expand_fills_the_target_once(monkeypatch):
+    """A decode graph's expand (64 tokens, the third of an H100 beside qkv and o) takes as many
+    column blocks a program as keep its one-adapter grid at the target once: qkv 4 a program (2
+    would fill it twice), o 2 (4 would leave it short). A prefill's still fills it twice."""
+    from loramux.kernels import expand
+
+    monkeypatch.setattr(expand, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
+    cpu = torch.device("cpu")
+    qkv = expand.static_expand_config(64, (4096, 1024, 1024), 16, torch.bfloat16, cpu, sms=44)
+    o = expand.static_expand_config(64, (4096,), 16, torch.bfloat16, cpu, sms=44)
+    assert (qkv.block_n, qkv.group, o.group) == (64, 4, 2)
+    prefill = expand.static_expand_config(8192, (1024,), 64, torch.bfloat16, cpu)
+    assert prefill == expand._expand_shape(64, 128, (1024,), 264, 2) and prefill.group == 2
 
 
 def run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, monkeypatch=None, poison=False):
@@ -802,6 +834,24 @@ def test_triton_interpreter_static_meta_matches_reference(mapping, dtype, monkey
     y, meta = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S)
     assert static_launches(meta, H, R, sizes, dtype)[0].split_k > 1  # the counter path runs
     check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, dtype)
+
+
+@needs_interpreter
+def test_triton_interpreter_static_meta_wide_rank_blocks(monkeypatch):
+    """R = 32: a decode block spans a slice's 32 rank columns, of which each slot's adapter fills
+    its own rank (0 to 32) per slice; split-K on, against the reference."""
+    from loramux.kernels import shrink
+
+    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 12)  # a GPU's: K split
+    T, H, S, R, sizes = 10, 520, 12, 32, (16, 8, 24)
+    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=7)
+    slots = static_slots("mixed", T, S, ranks, gen)
+    y0 = torch.randn(T, sum(sizes), generator=gen)
+    y, meta = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S)
+    launch = static_launches(meta, H, R, sizes, torch.float32)[0]
+    assert launch.config.block_n == 32 and launch.split_k > 1
+    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
 
 
 @needs_interpreter
@@ -875,10 +925,12 @@ def test_triton_interpreter_no_zeroing_needed(monkeypatch):
 @needs_cuda
 @pytest.mark.parametrize("mapping", STATIC_MAPPINGS)
 def test_gpu_static_meta_llama8b_matches_reference(mapping, monkeypatch):
-    """bf16, Llama-3.1-8B's q/k/v, gate/up and down at 64 decode tokens over 32 slots."""
+    """bf16, Llama-3.1-8B's q/k/v, gate/up and down at 64 decode tokens over 32 slots, at
+    max_lora_rank 16 and 64 (slots of ranks 0 to R per slice; 32-wide rank blocks at 64)."""
     monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
-    T, S, R = 64, 32, 16
-    for H, sizes in [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]:
+    T, S = 64, 32
+    shapes = [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]
+    for R, (H, sizes) in [(R, shape) for R in (16, 64) for shape in shapes]:
         x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=H)
         slots = static_slots(mapping, T, S, ranks, gen) if mapping != "all_different" else \
             torch.randperm(S, generator=gen).repeat(2).to(torch.int32)

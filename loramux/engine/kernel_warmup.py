@@ -126,7 +126,7 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
     lanes = slot_lanes(meta)  # a constexpr of both kernels
     keys: set[Hashable] = set()
     for m in modules:
-        shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device)
+        shrink = shrink_launch(meta, m.stacked_rank, m.in_features, m.dtype, device, rank=m.max_rank)
         keys.add(("shrink", m.stacked_rank, m.in_features, m.dtype, shrink.config, shrink.split_k, lanes))
         cfg = expand_launch(meta, m.slice_sizes, m.max_rank, m.dtype, device)[0]
         keys.add(("expand", m.slice_sizes, m.max_rank, m.dtype, cfg, lanes))

@@ -142,8 +142,9 @@ class ShrinkConfig:
 
 
 def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device,
-                  sms: int | None = None) -> ShrinkConfig:
-    """Launch shape, cached on the meta (every layer of a step reuses it).
+                  sms: int | None = None, rank: int | None = None) -> ShrinkConfig:
+    """Launch shape, cached on the meta (every layer of a step reuses it); ``rank``: R, the rank
+    columns of each slice of the NR stacked ones (default NR: one slice).
 
     A static meta and a prefill-sized batch (`shape_from_tokens_alone`) get `static_shrink_config`.
     A decode-sized batch (at most `DECODE_MAX_TOKENS` tokens) is latency bound whatever its mix:
@@ -152,12 +153,12 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     time of this shape, and lost to vLLM's tuned kernel), K split until the grid fills the GPU
     (or ``sms`` of its multiprocessors, `target_programs`).
     """
-    key = ("shrink", NR, H, dtype, device, sms)
+    key = ("shrink", NR, H, dtype, device, sms, rank)
     cfg = meta._cache.get(key)
     if cfg is not None:
         return cfg
     if shape_from_tokens_alone(meta):
-        cfg = static_shrink_config(meta.num_tokens, NR, H, dtype, device, sms)
+        cfg = static_shrink_config(meta.num_tokens, NR, H, dtype, device, sms, rank)
         meta._cache[key] = cfg
         return cfg
     target = target_programs(device, sms)
@@ -176,23 +177,29 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
 
 
 def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, device: torch.device,
-                         sms: int | None = None) -> ShrinkConfig:
-    """Launch shape for a static meta: a function of T and the module's shape only.
+                         sms: int | None = None, rank: int | None = None) -> ShrinkConfig:
+    """Launch shape for a static meta: a function of T and the module's shape only (``rank``: R,
+    each slice's rank columns; default NR, one slice).
 
     The grid holds the worst-case tile count (T tokens over min(S, T) slots); its split count is
     chosen for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that needs K split
     most. Many adapters then fill the same grid with more real tiles, each reading its own
     adapter's weights: more programs, each as short as in the one-adapter case.
     """
-    return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device, sms))
+    return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device, sms), rank or NR)
 
 
 @functools.lru_cache(maxsize=1024)
-def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, target: int) -> ShrinkConfig:
+def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, target: int, R: int) -> ShrinkConfig:
     block_m = static_block_m(num_tokens)
     np2 = min(max(16, next_pow2(NR)), 256)
-    if num_tokens <= DECODE_MAX_TOKENS:  # decode: the weights dominate whatever the mix
-        block_n, block_k = 16, 128
+    if num_tokens <= DECODE_MAX_TOKENS:
+        # decode: the weights dominate whatever the mix. Blocks as wide as a slice's R, up to 32:
+        # at R = 64, 16-wide blocks filled the one-adapter grid, so K went unsplit and each
+        # program of a many-adapter batch read all of K (H100, 8B decode at 64 tokens, R = 64, µs
+        # a step: 47 adapters of a mixed fleet 9,262 -> 8,453, one adapter 8,095 -> 7,705;
+        # 64-wide blocks 8,723 and 7,710; docs/benchmarks/many-adapters.md, eleventh session)
+        block_n, block_k = min(max(16, next_pow2(R)), 32), 128
     else:
         block_n, block_k = min(np2, 64), 64
     if dtype == torch.float32:
@@ -222,10 +229,12 @@ class ShrinkLaunch:
 
 
 def shrink_launch(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, device: torch.device,
-                  config: ShrinkConfig | None = None, sms: int | None = None) -> ShrinkLaunch:
-    """The launch `lora_shrink_triton` makes for this meta and module shape. For a static meta
-    it depends on (T, S, NR, H, dtype, device, sms) only: tests compare it across mappings."""
-    cfg = config or shrink_config(meta, NR, H, dtype, device, sms)
+                  config: ShrinkConfig | None = None, sms: int | None = None,
+                  rank: int | None = None) -> ShrinkLaunch:
+    """The launch `lora_shrink_triton` makes for this meta and module shape (``rank``: R per
+    slice, default NR). For a static meta it depends on (T, S, NR, R, H, dtype, device, sms)
+    only: tests compare it across mappings."""
+    cfg = config or shrink_config(meta, NR, H, dtype, device, sms, rank)
     n_tiles = meta.num_tiles(cfg.block_m)
     k_chunks = cdiv(max(H, 1), cfg.block_k)
     k_per_split = cdiv(k_chunks, max(1, min(cfg.split_k, MAX_SPLIT_K))) * cfg.block_k
@@ -287,7 +296,7 @@ def lora_shrink_triton(
         buf = out
     if NR == 0 or T == 0:
         return buf
-    launch = shrink_launch(meta, NR, H, x.dtype, x.device, config, sms)
+    launch = shrink_launch(meta, NR, H, x.dtype, x.device, config, sms, rank=R)
     if launch.n_tiles == 0:
         return buf
     cfg = launch.config
