@@ -10,6 +10,7 @@ error check fails on NaN.
 
 from __future__ import annotations
 
+import itertools
 import zlib
 from dataclasses import dataclass
 
@@ -843,7 +844,7 @@ def test_triton_interpreter_static_meta_wide_rank_blocks(monkeypatch):
     from loramux.kernels import shrink
 
     monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 12)  # a GPU's: K split
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 12)  # as on a GPU: K split
     T, H, S, R, sizes = 10, 520, 12, 32, (16, 8, 24)
     x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=7)
     slots = static_slots("mixed", T, S, ranks, gen)
@@ -930,7 +931,7 @@ def test_gpu_static_meta_llama8b_matches_reference(mapping, monkeypatch):
     monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
     T, S = 64, 32
     shapes = [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (14336, (4096,))]
-    for R, (H, sizes) in [(R, shape) for R in (16, 64) for shape in shapes]:
+    for R, (H, sizes) in itertools.product((16, 64), shapes):
         x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=H)
         slots = static_slots(mapping, T, S, ranks, gen) if mapping != "all_different" else \
             torch.randperm(S, generator=gen).repeat(2).to(torch.int32)
