@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import kernel_device_times  # noqa: E402
-from benchmarks.adapter_trace import make_trace  # noqa: E402
+from benchmarks.adapter_trace import DEFAULT_MIX, make_trace  # noqa: E402
 from benchmarks.throughput import ALL_SEVEN, random_adapter  # noqa: E402
 from loramux import LoRARequest, SamplingParams  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
@@ -174,7 +174,7 @@ def main() -> None:
     parser.add_argument("--fleet", default="",
                         help="also profile a batch drawn from a fleet of N adapters as many_adapters.py draws its "
                              "requests (mixed ranks and targets, Zipf popularity), e.g. 4,1000 (N/seed: other requests "
-                             "over the same adapters); sets max_lora_rank 64")
+                             "over the same adapters); max_lora_rank is then the mix's largest rank, as there")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill profiles")
     parser.add_argument("--json", type=Path, default=None, help="also write the timelines as JSON")
     args = parser.parse_args()
@@ -204,7 +204,8 @@ def main() -> None:
                         [LoRARequest(r.adapter.name, r.adapter.lora_int_id) for r in trace.requests]))
     t0 = time.perf_counter()
     distinct = max(len({lora.lora_name for lora in loras if lora}) for _, loras in batches)
-    engine = LLMEngine(model, enable_lora=True, max_loras=max(8, distinct), max_lora_rank=64 if args.fleet else 16,
+    max_rank = max(kind.rank for kind in DEFAULT_MIX) if args.fleet else 16
+    engine = LLMEngine(model, enable_lora=True, max_loras=max(8, distinct), max_lora_rank=max_rank,
                        max_cpu_loras=max(8, len(adapters)), max_num_seqs=args.batch, max_model_len=1100,
                        max_num_batched_tokens=8192)
     report = [f"engine init {time.perf_counter() - t0:.1f} s, {engine.runner.num_graphs} graphs"]

@@ -3,8 +3,8 @@
 PEFT's embedding LoRA is ``delta = A.T[token_id] @ B.T * scaling`` with A ``[r, vocab]`` and
 B ``[dim, r]``: the shrink is a gather of one column of A per token (`embedding_shrink`, one
 launch on CUDA), the expand is the usual kernel. An embedding that scales its own output
-(``embed_scale``, Gemma) scales the delta too, as PEFT does. A lookup is no GEMM to hide a shrink behind: the delta runs after it, on the main
-stream (it overrides ``apply_lora``).
+(``embed_scale``, Gemma) scales the delta too, as PEFT does. A lookup is no GEMM to hide a
+shrink behind: the delta runs after it, on the main stream (it overrides ``apply_lora``).
 """
 
 from __future__ import annotations
