@@ -1,7 +1,8 @@
 """Where a step's time goes: torch.profiler over decode steps (graph replays) and one prefill step,
 kernels grouped by name, for the base model, N adapters (``--adapters``: rank 16, all seven
 projections) and batches drawn from a fleet as `many_adapters.py` draws them (``--fleet``)
-(GPU; 8B dummy by default).
+(GPU; 8B dummy by default). Each decode batch also reports the wall time of 10 unprofiled steps,
+host included, with async scheduling (``step_wall_us``) and without (``step_wall_sync_us``).
 
     PYTHONPATH=. TORCH_LOGS=recompiles python benchmarks/profile_step.py --out prof.txt
 """
@@ -224,12 +225,16 @@ def main() -> None:
             if len(running) == args.batch and all(seq.num_computed >= 128 for seq in running):
                 break
             engine.step()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
-            engine.step()
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) / 10 * 1e3  # the host's and the GPU's step, unprofiled
+        wall_ms = {}  # the host's and the GPU's step, unprofiled: the synchronous loop, then async
+        for overlapped in (False, True):
+            engine.async_scheduling = overlapped
+            engine.step()  # the switch
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                engine.step()
+            torch.cuda.synchronize()
+            wall_ms[overlapped] = (time.perf_counter() - t0) / 10 * 1e3
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 engine.step()
@@ -238,7 +243,8 @@ def main() -> None:
         # the timeline (kernels inside the graph replays, both streams): chrome://tracing or perfetto
         trace = args.out.with_suffix(f".decode-{re.sub(r'[^0-9a-z]+', '-', label)}.trace.json")
         prof.export_chrome_trace(str(trace))
-        timelines[label] = replay_timeline(trace) | {"step_wall_us": 1e3 * wall_ms}
+        timelines[label] = replay_timeline(trace) | {"step_wall_us": 1e3 * wall_ms[True],
+                                                     "step_wall_sync_us": 1e3 * wall_ms[False]}
         report += ["timeline (medians, us): " + ", ".join(f"{k} {v:.1f}" for k, v in timelines[label].items())]
         while engine.has_unfinished_requests():
             engine.step()

@@ -51,23 +51,26 @@ from benchmarks._common import (  # noqa: E402  (ALL_SEVEN, QV, random_adapter: 
 )
 
 class StepTimer:
-    """Wraps the engine's model runner: wall time of every forward, and the batch it held."""
+    """Wraps the engine's model runner: every step's period (from its launch to the next one's:
+    its GPU work and the host work the GPU did not hide, the loop's real cost per step, with or
+    without async scheduling) and the batch it held."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.records: list[tuple[int, int, float, int]] = []  # (sequences, tokens, seconds, kv tokens)
+        self.launches: list[tuple[int, int, float, int]] = []  # (sequences, tokens, launched at, kv tokens)
         self.engine = engine
         run = engine.runner.run
 
-        def timed(batch, beside=None):
+        def timed(batch):
             kv_tokens = sum(seq.num_computed + n for seq, n in batch.chunks)
-            t0 = time.perf_counter()
-            out = run(batch, beside)  # returns after the sampled tokens reach the host
-            self.records.append((len(batch), batch.num_tokens, time.perf_counter() - t0, kv_tokens))
-            return out
+            self.launches.append((len(batch), batch.num_tokens, time.perf_counter(), kv_tokens))
+            return run(batch)
 
         engine.runner.run = timed
 
     def stop(self) -> None:
+        """After the workload's last token: ``records`` = (sequences, tokens, seconds, kv tokens)."""
+        ends = [launched for _, _, launched, _ in self.launches[1:]] + [time.perf_counter()]
+        self.records = [(seqs, n, end - launched, kv) for (seqs, n, launched, kv), end in zip(self.launches, ends)]
         del self.engine.runner.run  # the class's method again
 
 _FRESH = iter(range(1, 1 << 30))  # a new seed for every workload
@@ -144,7 +147,8 @@ def close(engine: LLMEngine) -> None:
 def engine_options(args, **extra) -> dict:
     options = dict(max_num_seqs=args.num_requests, max_model_len=args.prompt_len + args.output_len + 8,
                    max_num_batched_tokens=max(args.max_num_batched_tokens, args.num_requests),
-                   enforce_eager=args.enforce_eager, compilation=not args.no_compile)
+                   enforce_eager=args.enforce_eager, compilation=not args.no_compile,
+                   async_scheduling=not args.no_async_scheduling)
     options.update(extra)
     return options
 
@@ -229,26 +233,40 @@ def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
     """Base and adapter workloads in turn on one LoRA engine, ``--repeats`` rounds: each adapter
     workload's decode step and tokens/s over the base run of its own round, and the median over
     the rounds. Base steps moved by up to 6% between runs and between engines doing the same GPU
-    work, as much as one adapter costs: a single pair of runs cannot settle a 5% mark."""
+    work, as much as one adapter costs: a single pair of runs cannot settle a 5% mark. With
+    ``--compare-sync`` each round runs every workload, base included, with async scheduling and
+    then without (labels ending in ", sync"), on the same engine."""
     vocab = engine.runner.model.config.get_text_config().vocab_size
     most = max(args.adapters)
     workloads = {scenario(n, label): in_turn(group, n, len(prompts)) for label, group in requests.items()
                  for n in (1, most)}
+    modes = {"": True} | ({", sync": False} if args.compare_sync else {})
     rounds = []
     for _ in range(args.repeats):
-        base = run_workload(engine, prompts, [None] * len(prompts), args.output_len)
-        row = {"base": {"decode_step_ms": base["decode_step_ms"], "tokens_per_s": base["tokens_per_s"]}}
-        for label, loras in workloads.items():
-            warm_up(engine, loras, vocab)  # into GPU slots before the clock starts
-            run = run_workload(engine, prompts, loras, args.output_len)
-            row[label] = {"decode_step_ms": run["decode_step_ms"], "tokens_per_s": run["tokens_per_s"],
-                          "step_vs_base": run["decode_step_ms"] / base["decode_step_ms"],
-                          "tokens_vs_base": run["tokens_per_s"] / base["tokens_per_s"]}
+        row = {}
+        for suffix, overlapped in modes.items():
+            engine.async_scheduling = overlapped
+            base = run_workload(engine, prompts, [None] * len(prompts), args.output_len)
+            row["base" + suffix] = {"decode_step_ms": base["decode_step_ms"], "tokens_per_s": base["tokens_per_s"]}
+            for label, loras in workloads.items():
+                warm_up(engine, loras, vocab)  # into GPU slots before the clock starts
+                run = run_workload(engine, prompts, loras, args.output_len)
+                row[label + suffix] = {"decode_step_ms": run["decode_step_ms"], "tokens_per_s": run["tokens_per_s"],
+                                       "step_vs_base": run["decode_step_ms"] / base["decode_step_ms"],
+                                       "tokens_vs_base": run["tokens_per_s"] / base["tokens_per_s"]}
+        engine.async_scheduling = True
         rounds.append(row)
         print("  round:", {k: round(v.get("step_vs_base", v["decode_step_ms"]), 3) for k, v in row.items()}, flush=True)
+    keys = {label: ("decode_step_ms", "tokens_per_s") for label in rounds[0] if label.startswith("base")}
+    keys |= {label: ("step_vs_base", "tokens_vs_base") for label in rounds[0] if not label.startswith("base")}
     summary = {label: {key: {"median": statistics.median(r[label][key] for r in rounds),
                              "min": min(r[label][key] for r in rounds), "max": max(r[label][key] for r in rounds)}
-                       for key in ("step_vs_base", "tokens_vs_base")} for label in workloads}
+                       for key in names} for label, names in keys.items()}
+    if args.compare_sync:  # async over sync, per workload: tokens/s and the step
+        summary["async over sync"] = {
+            label: {key: statistics.median(r[label][key] / r[label + ", sync"][key] for r in rounds)
+                    for key in ("tokens_per_s", "decode_step_ms")}
+            for label in ["base", *workloads]}
     return {"rounds": rounds, "summary": summary}
 
 
@@ -341,6 +359,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="rounds of base and adapter runs in turn on the first LoRA engine (>1: medians)")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="read every step's tokens back before the next step (the engine's old loop)")
+    parser.add_argument("--compare-sync", action="store_true",
+                        help="the interleaved rounds (--repeats > 1) run every workload without async scheduling too")
     parser.add_argument("--no-compile", action="store_true", help="CUDA graphs without torch.compile")
     parser.add_argument("--concurrency", action="store_true", help="1k-token requests at max_model_len=32768")
     parser.add_argument("--startup", action="store_true", help="first and second start in fresh processes")
@@ -463,9 +485,19 @@ def markdown(result: dict) -> str:
         lines += ["", f"Base and adapter runs in turn on the LoRA engine, {len(result['interleaved']['rounds'])} rounds: "
                   "median (min-max) over the rounds of each run against its round's base run", "",
                   "| workload | decode step vs base | tokens/s vs base |", "| --- | ---: | ---: |"]
-        for label, ratios in result["interleaved"]["summary"].items():
-            cells = [f"{r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})" for r in ratios.values()]
+        summary = dict(result["interleaved"]["summary"])
+        over_sync = summary.pop("async over sync", None)
+        for label, stats in summary.items():
+            if label.startswith("base"):  # its own numbers: decode step (ms), tokens/s
+                cells = [f"{r['median']:.2f} ms ({r['min']:.2f}-{r['max']:.2f})" if key == "decode_step_ms"
+                         else f"{r['median']:.0f} tok/s ({r['min']:.0f}-{r['max']:.0f})" for key, r in stats.items()]
+            else:
+                cells = [f"{r['median']:.3f}x ({r['min']:.3f}-{r['max']:.3f})" for r in stats.values()]
             lines.append(f"| {label} | {' | '.join(cells)} |")
+        if over_sync:
+            lines += ["", "Async scheduling over the synchronous loop, same engine, medians over the rounds:", "",
+                      "| workload | tokens/s, async / sync | decode step, async / sync |", "| --- | ---: | ---: |"]
+            lines += [f"| {label} | {r['tokens_per_s']:.3f}x | {r['decode_step_ms']:.3f}x |" for label, r in over_sync.items()]
     extras = {k: result.get(k) for k in ("prefill_tokens_per_s", "ttft_ms", "startup", "num_gpu_blocks",
                                         "concurrent_1k_requests_at_32k", "kv_blocks_tokens", "cold_adapter_bytes")}
     lines += ["", "```", json.dumps({k: v for k, v in extras.items() if v is not None}, indent=1), "```"]

@@ -23,6 +23,7 @@ class FakeSeq:
     cache_salt: str | bytes | None = None
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_pending: int = 0
 
     @property
     def num_tokens(self) -> int:

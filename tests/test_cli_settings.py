@@ -83,9 +83,10 @@ def test_serve_flags_reach_the_engine_as_arguments(root, monkeypatch, capsys):
     monkeypatch.setattr("loramux.engine.llm_engine.LLMEngine", fake_engine)
     before = dict(os.environ)
     code = main(["serve", "org/model", "--max-cpu-lora-bytes", "2GiB", "--lora-resolver", "filesystem",
-                 "--lora-resolver-dir", str(root)])
+                 "--lora-resolver-dir", str(root), "--no-async-scheduling"])
     assert code == 1 and "stopped before loading a model" in capsys.readouterr().err
     assert seen["model"] == "org/model" and seen["max_cpu_lora_bytes"] == 2 << 30
+    assert seen["async_scheduling"] is False
     assert seen["resolver_settings"] == ResolverSettings(order=("filesystem",), directory=root)
     assert dict(os.environ) == before
 

@@ -81,7 +81,7 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters, big_gemms, mo
         runner = llm.llm_engine.runner
         captured = runner.num_graphs
         steps, run = [0], runner.run
-        runner.run = lambda batch, beside=None: steps.__setitem__(0, steps[0] + 1) or run(batch, beside)
+        runner.run = lambda batch: steps.__setitem__(0, steps[0] + 1) or run(batch)
         variants = []
         if not eager:
             replay = runner.graphs.replay
@@ -175,3 +175,42 @@ def test_churn_with_graphs_loads_running_and_new_shapes_equals_eager(make_adapte
         assert engine.runner.num_graphs == captured
         runs[eager] = finished
     assert runs[False] == runs[True]
+
+
+def test_async_scheduling_equals_sync_with_graphs(engine_adapters, monkeypatch):
+    """Replayed graphs whose decodes take their input ids from the last step's sampled tokens on
+    the device (async scheduling) give the synchronous loop's outputs token for token: stop tokens
+    that drop a row already launched, max_tokens, seeded sampling with logprobs, a penalty (whose
+    steps wait for the tokens), adapters and base rows; and PEFT's greedy tokens."""
+    from conftest import char_tokenizer
+    from test_async_scheduling import prompts, serve, summary
+
+    from loramux.engine.llm_engine import LLMEngine
+
+    attn = LoRARequest("attn", 1, str(engine_adapters["attn"]))
+    everything = LoRARequest("all", 2, str(engine_adapters["all"]))
+    p = prompts(9, 30, 5, 14, 21, 7, 40, seed=5)
+    greedy = dict(temperature=0, ignore_eos=True)
+    requests = [
+        ("stop-token", p[0], SamplingParams(max_tokens=12, stop_token_ids=[peft_greedy(None, p[0], 4)[3]], **greedy),
+         None),
+        ("all", p[1], SamplingParams(max_tokens=12, **greedy), everything),
+        ("length", p[2], SamplingParams(max_tokens=9, **greedy), attn),
+        ("seeded", p[3], SamplingParams(temperature=0.8, seed=7, max_tokens=10, logprobs=3, ignore_eos=True), attn),
+        ("penalised", p[4], SamplingParams(repetition_penalty=1.5, max_tokens=10, **greedy), everything),
+        ("eos", p[5], SamplingParams(temperature=0, max_tokens=30), None),
+        ("long", p[6], SamplingParams(max_tokens=20, **greedy), attn),
+    ]
+    results, fills = {}, []
+    for async_scheduling in (False, True):
+        engine = LLMEngine(tiny_llama().cuda(), max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=96,
+                           max_num_batched_tokens=16, tokenizer=char_tokenizer(), num_gpu_blocks_override=512,
+                           async_scheduling=async_scheduling)
+        fill = engine.runner.fill_pending
+        monkeypatch.setattr(engine.runner, "fill_pending", lambda *a, _fill=fill: fills.append(1) or _fill(*a))
+        results[async_scheduling] = summary(serve(engine, requests))
+        assert engine.runner.graph_steps > 10
+    assert results[True] == results[False] and len(fills) > 10
+    assert results[True]["stop-token"][2] == "stop" and len(results[True]["stop-token"][0]) == 4
+    assert results[True]["length"][0] == peft_greedy(engine_adapters["attn"], p[2], 9)
+    assert results[True]["all"][0] == peft_greedy(engine_adapters["all"], p[1], 12)

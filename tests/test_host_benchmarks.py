@@ -37,7 +37,9 @@ def test_the_trace_benchmark_reports_the_hosts_share_per_n():
     results = main(["--adapters", "2,40", "--requests", "30", "--rate", "200", "--gpu-ms", "1", "--slots", "8",
                     "--gpu-lora-mb", "40"])
     assert [r["adapters"] for r in results] == [2, 40]
-    assert all(r["failed"] == 0 and r["steps"] > 0 and r["step_ms"] > 1.0 for r in results)
+    # the GPU clock paces the steps (async scheduling hides the host work behind it: steps that
+    # launch nothing are shorter, so the mean may be just under --gpu-ms)
+    assert all(r["failed"] == 0 and r["steps"] > 0 and r["step_ms"] > 0.7 for r in results)
     many = results[1]
     assert many["used"] > 8 and many["parts"]["placements"]["calls"] > 8  # more adapters than slots: churn
     assert many["parts"]["schedule"]["calls"] >= many["steps"]  # every step schedules; some compute nothing

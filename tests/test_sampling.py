@@ -19,7 +19,8 @@ EOS = 2
 
 def seq(params: SamplingParams, prompt: list[int], output: list[int], generator=None):
     return SimpleNamespace(params=params, prompt_token_ids=prompt, output_token_ids=output, generator=generator,
-                           grammar=None, output_logprobs=[])
+                           grammar=None, output_logprobs=[],
+                           num_output_tokens=len(output))
 
 
 def reference_penalties(logits, prompt, output, presence, frequency, repetition):

@@ -478,11 +478,11 @@ def test_a_failed_resolution_answers_before_any_other_requests_token():
     in_forward, release, resumed = threading.Event(), threading.Event(), threading.Event()
     run = engine.runner.run
 
-    def stuck(batch, beside=None):
+    def stuck(batch):
         in_forward.set()
         release.wait(30)
         resumed.set()
-        return run(batch, beside)
+        return run(batch)
 
     engine.runner.run = stuck
     _, client = make_client(engine)

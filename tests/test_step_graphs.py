@@ -58,14 +58,13 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter, big_
 
     eager_logits = []
     sample = runner._sample
-    runner._sample = lambda seqs, logits, beside=None: eager_logits.append(logits.clone()) or sample(seqs, logits,
-                                                                                                  beside)
+    runner._sample = lambda seqs, logits: eager_logits.append(logits.clone()) or sample(seqs, logits)
     run = runner.run
     seen = {"mixed": 0, "unsampled chunk": 0, "lora": 0, "padded": 0}
     if big_gemms:
         seen.update({LORA: 0, LORA_SMALL_GEMMS: 0, "skip checked": 0})
 
-    def checked_run(batch: ScheduledBatch, beside=None):
+    def checked_run(batch: ScheduledBatch):
         assert graphs.fits(batch)  # every step of this engine fits the 16-token graph
         sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
         inputs = graphs.step_inputs(batch.chunks)
@@ -82,7 +81,7 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter, big_
             by_variant["skipping gate_up"] = graphs.forward_fn(inputs.num_tokens, LORA_SMALL_GEMMS)()[: len(sampled)].clone()
             seen["skip checked"] += 1
         eager_logits.clear()
-        result = run(batch, beside)  # eager; writes the same K/V the graph forward wrote
+        result = run(batch)  # eager; writes the same K/V the graph forward wrote
         if sampled:
             skipping = by_variant.pop("skipping gate_up", None)
             for logits in by_variant.values():
@@ -127,8 +126,8 @@ def test_cuda_graph_sizes_replace_the_default_sizes():
     graphs = StepGraphs(runner, runner.graph_sizes)
     padded = []
     run = runner.run
-    runner.run = lambda batch, beside=None: padded.append(
-        (batch.num_tokens, graphs.step_inputs(batch.chunks).num_tokens)) or run(batch, beside)
+    runner.run = lambda batch: padded.append(
+        (batch.num_tokens, graphs.step_inputs(batch.chunks).num_tokens)) or run(batch)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for request_id, prompt_len in (("a", 3), ("b", 10), ("c", 20)):
         engine.add_request(request_id, {"prompt_token_ids": list(range(3, 3 + prompt_len))}, params)

@@ -10,6 +10,8 @@ thread-safe: the scheduler owns it.
 
 - ``seq.block_table: list[int]``: block ids in token order; filled and cleared here.
 - ``seq.num_tokens: int``: prompt plus generated tokens, including the one the next step computes.
+- ``seq.num_pending: int``: of those, the last ones whose ids the host does not know yet (sampled
+  by a step still running: async scheduling); a block holding one is registered once it is known.
 - ``seq.num_cached_tokens: int``: set by `allocate`: leading tokens whose K/V is already cached.
 - ``seq.cache_salt: str | bytes | None``: the adapter's identity, a digest of its weights'
   content (never its name, so a reload under the same name shares nothing); None for the base model.
@@ -24,7 +26,8 @@ tail first, so a shared prefix outlives the tails behind it.
 
 **When a block becomes hittable.** Only once its K/V is written by the end of the step being
 scheduled: `cache_full_blocks` registers the full blocks a step's chunk completes, and
-`may_append` does it for a decode. `allocate` registers nothing new, because with chunked
+`may_append` does it for a decode (for a decode of a pending token, at the sequence's next
+decode: a key is made of known ids). `allocate` registers nothing new, because with chunked
 prefill a prompt's later blocks are written steps later and a sequence admitted meanwhile must
 not read them. This relies on two things the engine guarantees: within one step every layer
 writes the step's K/V before any query reads it (so a block written in this step may be hit by
@@ -202,14 +205,15 @@ class BlockManager:
 
     def may_append(self, seq: Any) -> None:
         """Before a decode step computes ``seq``'s last token: take a new block if that token
-        starts one, and register the block it fills, if it fills one."""
+        starts one, and register the full blocks of known tokens (the one it fills, unless it is
+        pending)."""
         assert seq.block_table, "may_append: sequence holds no blocks (allocate it first)"
         missing = blocks_needed(seq.num_tokens, self.block_size) - len(seq.block_table)
         assert 0 <= missing <= self.num_free_blocks, (
             f"may_append: needs {missing} blocks, {self.num_free_blocks} free (check can_append first)")
         for _ in range(missing):
             seq.block_table.append(self._take_free_block())
-        self.cache_full_blocks(seq, seq.num_tokens)
+        self.cache_full_blocks(seq, seq.num_tokens - seq.num_pending)
         self._check()
 
     def cache_full_blocks(self, seq: Any, num_tokens: int) -> None:

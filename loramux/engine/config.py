@@ -66,6 +66,7 @@ class EngineConfig:
     compilation: bool = True
     max_graph_tokens: int = 4096
     cuda_graph_sizes: list[int] | None = None  # None: graph_token_sizes(max_num_seqs, max_graph_tokens)
+    async_scheduling: bool = True  # launch a step before reading the last one's tokens back
     seed: int | None = 0
 
     def __post_init__(self) -> None:

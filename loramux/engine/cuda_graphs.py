@@ -33,7 +33,7 @@ running load.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,14 +61,16 @@ _FIELDS = 8
 class StepInputs:
     """One replay's inputs, on the host: the padded token count, the flattened fields and block
     tables (`StepGraphs._host_fields`), the adapter slots in use and the graph variant that
-    serves them (`BASE`, `LORA`, `LORA_SMALL_GEMMS`). Plain values, so a tensor-parallel driver
-    can send them to its workers, whose graphs replay the same step."""
+    serves them (`BASE`, `LORA`, `LORA_SMALL_GEMMS`), and the tokens whose ids are pending (their
+    indices, and their rows in the last step's sampled tokens: `Sequence.add_input_ids`). Plain values, so
+    a tensor-parallel driver can send them to its workers, whose graphs replay the same step."""
 
     num_tokens: int
     num_seqs: int
     host_fields: list[list[int]]
     active_slots: list[int]
     variant: str = BASE
+    pending: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -133,7 +135,9 @@ class StepGraphs:
         tokens = sum(n for _, n in chunks)
         T = next(t for t in self.sizes if t >= tokens)
         slots = sorted({seq.lora_slot for seq, _ in chunks if seq.lora_slot >= 0})
-        return StepInputs(T, len(chunks), self._host_fields(chunks, T), slots, self._variant(slots))
+        pending = ([], [])
+        fields = self._host_fields(chunks, T, pending)
+        return StepInputs(T, len(chunks), fields, slots, self._variant(slots), pending)
 
     def _variant(self, slots: list[int]) -> str:
         if not slots:
@@ -142,10 +146,11 @@ class StepGraphs:
             return LORA_SMALL_GEMMS
         return LORA
 
-    def _host_fields(self, chunks: list[tuple[Sequence, int]], T: int) -> list[list[int]]:
+    def _host_fields(self, chunks: list[tuple[Sequence, int]], T: int,
+                     pending: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))) -> list[list[int]]:
         """The static inputs' values for ``chunks`` padded to ``T`` tokens: the fields' rows
         flattened, then the sequences' block tables' used columns (the kernels read no column past
-        a row's length, and padding rows none)."""
+        a row's length, and padding rows none). Pending tokens go to ``pending`` (`Sequence.add_input_ids`)."""
         bs = self.runner.block_size
         ids, positions, cache_slots, lora_slots = [], [], [], []
         lens, ends, logits_rows, logits_slots = [], [], [], []
@@ -154,7 +159,7 @@ class StepGraphs:
         for seq, n in chunks:
             start, end = seq.num_computed, seq.num_computed + n
             table = seq.block_table
-            ids.extend(seq.tokens(start, end))
+            seq.add_input_ids(ids, pending, start, end)
             positions.extend(range(start, end))
             cache_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             lora_slots.extend([seq.lora_slot] * n)
@@ -175,9 +180,11 @@ class StepGraphs:
         return [flat, tables]
 
     def _load(self, inputs: StepInputs) -> None:
-        """Fill the static inputs: one copy of the fields, one of the block tables' used columns."""
+        """Fill the static inputs: one copy of the fields, one of the block tables' used columns;
+        then the pending tokens' ids, from the last step's sampled tokens."""
         T, B = inputs.num_tokens, inputs.num_seqs
-        flat, tables = self.runner.to_device(inputs.host_fields)
+        at, rows = inputs.pending
+        flat, tables, *pending = self.runner.to_device(inputs.host_fields + ([at, rows] if at else []))
         self.fields[:, :T].copy_(flat.view(_FIELDS, T))
         self.query_start[1 : T + 1].copy_(self.fields[5, :T])
         if B:
@@ -185,6 +192,8 @@ class StepGraphs:
             self.tables[:B, :width].copy_(tables.view(B, width))
         ids, positions, logits_rows = self.inputs[T]
         ids.copy_(self.fields[0, :T])
+        if pending:
+            self.runner.fill_pending(ids, *pending)
         positions.copy_(self.fields[1, :T])
         logits_rows.copy_(self.fields[6, : len(logits_rows)])
 
@@ -235,7 +244,7 @@ class StepGraphs:
     def _capture(self, T: int, variant: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         runner = self.runner
         manager = runner.lora_manager
-        self._load(StepInputs(T, 0, self._host_fields([], T), []))  # all padding
+        self._load(StepInputs(T, 0, self._host_fields([], T, ([], [])), []))  # all padding
         forward = self.forward_fn(T, variant)
         # warm up outside the capture (compilation, autotuning, lazily made tables)
         stream = torch.cuda.Stream(runner.device)

@@ -65,6 +65,8 @@ class LLM:
         ``cuda_graph_sizes`` (the padded token counts graphs are captured for, in place of the
         default: 2, 4, 8, steps of 16 up to ``max_num_seqs``, powers of two up to
         ``max_graph_tokens``),
+        ``async_scheduling`` (True: each step is launched before the last one's tokens are read
+        back, hiding the host's work between steps behind the GPU's; off under tensor parallelism),
         ``fuse_projections`` (True: q/k/v and gate/up as one GEMM each), ``max_cpu_lora_bytes``,
         ``max_gpu_lora_bytes`` (GPU memory for adapter weights, shared by rank: default room for
         ``max_loras`` adapters of rank ``max_lora_rank``), ``max_pinned_lora_bytes`` (page-locked

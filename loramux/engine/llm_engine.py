@@ -31,7 +31,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.events import AdapterEvent
 from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
-from loramux.engine.model_runner import ModelRunner
+from loramux.engine.model_runner import LaunchedStep, ModelRunner
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
@@ -135,11 +135,15 @@ class LLMEngine:
             max_num_seqs=setup.max_num_seqs,
             max_num_batched_tokens=setup.max_num_batched_tokens,
             max_loras=setup.max_loras,
+            max_model_len=setup.max_model_len,
             **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
         )
         if self.adapters is not None:
             self.adapters.scheduler = self.scheduler
         self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids)
+        # tensor parallelism: the workers take each step's inputs from the host, token ids included
+        self.async_scheduling = config.async_scheduling and self.workers is None
+        self._in_flight: LaunchedStep | None = None  # launched, its tokens not read back yet
         self._inbox: deque[tuple[str, object]] = deque()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -262,7 +266,15 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the requests that got a token or finished in it."""
+        """Run one step; return the requests that got a token or finished in it.
+
+        With async scheduling (the default; not under tensor parallelism) a step launches its GPU
+        work and then reads back the tokens of the step launched before it, so the host work
+        between two steps (these tokens' bookkeeping, scheduling and building the next inputs)
+        runs while the GPU computes: the tokens a call returns are those of the previous launch.
+        A running request whose sampling reads its earlier tokens on the host (penalties,
+        structured outputs) makes the step read them back before scheduling, as without it.
+        """
         with self._step_lock:
             touched: dict[str, Sequence] = {}
             self._drain_inbox(touched)
@@ -270,7 +282,15 @@ class LLMEngine:
                 idle = not self.scheduler.has_work()
                 for seq in self.adapters.collect(timeout=0.05 if idle else 0.0):
                     touched[seq.request_id] = seq
+            previous, self._in_flight = self._in_flight, None
+            if previous is not None and not self._overlaps():
+                self._receive(previous, touched)  # the tokens first: this step's sampling reads them
+                previous = None
             batch = self.scheduler.schedule()
+            if not len(batch) and previous is not None:  # all that runs waits on those tokens
+                self._receive(previous, touched)
+                previous = None
+                batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
                 touched[seq.request_id] = seq
             self.scheduler.failed.clear()
@@ -278,24 +298,54 @@ class LLMEngine:
             # while the GPU runs this step (its host work, milliseconds an adapter, hides there)
             prefetch = self.adapters.prefetch if self.adapters is not None else None
             if len(batch):
-                busy = self.runner.computing if self.setup.device.type == "cuda" else None
-                beside = (lambda: prefetch(busy)) if prefetch is not None else None
-                sampled = self.runner.run(batch, beside=beside)
+                launched = self.runner.run(batch)
                 for seq, n in batch.chunks:
                     seq.num_computed += n
-                for seq, token in sampled:
-                    seq.append_token(token, self.eos_token_ids, self.max_model_len)
-                    touched[seq.request_id] = seq
-            elif prefetch is not None:
-                prefetch()  # no step to run beside
+                for row, seq in enumerate(launched.seqs):
+                    seq.expect_token(row)
+                if prefetch is not None:
+                    prefetch(self.runner.computing if self.setup.device.type == "cuda" else None)
+                if previous is not None:
+                    self._receive(previous, touched)  # while the GPU computes the step just launched
+                if self._overlaps():
+                    self._in_flight = launched
+                else:
+                    self._receive(launched, touched)
+            else:
+                if prefetch is not None:
+                    prefetch()  # no step to run beside
+                if previous is not None:
+                    self._receive(previous, touched)
             outputs = []
             for seq in touched.values():
                 if seq.is_finished:
-                    self.scheduler.finish(seq)
-                    with self._lock:
-                        self._requests.pop(seq.request_id, None)
+                    self._release(seq)
                 outputs.append(seq.to_output())
             return outputs
+
+    def _overlaps(self) -> bool:
+        """Whether the next step may be launched before this one's tokens are read back."""
+        return self.async_scheduling and not any(seq.needs_host_tokens for seq in self.scheduler.running)
+
+    def _receive(self, step: LaunchedStep, touched: dict[str, Sequence]) -> None:
+        """Read a launched step's tokens back (waiting for its GPU work) and append them; a
+        sequence that finished meanwhile (a stop in the step before, an abort) drops its token."""
+        logprobs = step.sampled.logprobs if step.seqs else None
+        for row, (seq, token) in enumerate(zip(step.seqs, step.token_ids())):
+            if seq.is_finished:
+                continue
+            if logprobs is not None and logprobs[row] is not None:
+                seq.output_logprobs.append(logprobs[row])
+            seq.append_token(token, self.eos_token_ids, self.max_model_len)
+            touched[seq.request_id] = seq
+            if seq.is_finished:
+                self._release(seq)  # now: the next schedule must not count it
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished request gives back what it holds (a no-op once done)."""
+        self.scheduler.finish(seq)
+        with self._lock:
+            self._requests.pop(seq.request_id, None)
 
     def _drain_inbox(self, touched: dict[str, Sequence]) -> None:
         with self._lock:
@@ -317,6 +367,7 @@ class LLMEngine:
                 if seq.status is SequenceStatus.LOADING_ADAPTER:
                     self.adapters.discard(seq)
                 seq.finish("abort")
+                self._release(seq)  # before scheduling: an aborted request is not admitted
                 touched[seq.request_id] = seq
 
     # -- adapters ------------------------------------------------------------------------------

@@ -3,7 +3,10 @@
 Per step the host builds plain lists (token ids, positions, cache slots, block tables, sequence
 lengths, query offsets, adapter slots, logits rows), copies them to the device in one transfer
 through a reusable pinned buffer, sets the adapter mapping once for all LoRA layers, runs the
-model once with every token packed into one row, and reads the sampled tokens back.
+model once with every token packed into one row, and samples; it returns without waiting for the
+GPU (`LaunchedStep`: the engine reads the tokens back once the next step is queued, so the host
+work between steps overlaps the GPU's). A decode whose input token is that not-yet-read token
+takes its id on the device from the last step's sampled tokens (`fill_pending`).
 
 On CUDA the model's decoder layer is compiled with ``torch.compile`` (regional compilation: one
 graph every layer shares, see `loramux.engine.compilation`; elementwise chains of the modeling
@@ -19,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +33,12 @@ from loramux.engine.cuda_graphs import StepGraphs, graph_batch_sizes, graph_toke
 from loramux.engine.forward_context import AttentionMetadata, forward_context
 from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
 from loramux.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
-from loramux.engine.sampler import Sampler
+from loramux.engine.sampler import Sampler, SamplerOutput
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
 from loramux.kernels.dispatch import uses_triton
 
-__all__ = ["ModelRunner", "StepShape", "graph_batch_sizes", "graph_token_sizes"]
+__all__ = ["LaunchedStep", "ModelRunner", "StepShape", "graph_batch_sizes", "graph_token_sizes"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,29 @@ class StepShape:
     graph: bool  # replayed a CUDA graph
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose GPU work is queued, not awaited: the sequences it samples a token for, in
+    row order, and their tokens (``sampled``, with the logprobs of the rows that asked). On CUDA
+    the tokens are copied to page-locked host memory behind the step (``host_tokens``, there once
+    ``copied`` completes), so reading them waits for this step alone, never for one queued after."""
+
+    seqs: list[Sequence]
+    sampled: SamplerOutput | None
+    host_tokens: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    def token_ids(self) -> list[int]:
+        """The sampled tokens, row by row, on the host: waits for the step's GPU work."""
+        if not self.seqs:
+            return []
+        if self.copied is not None:
+            self.copied.synchronize()
+        return (self.host_tokens if self.host_tokens is not None else self.sampled.token_ids).tolist()
+
+
 class ModelRunner:
-    """Owns the model's forward and the KV cache: ``runner.run(batch) -> [(sequence, new token)]``.
+    """Owns the model's forward and the KV cache: ``runner.run(batch) -> LaunchedStep``.
 
     :param model: a Hugging Face causal LM; its attention is switched to ``"loramux"``.
     :param lora_manager: a ``LoRAModelManager`` (``set_mapping``), or None without LoRA.
@@ -118,6 +141,7 @@ class ModelRunner:
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
         self._copied: torch.cuda.Event | None = None  # recorded after the last copy out of _host
         self._queued: torch.cuda.Event | None = None  # recorded after the last step's GPU work
+        self.last_tokens: torch.Tensor | None = None  # what the last step sampled, on the device
         self.graphs: StepGraphs | None = None
         self.last_step: StepShape | None = None  # the last `run`'s shape
         #: start-up seconds by stage ("capture", "warmup"; compile time is in `regions`)
@@ -246,13 +270,14 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, beside: Callable[[], None] | None = None) -> list[tuple[Sequence, int]]:
-        """Compute the scheduled tokens and sample for every sequence whose last token was among them.
+    def run(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Queue the step's GPU work: compute the scheduled tokens and sample for every sequence
+        whose last token is among them. Returns without waiting for it (`LaunchedStep.token_ids`
+        reads the tokens back), so the host can prepare the next step meanwhile.
 
-        Each sequence's GPU slot is ``seq.lora_slot`` (set by the scheduler at admission).
-        ``beside()`` runs once the step's GPU work is queued and before the host waits for the
-        sampled tokens: host work that then overlaps the step instead of delaying it (`computing`
-        tells it whether the GPU still runs the step).
+        Each sequence's GPU slot is ``seq.lora_slot`` (set by the scheduler at admission). A
+        sequence whose last token is pending (sampled by the step launched before this one, not
+        read back) gets that token's id on the device, from that step's sampled tokens.
         """
         tokens = batch.num_tokens
         prompt_tokens = sum(n for seq, n in batch.chunks if seq.num_computed < seq.num_prompt_tokens)
@@ -261,16 +286,16 @@ class ModelRunner:
             inputs = self.graphs.step_inputs(batch.chunks)
             self.last_step = StepShape(len(batch), tokens, prompt_tokens, inputs.num_tokens, graph=True)
             logits = self._on_all_ranks("_replay", inputs)
-            return self._sample(sampled, logits[: len(sampled)], beside)
+            return self._sample(sampled, logits[: len(sampled)])
         self.last_step = StepShape(len(batch), tokens, prompt_tokens, max(tokens, 2), graph=False)
         ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
-        lora_slots, logits, logit_slots, sampled = [], [], [], []
+        lora_slots, logits, logit_slots, sampled, pending = [], [], [], [], ([], [])
         bs = self.block_size
         for seq, n in batch.chunks:
             start, end = seq.num_computed, seq.num_computed + n
             slot = seq.lora_slot
             table = seq.block_table
-            ids.extend(seq.tokens(start, end))
+            seq.add_input_ids(ids, pending, start, end)
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tables.append(table)
@@ -288,33 +313,42 @@ class ModelRunner:
         out = self._on_all_ranks(
             "_forward_packed", ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens,
             query_start=query_start, lora_slots=lora_slots if uses_lora else None, logits=logits,
-            logit_slots=logit_slots if uses_lora else None,
+            logit_slots=logit_slots if uses_lora else None, pending=pending if pending[0] else None,
         )
         if prompt_plan is not None:
             record_prompt_logprobs(out[len(sampled) : len(sampled) + len(prompt_plan.index)], prompt_plan)
-        return self._sample(sampled, out[: len(sampled)], beside)
+        return self._sample(sampled, out[: len(sampled)])
 
     def _replay(self, inputs) -> torch.Tensor:
         return self.graphs.replay(inputs)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor,
-                beside: Callable[[], None] | None = None) -> list[tuple[Sequence, int]]:
-        tokens = self.sampler(logits, seqs).token_ids if seqs else None
-        if beside is not None:
-            if self.device.type == "cuda":
-                self._queued = torch.cuda.Event()
-                self._queued.record()
-            beside()
-        return list(zip(seqs, tokens.tolist())) if seqs else []
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
+        sampled = self.sampler(logits, seqs) if seqs else None
+        self.last_tokens = sampled.token_ids if seqs else None
+        step = LaunchedStep(seqs, sampled)
+        if self.device.type == "cuda":
+            if seqs:  # non_blocking to the CPU: into page-locked memory, queued behind the step
+                step.host_tokens = sampled.token_ids.to("cpu", non_blocking=True)
+            self._queued = step.copied = torch.cuda.Event()
+            self._queued.record()
+        return step
 
     def computing(self) -> bool:
-        """Whether the GPU still runs the last step's work (on the CPU, which runs it before
-        ``beside``: False). Host work beside the step is hidden until then."""
+        """Whether the GPU still runs the last step's work (on the CPU, which runs it as it is
+        queued: False). Host work beside the step is hidden until then."""
         return self._queued is not None and not self._queued.query()
 
+    def fill_pending(self, ids: torch.Tensor, at: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write the pending tokens' ids into a step's token ids on the device: ``ids[at[i]] =``
+        row ``rows[i]`` of the tokens the last step sampled (`Sequence.add_input_ids` left 0 there)."""
+        assert self.last_tokens is not None, "a pending token, but the last step sampled nothing"
+        ids.index_copy_(0, at.long(), self.last_tokens.index_select(0, rows).to(ids.dtype))
+
     def _forward_packed(self, *, ids, positions, slots, tables, seq_lens, query_start, lora_slots, logits,
-                        logit_slots) -> torch.Tensor:
-        """One eager (or compiled, dynamic-shape) forward over the packed step; logits [N, V]."""
+                        logit_slots, pending=None) -> torch.Tensor:
+        """One eager (or compiled, dynamic-shape) forward over the packed step; logits [N, V].
+        ``pending``: the token indices whose ids are still on the device, and their rows in the
+        last step's sampled tokens (`Sequence.add_input_ids`)."""
         # at least 2 tokens and 2 logits rows: size-1 dims would get a compiled graph of their own
         # (dynamo specialises them), which would compile while serving; padding costs nothing
         if len(ids) < 2:
@@ -329,6 +363,8 @@ class ModelRunner:
         fields = [ids, positions, slots, seq_lens, query_start, logits, flat_tables]
         if lora_slots is not None:
             fields += [lora_slots, logit_slots]
+        if pending is not None:
+            fields += list(pending)
         device_fields = self.to_device(fields)
         t_ids, t_pos, t_slots, t_lens, t_qsl, t_logits, t_tables = device_fields[:7]
         if self.lora_manager is not None:
@@ -340,11 +376,14 @@ class ModelRunner:
             k_cache=self.kv.k, v_cache=self.kv.v, slot_mapping=t_slots,
             block_tables=t_tables.view(len(tables), width), seq_lens=t_lens, query_start_loc=t_qsl,
         )
+        # whole tensors, not views of the transfer buffer: the graphs' inputs are whole tensors
+        # too, and the position ids reach every compiled layer, where a view's storage offset
+        # would be guarded (a recompile per offset)
+        t_ids = t_ids.clone()
+        if pending is not None:
+            self.fill_pending(t_ids, *device_fields[-2:])
         with forward_context(metadata):
-            # whole tensors, not views of the transfer buffer: the graphs' inputs are whole tensors
-            # too, and the position ids reach every compiled layer, where a view's storage offset
-            # would be guarded (a recompile per offset)
-            return self._model_forward(t_ids.clone(), t_pos.clone(), t_logits.clone())
+            return self._model_forward(t_ids, t_pos.clone(), t_logits.clone())
 
     def to_device(self, fields: list[list[int]]) -> list[torch.Tensor]:
         """Copy int lists to the device in one transfer through the pinned buffer; views per field."""

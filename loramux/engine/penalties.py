@@ -14,6 +14,8 @@ from collections.abc import Sequence as Seq
 
 import torch
 
+from loramux.engine.device_tensors import device_tensor
+
 __all__ = ["apply_logit_bias", "apply_min_p", "apply_penalties", "block_tokens", "token_counts"]
 
 
@@ -22,7 +24,7 @@ def token_counts(token_lists: Seq[Seq[int]], vocab_size: int, device: torch.devi
     width = max((len(t) for t in token_lists), default=0)
     counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)  # column V takes the padding
     if width:
-        padded = torch.tensor([list(t) + [vocab_size] * (width - len(t)) for t in token_lists], device=device)
+        padded = device_tensor([list(t) + [vocab_size] * (width - len(t)) for t in token_lists], device)
         counts.scatter_add_(1, padded, torch.ones(padded.shape, device=device))
     return counts[:, :vocab_size]
 
@@ -51,8 +53,8 @@ def apply_logit_bias(logits: torch.Tensor, rows: Seq[int], biases: Seq[dict[int,
     index_tokens = [token for bias in biases for token in bias]
     values = [value for bias in biases for value in bias.values()]
     device = logits.device
-    logits.index_put_((torch.tensor(index_rows, device=device), torch.tensor(index_tokens, device=device)),
-                      torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True)
+    logits.index_put_((device_tensor(index_rows, device), device_tensor(index_tokens, device)),
+                      device_tensor(values, device, logits.dtype), accumulate=True)
 
 
 def block_tokens(logits: torch.Tensor, rows: Seq[int], tokens: Seq[Seq[int]]) -> None:
@@ -61,7 +63,7 @@ def block_tokens(logits: torch.Tensor, rows: Seq[int], tokens: Seq[Seq[int]]) ->
     index_tokens = [t for ids in tokens for t in ids]
     if index_rows:
         device = logits.device
-        logits[torch.tensor(index_rows, device=device), torch.tensor(index_tokens, device=device)] = float("-inf")
+        logits[device_tensor(index_rows, device), device_tensor(index_tokens, device)] = float("-inf")
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

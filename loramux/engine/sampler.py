@@ -10,9 +10,9 @@ gets the same tokens whatever else is in the batch.
 
 A batch where no request asks for any of it pays one pass over the params and nothing else.
 
-Every sampled token is appended to its sequence right after, so the sampler also does the
-bookkeeping that belongs to the sampled token: it appends the row's logprobs to
-``seq.output_logprobs`` and advances its grammar (``seq.grammar``).
+The rows' logprobs come back in the output (the engine appends them with the token, once the
+token is read back). A sequence with a grammar is sampled only once its earlier tokens are read
+back (`Sequence.needs_host_tokens`), so the sampler advances its grammar (``seq.grammar``) here.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loramux.engine.device_tensors import device_tensor
 from loramux.engine.logprobs import Logprob, token_logprobs
 from loramux.engine.penalties import apply_logit_bias, apply_min_p, apply_penalties, block_tokens
 from loramux.engine.structured_output import apply_grammar_masks
@@ -73,7 +74,6 @@ class Sampler:
             out.logprobs = [None] * len(seqs)
             for row, entry in zip(rows, entries):
                 out.logprobs[row] = entry
-                seqs[row].output_logprobs.append(entry)
         if any(s.grammar is not None for s in seqs):
             for seq, token in zip(seqs, tokens.tolist()):
                 if seq.grammar is not None:
@@ -89,7 +89,7 @@ class Sampler:
         bias_rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
         if bias_rows:
             apply_logit_bias(logits, bias_rows, [seqs[i].params.logit_bias for i in bias_rows])
-        early = [i for i, s in enumerate(seqs) if len(s.output_token_ids) < s.params.min_tokens]
+        early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         if early:
             block_tokens(logits, early, [self.eos_token_ids + seqs[i].params.stop_token_ids for i in early])
         penalised = [i for i, s in enumerate(seqs) if s.params.has_penalties]
@@ -99,9 +99,9 @@ class Sampler:
                 logits[penalised],
                 [s.prompt_token_ids for s in chosen],
                 [s.output_token_ids for s in chosen],
-                torch.tensor([s.params.presence_penalty for s in chosen], device=device),
-                torch.tensor([s.params.frequency_penalty for s in chosen], device=device),
-                torch.tensor([s.params.repetition_penalty for s in chosen], device=device),
+                device_tensor([s.params.presence_penalty for s in chosen], device),
+                device_tensor([s.params.frequency_penalty for s in chosen], device),
+                device_tensor([s.params.repetition_penalty for s in chosen], device),
             )
         return logits
 
@@ -109,17 +109,17 @@ class Sampler:
         if all(greedy):
             return logits.argmax(dim=-1)
         device = logits.device
-        temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)
+        temperature = device_tensor([p.temperature or 1.0 for p in params], device)
         scaled = logits / temperature[:, None]
         vocab = scaled.shape[-1]
         if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
             scaled = _top_k_top_p(
                 scaled,
-                torch.tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device=device),
-                torch.tensor([p.top_p for p in params], device=device),
+                device_tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device),
+                device_tensor([p.top_p for p in params], device),
             )
         if any(p.min_p for p in params):
-            scaled = apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
+            scaled = apply_min_p(scaled, device_tensor([p.min_p for p in params], device))
         probs = scaled.softmax(dim=-1)
         noise = torch.empty_like(probs)
         for row, generator in enumerate(generators):
@@ -128,11 +128,11 @@ class Sampler:
         seeded = [g is not None for g in generators]
         if not all(seeded):
             shared = torch.empty_like(probs).exponential_(generator=self.generator)
-            mask = torch.tensor(seeded, device=device)[:, None]
+            mask = device_tensor(seeded, device)[:, None]
             noise = torch.where(mask, noise, shared)
         sampled = (probs / noise).argmax(dim=-1)
         if any(greedy):
-            sampled = torch.where(torch.tensor(greedy, device=device), logits.argmax(dim=-1), sampled)
+            sampled = torch.where(device_tensor(greedy, device), logits.argmax(dim=-1), sampled)
         return sampled
 
 

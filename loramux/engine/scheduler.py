@@ -45,6 +45,12 @@ adapters (on an H100, admission-time placements made the slowest steps of a 1,00
   whose weights are usually already there (prefetched).
 
 A step holds at most ``max_loras`` distinct adapters, counting the ones the user pinned to the GPU.
+
+Async scheduling: the engine schedules a step before the last one's tokens are read back, so a
+running sequence may end in a token the host does not know yet (``seq.num_pending``). It decodes
+that token like any other (the device fills in its id), unless it reaches ``max_tokens`` or
+``max_model_len``: then it finishes once the token arrives and is not scheduled again. A
+preempted sequence is readmitted only once its pending token has arrived.
 """
 
 from __future__ import annotations
@@ -115,6 +121,8 @@ class Scheduler:
     :param is_placed: whether a handle's weights are in a GPU slot already; a request whose
         adapter has room but is not placed waits for the engine to copy it there (the default:
         always placed, so ``on_adapter_start`` places it).
+    :param max_model_len: the longest sequence (None: no limit); a sequence whose pending tokens
+        reach it is not scheduled again.
     """
 
     def __init__(
@@ -131,6 +139,7 @@ class Scheduler:
         has_room_for: Callable[[AdapterHandle], bool] = lambda handle: True,
         fits_beside_pinned: Callable[[AdapterHandle, set[int]], bool] = lambda handle, pinned: True,
         is_placed: Callable[[AdapterHandle], bool] = lambda handle: True,
+        max_model_len: int | None = None,
     ) -> None:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence must fit one decode token"
         self.blocks = block_manager
@@ -144,6 +153,7 @@ class Scheduler:
         self.has_room_for = has_room_for
         self.fits_beside_pinned = fits_beside_pinned
         self.is_placed = is_placed
+        self.max_model_len = max_model_len if max_model_len is not None else float("inf")
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
         self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
@@ -211,6 +221,8 @@ class Scheduler:
         for seq in list(self.running):  # decodes first: every running decode advances each step
             if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed != 1:
                 continue  # preempted in this loop, or still prefilling
+            if seq.will_finish(self.max_model_len):
+                continue  # its last token is sampled already (pending): it finishes when that arrives
             while not self.blocks.can_append(seq):
                 victim = self.running[-1]  # the newest; maybe seq itself
                 self._preempt(victim)
@@ -239,8 +251,10 @@ class Scheduler:
         pinned = self.user_pinned()
         self._mark_draining(in_slots, pinned)
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs or not self.blocks.can_allocate(seq):
-                break  # capacity is first come first served
+            if budget <= 0 or len(self.running) >= self.max_num_seqs or seq.num_pending:
+                break  # capacity is first come first served; a preempted sequence needs its last token
+            if not self.blocks.can_allocate(seq):
+                break
             handle = seq.handle
             if handle is not None:
                 if handle.id not in pinned:  # a pinned adapter's requests never wait for a slot
@@ -337,10 +351,13 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Release what ``seq`` holds (its blocks, its adapter reference); it is already finished.
-        A sequence the scheduler does not hold (aborted while its adapter loaded) is a no-op."""
+        A sequence the scheduler does not hold (aborted while its adapter loaded) is a no-op.
+        Its full blocks of computed tokens stay hittable (with async scheduling the one its last
+        decode filled was not registered yet)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:
+            self.blocks.cache_full_blocks(seq, min(seq.num_computed, seq.num_tokens))
             self._stop(seq)
         else:
             return

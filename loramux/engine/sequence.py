@@ -36,6 +36,11 @@ class Sequence:
     prefix cache. ``cache_salt`` is the adapter's identity in prefix-cache hashes (its content
     digest; None for the base model). ``handle`` is the adapter it runs with: the one its name
     was bound to when it was resolved, kept to the end even if the name is rebound meanwhile.
+
+    ``num_pending`` counts the tokens a launched step samples that the host has not read back
+    yet (async scheduling: the next step is launched first). They count in ``num_tokens``, so the
+    next step computes the newest one, whose id the device takes from row ``pending_row`` of the
+    step's sampled tokens; `append_token` replaces the oldest with its value.
     """
 
     request_id: str
@@ -64,6 +69,8 @@ class Sequence:
     output_logprobs: SampleLogprobs = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     grammar: GrammarState | None = None  # structured outputs: its place in its grammar
+    num_pending: int = 0  # sampled on the device, not read back yet
+    pending_row: int = -1  # the newest pending token's row in its step's sampled tokens
 
     @property
     def lora_name(self) -> str | None:
@@ -75,7 +82,24 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        """Prompt, output and pending tokens: the length the sequence has once its steps end."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, the pending ones included."""
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling its next token reads the tokens before it on the host (penalties,
+        structured outputs): then no step is launched while one of its tokens is pending."""
+        return self.grammar is not None or self.params.has_penalties
+
+    def will_finish(self, max_model_len: int) -> bool:
+        """Whether its tokens, pending ones included, reach ``max_tokens`` or ``max_model_len``: it
+        finishes once they arrive, whatever they are, so no step need compute past them."""
+        return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
 
     @property
     def num_uncomputed(self) -> int:
@@ -94,6 +118,18 @@ class Sequence:
             return self.output_token_ids[start - n : end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
 
+    def add_input_ids(self, ids: list[int], pending: tuple[list[int], list[int]], start: int, end: int) -> None:
+        """Append the ids of tokens ``[start, end)`` to a step's input ``ids``. A pending last token
+        (its id still on the device) appends 0, and its index in ``ids`` and ``pending_row`` to
+        ``pending``: the runner fills it in on the device (`ModelRunner.fill_pending`)."""
+        known = self.num_tokens - self.num_pending
+        ids.extend(self.tokens(start, min(end, known)))
+        if end > known:  # only a decode of the newest token can be pending: older ones arrived
+            assert end == known + 1 == self.num_tokens, (self.request_id, start, end, self.num_pending)
+            pending[0].append(len(ids))
+            pending[1].append(self.pending_row)
+            ids.append(0)
+
     def block_token_ids(self, index: int, block_size: int) -> list[int]:
         """The token ids of KV block ``index`` (the last one may be partial)."""
         return self.tokens(index * block_size, min((index + 1) * block_size, self.num_tokens))
@@ -102,9 +138,17 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def expect_token(self, row: int) -> None:
+        """A launched step samples its next token, row ``row`` of the step's sampled tokens."""
+        self.num_pending += 1
+        self.pending_row = row
+
     def append_token(self, token: int, eos_token_ids: frozenset[int], max_model_len: int) -> None:
-        """Add a sampled token; finish on EOS, a stop token or string, max_tokens or max_model_len."""
+        """Add a sampled token (the oldest pending one's value, if any is pending); finish on EOS, a
+        stop token or string, max_tokens or max_model_len."""
         self.output_token_ids.append(token)
+        if self.num_pending:
+            self.num_pending -= 1
         params = self.params
         if not params.ignore_eos and token in eos_token_ids:
             self.finish("stop")
@@ -112,11 +156,14 @@ class Sequence:
             self.finish("stop", token)
         elif self.detokenizer is not None and (stop := self.detokenizer.add_token(token)) is not None:
             self.finish("stop", stop)
-        elif len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
+        elif (len(self.output_token_ids) >= params.max_tokens
+              or len(self.prompt_token_ids) + len(self.output_token_ids) >= max_model_len):
             self.finish("length")
 
     def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        """Finish now; a token still pending is dropped (its step's row is ignored)."""
         self.status = SequenceStatus.FINISHED
+        self.num_pending = 0
         self.finish_reason = reason
         self.stop_reason = stop_reason
         if self.detokenizer is not None:

@@ -147,6 +147,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                         help="reuse the KV blocks of a shared prompt prefix, keyed by the adapter's content "
                         "(default: on)")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="launch each step before reading the last one's tokens back, so the host's work "
+                        "between steps overlaps the GPU's (default: on; off under tensor parallelism)")
     engine.add_argument("--enforce-eager", action="store_true",
                         help="no torch.compile and no CUDA graphs (on CUDA both are on by default)")
     engine.add_argument("--compilation", action=argparse.BooleanOptionalAction, default=True,

@@ -113,7 +113,8 @@ def build_engine(
         seed=args.seed, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, compilation=args.compilation, max_graph_tokens=args.max_graph_tokens,
-        cuda_graph_sizes=args.cuda_graph_sizes, tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+        cuda_graph_sizes=args.cuda_graph_sizes, async_scheduling=args.async_scheduling,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
     engine = LLMEngine(config=engine_config)
     config = ServerConfig(
         served_model_names=args.served_model_name or [args.model or engine.model_name],
