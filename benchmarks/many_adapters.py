@@ -105,7 +105,8 @@ def build_engine(args):
                      max_num_seqs=args.max_num_seqs,
                      max_model_len=args.prompt_len + args.output_len + 8,
                      max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
-                     enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes)
+                     enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
+                     async_scheduling=not args.no_async_scheduling)
 
 
 def measure_disk(engine, args, root: Path) -> dict:
@@ -450,6 +451,8 @@ def parse_args(argv=None):
     parser.add_argument("--max-num-seqs", type=int, default=64 if cuda else 16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096 if cuda else 256)
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="read every step's tokens back before the next step (the engine's old loop)")
     parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="T",
                         help="the padded token counts to capture step graphs for (default: the engine's)")
     parser.add_argument("--max-disk-gb", type=float, default=20.0, help="refuse a trace whose files need more")
@@ -499,6 +502,7 @@ def main(argv=None) -> None:
     engine_seconds = time.perf_counter() - engine_started
     vocab = engine.vocab_size
     mode = "eager" if args.enforce_eager or args.device.type != "cuda" else "compiled + graphs"
+    mode += ", synchronous loop" if args.no_async_scheduling else ", async scheduling"
     print(f"{device_name(args.device)}: engine ready in {time.perf_counter() - started:.0f} s ({mode})", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.adapter_dir:
@@ -515,7 +519,7 @@ def main(argv=None) -> None:
         options = {key: getattr(args, key) for key in (
             "dtype", "load_format", "num_requests", "prompt_len", "output_len", "load", "zipf_exponent", "max_loras",
             "max_cpu_loras", "max_gpu_lora_bytes", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
-            "cuda_graph_sizes", "seed")}
+            "no_async_scheduling", "cuda_graph_sizes", "seed")}
         options["gpu_pool_rank_rows"] = engine.lora_manager.pool_units if engine.lora_manager is not None else 0
         options["mix"] = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in args.mix]
         report = {"device": device_name(args.device), "model": _model_label(args),

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import kernel_device_times  # noqa: E402
 from benchmarks.adapter_trace import DEFAULT_MIX, make_trace  # noqa: E402
-from benchmarks.throughput import ALL_SEVEN, random_adapter  # noqa: E402
+from benchmarks.throughput import ALL_SEVEN, QV, random_adapter  # noqa: E402
 from loramux import LoRARequest, SamplingParams  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
 from loramux.engine.model_loader import load_model  # noqa: E402
@@ -177,6 +177,7 @@ def main() -> None:
                              "requests (mixed ranks and targets, Zipf popularity), e.g. 4,1000 (N/seed: other requests "
                              "over the same adapters); max_lora_rank is then the mix's largest rank, as there")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill profiles")
+    parser.add_argument("--qv", action="store_true", help="--adapters' adapters target q and v only (default: all seven)")
     parser.add_argument("--json", type=Path, default=None, help="also write the timelines as JSON")
     args = parser.parse_args()
     if args.ttft:  # runs on the CPU too (embedded model): a check of the script
@@ -187,7 +188,8 @@ def main() -> None:
     counts = [int(n) for n in args.adapters.split(",")]
     model = load_model(args.model, dtype="bfloat16", device="cuda", load_format="dummy")[0]
     vocab = model.config.vocab_size
-    adapters = [random_adapter(model.config, f"a{i}", 16, ALL_SEVEN, 1 + i, "cuda", torch.bfloat16)
+    targets = QV if args.qv else ALL_SEVEN
+    adapters = [random_adapter(model.config, f"a{i}", 16, targets, 1 + i, "cuda", torch.bfloat16)
                 for i in range(max(counts))]
     batches = [("base", [None] * args.batch)]
     batches += [(f"{n} adapter{'s' * (n > 1)}", [LoRARequest(f"a{i % n}", 1 + i % n) for i in range(args.batch)])
@@ -235,10 +237,12 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
             wall_ms[overlapped] = (time.perf_counter() - t0) / 10 * 1e3
+        engine.async_scheduling = False  # replays apart, so the timeline tells each one's span
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
                 engine.step()
             torch.cuda.synchronize()
+        engine.async_scheduling = True
         report += ["", f"== decode, batch {args.batch}, {label}", kernel_table(prof, 5)]
         # the timeline (kernels inside the graph replays, both streams): chrome://tracing or perfetto
         trace = args.out.with_suffix(f".decode-{re.sub(r'[^0-9a-z]+', '-', label)}.trace.json")

@@ -51,27 +51,43 @@ from benchmarks._common import (  # noqa: E402  (ALL_SEVEN, QV, random_adapter: 
 )
 
 class StepTimer:
-    """Wraps the engine's model runner: every step's period (from its launch to the next one's:
-    its GPU work and the host work the GPU did not hide, the loop's real cost per step, with or
-    without async scheduling) and the batch it held."""
+    """Wraps the engine's model runner: every step's period and the batch it held. A step's
+    period runs from the moment the host has the last step's tokens to the moment it has this
+    one's: its GPU work and the host work the GPU did not hide, the loop's real cost per step,
+    with or without async scheduling (where ``run`` returns at once, and the host waits for a
+    step's tokens while the next one computes)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.launches: list[tuple[int, int, float, int]] = []  # (sequences, tokens, launched at, kv tokens)
+        self.launches: list[list] = []  # [sequences, tokens, launched at, kv tokens, tokens read at]
         self.engine = engine
         run = engine.runner.run
 
         def timed(batch):
             kv_tokens = sum(seq.num_computed + n for seq, n in batch.chunks)
-            self.launches.append((len(batch), batch.num_tokens, time.perf_counter(), kv_tokens))
-            return run(batch)
+            launch = [len(batch), batch.num_tokens, time.perf_counter(), kv_tokens, None]
+            self.launches.append(launch)
+            step = run(batch)
+            read = step.token_ids
+
+            def token_ids():
+                tokens = read()
+                launch[4] = time.perf_counter()
+                return tokens
+
+            step.token_ids = token_ids
+            return step
 
         engine.runner.run = timed
 
     def stop(self) -> None:
         """After the workload's last token: ``records`` = (sequences, tokens, seconds, kv tokens)."""
-        ends = [launched for _, _, launched, _ in self.launches[1:]] + [time.perf_counter()]
-        self.records = [(seqs, n, end - launched, kv) for (seqs, n, launched, kv), end in zip(self.launches, ends)]
+        self.records, last = [], None
+        for seqs, n, launched, kv, read in self.launches:
+            if read is not None:  # (a step whose tokens were dropped is never read)
+                self.records.append((seqs, n, read - (launched if last is None else max(last, launched)), kv))
+                last = read
         del self.engine.runner.run  # the class's method again
+
 
 _FRESH = iter(range(1, 1 << 30))  # a new seed for every workload
 

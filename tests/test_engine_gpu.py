@@ -210,7 +210,18 @@ def test_async_scheduling_equals_sync_with_graphs(engine_adapters, monkeypatch):
         monkeypatch.setattr(engine.runner, "fill_pending", lambda *a, _fill=fill: fills.append(1) or _fill(*a))
         results[async_scheduling] = summary(serve(engine, requests))
         assert engine.runner.graph_steps > 10
-    assert results[True] == results[False] and len(fills) > 10
+    # a stop's dropped row changes a step's batch, so the GPU may sum in another order: the
+    # tokens are the same, the logprobs the same to rounding
+    logprobs = {mode: {rid: out[4] for rid, out in results[mode].items()} for mode in results}
+    assert {rid: out[:4] for rid, out in results[True].items()} == {rid: out[:4] for rid, out in results[False].items()}
+    for rid, steps in logprobs[True].items():
+        assert (steps is None) == (logprobs[False][rid] is None)
+        for entry, expected in zip(steps or [], logprobs[False][rid] or []):
+            assert entry.keys() == expected.keys()
+            for token, logprob in entry.items():
+                assert logprob.rank == expected[token].rank
+                assert logprob.logprob == pytest.approx(expected[token].logprob, abs=1e-4)
+    assert len(fills) > 10
     assert results[True]["stop-token"][2] == "stop" and len(results[True]["stop-token"][0]) == 4
     assert results[True]["length"][0] == peft_greedy(engine_adapters["attn"], p[2], 9)
     assert results[True]["all"][0] == peft_greedy(engine_adapters["all"], p[1], 12)

@@ -6,8 +6,10 @@
         for output in engine.step(): ...
 
 Each step: take the requests and aborts that arrived (``add_request`` and ``abort_request`` are
-safe from any thread), collect the adapter loads that finished beside the loop, schedule, run the
-model once, sample, detokenize, check stops. A request naming an adapter that is not loaded waits
+safe from any thread), collect the adapter loads that finished beside the loop, copy queued
+requests' adapters into GPU slots, schedule, launch the model once and its sampling, then read
+back the tokens of the step launched before (async scheduling: the host's work between steps
+overlaps the GPU's), detokenize, check stops. A request naming an adapter that is not loaded waits
 for its load while the others keep decoding; a failed load finishes only that request, with
 ``finish_reason="error"`` and the error. Adapter events ("ready", "failed", "retired") reach
 listeners as they happen (:meth:`LLMEngine.add_event_listener`); the adapter's life from name to
@@ -270,10 +272,12 @@ class LLMEngine:
 
         With async scheduling (the default; not under tensor parallelism) a step launches its GPU
         work and then reads back the tokens of the step launched before it, so the host work
-        between two steps (these tokens' bookkeeping, scheduling and building the next inputs)
-        runs while the GPU computes: the tokens a call returns are those of the previous launch.
-        A running request whose sampling reads its earlier tokens on the host (penalties,
-        structured outputs) makes the step read them back before scheduling, as without it.
+        between two steps (these tokens' bookkeeping, copying queued adapters into GPU slots,
+        scheduling and building the next inputs) runs while the GPU computes: the tokens a call
+        returns are those of the previous launch, and a request whose adapter this call copies
+        is admitted in it. A running request whose sampling reads its earlier tokens on the host
+        (penalties, structured outputs) makes the step read them back before scheduling, as
+        without it; then the adapters are copied beside the step launched.
         """
         with self._step_lock:
             touched: dict[str, Sequence] = {}
@@ -286,42 +290,46 @@ class LLMEngine:
             if previous is not None and not self._overlaps():
                 self._receive(previous, touched)  # the tokens first: this step's sampling reads them
                 previous = None
+            if previous is not None:  # admission below can take what this copies
+                self._prefetch(beside_step=True)  # while the GPU computes the step in flight
             batch = self.scheduler.schedule()
-            if not len(batch) and previous is not None:  # all that runs waits on those tokens
-                self._receive(previous, touched)
-                previous = None
+            if not len(batch):  # nothing runs until tokens arrive or adapters take slots
+                if previous is not None:
+                    self._receive(previous, touched)
+                    previous = None
+                self._prefetch(beside_step=False)
                 batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
                 touched[seq.request_id] = seq
             self.scheduler.failed.clear()
-            # the adapters of requests still queued go into free GPU slots ahead of their admission,
-            # while the GPU runs this step (its host work, milliseconds an adapter, hides there)
-            prefetch = self.adapters.prefetch if self.adapters is not None else None
             if len(batch):
                 launched = self.runner.run(batch)
                 for seq, n in batch.chunks:
                     seq.num_computed += n
                 for row, seq in enumerate(launched.seqs):
                     seq.expect_token(row)
-                if prefetch is not None:
-                    prefetch(self.runner.computing if self.setup.device.type == "cuda" else None)
-                if previous is not None:
+                if previous is None:
+                    self._prefetch(beside_step=True)  # beside the step just launched
+                else:
                     self._receive(previous, touched)  # while the GPU computes the step just launched
                 if self._overlaps():
                     self._in_flight = launched
                 else:
                     self._receive(launched, touched)
-            else:
-                if prefetch is not None:
-                    prefetch()  # no step to run beside
-                if previous is not None:
-                    self._receive(previous, touched)
             outputs = []
             for seq in touched.values():
                 if seq.is_finished:
                     self._release(seq)
                 outputs.append(seq.to_output())
             return outputs
+
+    def _prefetch(self, *, beside_step: bool) -> None:
+        """Copy the adapters of queued requests into free GPU slots ahead of their admission (the
+        host work, milliseconds an adapter, hides while the GPU computes a step: beyond the first
+        copy only while it does; see `EngineAdapters.prefetch`)."""
+        if self.adapters is not None:
+            computing = beside_step and self.setup.device.type == "cuda"
+            self.adapters.prefetch(self.runner.computing if computing else None)
 
     def _overlaps(self) -> bool:
         """Whether the next step may be launched before this one's tokens are read back."""
