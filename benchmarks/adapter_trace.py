@@ -334,10 +334,11 @@ def _replay_step(engine, pending, records, params, paths, adapter_bytes, start):
     return engine.runner.last_step, ended - began, ended - start, outputs
 
 
-# the parts of `LLMEngine.step` timed apart: (name, the engine's attribute that owns it, method);
-# the prefetch runs inside the forward (beside the GPU's work), so "forward" includes it
+# the parts of `LLMEngine.step` timed apart: (name, the engine's attribute that owns it, or None for
+# the engine, method). "forward" launches a step's GPU work; "receive" waits for a step's tokens (on
+# CUDA with async scheduling, the step before the one just launched) and appends them
 STEP_PHASES = (("collect", "adapters", "collect"), ("prefetch", "adapters", "prefetch"),
-               ("schedule", "scheduler", "schedule"), ("forward", "runner", "run"))
+               ("schedule", "scheduler", "schedule"), ("forward", "runner", "run"), ("receive", None, "_receive"))
 
 
 @contextlib.contextmanager
@@ -347,7 +348,7 @@ def _phases_timed(engine, on: bool):
     spent: dict[str, float] = {}
     wrapped = []
     for name, owner_attr, method in STEP_PHASES if on else ():
-        owner = getattr(engine, owner_attr, None)
+        owner = engine if owner_attr is None else getattr(engine, owner_attr, None)
         if owner is None:
             continue
 

@@ -127,13 +127,13 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert sum(shape.prompt_tokens for shape, _ in steps) >= 30 * 6 and all(s > 0 for _, s in steps)
     assert all(r.error is None and r.output_tokens == 4 for r in records), [r.error for r in records]
     assert all(r.arrival_s <= r.added_s + 1e-3 and r.arrival_s <= r.first_token_s <= r.finish_s for r in records)
-    # each step's phases: the forward ran in every one, and the phases fit inside the step (the
-    # prefetch runs inside the forward)
+    # each step's phases: the forward ran in every one, and the phases fit inside the step
     assert len(phases) == len(steps) and all(p["forward"] > 0 for p in phases)
-    assert all(p.get("prefetch", 0.0) <= p["forward"] for p in phases)
-    assert all(p.get("collect", 0) + p.get("schedule", 0) + p["forward"] <= s + 1e-4 for p, (_, s) in zip(phases, steps))
-    assert not {"run", "schedule", "prefetch", "collect"} & (vars(engine.runner).keys() | vars(engine.scheduler).keys()
-                                                             | vars(engine.adapters).keys())  # unwrapped again
+    assert sum(p.get("receive", 0.0) > 0 for p in phases) >= len(phases) - 1  # (the first reads nothing)
+    assert all(sum(p.values()) <= s + 1e-4 for p, (_, s) in zip(phases, steps))
+    assert not {"run", "schedule", "prefetch", "collect", "_receive"} & (
+        vars(engine).keys() | vars(engine.runner).keys() | vars(engine.scheduler).keys()
+        | vars(engine.adapters).keys())  # unwrapped again
     timed = summarize_steps(steps, phases, slowest=3)
     assert len(timed["slowest"]) == 3 and timed["slowest"][0]["ms"] == max(1e3 * s for _, s in steps)
     summary = summarize(records)
