@@ -871,10 +871,10 @@ def test_triton_interpreter_static_meta_more_tokens_than_slots(mapping, monkeypa
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("meta_kind", ["static", "exact"])
-def test_expand_store_writes_every_row_and_reads_none(impl, meta_kind, monkeypatch):
-    """``store=True`` (the delta buffer of `BaseLayerWithLoRA.lora_delta_forward`, never zeroed):
-    rows whose slot has a rank here get exactly the delta, base rows and rank-0 slots' rows
-    zeros, whatever the buffer held (NaN: never read)."""
+def test_expand_store_overwrites_the_rows_with_an_adapter_without_reading_them(impl, meta_kind, monkeypatch):
+    """``store=True`` (the delta buffer of `BaseLayerWithLoRA.lora_delta_forward`): rows whose slot
+    has a rank here get exactly the delta, whatever they held (NaN: never read); base rows and
+    rank-0 slots' rows are left bit for bit."""
     if impl == "triton" and not INTERPRET:
         pytest.skip("the Triton kernels on the CPU need TRITON_INTERPRET=1")
     monkeypatch.setenv("LORAMUX_KERNELS", impl)
@@ -884,47 +884,17 @@ def test_expand_store_writes_every_row_and_reads_none(impl, meta_kind, monkeypat
     slots[:2] = torch.tensor([0, 1], dtype=torch.int32)  # rank-0 slots' rows too
     meta = build_lora_meta(slots, S, static=meta_kind == "static")
     touched = (slots >= 0) & (ranks[slots.clamp(min=0).long()] > 0)
-    assert touched.any() and (slots < 0).any() and (~touched & (slots >= 0)).any()
-    y = torch.full((T, sum(sizes)), float("nan"))
+    assert touched.any() and (~touched).any()
+    y0 = torch.randn(T, sum(sizes), generator=gen)
+    y0[touched] = float("nan")
+    y = y0.clone()
     lora_expand(y, lora_shrink(x, A, scales, meta, ranks), B, sizes, meta, ranks, store=True)
     delta = torch.zeros(T, sum(sizes), dtype=torch.float64)
     meta64 = build_lora_meta(slots, S)
     reference.lora_expand_ref(delta, reference.lora_shrink_ref(x.double(), A.double(), scales.double(), meta64, ranks),
                               B.double(), sizes, meta64, ranks)
-    assert torch.equal(y[~touched], torch.zeros_like(y[~touched])), "a base or rank-0 row is not zeros"
+    assert torch.equal(bits(y[~touched]), bits(y0[~touched])), "a base or rank-0 row changed"
     assert torch.isfinite(y[touched]).all() and rel_err(y[touched].double(), delta[touched]) < 1e-5
-
-
-@needs_interpreter
-@pytest.mark.parametrize("T, S, block_m", [(40, 2, 16), (64, 32, 32), (5, 8, 16)])
-def test_triton_interpreter_store_grid_covers_the_rest(T, S, block_m, monkeypatch):
-    """A static store's grid holds the rest's tiles for every mapping (all base rows, one slot,
-    every token its own slot, mixed) and writes every row; the static meta's tile counts with the
-    rest equal the exact count."""
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    R, sizes = 4, (8, 16)
-    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, 24, S, R, sizes, torch.float32, seed=3)
-    ranks[:] = R
-    mappings = {
-        "base": torch.full((T,), -1, dtype=torch.int32),
-        "one slot": torch.zeros(T, dtype=torch.int32),
-        "distinct": (torch.arange(T, dtype=torch.int32) % S),
-        "mixed": torch.randint(-1, S, (T,), generator=gen, dtype=torch.int32),
-    }
-    for name, slots in mappings.items():
-        static = build_lora_meta(slots, S, static=True)
-        exact = build_lora_meta(slots, S)
-        assert static.num_tiles(block_m, rest=True) >= exact.num_tiles(block_m, rest=True), name
-        i = (16, 32, 64).index(block_m)
-        assert static.tile_counts[3 + i].item() == exact.num_tiles(block_m, rest=True), name
-        for meta in (static, exact):
-            y = torch.full((T, sum(sizes)), float("nan"))
-            lora_expand(y, lora_shrink(x, A, scales, meta, ranks), B, sizes, meta, ranks, store=True)
-            want = torch.zeros(T, sum(sizes), dtype=torch.float64)
-            reference.lora_expand_ref(want, reference.lora_shrink_ref(x.double(), A.double(), scales.double(), exact,
-                                                                        ranks), B.double(), sizes, exact, ranks)
-            assert torch.isfinite(y).all(), (name, meta.static)
-            assert rel_err(y.double(), want) < 1e-5 or (want == 0).all() and (y == 0).all(), (name, meta.static)
 
 
 @needs_interpreter

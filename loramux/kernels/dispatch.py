@@ -98,7 +98,7 @@ def lora_expand(
     (columns past a slot's rank must be zero padding); ranks: as for lora_shrink.
     Products in float32 (16-bit: buf rounded to the weights' dtype for the tensor cores, as PEFT
     does), summed with y in float32 and rounded once to y's dtype. Rows of slot -1 tokens are left
-    exactly untouched (without ``store``). No host sync: with a fixed meta it can be captured in a CUDA graph.
+    exactly untouched. No host sync: with a fixed meta it can be captured in a CUDA graph.
 
     pdl: launch the Triton kernel with programmatic dependent launch (Hopper on; ignored
     elsewhere and by the torch reference); None takes ``LORAMUX_PDL`` (off unless 1).
@@ -106,9 +106,9 @@ def lora_expand(
     slot s's B as one [N, w] block from element ``pool_starts[s] * N`` of its flat storage, w being
     its rank rounded up to `POOL_ROW_ALIGN` (`pool_rows`), the columns past the rank zero.
     sms: as for lora_shrink.
-    store: ``=`` instead of ``+=``, for a delta buffer of its own: every row is written and none
-    read, the rows of tokens whose slot has a rank on this module with their delta (rounded once
-    to y's dtype), the others with zeros (so the buffer needs no zeroing first).
+    store: ``=`` instead of ``+=``: the rows of tokens whose slot has a rank on this module are
+    overwritten with their delta (rounded once to y's dtype) and never read, the others left as
+    they are: for a delta buffer of its own, zeroed first, which saves reading it.
     """
     if _use_triton(y):
         from .expand import lora_expand_triton

@@ -5,17 +5,11 @@ Grid: tiles x column chunks. A tile is up to BLOCK_M tokens of one slot's segmen
 `group` blocks of BLOCK_N columns inside one slice. A program loads its buf tile once (the whole
 rank), then walks its chunk block by block with the next blocks' y and B already in flight
 (async copies, `num_stages` deep), so y streams through at memory speed. Rows of tokens without
-an adapter are never touched, nor are rows of a slot whose rank is 0 for this module (without
-``store``, below).
+an adapter are never touched, nor are rows of a slot whose rank is 0 for this module.
 
 The grid is linear and tile-major. For a static meta its shape comes from T and the module's
 shape only (`static_expand_config`), so one CUDA graph serves every mapping: the programs of
 tiles past the batch's last one exit after one round of loads.
-
-``store`` (a delta buffer of its own, `BaseLayerWithLoRA.lora_delta_forward`) writes every row:
-the delta, or zeros for the tokens without an adapter (their tiles follow the segments') and
-for slots with rank 0 here, so the buffer needs no zeroing of its own (a kernel, and a second
-write of every row, in each wrapped layer of a step).
 """
 
 from __future__ import annotations
@@ -31,15 +25,15 @@ from .checks import check_expand
 from .metadata import LoRABatchMeta
 from .pool import POOL_ROW_ALIGN
 from .tiles import (DECODE_MAX_TOKENS, POOL_ALIGN, block_m_for, cdiv, dot_precision, next_pow2, pool_width,
-                    resolve_pdl, rest_tile, segment_tile, shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
+                    resolve_pdl, segment_tile, shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
-@triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group", "T"])
+@triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group"])
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, ranks_ptr, pool_ptr, slice_tab_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active, real_tiles_ptr,
-    n_slices, R, n_units, group, T,
+    n_slices, R, n_units, group,
     stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
@@ -47,9 +41,8 @@ def _expand_kernel(
     W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAGED: tl.constexpr,
     EXIT_PAST_TILES: tl.constexpr, STORE: tl.constexpr,
 ):
-    # STORE: y is a delta buffer of its own, written and never read: every row of its T, the delta
-    # for tokens whose slot has a rank on the module, zeros for the rest (the tokens without an
-    # adapter, numbered as tiles after the segments', and rank-0 slots), so it needs no zeroing
+    # STORE: y's rows of tokens with an adapter touching the module are overwritten with the delta
+    # (y is a delta buffer of its own, zeroed before), never read
     # USE_PDL (launched with programmatic dependent launch): the program may start while the
     # kernels just before it (the base GEMM, the shrink) still run. Until `gdc_wait` it reads only
     # what was written before those kernels started (the step's meta, the slice table, the slot
@@ -66,11 +59,6 @@ def _expand_kernel(
                 tl.extra.cuda.gdc_wait()
             return
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
-    zeros = pid_m < 0  # (STORE) this tile's rows get zeros; a runtime False
-    if STORE:
-        if count <= m0:  # past the segments: the rest's tiles
-            start, count, m0 = rest_tile(pid_m, counts_ptr, num_active, T, BLOCK_M, A_PAD)
-            zeros = pid_m >= 0
     if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
         if USE_PDL:
             tl.extra.cuda.gdc_wait()
@@ -78,13 +66,10 @@ def _expand_kernel(
     rank = R
     if HAS_RANKS:
         rank = tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
-        if STORE:
-            zeros = zeros | (rank <= 0)
-        else:
-            if rank <= 0:  # the slot's adapter does not touch this module: y stays bit-exact
-                if USE_PDL:
-                    tl.extra.cuda.gdc_wait()
-                return
+        if rank <= 0:  # the slot's adapter does not touch this module: y stays bit-exact
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            return
 
     # slice table: [2, SL_PAD] int32 = (sizes, offsets); find this unit's slice and chunk
     chunk = BLOCK_N * group
@@ -107,20 +92,6 @@ def _expand_kernel(
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
     if USE_PDL:  # buf (the shrink's) and y (the base GEMM's) are read only past this point
         tl.extra.cuda.gdc_wait()
-    n_end = tl.minimum(n_i, c0 + chunk)  # this program's columns: [c0, n_end) of slice i
-    if Y_VEC > 1:  # a no-op that proves the column mask uniform per vector, so y's loads pipeline
-        n_end = (n_end // Y_VEC) * Y_VEC
-    n_loc = c0 + tl.arange(0, BLOCK_N)  # [BN] columns of this block within the slice
-    # y: [T, N] gathered rows
-    y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
-    if STORE:
-        if zeros:
-            for j in range(0, n_blocks):
-                tl.store(y_ptrs, tl.zeros([BLOCK_M, BLOCK_N], dtype=y_ptr.dtype.element_ty),
-                         mask=m_mask[:, None] & (n_loc < n_end)[None, :])
-                n_loc += BLOCK_N
-                y_ptrs += BLOCK_N * stride_yn
-            return
     offs_r = tl.arange(0, BLOCK_R)
     # buf: [T, n_slices*R] f32, slice i at columns i*R; loaded once, reused for every block
     hb = tl.load(buf_ptr + tok[:, None] * stride_bm + (i * R + offs_r)[None, :] * stride_bk,
@@ -137,11 +108,17 @@ def _expand_kernel(
     if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
         hb = hb.to(b_ptr.dtype.element_ty)
 
+    n_end = tl.minimum(n_i, c0 + chunk)  # this program's columns: [c0, n_end) of slice i
+    if Y_VEC > 1:  # a no-op that proves the column mask uniform per vector, so y's loads pipeline
+        n_end = (n_end // Y_VEC) * Y_VEC
+    n_loc = c0 + tl.arange(0, BLOCK_N)  # [BN] columns of this block within the slice
     if PAGED:
         w_ptrs = w_base + (off_i + n_loc)[:, None] * stride_wn + offs_r[None, :]
     else:  # B[slot]: [N, R]
         w_ptrs = (b_ptr + slot.to(tl.int64) * stride_ws + (off_i + n_loc)[:, None] * stride_wn
                   + offs_r[None, :] * stride_wk)
+    # y: [T, N] gathered rows
+    y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
     # an explicit pipeline depth makes the compiler stream y (not only B) through shared memory
     # with async copies, several blocks ahead
     for j in tl.range(0, n_blocks, num_stages=STAGES):
@@ -245,16 +222,15 @@ def _slice_table(slice_sizes: tuple[int, ...], device: torch.device) -> tuple[to
 
 def expand_launch(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
                   device: torch.device, config: ExpandConfig | None = None,
-                  sms: int | None = None, store: bool = False) -> tuple[ExpandConfig, tuple[int], int]:
-    """(config, grid, work units per tile) of the launch `lora_expand_triton` makes (``store``: its
-    grid has tiles for the rest too). For a static meta it depends on (T, S, slice sizes, R,
-    dtype, device) only: tests compare it across mappings."""
+                  sms: int | None = None) -> tuple[ExpandConfig, tuple[int], int]:
+    """(config, grid, work units per tile) of the launch `lora_expand_triton` makes. For a static
+    meta it depends on (T, S, slice sizes, R, dtype, device) only: tests compare it across mappings."""
     cfg = config or expand_config(meta, slice_sizes, R, dtype, device, sms)
-    key = ("expand_launch", slice_sizes, cfg, store)
+    key = ("expand_launch", slice_sizes, cfg)
     hit = meta._cache.get(key)
     if hit is None:  # per step and module shape
         n_units = sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes)
-        hit = (cfg, (meta.num_tiles(cfg.block_m, rest=store) * n_units,), n_units)
+        hit = (cfg, (meta.num_tiles(cfg.block_m) * n_units,), n_units)
         meta._cache[key] = hit
     return hit
 
@@ -281,14 +257,12 @@ def lora_expand_triton(
     slice_sizes = tuple(slice_sizes)
     n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, pool_starts=pool_starts)
     if R == 0:
-        if store:
-            y.zero_()
         return
-    cfg, grid, n_units = expand_launch(meta, slice_sizes, R, y.dtype, y.device, config, sms, store)
+    cfg, grid, n_units = expand_launch(meta, slice_sizes, R, y.dtype, y.device, config, sms)
     if grid[0] == 0:
         return
     tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
-    real_tiles = meta.real_tiles(cfg.block_m, rest=store)
+    real_tiles = meta.real_tiles(cfg.block_m)
     sy, sb = y.stride(), buf.stride()
     # a pool [U, N] holds each slot's [N, width] block from element start * N: stride_ws is N
     sw = lora_b.stride() if pool_starts is None else (lora_b.shape[1], 0, 1)
@@ -305,7 +279,7 @@ def lora_expand_triton(
         y, buf, lora_b, ranks if ranks is not None else tab, pool_starts if pool_starts is not None else tab, tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         real_tiles if real_tiles is not None else tab,
-        n_slices, R, n_units, cfg.group, meta.num_tokens,
+        n_slices, R, n_units, cfg.group,
         sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
         A_PAD=slot_lanes(meta), SL_PAD=sl_pad,

@@ -66,9 +66,8 @@ class LoRABatchMeta:
     active_counts_host: tuple[int, ...]
     active_starts_host: tuple[int, ...]
     static: bool = False
-    # static metas: [2 * len(STATIC_TILE_HEIGHTS)] int32 on the device, the batch's real tiles at
-    # each height, then the same with the rest (the tokens without an adapter) as one more
-    # segment, so a static grid's programs past them exit on one scalar load
+    # static metas: [len(STATIC_TILE_HEIGHTS)] int32 on the device, the batch's real tiles at
+    # each height, so a static grid's programs past them exit on one scalar load
     tile_counts: torch.Tensor | None = None
     # per-launcher caches keyed by tile height (tile counts); filled lazily, host-only
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -77,30 +76,23 @@ class LoRABatchMeta:
     def device(self) -> torch.device:
         return self.token_slots.device
 
-    def num_tiles(self, block_m: int, rest: bool = False) -> int:
-        """Number of [block_m]-token tiles when every slot's segment is tiled separately; with
-        ``rest``, the tokens without an adapter are one more segment (a launch that writes every
-        row). A static meta's count bounds every mapping's."""
-        key = ("tiles", block_m, rest)
+    def num_tiles(self, block_m: int) -> int:
+        """Number of [block_m]-token tiles when every slot's segment is tiled separately."""
+        key = ("tiles", block_m)
         n = self._cache.get(key)
         if n is None:
             n = sum((c + block_m - 1) // block_m for c in self.active_counts_host)
-            if rest and self.static:  # the worst case over T tokens on num_active slots and the rest
-                n = self.num_active + (self.num_tokens - self.num_active + block_m - 1) // block_m
-            elif rest:
-                n += (self.num_tokens - self.num_lora_tokens + block_m - 1) // block_m
             self._cache[key] = n
         return n
 
-    def real_tiles(self, block_m: int, rest: bool = False) -> torch.Tensor | None:
-        """A static meta's count of real [block_m]-token tiles (``rest``: the rest's included), a
-        [1] int32 device view, when its grid's bound is large enough (`EXIT_PAST_TILES_MIN`) for
-        an early exit to pay; None for an exact meta (its grid holds its tiles only) or a height
-        it did not count."""
+    def real_tiles(self, block_m: int) -> torch.Tensor | None:
+        """A static meta's count of real [block_m]-token tiles, a [1] int32 device view, when its
+        grid's bound is large enough (`EXIT_PAST_TILES_MIN`) for an early exit to pay; None for
+        an exact meta (its grid holds its tiles only) or a height it did not count."""
         if (self.tile_counts is None or block_m not in STATIC_TILE_HEIGHTS
-                or self.num_tiles(block_m, rest) < EXIT_PAST_TILES_MIN):
+                or self.num_tiles(block_m) < EXIT_PAST_TILES_MIN):
             return None
-        i = STATIC_TILE_HEIGHTS.index(block_m) + (len(STATIC_TILE_HEIGHTS) if rest else 0)
+        i = STATIC_TILE_HEIGHTS.index(block_m)
         return self.tile_counts[i : i + 1]
 
     def exact(self) -> "LoRABatchMeta":
@@ -246,8 +238,7 @@ def _static_arrays(token_slots: torch.Tensor, S: int, pad: int
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A static meta's device arrays by torch ops, no host sync (no bincount, no sort): counts by
     a one-hot sum, each token's place in its segment by a one-hot prefix sum. Returns
-    (sorted_token_ids [T], active_slots, active_counts, active_starts [pad], tile_counts [6]: the
-    real tiles at each height, then with the rest)."""
+    (sorted_token_ids [T], active_slots, active_counts, active_starts [pad], tile_counts [3])."""
     T, device = token_slots.numel(), token_slots.device
     slots = token_slots.to(torch.int64)
     key = torch.where((slots < 0) | (slots >= S), torch.full_like(slots, S), slots)  # [T], S = none
@@ -270,6 +261,5 @@ def _static_arrays(token_slots: torch.Tensor, S: int, pad: int
     active_starts = torch.zeros(pad, dtype=torch.int32, device=device)
     active_starts[:S] = starts[order].to(torch.int32)
     heights = 16 << torch.arange(len(STATIC_TILE_HEIGHTS), device=device)  # STATIC_TILE_HEIGHTS
-    tiles = (counts_all[:, None] + heights - 1) // heights  # [S+1, heights]: the rest last
-    tile_counts = torch.cat([tiles[:S].sum(0), tiles.sum(0)]).to(torch.int32)
+    tile_counts = ((counts[:, None] + heights - 1) // heights).sum(0).to(torch.int32)
     return sorted_token_ids, active_slots, active_counts, active_starts, tile_counts

@@ -116,19 +116,17 @@ def lora_expand_ref(
     store: bool = False,
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place
-    (``store``: ``=``, zeros on the rows without a delta; see `loramux.kernels.lora_expand`).
+    (``store``: ``=``, on the rows of slots with a rank here; see `loramux.kernels.lora_expand`).
 
     y: [T, sum(slice_sizes)] (any strides); buf: [T, n_slices*R] float32; lora_b: [S, sum(n_i), R],
     or a pool [U, sum(n_i)] holding a [sum(n_i), width] block per slot from ``pool_starts``
     (`loramux.kernels.pool`).
     The sum is formed in float32 (float64 for float64 y) and rounded once to y's dtype; rows of
-    slot -1 tokens are not touched (without ``store``).
+    slot -1 tokens are not touched.
     """
     slice_sizes = tuple(slice_sizes) if isinstance(slice_sizes, list) else slice_sizes
     n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=REF_DTYPES, pool_starts=pool_starts)
     meta = meta.exact()
-    if store:
-        y.zero_()
     if meta.num_active == 0 or R == 0:
         return
     acc = _acc_dtype(y)

@@ -88,28 +88,23 @@ def _static_meta_kernel(slots_ptr, sorted_ptr, act_slots_ptr, act_counts_ptr, ac
     tl.store(act_slots_ptr + pads, zeros + first, mask=past)
     tl.store(act_counts_ptr + pads, zeros, mask=past)
     tl.store(act_starts_ptr + pads, zeros, mask=past)
-    # real tiles at the static heights (metadata.STATIC_TILE_HEIGHTS: 16, 32, 64), then with the
-    # rest (lane S: the tokens without an adapter) as one more segment
+    # real tiles at the static heights (metadata.STATIC_TILE_HEIGHTS: 16, 32, 64)
     c = tl.where(real, counts, 0)
     tl.store(tiles_ptr + 0, tl.sum((c + 15) // 16, 0))
     tl.store(tiles_ptr + 1, tl.sum((c + 31) // 32, 0))
     tl.store(tiles_ptr + 2, tl.sum((c + 63) // 64, 0))
-    c = tl.where(lanes <= S, counts, 0)
-    tl.store(tiles_ptr + 3, tl.sum((c + 15) // 16, 0))
-    tl.store(tiles_ptr + 4, tl.sum((c + 31) // 32, 0))
-    tl.store(tiles_ptr + 5, tl.sum((c + 63) // 64, 0))
 
 
 def static_meta_arrays(token_slots: torch.Tensor, num_slots: int, pad: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_token_ids [T], active_slots, active_counts, active_starts [pad], tile_counts [6]),
+    """(sorted_token_ids [T], active_slots, active_counts, active_starts [pad], tile_counts [3]),
     all int32, as `metadata._build_static_meta` lays them out; one launch, no host sync."""
     T, device = token_slots.numel(), token_slots.device
     assert pad >= num_slots, (pad, num_slots)
     slots = token_slots.to(torch.int32)
     sorted_ids = torch.empty(T, dtype=torch.int32, device=device)
     active = torch.empty(3, pad, dtype=torch.int32, device=device)
-    tiles = torch.empty(6, dtype=torch.int32, device=device)
+    tiles = torch.empty(3, dtype=torch.int32, device=device)
     _static_meta_kernel[(1,)](slots, sorted_ids, active[0], active[1], active[2], tiles, T, num_slots, pad,
                               BLOCK_T=BLOCK_T, S_PAD=next_pow2(num_slots + 1), P_PAD=next_pow2(pad), num_warps=4)
     return sorted_ids, active[0], active[1], active[2], tiles

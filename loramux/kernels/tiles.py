@@ -52,18 +52,6 @@ def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
     return slot, start, count, (pid_m - first_tile) * BLOCK_M
 
 
-@triton.jit
-def rest_tile(pid_m, counts_ptr, num_active, T, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
-    """For a tile past the segments' last one: (start, count, first row) of the rest, the tokens
-    without an adapter, which sorted_token_ids holds after every segment (a launch that writes
-    every row numbers their tiles after the segments'). count <= first row: past them too."""
-    a_idx = tl.arange(0, A_PAD)
-    cnt = tl.load(counts_ptr + a_idx, mask=a_idx < num_active, other=0)  # [A_PAD]
-    segment_tiles = tl.sum((cnt + BLOCK_M - 1) // BLOCK_M, 0)
-    adapter_tokens = tl.sum(cnt, 0)
-    return adapter_tokens, T - adapter_tokens, (pid_m - segment_tiles) * BLOCK_M
-
-
 def slot_lanes(meta: LoRABatchMeta) -> int:
     """`segment_tile`'s A_PAD: lanes enough for every active slot of the batch, of which there are
     at most min(S, T) (a static meta too). Sized from S alone, a decode step of 64 tokens with

@@ -497,8 +497,8 @@ class BaseLayerWithLoRA(nn.Module):
         On CUDA the delta is computed on the side stream while the main stream runs the base
         GEMM, which leaves `lora_sms_beside` multiprocessors to it (`gemm_carveout`):
 
-            main:  alloc buf, delta ─┬─ base GEMM (carveout) ─────────────── wait(side) ─ return
-            side:                    └─ wait(main) ─ shrink ─ expand (store) ─┘
+            main:  alloc buf, delta ─┬─ base GEMM (carveout) ─────────────────── wait(side) ─ return
+            side:                    └─ wait(main) ─ zero delta ─ shrink ─ expand (store) ─┘
 
         Every fork is joined before the op returns, so a CUDA-graph capture gets a parallel
         branch that ends inside the layer. Elsewhere (tests) the same kernels run in order.
@@ -517,8 +517,8 @@ class BaseLayerWithLoRA(nn.Module):
             main, side = streams
             side.wait_stream(main)  # x is made on the main stream
         with torch.cuda.stream(side) if streams is not None else nullcontext():
-            # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only;
-            # the expand writes every row of delta (zeros where no adapter of the step touches it)
+            # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only
+            delta.zero_()  # rows of tokens without an adapter here stay zero
             lora_shrink(self._lora_input(x), self.lora_a_pool, self.lora_scales, meta, self.lora_ranks, out=buf,
                         pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank, sms=sms)
             lora_expand(delta, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
