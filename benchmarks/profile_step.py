@@ -178,6 +178,8 @@ def main() -> None:
                              "over the same adapters); max_lora_rank is then the mix's largest rank, as there")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill profiles")
     parser.add_argument("--qv", action="store_true", help="--adapters' adapters target q and v only (default: all seven)")
+    parser.add_argument("--sampled", action="store_true",
+                        help="decode with temperature 0.8, top-p 0.9 and 5 logprobs a token (default: greedy)")
     parser.add_argument("--json", type=Path, default=None, help="also write the timelines as JSON")
     args = parser.parse_args()
     if args.ttft:  # runs on the CPU too (embedded model): a check of the script
@@ -217,7 +219,8 @@ def main() -> None:
     prompts = torch.randint(1, vocab, (args.batch, 128), generator=torch.Generator().manual_seed(0)).tolist()
     timelines = {}
     for label, loras in batches:
-        params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        params = (SamplingParams(temperature=0.8, top_p=0.9, logprobs=5, max_tokens=100, ignore_eos=True)
+                  if args.sampled else SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         for i, (p, lora) in enumerate(zip(prompts, loras)):
             engine.add_request(f"{label}{i}", {"prompt_token_ids": p}, params, lora)
         for _ in range(20):  # prefill, then decode steps

@@ -338,8 +338,9 @@ class LLMEngine:
     def _receive(self, step: LaunchedStep, touched: dict[str, Sequence]) -> None:
         """Read a launched step's tokens back (waiting for its GPU work) and append them; a
         sequence that finished meanwhile (a stop in the step before, an abort) drops its token."""
-        logprobs = step.sampled.logprobs if step.seqs else None
-        for row, (seq, token) in enumerate(zip(step.seqs, step.token_ids())):
+        tokens = step.token_ids()  # waits for the step: its logprobs are on the host then too
+        logprobs = step.sampled.row_logprobs() if step.seqs else None
+        for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
             if seq.is_finished:
                 continue
             if logprobs is not None and logprobs[row] is not None:

@@ -56,6 +56,6 @@ def record_prompt_logprobs(logits: torch.Tensor, plan: PromptLogprobPlan) -> Non
     if not plan.targets:
         return
     next_tokens = torch.tensor([seq.prompt_token_ids[p + 1] for seq, p in plan.targets], device=logits.device)
-    entries = token_logprobs(logits, next_tokens, [seq.params.prompt_logprobs for seq, _ in plan.targets])
+    entries = token_logprobs(logits, next_tokens, [seq.params.prompt_logprobs for seq, _ in plan.targets]).entries()
     for (seq, position), entry in zip(plan.targets, entries):
         seq.prompt_logprobs[position + 1] = entry  # by position: a recomputed chunk rewrites the same

@@ -10,20 +10,20 @@ gets the same tokens whatever else is in the batch.
 
 A batch where no request asks for any of it pays one pass over the params and nothing else.
 
-The rows' logprobs come back in the output (the engine appends them with the token, once the
-token is read back). A sequence with a grammar is sampled only once its earlier tokens are read
+The rows' logprobs come back in the output, copied to the host behind the step like its tokens
+(the engine appends them with the token, once the token is read back). A sequence with a grammar is sampled only once its earlier tokens are read
 back (`Sequence.needs_host_tokens`), so the sampler advances its grammar (``seq.grammar``) here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from loramux.engine.device_tensors import device_tensor
-from loramux.engine.logprobs import Logprob, token_logprobs
+from loramux.engine.logprobs import Logprob, TokenLogprobs, token_logprobs
 from loramux.engine.penalties import apply_logit_bias, apply_min_p, apply_penalties, block_tokens
 from loramux.engine.structured_output import apply_grammar_masks
 
@@ -32,10 +32,21 @@ __all__ = ["Sampler", "SamplerOutput"]
 
 @dataclass
 class SamplerOutput:
-    """The step's new tokens, and the logprobs of the rows that asked (None elsewhere)."""
+    """The step's new tokens, and the logprobs of the rows that asked (``logprob_rows``), on their
+    way to the host: read them with `row_logprobs` once the step's tokens are read."""
 
     token_ids: torch.Tensor  # [B] int64
-    logprobs: list[dict[int, Logprob] | None] | None = None
+    logprobs: TokenLogprobs | None = None
+    logprob_rows: list[int] = field(default_factory=list)
+
+    def row_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """Per row, its logprobs entry (None for a row that did not ask); None if none asked."""
+        if self.logprobs is None:
+            return None
+        out: list[dict[int, Logprob] | None] = [None] * len(self.token_ids)
+        for row, entry in zip(self.logprob_rows, self.logprobs.entries()):
+            out[row] = entry
+        return out
 
 
 class Sampler:
@@ -70,10 +81,10 @@ class Sampler:
         out = SamplerOutput(tokens)
         if any(wants_logprobs):
             rows = [i for i, w in enumerate(wants_logprobs) if w]
-            entries = token_logprobs(raw[rows], tokens[rows], [params[i].logprobs for i in rows])
-            out.logprobs = [None] * len(seqs)
-            for row, entry in zip(rows, entries):
-                out.logprobs[row] = entry
+            index = device_tensor(rows, logits.device)
+            out.logprobs = token_logprobs(raw[index], tokens[index], [params[i].logprobs for i in rows],
+                                          non_blocking=True)
+            out.logprob_rows = rows
         if any(s.grammar is not None for s in seqs):
             for seq, token in zip(seqs, tokens.tolist()):
                 if seq.grammar is not None:
