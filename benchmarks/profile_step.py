@@ -177,7 +177,8 @@ def main() -> None:
                              "requests (mixed ranks and targets, Zipf popularity), e.g. 4,1000 (N/seed: other requests "
                              "over the same adapters); max_lora_rank is then the mix's largest rank, as there")
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill profiles")
-    parser.add_argument("--qv", action="store_true", help="--adapters' adapters target q and v only (default: all seven)")
+    parser.add_argument("--qv", action="store_true",
+                        help="--adapters' adapters target q and v only (default: all seven)")
     parser.add_argument("--sampled", action="store_true",
                         help="decode with temperature 0.8, top-p 0.9 and 5 logprobs a token (default: greedy)")
     parser.add_argument("--json", type=Path, default=None, help="also write the timelines as JSON")

@@ -513,7 +513,8 @@ def markdown(result: dict) -> str:
         if over_sync:
             lines += ["", "Async scheduling over the synchronous loop, same engine, medians over the rounds:", "",
                       "| workload | tokens/s, async / sync | decode step, async / sync |", "| --- | ---: | ---: |"]
-            lines += [f"| {label} | {r['tokens_per_s']:.3f}x | {r['decode_step_ms']:.3f}x |" for label, r in over_sync.items()]
+            lines += [f"| {label} | {r['tokens_per_s']:.3f}x | {r['decode_step_ms']:.3f}x |"
+                      for label, r in over_sync.items()]
     extras = {k: result.get(k) for k in ("prefill_tokens_per_s", "ttft_ms", "startup", "num_gpu_blocks",
                                         "concurrent_1k_requests_at_32k", "kv_blocks_tokens", "cold_adapter_bytes")}
     lines += ["", "```", json.dumps({k: v for k, v in extras.items() if v is not None}, indent=1), "```"]

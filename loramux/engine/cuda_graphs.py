@@ -62,8 +62,9 @@ class StepInputs:
     """One replay's inputs, on the host: the padded token count, the flattened fields and block
     tables (`StepGraphs._host_fields`), the adapter slots in use and the graph variant that
     serves them (`BASE`, `LORA`, `LORA_SMALL_GEMMS`), and the tokens whose ids are pending (their
-    indices, and their rows in the last step's sampled tokens: `Sequence.add_input_ids`). Plain values, so
-    a tensor-parallel driver can send them to its workers, whose graphs replay the same step."""
+    indices, and their rows in the last step's sampled tokens: `Sequence.add_input_ids`). Plain
+    values, so a tensor-parallel driver can send them to its workers, whose graphs replay the
+    same step."""
 
     num_tokens: int
     num_seqs: int
@@ -147,10 +148,11 @@ class StepGraphs:
         return LORA
 
     def _host_fields(self, chunks: list[tuple[Sequence, int]], T: int,
-                     pending: tuple[list[int], list[int]] = field(default_factory=lambda: ([], []))) -> list[list[int]]:
+                     pending: tuple[list[int], list[int]]) -> list[list[int]]:
         """The static inputs' values for ``chunks`` padded to ``T`` tokens: the fields' rows
         flattened, then the sequences' block tables' used columns (the kernels read no column past
-        a row's length, and padding rows none). Pending tokens go to ``pending`` (`Sequence.add_input_ids`)."""
+        a row's length, and padding rows none). Pending tokens go to ``pending``
+        (`Sequence.add_input_ids`)."""
         bs = self.runner.block_size
         ids, positions, cache_slots, lora_slots = [], [], [], []
         lens, ends, logits_rows, logits_slots = [], [], [], []

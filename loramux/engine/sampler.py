@@ -11,8 +11,9 @@ gets the same tokens whatever else is in the batch.
 A batch where no request asks for any of it pays one pass over the params and nothing else.
 
 The rows' logprobs come back in the output, copied to the host behind the step like its tokens
-(the engine appends them with the token, once the token is read back). A sequence with a grammar is sampled only once its earlier tokens are read
-back (`Sequence.needs_host_tokens`), so the sampler advances its grammar (``seq.grammar``) here.
+(the engine appends them with the token, once the token is read back). A sequence with a grammar
+is sampled only once its earlier tokens are read back (`Sequence.needs_host_tokens`), so the
+sampler advances its grammar (``seq.grammar``) here.
 """
 
 from __future__ import annotations
