@@ -356,3 +356,22 @@ print("exiting")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and result.stdout.strip() == "exiting", result.stderr
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_request_aborted_while_queued_never_runs(async_scheduling):
+    """Aborted before any step admitted it: it finishes with "abort" and no token, and the engine
+    is empty (it used to be admitted in the same step, and ran to max_tokens)."""
+    eng = LLMEngine(tiny_llama(), enable_lora=False, max_num_seqs=4, max_model_len=64, async_scheduling=async_scheduling)
+    eng.add_request("queued", {"prompt_token_ids": [5, 6, 7]}, GREEDY)
+    eng.add_request("kept", {"prompt_token_ids": [8, 9]}, GREEDY)
+    eng.abort_request("queued")
+    outputs = {}
+    for _ in range(40):
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            outputs[out.request_id] = out
+    assert outputs["queued"].finished and outputs["queued"].outputs[0].finish_reason == "abort"
+    assert outputs["queued"].outputs[0].token_ids == []
+    assert len(outputs["kept"].outputs[0].token_ids) == 10 and not eng.scheduler.running and not eng.scheduler.waiting
