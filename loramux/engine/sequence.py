@@ -83,7 +83,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         """Prompt, output and pending tokens: the length the sequence has once its steps end."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+        return self.num_known_tokens + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids the host has (all but the pending ones)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -122,7 +127,7 @@ class Sequence:
         """Append the ids of tokens ``[start, end)`` to a step's input ``ids``. A pending last token
         (its id still on the device) appends 0, and its index in ``ids`` and ``pending_row`` to
         ``pending``: the runner fills it in on the device (`ModelRunner.fill_pending`)."""
-        known = self.num_tokens - self.num_pending
+        known = self.num_known_tokens
         ids.extend(self.tokens(start, min(end, known)))
         if end > known:  # only a decode of the newest token can be pending: older ones arrived
             assert end == known + 1 == self.num_tokens, (self.request_id, start, end, self.num_pending)
@@ -156,8 +161,7 @@ class Sequence:
             self.finish("stop", token)
         elif self.detokenizer is not None and (stop := self.detokenizer.add_token(token)) is not None:
             self.finish("stop", stop)
-        elif (len(self.output_token_ids) >= params.max_tokens
-              or len(self.prompt_token_ids) + len(self.output_token_ids) >= max_model_len):
+        elif len(self.output_token_ids) >= params.max_tokens or self.num_known_tokens >= max_model_len:
             self.finish("length")
 
     def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
