@@ -76,19 +76,19 @@ def test_a_layer_decides_once_and_again_when_moved(monkeypatch):
     assert not embedding.delta_beside  # its own kernels: base, then its delta, in order
 
 
-@pytest.mark.parametrize(("tokens", "share"), [(1, 0), (8, 0), (16, 8), (32, 8), (48, 3), (256, 3), (512, 0)])
+@pytest.mark.parametrize(("tokens", "sms"), [(1, 0), (8, 0), (16, 16), (32, 16), (48, 88), (256, 88), (512, 0)])
 def test_the_gemm_leaves_the_delta_a_share_of_the_multiprocessors_between_9_and_256_tokens(
-        tokens, share, monkeypatch):
+        tokens, sms, monkeypatch):
     monkeypatch.setattr(side_stream_module, "num_sms", lambda index: 132)
-    assert lora_sms_beside(tokens, torch.device("cuda:0")) == (132 // share if share else 0)
+    assert lora_sms_beside(tokens, torch.device("cuda:0")) == sms  # an eighth, then two thirds
     assert lora_sms_beside(tokens, torch.device("cpu")) == 0
 
 
-@pytest.mark.parametrize(("tokens", "share"), [(8, 0), (32, 8), (64, 8), (256, 8), (512, 0)])
-def test_a_big_gemm_leaves_an_eighth(tokens, share, monkeypatch):
+@pytest.mark.parametrize(("tokens", "sms"), [(8, 0), (32, 16), (64, 44), (256, 44), (512, 0)])
+def test_a_big_gemm_leaves_a_third_past_32_tokens(tokens, sms, monkeypatch):
     monkeypatch.setattr(side_stream_module, "num_sms", lambda index: 132)
     gate_up, o = 4096 * 2 * 14336, 4096 * 4096  # Llama-3.1-8B
-    assert lora_sms_beside(tokens, torch.device("cuda:0"), gate_up) == (132 // share if share else 0)
+    assert lora_sms_beside(tokens, torch.device("cuda:0"), gate_up) == sms
     assert lora_sms_beside(tokens, torch.device("cuda:0"), o) == lora_sms_beside(tokens, torch.device("cuda:0"))
 
 

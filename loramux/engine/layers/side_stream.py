@@ -75,8 +75,8 @@ def beside_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.
 
 
 #: A GEMM reading at least this many weights runs long enough at 33-256 tokens for the delta
-#: beside it to finish on a small share of the multiprocessors (`lora_sms_beside`); on Llama-3.1-8B
-#: shapes gate_up (117M weights) and down (59M) do, qkv (25M) and o (17M) do not.
+#: beside it to finish on a smaller share of the multiprocessors (`lora_sms_beside`); on
+#: Llama-3.1-8B shapes gate_up (117M weights) and down (59M) do, qkv (25M) and o (17M) do not.
 BIG_GEMM_WEIGHTS = 1 << 25
 
 
@@ -95,18 +95,20 @@ def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0
     From the table in this module's docstring: none up to 8 tokens (the GEMM's tail leaves room,
     and the GEMM lost more than the delta gained), an eighth of them up to 32, and none past 256
     tokens, where the GEMM is compute-bound and every multiprocessor counts. At 33-256 tokens the
-    share follows the GEMM's length: a big GEMM (`BIG_GEMM_WEIGHTS`) leaves an eighth, a small one
-    a third. Measured on an H100 (8B, batch 64, decode replay, us; docs/benchmarks/engine-h100.md,
-    tenth session): a quarter everywhere -> an eighth for gate_up and down, one adapter 7,622 ->
-    7,573, 32 adapters 9,078 -> 9,034; then a third for qkv and o, 7,553 -> 7,529 and 9,029 ->
-    8,938 (base 7,071-7,083). gate_up's delta still ends 20 us before its GEMM on an eighth,
-    while o's and qkv's end after theirs; leaving gate_up and down nothing cost 70-330 us a step."""
+    GEMM reads its weights at near full bandwidth on a fraction of the SMs, and the delta's many
+    short programs want the rest: a big GEMM (`BIG_GEMM_WEIGHTS`) leaves a third, a small one two
+    thirds. Measured on an H100 (8B, decode replays, us; docs/benchmarks/engine-h100.md,
+    thirteenth session), from an eighth and a third: batch 64, one adapter on all seven
+    projections 7,666 -> 7,663, 32 adapters 8,882 -> 8,624, q/v adapters 7,456 -> 7,348 (one) and
+    7,950 -> 7,830 (32), a 47-adapter fleet 8,388 -> 8,333 (base 7,186-7,205); batch 128, 32
+    adapters 11,237 -> 10,069. Up to 32 tokens the same shares lost for one and 32 adapters.
+    """
     if device.type != "cuda" or num_tokens <= 8 or num_tokens > 256:
         return 0
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if num_tokens <= 32 or is_big_gemm(gemm_weights):
+    if num_tokens <= 32:
         return sms // 8
-    return sms // 3
+    return sms // 3 if is_big_gemm(gemm_weights) else sms * 2 // 3
 
 
 @contextmanager
