@@ -76,11 +76,11 @@ def test_a_layer_decides_once_and_again_when_moved(monkeypatch):
     assert not embedding.delta_beside  # its own kernels: base, then its delta, in order
 
 
-@pytest.mark.parametrize(("tokens", "sms"), [(1, 0), (8, 0), (16, 16), (32, 16), (48, 88), (256, 88), (512, 0)])
+@pytest.mark.parametrize(("tokens", "sms"), [(1, 0), (8, 0), (16, 44), (32, 44), (48, 88), (256, 88), (512, 0)])
 def test_the_gemm_leaves_the_delta_a_share_of_the_multiprocessors_between_9_and_256_tokens(
         tokens, sms, monkeypatch):
     monkeypatch.setattr(side_stream_module, "num_sms", lambda index: 132)
-    assert lora_sms_beside(tokens, torch.device("cuda:0")) == sms  # an eighth, then two thirds
+    assert lora_sms_beside(tokens, torch.device("cuda:0")) == sms  # a third, then two thirds
     assert lora_sms_beside(tokens, torch.device("cpu")) == 0
 
 
