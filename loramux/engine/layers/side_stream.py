@@ -74,7 +74,7 @@ def beside_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.
     return torch.cuda.current_stream(device), side_stream(device)
 
 
-#: A GEMM reading at least this many weights runs long enough at 33-256 tokens for the delta
+#: A GEMM reading at least this many weights runs long enough at 9-256 tokens for the delta
 #: beside it to finish on a smaller share of the multiprocessors (`lora_sms_beside`); on
 #: Llama-3.1-8B shapes gate_up (117M weights) and down (59M) do, qkv (25M) and o (17M) do not.
 BIG_GEMM_WEIGHTS = 1 << 25
