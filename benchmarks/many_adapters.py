@@ -307,8 +307,11 @@ def check_targets(results: list[dict], disk_bytes_per_s: float, model_bytes: int
         if r["cold_ttft_p50_ms"] is None or r["warm_ttft_p50_ms"] is None:
             continue
         bound = r["warm_ttft_p50_ms"] + 1.5 * 1e3 * r["cold_adapter_bytes_p50"] / disk_bytes_per_s
+        # where a cold TTFT goes: the load (to the "ready" event), then the engine's wait after it
         cold[r["adapters"]] = {"cold_p50_ms": r["cold_ttft_p50_ms"], "bound_ms": bound,
-                               "passed": r["cold_ttft_p50_ms"] <= bound}
+                               "passed": r["cold_ttft_p50_ms"] <= bound,
+                               "load_p50_ms": r.get("cold_ready_p50_ms"),
+                               "after_load_p50_ms": r.get("cold_ready_to_first_token_p50_ms")}
     checks["cold_ttft_bound"] = {"per_n": cold, "passed": all(c["passed"] for c in cold.values()) if cold else None}
     return checks
 

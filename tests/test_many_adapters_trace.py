@@ -143,6 +143,12 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     first_uses = {r.adapter: r for r in reversed(records)}
     assert all(r.cold for r in first_uses.values()) and summary["cold_requests"] >= len(used)
     assert summary["cold_ttft_p50_ms"] is not None and summary["cold_adapter_bytes_p50"] > 0
+    # a cold request's TTFT splits at its adapter's "ready" event: the load, then the engine's wait
+    cold = [r for r in records if r.cold]
+    assert all(r.arrival_s <= r.adapter_ready_s <= r.first_token_s for r in cold)
+    assert 0 < summary["cold_ready_p50_ms"] < summary["cold_ttft_p50_ms"]
+    assert 0 < summary["cold_ready_to_first_token_p50_ms"] < summary["cold_ttft_p50_ms"]
+    assert not engine.adapters.events._listeners  # the trace's listener is gone
     assert engine.registry.cache.stats.evictions > 0 and engine.lora_manager.stats.evictions > 0
     # the adapter of the request that finished last held its slot to the end, and no load came after
     assert is_resident(engine, max(records, key=lambda r: r.finish_s).adapter)
@@ -192,6 +198,11 @@ def test_the_targets_are_judged_on_the_smallest_and_largest_n():
     assert all(check["passed"] for check in met.values())
     # 1 MB at 1 GB/s: the cold bound is warm + 1.5 ms
     assert met["cold_ttft_bound"]["per_n"][1000]["bound_ms"] == pytest.approx(101.5)
+    # and says where a cold TTFT went, where the trace split it
+    split = check_targets([_result(4, 1000.0, 200.0), dict(_result(1000, 960.0, 390.0, cold=101.0),
+                                                           cold_ready_p50_ms=7.0, cold_ready_to_first_token_p50_ms=94.0)], 1e9)
+    assert split["cold_ttft_bound"]["per_n"][1000]["load_p50_ms"] == 7.0
+    assert split["cold_ttft_bound"]["per_n"][1000]["after_load_p50_ms"] == 94.0
     missed = check_targets([_result(4, 1000.0, 200.0), _result(1000, 940.0, 410.0, cold=102.0, failed=1)], 1e9)
     assert not any(check["passed"] for check in missed.values())
     # throughput is judged at saturation where it was measured (Poisson arrivals only show the rate),
