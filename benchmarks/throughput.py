@@ -256,7 +256,8 @@ def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
     most = max(args.adapters)
     workloads = {scenario(n, label): in_turn(group, n, len(prompts)) for label, group in requests.items()
                  for n in (1, most)}
-    modes = {"": True} | ({", sync": False} if args.compare_sync else {})
+    configured = engine.async_scheduling  # as the engine was built (--no-async-scheduling, tensor parallelism)
+    modes = {"": configured} | ({", sync": False} if args.compare_sync else {})
     rounds = []
     for _ in range(args.repeats):
         row = {}
@@ -270,7 +271,7 @@ def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
                 row[label + suffix] = {"decode_step_ms": run["decode_step_ms"], "tokens_per_s": run["tokens_per_s"],
                                        "step_vs_base": run["decode_step_ms"] / base["decode_step_ms"],
                                        "tokens_vs_base": run["tokens_per_s"] / base["tokens_per_s"]}
-        engine.async_scheduling = True
+        engine.async_scheduling = configured
         rounds.append(row)
         print("  round:", {k: round(v.get("step_vs_base", v["decode_step_ms"]), 3) for k, v in row.items()}, flush=True)
     keys = {label: ("decode_step_ms", "tokens_per_s") for label in rounds[0] if label.startswith("base")}

@@ -1,6 +1,7 @@
 """The host-time benchmarks on the CPU: benchmarks/slot_churn.py times both GPU memory layouts under
 churn (every placement evicts) at Llama-3.1-8B's wrapped-layer count, JSON and markdown written;
-benchmarks/trace_host.py replays the many-adapters trace with the GPU's step as a sleep."""
+benchmarks/trace_host.py replays the many-adapters trace with the GPU's step as a sleep;
+benchmarks/throughput.py's interleaved rounds keep the engine's scheduling mode."""
 
 from __future__ import annotations
 
@@ -110,3 +111,31 @@ def test_the_replay_timeline_finds_the_graphs_preparation_layers_and_joins(tmp_p
     assert summary["gate_up_gemm_us"] == 90.0 and summary["qkv_gemm_us"] == 21.0
     assert summary["o_delta_after_gemm_us"] == pytest.approx(3.0)  # the median of 2, 2, 4, 4
     assert summary["gate_up_delta_after_gemm_us"] == pytest.approx(-40.0)
+
+
+@pytest.mark.parametrize("compare_sync", [False, True])
+def test_throughputs_rounds_keep_the_engines_scheduling_mode(compare_sync, monkeypatch):
+    """`--no-async-scheduling` builds a synchronous engine: the interleaved rounds run it so (and,
+    with `--compare-sync`, synchronously again), and leave it so."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_llama
+
+    from benchmarks import throughput
+    from loramux.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(tiny_llama(), max_loras=1, max_lora_rank=8, max_num_seqs=2, max_model_len=32,
+                       async_scheduling=False)
+    modes = []
+
+    def run_workload(engine, prompts, loras, output_len):
+        modes.append(engine.async_scheduling)
+        return {"decode_step_ms": 1.0, "tokens_per_s": 1.0}
+
+    monkeypatch.setattr(throughput, "run_workload", run_workload)
+    monkeypatch.setattr(throughput, "warm_up", lambda engine, loras, vocab: None)
+    args = SimpleNamespace(adapters=[1], repeats=1, output_len=2, compare_sync=compare_sync)
+    result = throughput.interleaved_runs(engine, [[1, 2]], {"q/v": ["a"]}, args)
+    assert modes == [False] * (4 if compare_sync else 2)  # base and one workload, per mode
+    assert engine.async_scheduling is False
+    assert ("base, sync" in result["summary"]) is compare_sync
