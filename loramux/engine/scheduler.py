@@ -251,10 +251,9 @@ class Scheduler:
         pinned = self.user_pinned()
         self._mark_draining(in_slots, pinned)
         for seq in list(self.waiting):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs or seq.num_pending:
+            if (budget <= 0 or len(self.running) >= self.max_num_seqs or seq.num_pending
+                    or not self.blocks.can_allocate(seq)):
                 break  # capacity is first come first served; a preempted sequence needs its last token
-            if not self.blocks.can_allocate(seq):
-                break
             handle = seq.handle
             if handle is not None:
                 if handle.id not in pinned:  # a pinned adapter's requests never wait for a slot
