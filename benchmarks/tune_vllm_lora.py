@@ -63,7 +63,7 @@ def coordinate_search(start: dict, space: dict, measure, rounds: int = ROUNDS) -
     best = dict(start)
     best_us = cost(best)
     if best_us is None:
-        raise RuntimeError(f"vLLM's own default config {start} does not run here; nothing to tune from")
+        raise RuntimeError(f"the starting config {start} does not run here; nothing to tune from")
     for _ in range(rounds):
         improved = False
         for param, values in space.items():

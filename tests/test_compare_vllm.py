@@ -219,7 +219,7 @@ def test_coordinate_search_finds_the_minimum_and_skips_configs_that_do_not_run()
 def test_coordinate_search_refuses_a_default_that_does_not_run():
     import tune_vllm_lora as tune
 
-    with pytest.raises(RuntimeError, match="default config .* does not run"):
+    with pytest.raises(RuntimeError, match="starting config .* does not run"):
         tune.coordinate_search({"a": 1}, {"a": (1, 2)}, lambda cfg: None)
 
 

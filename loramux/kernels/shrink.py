@@ -20,7 +20,8 @@ static meta and any prefill-sized batch, from T, S and the module's shape alone
 (`static_shrink_config`), so the grid is the same for every mapping of T tokens: one CUDA graph
 serves any mix of adapters. The split count there is sized for the one-adapter case (the fewest
 real tiles), which wants the most parallelism in K; a mixed batch gets more real tiles from the
-same grid.
+same grid. Eager launches on the whole GPU first look for a shape tuned on this device model
+(`loramux.kernels.tuned`, written by benchmarks/tune_shrink.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from .checks import check_shrink
 from .metadata import LoRABatchMeta
 from .tiles import (DECODE_MAX_TOKENS, block_m_for, cdiv, dot_precision, next_pow2, segment_tile,
                     shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
+from .tuned import tuned_shrink_config
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
 MAX_SPLIT_K = 64
@@ -146,6 +148,9 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     """Launch shape, cached on the meta (every layer of a step reuses it); ``rank``: R, the rank
     columns of each slice of the NR stacked ones (default NR: one slice).
 
+    An eager launch on every multiprocessor (an exact meta, no ``sms``) takes this device's tuned
+    shape where one was measured near its token count (`loramux.kernels.tuned`); the rest:
+
     A static meta and a prefill-sized batch (`shape_from_tokens_alone`) get `static_shrink_config`.
     A decode-sized batch (at most `DECODE_MAX_TOKENS` tokens) is latency bound whatever its mix:
     tiles of its segments' height, narrow rank blocks that spread the weights over many short
@@ -157,6 +162,13 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     cfg = meta._cache.get(key)
     if cfg is not None:
         return cfg
+    R = rank or NR
+    if not meta.static and not sms:  # an eager launch on every SM: this device's tuned shape, if measured
+        many = not shape_from_tokens_alone(meta) and meta.num_active > 1
+        tuned = tuned_shrink_config(device, dtype, NR // R, R, H, meta.num_tokens, many)
+        if tuned is not None:
+            cfg = meta._cache[key] = ShrinkConfig(**tuned)
+            return cfg
     if shape_from_tokens_alone(meta):
         cfg = static_shrink_config(meta.num_tokens, NR, H, dtype, device, sms, rank)
         meta._cache[key] = cfg
