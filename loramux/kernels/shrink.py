@@ -94,6 +94,9 @@ def _shrink_kernel(
         a_rows = (tl.load(pool_ptr + slot).to(tl.int64) + offs_n % R) * stride_as + (offs_n // R) * stride_an
     else:  # A[slot]: [NR, H]
         a_rows = slot64 * stride_as + offs_n * stride_an
+    # the scales, loaded before the K loop: their round trip overlaps the loop's instead of
+    # following it (cold, a DRAM latency at the end of every program)
+    sc = tl.load(scales_ptr + slot64 * stride_ss + (offs_n // R) * stride_sn, mask=n_in, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per_split, H)
@@ -113,7 +116,6 @@ def _shrink_kernel(
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
 
-    sc = tl.load(scales_ptr + slot64 * stride_ss + (offs_n // R) * stride_sn, mask=n_in, other=0.0)
     acc = acc * sc[None, :]  # columns past the rank are exact zeros (A masked)
     if SPLIT_K == 1:
         tl.store(buf_ptrs, acc, mask=out_mask)
