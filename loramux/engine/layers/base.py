@@ -8,6 +8,7 @@ one pool of rank rows (`loramux.engine.rank_pool`; S-LoRA's unified paging), so 
 what its adapter's rank needs, not ``max_lora_rank``:
 
     lora_a_pool       [U, n_slices, in_features]   rank row j of slice i at [start + j, i]
+                                (slice-major in memory: a view of [n_slices, U, in_features])
     lora_b_pool       [U, N]    N = sum(output_sizes); a slot's B is one [N, w] block from
                                 element start * N of its flat storage (`_pool_block`)
     lora_pool_starts  [max_loras] int32            each slot's first row (start)
@@ -186,8 +187,12 @@ class BaseLayerWithLoRA(nn.Module):
 
     def _new_pool(self, units: int, dtype: torch.dtype, device: torch.device | None,
                   region: int | None = None) -> None:
-        self.register_buffer("lora_a_pool", torch.zeros(units, self.n_slices, self.in_features, dtype=dtype,
-                                                         device=device), persistent=False)
+        # A is slice-major in memory ([n_slices, U, in], viewed as the [U, n_slices, in] the kernels
+        # read through its strides): a slot's rows of one slice are one dense block, and torch's
+        # foreach ops batch only dense tensors (`apply_slot_writes`); row-major, the blocks of a
+        # fused layer were n_slices rows apart, and every slot write copied block by block
+        a_pool = torch.zeros(self.n_slices, units, self.in_features, dtype=dtype, device=device).transpose(0, 1)
+        self.register_buffer("lora_a_pool", a_pool, persistent=False)
         self.register_buffer("lora_b_pool", torch.zeros(units, self.out_features, dtype=dtype, device=device),
                              persistent=False)
         self.rank_pool = RankPool(units, region)
@@ -356,21 +361,23 @@ class BaseLayerWithLoRA(nn.Module):
         scales_row, rank_cell, start_cell = self._slot_cells(slot)
         write = SlotWrite(self, slot, scales_row, rank_cell, start_cell=start_cell, start=start)
         # views made with one as_strided each (an indexing chain per view was most of a write's
-        # host time, for every layer of every placement): A's rows of slice i are n * K apart,
-        # and the slot's B is one [N, width] block from element start * N
+        # host time, for every layer of every placement): slice i's A rows are a dense [r, in]
+        # block (the pool is slice-major), and the slot's B is one [N, width] block from element
+        # start * N
         a_pool, b_pool = self.lora_a_pool, self.lora_b_pool
-        n, K = self.n_slices, self.in_features
-        a_row = a_pool.storage_offset() + start * n * K
+        K = self.in_features
+        row, slice_stride = a_pool.stride(0), a_pool.stride(1)
+        a_row = a_pool.storage_offset() + start * row
         b_row = b_pool.storage_offset() + start * self.out_features
         for i, (size, weights) in enumerate(zip(self.output_sizes, weights_by_slice)):
             r = 0 if weights is None else weights.rank
-            a_i = a_row + i * K  # slice i's first row
+            a_i = a_row + i * slice_stride  # slice i's first row
             if r:
-                write.copies.append((a_pool.as_strided((r, K), (n * K, 1), a_i), weights.lora_a))  # [r, in]
+                write.copies.append((a_pool.as_strided((r, K), (row, 1), a_i), weights.lora_a))  # [r, in]
                 write.copies.append((b_pool.as_strided((size, r), (width, 1), b_row), weights.lora_b))  # [size, r]
             # the kernels read A's rows up to the rank, B's columns up to the width
             if r < rank:
-                write.zeros.append(a_pool.as_strided((rank - r, K), (n * K, 1), a_i + r * n * K))
+                write.zeros.append(a_pool.as_strided((rank - r, K), (row, 1), a_i + r * row))
             if r < width:
                 write.zeros.append(b_pool.as_strided((size, width - r), (width, 1), b_row + r))
             write.scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)

@@ -14,6 +14,15 @@ the parts of every layer together:
 - the scales, ranks and pool starts: one small host tensor each, copied once and spread by
   ``_foreach_copy_``.
 
+The foreach ops run a list in a few kernels only when every tensor in it is dense (no gaps) and
+each pair has one layout; a single other tensor sends the whole list down a kernel per tensor
+(~450 for an 8B adapter on all seven projections). The pools are laid out for dense blocks
+(`BaseLayerWithLoRA._new_pool`; row-major, a fused layer's A blocks were not, so every write took
+the slow path), and the few blocks that are not (a slice's rank below the slot's width) go one
+by one beside the batched rest. On an H100, slot writes were the engine thread's slowest work in
+a trace of 1,000 adapters: 10 ms for one adapter, up to 93 ms in one step
+(docs/benchmarks/many-adapters.md, fourteenth session).
+
 Nothing blocks the host: the host buffers are page-locked in the CPU tier (elsewhere the copy is
 staged, as any pageable copy), and the small tensors come from PyTorch's pinned allocator. When
 the weights do not share one host buffer (or it holds much more than they need: PEFT may save a
@@ -65,13 +74,17 @@ def apply_slot_writes(writes: Sequence[SlotWrite]) -> None:
         blocks, weights = [list(side) for side in zip(*copies)]
         sources = weights if device.type == "cpu" else _staged(weights, device)
         if sources is not None:
-            torch._foreach_copy_(blocks, sources)
+            batched, single = [], []
+            for pair in zip(blocks, sources):
+                (batched if _same_dense_layout(*pair) else single).append(pair)
+            if batched:
+                torch._foreach_copy_([block for block, _ in batched], [source for _, source in batched])
+            for block, source in single:
+                block.copy_(source)
         else:
             for block, tensor in copies:  # non_blocking: asynchronous from pinned memory
                 block.copy_(tensor, non_blocking=True)
-    zeros = [block for write in writes for block in write.zeros]
-    if zeros:
-        torch._foreach_zero_(zeros)
+    zero_all([block for write in writes for block in write.zeros])
     _spread([w.scales_row for w in writes], [w.scales for w in writes], torch.float32, device)
     _spread([w.rank_cell for w in writes], [[w.rank] for w in writes], torch.int32, device)
     pooled = [w for w in writes if w.start_cell is not None]
@@ -82,13 +95,36 @@ def apply_slot_writes(writes: Sequence[SlotWrite]) -> None:
 
 
 def zero_all(tensors: Sequence[torch.Tensor]) -> None:
-    """Zero ``tensors`` in one ``_foreach_zero_`` per dtype (a list of mixed dtypes would take
-    the foreach ops' slow path on CUDA, a launch per tensor)."""
+    """Zero ``tensors``: the dense ones in one ``_foreach_zero_`` per dtype, the others one by one
+    (a list of mixed dtypes, or with one tensor that is not dense, takes the foreach ops' slow
+    path on CUDA: a launch per tensor)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for tensor in tensors:
-        by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        if _dense(tensor):
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        else:
+            tensor.zero_()
     for group in by_dtype.values():
         torch._foreach_zero_(group)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory span with no gap nor overlap, in some order of its
+    dimensions (ATen's ``is_non_overlapping_and_dense``, which Python does not expose): what
+    torch's foreach ops need of every tensor of a list to run it in a few kernels."""
+    expected = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a foreach copy between ``a`` and ``b`` takes the fast path: both dense, of one
+    size and the same strides (dimensions of size 1 aside)."""
+    return (a.shape == b.shape and _dense(a) and _dense(b)
+            and all(x == y for x, y, size in zip(a.stride(), b.stride(), a.shape) if size != 1))
 
 
 def _staged(weights: list[torch.Tensor], device: torch.device) -> list[torch.Tensor] | None:
