@@ -351,15 +351,21 @@ def _replay_step(engine, pending, records, params, paths, adapter_bytes, start):
 # CUDA with async scheduling, the step before the one just launched) and appends them
 STEP_PHASES = (("collect", "adapters", "collect"), ("prefetch", "adapters", "prefetch"),
                ("schedule", "scheduler", "schedule"), ("forward", "runner", "run"), ("receive", None, "_receive"))
+# the GPU tier's work inside those phases (prefetch, or admission in schedule), timed apart too, as
+# "lora.<part>": placement checks, evictions that make room, slot writes (the copy's host work).
+# What prefetch spent beyond its parts waited for the manager's lock or the GIL.
+LORA_PARTS = (("lora.can_place", "lora_manager", "can_place"), ("lora.make_room", "lora_manager", "_make_room"),
+              ("lora.slot_write", "lora_manager", "_write_slot"))
 
 
 @contextlib.contextmanager
 def _phases_timed(engine, on: bool):
-    """While on, wrap the methods `STEP_PHASES` names on ``engine``'s parts so each adds its
-    seconds to the yielded dict (the caller clears it per step); put them back on exit."""
+    """While on, wrap the methods `STEP_PHASES` and `LORA_PARTS` name on ``engine``'s parts so
+    each adds its seconds to the yielded dict (the caller clears it per step); put them back on
+    exit."""
     spent: dict[str, float] = {}
     wrapped = []
-    for name, owner_attr, method in STEP_PHASES if on else ():
+    for name, owner_attr, method in STEP_PHASES + LORA_PARTS if on else ():
         owner = engine if owner_attr is None else getattr(engine, owner_attr, None)
         if owner is None:
             continue

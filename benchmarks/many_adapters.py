@@ -163,13 +163,20 @@ def calibrate(engine, args, root: Path, vocab: int) -> dict:
 
 
 def tier_counts(engine) -> dict[str, int]:
-    """The tiers' cumulative loads and evictions, as /metrics reads them."""
+    """The tiers' cumulative loads and evictions, as /metrics reads them; on CUDA also the caching
+    allocator's device allocations and its retries (a retry frees the cache: a device-wide sync
+    the host waits on, wherever in the step it falls)."""
     from loramux.serving.engine_info import read_tiers
 
     counts = {}
     for tier, stats in read_tiers(engine).items():
         for name in ("loads", "evictions"):
             counts[f"{tier}_{name}"] = getattr(stats, name) or 0
+    device = engine.setup.device
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        counts["cuda_mallocs"] = stats.get("num_device_alloc", 0)
+        counts["cuda_alloc_retries"] = stats.get("num_alloc_retries", 0)
     return counts
 
 
