@@ -92,10 +92,12 @@ def merge_entries(path: str, device_name: str, entries: list[dict]) -> int:
             old = json.load(f)["entries"]
     merged = {entry_key(e): e for e in old}
     merged.update((entry_key(e), e) for e in entries)
-    body = {"device": device_name, "entries": sorted(merged.values(), key=entry_key)}
+    entries = sorted(merged.values(), key=entry_key)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(body, f, indent=1)
+    with open(path + ".tmp", "w") as f:  # an entry a line: the file diffs and reads by case
+        f.write(f'{{"device": {json.dumps(device_name)}, "entries": [\n')
+        f.write(",\n".join(json.dumps(e) for e in entries))
+        f.write("\n]}\n")
     os.replace(path + ".tmp", path)
     return len(merged)
 
