@@ -391,8 +391,8 @@ def summarize_steps(steps: Sequence[tuple[StepShape, float]], phases: Sequence[d
     """Where a trace's step time went, by the tokens each forward ran (a graph's padded size):
     steps, mean milliseconds, mean tokens and prompt tokens; over all steps, the share that
     computed prompt tokens and the share of the forwards' tokens that were padding. With the
-    steps' ``phases`` (`run_trace`): the mean milliseconds of each phase per size, and the
-    ``slowest`` steps with theirs."""
+    steps' ``phases`` (`run_trace`): the mean milliseconds of each phase per size, each phase's
+    total over the trace, and the ``slowest`` steps with theirs."""
     by_size: dict[int, list[int]] = {}
     for i, (shape, _) in enumerate(steps):
         by_size.setdefault(shape.padded_tokens, []).append(i)
@@ -418,6 +418,8 @@ def summarize_steps(steps: Sequence[tuple[StepShape, float]], phases: Sequence[d
         },
     }
     if phases:
+        summary["phase_ms_total"] = {name: 1e3 * sum(p.get(name, 0.0) for p in phases)
+                                     for name in sorted({name for p in phases for name in p})}
         order = sorted(range(len(steps)), key=lambda i: -steps[i][1])[:slowest]
         summary["slowest"] = [{"index": i, "ms": 1e3 * steps[i][1], "tokens": steps[i][0].num_tokens,
                                "prompt_tokens": steps[i][0].prompt_tokens, "padded_tokens": steps[i][0].padded_tokens,

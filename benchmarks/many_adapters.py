@@ -369,6 +369,10 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+# the steps table's GPU tier column: `adapter_trace.LORA_PARTS`, in the order its header names them
+TIER_COLUMN = ("lora.slot_write", "lora.make_room", "lora.can_place")
+
+
 def steps_table(report: dict) -> list[str]:
     """Markdown lines: where the step time went in the capacity burst, each Poisson trace and the
     last host-warm burst, by the tokens each forward ran (reports before step logging have none)."""
@@ -383,13 +387,17 @@ def steps_table(report: dict) -> list[str]:
     lines = ["", f"Steps (graph sizes {report.get('graph_sizes') or 'none: eager'}): mean wall time of "
              "`engine.step()`, by the tokens its forward ran (a graph's padded size), as "
              "size: ms x steps (mean tokens computed), the six most frequent sizes (all in the JSON):", "",
-             "| phase | steps | mean ms | with prompt tokens | padding | by size |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+             "| phase | steps | mean ms | with prompt tokens | padding | GPU tier on the engine's thread, ms in all: "
+             "slot writes / evictions / placement checks | by size |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
     for name, steps in phases:
         frequent = sorted(steps["by_padded_tokens"].items(), key=lambda item: -item[1]["steps"])[:6]
         sizes = "; ".join(f"{T}: {g['ms_mean']:.1f} x {g['steps']} ({g['tokens_mean']:.0f})"
                           for T, g in sorted(frequent, key=lambda item: int(item[0])))
+        total = steps.get("phase_ms_total")  # timed in the Poisson traces only
+        tier = " / ".join(f"{total.get(part, 0.0):.0f}" for part in TIER_COLUMN) if total else ""
         lines.append(f"| {name} | {steps['steps']} | {steps['step_ms_mean']:.2f} | {steps['with_prompt_share']:.0%} | "
-                     f"{steps['padding_share']:.0%} | {sizes} |")
+                     f"{steps['padding_share']:.0%} | {tier} | {sizes} |")
     return lines
 
 

@@ -143,6 +143,7 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
         | vars(engine.adapters).keys() | vars(engine.lora_manager).keys())  # unwrapped again
     timed = summarize_steps(steps, phases, slowest=3)
     assert len(timed["slowest"]) == 3 and timed["slowest"][0]["ms"] == max(1e3 * s for _, s in steps)
+    assert timed["phase_ms_total"]["lora.slot_write"] == pytest.approx(1e3 * parts["lora.slot_write"])
     summary = summarize(records)
     assert summary["failed"] == 0 and summary["output_tokens"] == 30 * 4 and summary["tokens_per_s"] > 0
     assert summary["adapters_used"] == len(used)
@@ -340,4 +341,10 @@ def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert all(p["steps"] > 0 and p["step_ms_mean"] > 0 for p in phases)
     assert report["results"][0]["poisson_steps"]["with_prompt_share"] > 0
     assert "| capacity burst, 4 adapters |" in text and "| N=10 Poisson |" in text and "| N=2 host-warm burst |" in text
+    # the GPU tier's host work over each Poisson trace: 10 adapters over 2 slots wrote slots
+    total = report["results"][1]["poisson_steps"]["phase_ms_total"]
+    row = next(line for line in text.splitlines() if line.startswith("| N=10 Poisson |"))
+    assert total["lora.slot_write"] > 0 and f"| {total['lora.slot_write']:.0f} / " in row
+    from benchmarks.many_adapters import TIER_COLUMN
+    assert set(TIER_COLUMN) == {name for name, *_ in LORA_PARTS}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("many-adapters-")] == []  # files cleaned up
