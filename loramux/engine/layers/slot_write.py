@@ -112,6 +112,8 @@ def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill its memory span with no gap nor overlap, in some order of its
     dimensions (ATen's ``is_non_overlapping_and_dense``, which Python does not expose): what
     torch's foreach ops need of every tensor of a list to run it in a few kernels."""
+    if t.is_contiguous():  # nearly every block and weight: a flag torch keeps, no Python walk
+        return True
     expected = 1
     for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
         if stride != expected:
@@ -123,8 +125,11 @@ def _dense(t: torch.Tensor) -> bool:
 def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether a foreach copy between ``a`` and ``b`` takes the fast path: both dense, of one
     size and the same strides (dimensions of size 1 aside)."""
-    return (a.shape == b.shape and _dense(a) and _dense(b)
-            and all(x == y for x, y, size in zip(a.stride(), b.stride(), a.shape) if size != 1))
+    if a.shape != b.shape:
+        return False
+    if a.is_contiguous() and b.is_contiguous():  # one shape, both contiguous: one layout
+        return True
+    return _dense(a) and _dense(b) and all(x == y for x, y, size in zip(a.stride(), b.stride(), a.shape) if size != 1)
 
 
 def _staged(weights: list[torch.Tensor], device: torch.device) -> list[torch.Tensor] | None:
