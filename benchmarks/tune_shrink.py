@@ -46,7 +46,8 @@ MAX_ERR = 1e-3  # float32 accumulation in another order: ~1e-6 from the heuristi
 
 
 def entry_key(entry: dict) -> tuple:
-    return tuple(entry[f] for f in ("dtype", "n_slices", "rank", "hidden", "many_adapters", "tokens"))
+    """What an entry is for: `tuned.KEY_FIELDS`, then its token count."""
+    return tuple(entry[f] for f in tuned.KEY_FIELDS) + (entry["tokens"],)
 
 
 def tune_case(layer, R, T, S, device, timer, dtype=torch.bfloat16, dims=None, log=None, space=SPACE,
@@ -139,7 +140,7 @@ def main(argv=None):
     print(f"{len(entries)} entries merged into {path} ({total} in all); {time.time() - t0:.0f} s", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune_shrink_log.json"), "w") as f:
-        json.dump({"device": name, "torch": torch.__version__, "entries": entries, "timings": log}, f, indent=1)
+        json.dump({"device": name, "torch": torch.__version__, "entries": entries, "timings": log}, f)
 
 
 if __name__ == "__main__":

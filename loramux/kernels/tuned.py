@@ -3,8 +3,9 @@ LoRA configs are): an eager launch on the whole GPU takes the tuned shape for it
 count where one was measured, and the heuristics of `loramux.kernels.shrink` elsewhere.
 
 Why: the heuristics size a launch from the tile count and a program target; on an H100 they lost
-to vLLM's tuned shrink by 1-8% on about 20 one-adapter shapes, and by 28% at o, rank 64, T = 1024
-(docs/benchmarks/kernels-vs-vllm.md). A search per shape on the device finds what a rule misses.
+to vLLM's tuned shrink in 17 of 112 cases, down to 0.72x (o, rank 64, T = 1024). With the H100's
+tuned shapes 10 cases lose, none below 0.96x (docs/benchmarks/kernels-vs-vllm.md). A search per
+shape on the device finds what a rule misses.
 
 Files: ``<device name, spaces and dashes as underscores>_shrink.json`` (``NVIDIA_H100_80GB_HBM3_shrink.json``)
 in ``loramux/data/kernel_configs``, or in the folder ``LORAMUX_KERNEL_CONFIG_DIR`` names (an empty
@@ -36,13 +37,14 @@ import torch
 
 from .tiles import DECODE_MAX_TOKENS
 
-__all__ = ["CONFIG_DIR_ENV_VAR", "CONFIG_FIELDS", "config_file_name", "config_dir", "tuned_shrink_config"]
+__all__ = ["CONFIG_DIR_ENV_VAR", "CONFIG_FIELDS", "KEY_FIELDS", "config_file_name", "config_dir", "tuned_shrink_config"]
 
 CONFIG_DIR_ENV_VAR = "LORAMUX_KERNEL_CONFIG_DIR"
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "data" / "kernel_configs"
 #: The fields of a tuned shrink config (`loramux.kernels.shrink.ShrinkConfig`'s).
 CONFIG_FIELDS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
-_KEY_FIELDS = ("dtype", "n_slices", "rank", "hidden", "many_adapters")
+#: What an entry is measured for, besides its token count.
+KEY_FIELDS = ("dtype", "n_slices", "rank", "hidden", "many_adapters")
 
 
 def config_file_name(device_name: str, op: str = "shrink") -> str:
@@ -83,7 +85,7 @@ def _device_index(folder: str, device_name: str) -> dict[tuple, tuple[tuple[int,
         entries = json.loads(path.read_text())["entries"]
         index: dict[tuple, list] = {}
         for e in entries:
-            key = tuple(e[f] for f in _KEY_FIELDS)
+            key = tuple(e[f] for f in KEY_FIELDS)
             config = {f: int(e["config"][f]) for f in CONFIG_FIELDS}
             if min(config.values()) < 1:
                 raise ValueError(f"a config field below 1: {config}")
