@@ -287,9 +287,12 @@ def main(argv: list[str] | None = None) -> None:
     if loader.error is not None:
         finish(EXIT_LOADER_FAILED, result)
     windows = args.rounds * (DRY_RUN_WINDOWS if args.dry_run else runner.num_graphs)
-    if not result["captures_mid_run"] == result["mid_run_captures_with_a_load"] == windows:
-        print(f"not exercised: {windows} mid-run captures should each have gone through the wrapper with a load "
-              "inside (raise --hold-ms)", flush=True)
+    # a real run proves the fix only if a load ran inside every capture; a dry run checks the
+    # plumbing, and on a busy 2-core CI box a window may close before the loader thread is scheduled
+    needed = 1 if args.dry_run else windows
+    if result["captures_mid_run"] != windows or result["mid_run_captures_with_a_load"] < needed:
+        print(f"not exercised: {windows} mid-run captures should have gone through the wrapper, "
+              f"{'one' if args.dry_run else 'each'} with a load inside (raise --hold-ms)", flush=True)
         finish(EXIT_NOT_EXERCISED, result)
 
     result["tokens_graphs"] = greedy_tokens(llm, adapters)
