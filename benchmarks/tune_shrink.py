@@ -37,7 +37,7 @@ from tune_vllm_lora import coordinate_search  # noqa: E402
 from loramux.kernels import build_lora_meta  # noqa: E402
 from loramux.kernels import tuned  # noqa: E402
 from loramux.kernels.shrink import ShrinkConfig, lora_shrink_triton, shrink_config  # noqa: E402
-from loramux.kernels.tiles import DECODE_MAX_TOKENS, shape_from_tokens_alone  # noqa: E402
+from loramux.kernels.tiles import DECODE_MAX_TOKENS  # noqa: E402
 
 SPACE = dict(block_m=(16, 32, 64), block_n=(16, 32, 64), block_k=(32, 64, 128, 256),
              split_k=(1, 2, 4, 8, 16, 32, 64), num_warps=(4, 8), num_stages=(2, 3, 4))
@@ -80,7 +80,7 @@ def tune_case(layer, R, T, S, device, timer, dtype=torch.bfloat16, dims=None, lo
     start_cfg = {f: getattr(start, f) for f in tuned.CONFIG_FIELDS}
     best, best_us, timed = coordinate_search(start_cfg, space, measure, rounds)
     entry = dict(dtype=str(dtype).removeprefix("torch."), n_slices=n, rank=R, hidden=H, tokens=T,
-                 many_adapters=not shape_from_tokens_alone(meta) and meta.num_active > 1, config=best)
+                 many_adapters=tuned.many_adapters(meta), config=best)
     return entry, best_us, timed[tuple(sorted(start_cfg.items()))], len(timed)
 
 

@@ -37,7 +37,7 @@ from .checks import check_shrink
 from .metadata import LoRABatchMeta
 from .tiles import (DECODE_MAX_TOKENS, block_m_for, cdiv, dot_precision, next_pow2, segment_tile,
                     shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
-from .tuned import tuned_shrink_config
+from .tuned import many_adapters, tuned_shrink_config
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
 MAX_SPLIT_K = 64
@@ -166,8 +166,7 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
         return cfg
     R = rank or NR
     if not meta.static and not sms:  # an eager launch on every SM: this device's tuned shape, if measured
-        many = not shape_from_tokens_alone(meta) and meta.num_active > 1
-        tuned = tuned_shrink_config(device, dtype, NR // R, R, H, meta.num_tokens, many)
+        tuned = tuned_shrink_config(device, dtype, NR // R, R, H, meta.num_tokens, many_adapters(meta))
         if tuned is not None:
             cfg = meta._cache[key] = ShrinkConfig(**tuned)
             return cfg

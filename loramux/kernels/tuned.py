@@ -35,9 +35,11 @@ from pathlib import Path
 
 import torch
 
-from .tiles import DECODE_MAX_TOKENS
+from .metadata import LoRABatchMeta
+from .tiles import DECODE_MAX_TOKENS, shape_from_tokens_alone
 
-__all__ = ["CONFIG_DIR_ENV_VAR", "CONFIG_FIELDS", "KEY_FIELDS", "config_file_name", "config_dir", "tuned_shrink_config"]
+__all__ = ["CONFIG_DIR_ENV_VAR", "CONFIG_FIELDS", "KEY_FIELDS", "config_file_name", "config_dir", "many_adapters",
+           "tuned_shrink_config"]
 
 CONFIG_DIR_ENV_VAR = "LORAMUX_KERNEL_CONFIG_DIR"
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "data" / "kernel_configs"
@@ -58,6 +60,12 @@ def config_dir() -> Path:
     return Path(os.environ.get(CONFIG_DIR_ENV_VAR) or DEFAULT_DIR)
 
 
+def many_adapters(meta: LoRABatchMeta) -> bool:
+    """Whether a launch for ``meta`` takes a many-adapter entry: a decode-sized exact meta with more
+    than one adapter active. A prefill-sized one takes the one-adapter entry whatever its mix."""
+    return not shape_from_tokens_alone(meta) and meta.num_active > 1
+
+
 def tuned_shrink_config(device: torch.device, dtype: torch.dtype, n_slices: int, rank: int, hidden: int,
                         num_tokens: int, many_adapters: bool) -> dict[str, int] | None:
     """The tuned shrink config (`CONFIG_FIELDS` -> int) for a launch of ``num_tokens`` tokens on
@@ -70,8 +78,8 @@ def tuned_shrink_config(device: torch.device, dtype: torch.dtype, n_slices: int,
     if not measured:
         return None
     decode = num_tokens <= DECODE_MAX_TOKENS
-    near = [(abs(math.log2(t / num_tokens)), t, cfg) for t, cfg in measured
-            if (t <= DECODE_MAX_TOKENS) == decode and abs(math.log2(t / num_tokens)) <= 1]
+    near = [(distance, t, cfg) for t, cfg in measured if (t <= DECODE_MAX_TOKENS) == decode
+            for distance in (abs(math.log2(t / num_tokens)),) if distance <= 1]
     return dict(min(near, key=lambda n: n[:2])[2]) if near else None
 
 
