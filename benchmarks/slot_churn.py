@@ -21,7 +21,9 @@ Writes ``docs/benchmarks/slot_churn_<tag>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import statistics
 import sys
@@ -96,13 +98,34 @@ def churn(fleet, args, gpu_bytes: int | None) -> dict:
         sync(args.device)
         synced.append(time.perf_counter() - started)
     assert manager.stats.evictions >= args.placements, "every placement must evict"
+    profile = profiled_placements(manager, fleet, args) if args.profile else None
     result = {"layers": len(manager.layers), "pool_rank_rows": manager.pool_units,
               "gpu_lora_bytes": manager.capacity_bytes, "host_ms_p50": 1e3 * statistics.median(host),
               "host_ms_mean": 1e3 * statistics.mean(host), "synced_ms_p50": 1e3 * statistics.median(synced)}
+    if profile is not None:
+        result["profile"] = profile
     del manager
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
     return result
+
+
+def profiled_placements(manager, fleet, args) -> list[dict]:
+    """Where a placement's host time goes: ``args.placements`` more placements under cProfile
+    (after the timed ones, whose times it would inflate), the ``args.profile`` functions with the
+    most time of their own, in ms per placement."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for k in range(args.placements):
+        manager.activate(fleet[(args.slots + args.placements + k) % len(fleet)])
+    profiler.disable()
+    stats = pstats.Stats(profiler).sort_stats("tottime")
+    rows = []
+    for (path, line, name) in stats.fcn_list[: args.profile]:
+        calls, _, own, cumulative, _ = stats.stats[(path, line, name)]
+        rows.append({"function": f"{Path(path).name}:{line}({name})", "calls_per_placement": calls / args.placements,
+                     "own_ms": 1e3 * own / args.placements, "cumulative_ms": 1e3 * cumulative / args.placements})
+    return rows
 
 
 def markdown(report: dict) -> str:
@@ -114,6 +137,12 @@ def markdown(report: dict) -> str:
     for name, r in report["layouts"].items():
         lines.append(f"| {name} | {r['layers']} | {r['pool_rank_rows']} | {r['host_ms_p50']:.2f} | "
                      f"{r['host_ms_mean']:.2f} | {r['synced_ms_p50']:.2f} |")
+    for name, r in report["layouts"].items():
+        if "profile" in r:
+            lines += ["", f"Where the host time of a placement goes ({name}; cProfile, ms per placement):", "",
+                      "| function | calls | own ms | cumulative ms |", "| --- | ---: | ---: | ---: |"]
+            lines += [f"| `{row['function']}` | {row['calls_per_placement']:.1f} | {row['own_ms']:.3f} | "
+                      f"{row['cumulative_ms']:.3f} |" for row in r["profile"]]
     return "\n".join(lines) + "\n"
 
 
@@ -131,6 +160,8 @@ def parse_args(argv=None):
                         help="which GPU memory layouts to time (regions: one max-rank region per slot, the "
                         "default; shared: rows shared by rank). At 8B shapes 256 regions need 86 GB: "
                         "time 'shared' alone there")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="then profile as many placements again and report the TOP functions by own time")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--tag", default="gpu" if cuda else "cpu")

@@ -218,9 +218,9 @@ def test_async_scheduling_equals_sync_with_graphs(engine_adapters, monkeypatch):
         assert (steps is None) == (logprobs[False][rid] is None)
         for entry, expected in zip(steps or [], logprobs[False][rid] or []):
             assert entry.keys() == expected.keys()
-            for token, logprob in entry.items():
-                assert logprob.rank == expected[token].rank
-                assert logprob.logprob == pytest.approx(expected[token].logprob, abs=1e-4)
+            for token, (rank, logprob) in entry.items():
+                assert rank == expected[token][0]
+                assert logprob == pytest.approx(expected[token][1], abs=1e-4)
     assert len(fills) > 10
     assert results[True]["stop-token"][2] == "stop" and len(results[True]["stop-token"][0]) == 4
     assert results[True]["length"][0] == peft_greedy(engine_adapters["attn"], p[2], 9)
