@@ -236,15 +236,15 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
         # so the median of --saturated-repeats bursts is reported (each one kept in the JSON)
         warm = []
         for rep in range(args.saturated_repeats):
-            warm_steps = []  # the last burst's are reported
+            warm_steps, warm_phases = [], []  # the last burst's are reported
             warm.append(summarize(run_trace(engine, with_new_prompts(burst, vocab, args.seed + index + 1000 * rep),
-                                            paths, max_tokens=args.output_len, steps=warm_steps)))
+                                            paths, max_tokens=args.output_len, steps=warm_steps, phases=warm_phases)))
         warm_tps = [w["tokens_per_s"] or 0.0 for w in warm]
         warm_failed = sum(w["failed"] for w in warm)
         result.update(saturated_requests=saturated["requests"], saturated_failed=saturated["failed"] + warm_failed,
                       saturated_tokens_per_s=saturated["tokens_per_s"],
                       saturated_warm_tokens_per_s=statistics.median(warm_tps),
-                      saturated_warm_tokens_per_s_each=warm_tps, saturated_warm_steps=summarize_steps(warm_steps))
+                      saturated_warm_tokens_per_s_each=warm_tps, saturated_warm_steps=summarize_steps(warm_steps, warm_phases))
         result["failed"] += saturated["failed"] + warm_failed
         print(f"  N={n} saturated: {saturated['tokens_per_s']:.0f} tok/s from cold tiers, "
               f"{statistics.median(warm_tps):.0f} tok/s host-warm (median of {', '.join(f'{t:.0f}' for t in warm_tps)}), "
@@ -394,7 +394,7 @@ def steps_table(report: dict) -> list[str]:
         frequent = sorted(steps["by_padded_tokens"].items(), key=lambda item: -item[1]["steps"])[:6]
         sizes = "; ".join(f"{T}: {g['ms_mean']:.1f} x {g['steps']} ({g['tokens_mean']:.0f})"
                           for T, g in sorted(frequent, key=lambda item: int(item[0])))
-        total = steps.get("phase_ms_total")  # timed in the Poisson traces only
+        total = steps.get("phase_ms_total")  # timed in the Poisson traces and the last host-warm burst
         tier = " / ".join(f"{total.get(part, 0.0):.0f}" for part in TIER_COLUMN) if total else ""
         lines.append(f"| {name} | {steps['steps']} | {steps['step_ms_mean']:.2f} | {steps['with_prompt_share']:.0%} | "
                      f"{steps['padding_share']:.0%} | {tier} | {sizes} |")

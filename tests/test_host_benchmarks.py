@@ -13,7 +13,8 @@ import pytest
 def test_the_churn_benchmark_times_both_layouts(tmp_path):
     from benchmarks.slot_churn import main
 
-    report = main(["--slots", "16", "--fleet", "20", "--placements", "5", "--out", str(tmp_path), "--tag", "t"])
+    report = main(["--slots", "16", "--fleet", "20", "--placements", "5", "--profile", "4", "--out", str(tmp_path),
+                   "--tag", "t"])
     assert json.loads((tmp_path / "slot_churn_t.json").read_text()) == report
     (regions, regions_result), (shared, shared_result) = report["layouts"].items()
     assert regions.startswith("one max-rank region per slot") and shared.startswith("rows shared by rank")
@@ -22,6 +23,11 @@ def test_the_churn_benchmark_times_both_layouts(tmp_path):
         assert 0 < result["host_ms_p50"] <= result["synced_ms_p50"] + 1e-6
     assert regions_result["pool_rank_rows"] == 16 * 64 and shared_result["pool_rank_rows"] == int(7.3 * 16)
     assert f"| {shared} | 130 |" in (tmp_path / "slot_churn_t.md").read_text()
+    # --profile: the functions with the most time of their own, per placement, in the JSON and the table
+    profile = shared_result["profile"]
+    assert len(profile) == 4 and all(row["own_ms"] > 0 and row["calls_per_placement"] > 0 for row in profile)
+    assert [row["own_ms"] for row in profile] == sorted((row["own_ms"] for row in profile), reverse=True)
+    assert f"| `{profile[0]['function']}` |" in (tmp_path / "slot_churn_t.md").read_text()
 
 
 def test_a_fleet_no_larger_than_the_slots_is_refused(capsys):

@@ -341,10 +341,13 @@ def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path):
     assert all(p["steps"] > 0 and p["step_ms_mean"] > 0 for p in phases)
     assert report["results"][0]["poisson_steps"]["with_prompt_share"] > 0
     assert "| capacity burst, 4 adapters |" in text and "| N=10 Poisson |" in text and "| N=2 host-warm burst |" in text
-    # the GPU tier's host work over each Poisson trace: 10 adapters over 2 slots wrote slots
+    # the GPU tier's host work over each Poisson trace and host-warm burst: 10 adapters over 2 slots wrote slots
     total = report["results"][1]["poisson_steps"]["phase_ms_total"]
     row = next(line for line in text.splitlines() if line.startswith("| N=10 Poisson |"))
     assert total["lora.slot_write"] > 0 and f"| {total['lora.slot_write']:.0f} / " in row
+    burst = report["results"][1]["saturated_warm_steps"]["phase_ms_total"]  # and over the last host-warm burst
+    row = next(line for line in text.splitlines() if line.startswith("| N=10 host-warm burst |"))
+    assert burst["lora.slot_write"] > 0 and f"| {burst['lora.slot_write']:.0f} / " in row
     from benchmarks.many_adapters import TIER_COLUMN
     assert set(TIER_COLUMN) == {name for name, *_ in LORA_PARTS}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("many-adapters-")] == []  # files cleaned up
