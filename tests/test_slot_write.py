@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import needs_cuda, save_peft_adapter, tiny_model
+from conftest import needs_cuda, needs_interpreter, save_peft_adapter, tiny_model
 from torch import nn
 
 from loramux.engine.layers import LinearWithLoRA, LoRAContext
-from loramux.engine.layers.slot_write import _staged, apply_slot_writes
+from loramux.engine.layers.slot_write import _run_as_table, _shared_buffer, apply_slot_writes
 from loramux.engine.lora_model import LoRAModelManager, create_lora_layer
 from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights, load_adapter
 
@@ -64,20 +64,18 @@ def test_a_bad_layer_stops_the_batch_before_anything_is_written():
     assert not group[0].lora_scales.any() and not group[0].lora_ranks.any()
 
 
-def test_staged_views_map_the_one_host_buffer_the_weights_share():
+def test_the_shared_buffer_is_the_one_host_buffer_the_weights_lie_in():
     group = layers(2)
     adapter = LoRAAdapter("a", None, {f"block.{i}": weights_for(layer, 4, seed=i)[0]
                                       for i, layer in enumerate(group)}, 4, ["block"]).pack()
     weights = [t for w in adapter.modules.values() for t in (w.lora_a, w.lora_b)]
-    staged = _staged(weights, torch.device("cpu"))  # the mapping of views, on a CPU "device" copy
-    assert staged is not None and len(staged) == len(weights)
-    for host, copy in zip(weights, staged):
-        assert torch.equal(copy, host) and copy.untyped_storage().data_ptr() != host.untyped_storage().data_ptr()
-    assert len({t.untyped_storage().data_ptr() for t in staged}) == 1  # one copy of the buffer
-    apart = [w.clone() for w in weights]  # no shared buffer: copied one by one
-    assert _staged(apart, torch.device("cpu")) is None
+    buffer = _shared_buffer(weights)
+    assert buffer is not None and buffer.dtype == torch.uint8
+    start = buffer.data_ptr()
+    assert all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + buffer.numel() for t in weights)
+    assert _shared_buffer([w.clone() for w in weights]) is None  # no shared buffer: copied one by one
     huge = torch.zeros(1 << 22)  # a buffer mostly of something else (a saved base embedding)
-    assert _staged([huge[:64].view(8, 8)], torch.device("cpu")) is None
+    assert _shared_buffer([huge[:64].view(8, 8)]) is None
 
 
 def test_a_layer_that_overrides_set_lora_is_still_called_by_the_manager(tmp_path):
@@ -115,61 +113,70 @@ def test_zero_all_zeroes_mixed_dtypes_in_one_call_per_dtype(monkeypatch):
     assert len(calls) == 3
 
 
-def fused_layer(sizes=(12, 4, 4)):
+def fused_layer(sizes=(12, 4, 4), dtype=torch.float32):
     """A fused q/k/v-like layer (three slices over one input), pooled, as `fuse_siblings` makes."""
     torch.manual_seed(0)
-    base = nn.Linear(16, sum(sizes))
+    base = nn.Linear(16, sum(sizes)).to(dtype)
     base.loramux_slices = tuple((f"s{i}", size) for i, size in enumerate(sizes))
     layer = create_lora_layer(base, "fused", CONFIG)
     layer.lora_context = LoRAContext(CONFIG.max_loras)
     return layer
 
 
-def test_a_fused_layers_slot_blocks_are_dense_so_the_foreach_copy_batches_them(monkeypatch):
-    """torch's foreach ops batch a list only when every tensor in it is dense: a fused layer's
-    slot write (A rows of each slice, B block, padding) must give only such blocks for an adapter
-    of one rank, and a slice it leaves out too; all in one ``_foreach_copy_`` and one zeroing."""
-    from loramux.engine.layers.slot_write import _dense, _same_dense_layout
-
-    layer = fused_layer()
-    assert layer.pooled and layer.lora_a_pool.shape == (layer.rank_pool.units, 3, 16)
-    g = torch.Generator().manual_seed(0)
-    weights = [LoRAModuleWeights(torch.randn(8, 16, generator=g), torch.randn(size, 8, generator=g), scaling=0.5)
-               for size in layer.output_sizes]
-    apply_slot_writes([layer.slot_write(0, weights)])  # slot 0 first: slot 1's rows start past it
-    weights[1] = None  # slot 1's adapter leaves slice 1 out: its part of the slot is cleared
-    write = layer.slot_write(1, weights)
-    assert len(write.copies) == 4 and len(write.zeros) == 2
-    assert all(_same_dense_layout(block, w) for block, w in write.copies)
-    assert all(_dense(block) for block in write.zeros)
-    calls = []
-    for name in ("_foreach_copy_", "_foreach_zero_"):
-        real = getattr(torch, name)
-        monkeypatch.setattr(torch, name, lambda *a, _real=real, _name=name: calls.append((_name, len(a[0]))) or _real(*a))
-    apply_slot_writes([write])
-    assert ("_foreach_zero_", 2) in calls
-    got = layer.slot_weights(1)
-    for i in (0, 2):
-        assert torch.equal(got[i][0], weights[i].lora_a) and torch.equal(got[i][1], weights[i].lora_b)
-    assert not got[1][0].any() and not got[1][1].any()
+def fused_adapter(layer, ranks, seed, dtype):
+    """One adapter's weights for ``layer``'s slices (rank 0: the slice left out), packed into one
+    host buffer as the CPU tier holds them."""
+    g = torch.Generator().manual_seed(seed)
+    modules = {f"s{i}": LoRAModuleWeights(torch.randn(r, 16, generator=g).to(dtype),
+                                          torch.randn(size, r, generator=g).to(dtype), scaling=0.5 + i)
+               for i, (r, size) in enumerate(zip(ranks, layer.output_sizes)) if r}
+    packed = LoRAAdapter("a", None, modules, 8, ["s"]).pack()
+    return [packed.modules.get(f"s{i}") for i in range(len(ranks))]
 
 
-def test_blocks_that_are_not_dense_are_copied_one_by_one_beside_the_batched_ones():
-    """Slices of different ranks: the lower rank's B block is narrower than the slot's width (not
-    dense), copied on its own; the rest still batched; every block lands where it belongs."""
-    from loramux.engine.layers.slot_write import _same_dense_layout
+def layer_state(layer):
+    return [t.clone() for t in (layer.lora_a_pool, layer.lora_b_pool, layer.lora_scales, layer.lora_ranks,
+                                layer.lora_pool_starts)]
 
-    layer = fused_layer()
-    g = torch.Generator().manual_seed(1)
-    weights = [LoRAModuleWeights(torch.randn(r, 16, generator=g), torch.randn(size, r, generator=g), scaling=1.0)
-               for r, size in zip((8, 3, 8), layer.output_sizes)]
-    write = layer.slot_write(2, weights)
-    assert [_same_dense_layout(block, w) for block, w in write.copies] == [True, True, True, False, True, True]
-    apply_slot_writes([write])
-    for (a, b), w in zip(layer.slot_weights(2), weights):  # read at the slot's rank, 8: zeros past 3
-        r = w.rank
-        assert torch.equal(a[:r], w.lora_a) and torch.equal(b[:, :r], w.lora_b)
-        assert not a[r:].any() and not b[:, r:].any()
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_launch_table_writes_what_the_block_by_block_path_writes(dtype):
+    """Two writes into the same slots (ranks per slice 8/3/8 with slice 1 left out next, a slot
+    rewritten at a lower rank, whose padding must be cleared): `copy_blocks`' table under the
+    interpreter leaves every pool, scale, rank and start as the block-by-block copies do."""
+    by_blocks, by_table = fused_layer(dtype=dtype), fused_layer(dtype=dtype)
+    for slot, ranks, seed in ((0, (8, 8, 8), 1), (1, (8, 3, 8), 2), (0, (4, 0, 2), 3), (2, (0, 5, 0), 4)):
+        weights = fused_adapter(by_blocks, ranks, seed, dtype)
+        apply_slot_writes([by_blocks.slot_write(slot, weights)])  # on the CPU: block by block
+        assert _run_as_table([by_table.slot_write(slot, weights)], torch.device("cpu"), stage=False)
+        by_table._host_ranks[slot] = by_blocks._host_ranks[slot]
+        for got, expected in zip(layer_state(by_table), layer_state(by_blocks)):
+            assert torch.equal(got, expected)
+    for (a, b), w in zip(by_table.slot_weights(0), fused_adapter(by_blocks, (4, 0, 2), 3, dtype)):
+        r = 0 if w is None else w.rank
+        assert not a[r:].any() and not b[:, r:].any()  # the padding of the rank-8 adapter before is gone
+        if w is not None:
+            assert torch.equal(a[:r], w.lora_a) and torch.equal(b[:, :r], w.lora_b)
+
+
+@needs_interpreter
+def test_the_table_refuses_weights_it_cannot_copy_as_they_are_and_writes_nothing():
+    """A cast (float32 weights, bfloat16 pool) or weights in several host buffers: the table
+    says no before anything is written, and the block-by-block path writes them."""
+    layer = fused_layer(dtype=torch.bfloat16)
+    before = layer_state(layer)
+    cast = fused_adapter(layer, (8, 8, 8), 1, torch.float32)
+    apart = [LoRAModuleWeights(w.lora_a.clone(), w.lora_b.clone(), w.scaling)
+             for w in fused_adapter(layer, (8, 8, 8), 1, torch.bfloat16)]
+    for weights in (cast, apart):
+        assert not _run_as_table([layer.slot_write(1, weights)], torch.device("cpu"), stage=False)
+        layer.rank_pool.free(1)
+        layer._host_ranks[1] = 0
+        assert all(torch.equal(got, expected) for got, expected in zip(layer_state(layer), before))
+    apply_slot_writes([layer.slot_write(1, cast)])
+    for (a, b), w in zip(layer.slot_weights(1), cast):
+        assert torch.equal(a, w.lora_a.bfloat16()) and torch.equal(b, w.lora_b.bfloat16())
 
 
 def test_dense_reads_strides_as_aten_does():
@@ -182,10 +189,10 @@ def test_dense_reads_strides_as_aten_does():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_a_fused_slot_write_spreads_its_blocks_in_a_few_kernels():
-    """On CUDA a write over 8 fused layers (48 blocks of one adapter from one pinned host buffer)
-    runs its device-to-device spread as batched foreach kernels, not a copy kernel per block, and
-    every block lands where it belongs."""
+def test_gpu_a_slot_write_over_many_layers_is_one_kernel():
+    """On CUDA a write over 8 fused layers (48 blocks of one adapter from one pinned host buffer,
+    and the scales, ranks and starts) is the weights' copy, the table's copy and ONE kernel; every
+    block lands where it belongs."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
@@ -202,14 +209,20 @@ def test_gpu_a_fused_slot_write_spreads_its_blocks_in_a_few_kernels():
                                                       torch.randn(size, 8, generator=g).to(torch.bfloat16), scaling=0.5)
                for i in range(8) for name, size in (("q", 32), ("k", 8), ("v", 8))}
     adapter = LoRAAdapter("a", None, modules, 8, ["q", "k", "v"]).pack(pin_memory=True)  # as the CPU tier holds it
+    apply_slot_writes([layer.slot_write(0, [adapter.modules[f"fused.{i}.{n}"] for n in "qkv"])
+                       for i, layer in enumerate(group)])  # compiles the kernel; slot 1's rows come after
     writes = [layer.slot_write(1, [adapter.modules[f"fused.{i}.{n}"] for n in "qkv"]) for i, layer in enumerate(group)]
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         apply_slot_writes(writes)
         torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name]
-    assert 1 <= len(kernels) <= 12, [e.name for e in kernels]  # a kernel per block would be 48 and more
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name]
+    copies = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" in e.name]
+    assert len(kernels) == 1 and "copy_blocks" in kernels[0], kernels
+    assert len(copies) == 2, copies  # the weights, the table
     for i, layer in enumerate(group):
+        assert layer.lora_scales[1].tolist() == [0.5] * 3 and layer.lora_ranks[1] == 8
+        assert layer.lora_pool_starts[1] == layer.rank_pool.start_of(1) == 8
         for (a, b), n in zip(layer.slot_weights(1), "qkv"):
             w = adapter.modules[f"fused.{i}.{n}"]
             assert torch.equal(a.cpu(), w.lora_a) and torch.equal(b.cpu(), w.lora_b)

@@ -284,11 +284,14 @@ def _hold_zero_adapter(manager) -> int:
         for name, size in zip(layer.slice_names, layer.output_sizes):
             if not matches_target(name, manager.target_modules):  # k of a fused qkv served for q/v only
                 continue
-            like = dict(dtype=layer.lora_dtype, device=layer.lora_scales.device)
-            modules[name] = LoRAModuleWeights(torch.zeros(1, layer.in_features, **like), torch.zeros(size, 1, **like), 1.0)
+            dtype = layer.lora_dtype
+            modules[name] = LoRAModuleWeights(torch.zeros(1, layer.in_features, dtype=dtype),
+                                              torch.zeros(size, 1, dtype=dtype), 1.0)
     adapter = LoRAAdapter(name=WARMUP_ADAPTER, path=Path("."), modules=modules, lora_alpha=1.0,
                           target_modules=sorted(modules))
-    return manager.activate(adapter)
+    # in one page-locked host buffer, as the CPU tier holds adapters: the slot write takes the
+    # path serving does and compiles its kernel now (`loramux.engine.layers.slot_write`)
+    return manager.activate(adapter.pack(pin_memory=manager.device.type == "cuda"))
 
 
 def _run_step(runner: ModelRunner, step: WarmupStep, slot: int | None) -> None:

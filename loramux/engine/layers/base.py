@@ -52,7 +52,7 @@ from loramux.engine.layers.context import LoRAContext
 from loramux.engine.layers.lora_op import register_layer
 from loramux.engine.layers.side_stream import (beside_streams, delta_beside_base, gemm_carveout, is_big_gemm,
                                                 lora_sms_beside)
-from loramux.engine.layers.slot_write import SlotWrite, apply_slot_writes, zero_all
+from loramux.engine.layers.slot_write import Block, SlotWrite, apply_slot_writes, zero_all
 from loramux.engine.rank_pool import RankPool
 from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
 from loramux.kernels.pool import pool_rows
@@ -337,10 +337,10 @@ class BaseLayerWithLoRA(nn.Module):
         for (a_rows, b_cols), weights in zip(slices, weights_by_slice):
             r = 0 if weights is None else weights.rank
             if r:
-                write.copies.append((a_rows if r == R else a_rows[:r], weights.lora_a))
-                write.copies.append((b_cols if r == R else b_cols[:, :r], weights.lora_b))
+                write.copies.append((Block.of(a_rows if r == R else a_rows[:r]), weights.lora_a))
+                write.copies.append((Block.of(b_cols if r == R else b_cols[:, :r]), weights.lora_b))
             if r < written:
-                write.zeros += [a_rows[r:], b_cols[:, r:]]
+                write.zeros += [Block.of(a_rows[r:]), Block.of(b_cols[:, r:])]
             write.scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
             write.rank = max(write.rank, r)
         return write
@@ -360,10 +360,9 @@ class BaseLayerWithLoRA(nn.Module):
         self._host_ranks[slot] = rank  # until this write completes, a failure's reset_lora clears it
         scales_row, rank_cell, start_cell = self._slot_cells(slot)
         write = SlotWrite(self, slot, scales_row, rank_cell, start_cell=start_cell, start=start)
-        # views made with one as_strided each (an indexing chain per view was most of a write's
-        # host time, for every layer of every placement): slice i's A rows are a dense [r, in]
-        # block (the pool is slice-major), and the slot's B is one [N, width] block from element
-        # start * N
+        # blocks as numbers, no views (a view per block was most of a write's host time, for
+        # every layer of every placement): slice i's A rows are an [r, in] block (the pool is
+        # slice-major), and the slot's B is one [N, width] block from element start * N
         a_pool, b_pool = self.lora_a_pool, self.lora_b_pool
         K = self.in_features
         row, slice_stride = a_pool.stride(0), a_pool.stride(1)
@@ -373,13 +372,13 @@ class BaseLayerWithLoRA(nn.Module):
             r = 0 if weights is None else weights.rank
             a_i = a_row + i * slice_stride  # slice i's first row
             if r:
-                write.copies.append((a_pool.as_strided((r, K), (row, 1), a_i), weights.lora_a))  # [r, in]
-                write.copies.append((b_pool.as_strided((size, r), (width, 1), b_row), weights.lora_b))  # [size, r]
+                write.copies.append((Block(a_pool, a_i, r, K, row), weights.lora_a))  # [r, in]
+                write.copies.append((Block(b_pool, b_row, size, r, width), weights.lora_b))  # [size, r]
             # the kernels read A's rows up to the rank, B's columns up to the width
             if r < rank:
-                write.zeros.append(a_pool.as_strided((rank - r, K), (row, 1), a_i + r * row))
+                write.zeros.append(Block(a_pool, a_i + r * row, rank - r, K, row))
             if r < width:
-                write.zeros.append(b_pool.as_strided((size, width - r), (width, 1), b_row + r))
+                write.zeros.append(Block(b_pool, b_row + r, size, width - r, width))
             write.scales.append(float(weights.scaling) * self.scale_multiplier() if r else 0.0)
             b_row += size * width
         write.rank = rank

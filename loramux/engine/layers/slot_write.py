@@ -1,50 +1,72 @@
 """Writing an adapter into a GPU slot in a handful of device calls, whatever the number of layers.
 
 A slot write touches every wrapped layer: per output slice an A block and a B block to copy, the
-padding the slot's previous adapter left past the new rank to clear, a scale; per layer a rank.
-Issued one by one that is ~800 host-side calls for a Llama-3.1-8B adapter on all seven
-projections (12.8 ms on an H100 for 84 MB that PCIe moves in ~2-3 ms). `BaseLayerWithLoRA.slot_write`
-describes one layer's part (`SlotWrite`, checked, nothing written yet); `apply_slot_writes` runs
-the parts of every layer together:
+padding the slot's previous adapter left past the new rank to clear, a scale; per layer a rank
+and a pool start. `BaseLayerWithLoRA.slot_write` describes one layer's part (`SlotWrite`,
+checked, nothing written yet), its blocks as numbers (`Block`: no tensor views);
+`apply_slot_writes` runs the parts of every layer together. On CUDA that is:
 
 - the weights: an adapter's tensors are views into one host buffer (the loader reads a file into
-  one buffer; `LoRAAdapter.pack` packs into one), so that buffer goes to the device in ONE copy,
-  and one ``torch._foreach_copy_`` spreads it over the slots' blocks (device to device);
-- the padding: one ``torch._foreach_zero_``;
-- the scales, ranks and pool starts: one small host tensor each, copied once and spread by
-  ``_foreach_copy_``.
+  one buffer; `LoRAAdapter.pack` packs into one), so that buffer goes to the device in ONE copy;
+- a table of every block (copy from that copy, or zero; and the scales, ranks and pool starts
+  from a few bytes of values), page-locked and copied in one more;
+- ONE launch of `loramux.kernels.block_copy.copy_blocks`, which runs the table.
 
-The foreach ops run a list in a few kernels only when every tensor in it is dense (no gaps) and
-each pair has one layout; a single other tensor sends the whole list down a kernel per tensor
-(~450 for an 8B adapter on all seven projections). The pools are laid out for dense blocks
-(`BaseLayerWithLoRA._new_pool`; row-major, a fused layer's A blocks were not, so every write took
-the slow path), and the few blocks that are not (a slice's rank below the slot's width) go one
-by one beside the batched rest. On an H100, slot writes were the engine thread's slowest work in
-a trace of 1,000 adapters: 10 ms for one adapter, up to 93 ms in one step
-(docs/benchmarks/many-adapters.md, fourteenth session).
+Why numbers and one kernel: the engine's thread runs slot writes inside its steps, and each torch
+call is a point where the GIL may pass to a loader thread. Done with views and torch's foreach
+ops a write was ~600 calls on an 8B adapter (a view per block, a staged view per weight, the
+copies): 2.4 ms on an idle H100 host, 5-6 ms among loads in the many-adapters trace, the engine
+thread's largest cost (docs/benchmarks/many-adapters.md, fifteenth session). Now it is a dozen.
 
 Nothing blocks the host: the host buffers are page-locked in the CPU tier (elsewhere the copy is
-staged, as any pageable copy), and the small tensors come from PyTorch's pinned allocator. When
-the weights do not share one host buffer (or it holds much more than they need: PEFT may save a
-whole embedding beside an embedding LoRA), each block is copied on its own, as before.
+staged, as any pageable copy), and the table comes from PyTorch's pinned allocator. Where the
+table cannot express a write (weights that do not share one host buffer, or one much larger than
+they are: PEFT may save a whole embedding beside an embedding LoRA; a dtype cast; an odd-sized
+dtype) and on the CPU, the blocks are copied one by one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
     from loramux.engine.layers.base import BaseLayerWithLoRA
 
-__all__ = ["SlotWrite", "apply_slot_writes", "zero_all"]
+__all__ = ["Block", "SlotWrite", "apply_slot_writes", "zero_all"]
 
 #: Stage the adapter's whole host buffer only when it is at most this much larger than the
 #: blocks the slot needs (a buffer with a saved base embedding beside the LoRA weights is not).
 MAX_STAGED_OVERHEAD = 1.5
+
+
+class Block(NamedTuple):
+    """A 2D block of ``base``'s storage, as numbers: ``base.as_strided((rows, cols), (stride, 1),
+    offset)`` (``offset`` in elements from the storage's start, as ``as_strided`` takes it)."""
+
+    base: torch.Tensor
+    offset: int
+    rows: int
+    cols: int
+    stride: int
+
+    @classmethod
+    def of(cls, view: torch.Tensor) -> Block:
+        """The block a 2D view with contiguous rows covers."""
+        assert view.dim() == 2 and (view.stride(1) == 1 or view.shape[1] == 1), "a 2D view with contiguous rows"
+        return cls(view, view.storage_offset(), view.shape[0], view.shape[1], view.stride(0))
+
+    def view(self) -> torch.Tensor:
+        return self.base.as_strided((self.rows, self.cols), (self.stride, 1), self.offset)
+
+    def address(self) -> int:
+        """Its first element's address."""
+        base = self.base
+        return base.data_ptr() + (self.offset - base.storage_offset()) * base.element_size()
 
 
 @dataclass
@@ -56,8 +78,8 @@ class SlotWrite:
     slot: int
     scales_row: torch.Tensor  # the layer's lora_scales[slot]: [n_slices] float32
     rank_cell: torch.Tensor  # the layer's lora_ranks[slot:slot + 1]: [1] int32
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (slot block, host weights)
-    zeros: list[torch.Tensor] = field(default_factory=list)  # padding past the new rank
+    copies: list[tuple[Block, torch.Tensor]] = field(default_factory=list)  # (slot block, host weights [rows, cols])
+    zeros: list[Block] = field(default_factory=list)  # padding past the new rank
     scales: list[float] = field(default_factory=list)  # one per output slice
     rank: int = 0
     start_cell: torch.Tensor | None = None  # a pooled layer's lora_pool_starts[slot:slot + 1]: [1] int32
@@ -65,33 +87,92 @@ class SlotWrite:
 
 
 def apply_slot_writes(writes: Sequence[SlotWrite]) -> None:
-    """Run every `SlotWrite` (all on one device), batched: see the module docstring."""
+    """Run every `SlotWrite` (all on one device): see the module docstring."""
     if not writes:
         return
     device = writes[0].layer.lora_scales.device
-    copies = [pair for write in writes for pair in write.copies]
-    if copies:
-        blocks, weights = [list(side) for side in zip(*copies)]
-        sources = weights if device.type == "cpu" else _staged(weights, device)
-        if sources is not None:
-            batched, single = [], []
-            for pair in zip(blocks, sources):
-                (batched if _same_dense_layout(*pair) else single).append(pair)
-            if batched:
-                torch._foreach_copy_([block for block, _ in batched], [source for _, source in batched])
-            for block, source in single:
-                block.copy_(source)
-        else:
-            for block, tensor in copies:  # non_blocking: asynchronous from pinned memory
-                block.copy_(tensor, non_blocking=True)
-    zero_all([block for write in writes for block in write.zeros])
-    _spread([w.scales_row for w in writes], [w.scales for w in writes], torch.float32, device)
-    _spread([w.rank_cell for w in writes], [[w.rank] for w in writes], torch.int32, device)
-    pooled = [w for w in writes if w.start_cell is not None]
-    if pooled:
-        _spread([w.start_cell for w in pooled], [[w.start] for w in pooled], torch.int32, device)
+    if device.type != "cuda" or not _run_as_table(writes, device):
+        for write in writes:
+            for block, weights in write.copies:  # non_blocking: asynchronous from pinned memory
+                block.view().copy_(weights, non_blocking=True)
+        zero_all([block.view() for write in writes for block in write.zeros])
+        _spread([w.scales_row for w in writes], [w.scales for w in writes], torch.float32, device)
+        _spread([w.rank_cell for w in writes], [[w.rank] for w in writes], torch.int32, device)
+        pooled = [w for w in writes if w.start_cell is not None]
+        if pooled:
+            _spread([w.start_cell for w in pooled], [[w.start] for w in pooled], torch.int32, device)
     for write in writes:
         write.layer._host_ranks[write.slot] = write.rank
+
+
+def _run_as_table(writes: Sequence[SlotWrite], device: torch.device, stage: bool = True) -> bool:
+    """Run ``writes`` as one `copy_blocks` table (see the module docstring); False, with nothing
+    done, when the table cannot express them. ``stage=False`` reads the weights where they are
+    (host memory: the CPU tests, under Triton's interpreter)."""
+    from loramux.kernels.block_copy import TABLE_FIELDS, copy_blocks
+
+    copies = [pair for write in writes for pair in write.copies]
+    host = _shared_buffer([weights for _, weights in copies]) if copies else None
+    if copies and host is None:
+        return False
+    rows: list[tuple[int, int, int, int, int, int]] = []
+    for block, weights in copies:
+        size = weights.element_size()
+        if weights.dtype != block.base.dtype or size % 2 or weights.stride(-1) != 1 and block.cols != 1:
+            return False  # a cast, or a dtype of odd size
+        units = size // 2
+        rows.append((block.address(), weights.data_ptr(), block.rows, block.cols * units, block.stride * units,
+                     weights.stride(0) * units))
+    for write in writes:
+        for block in write.zeros:
+            units = block.base.element_size() // 2
+            if not units:
+                return False
+            rows.append((block.address(), 0, block.rows, block.cols * units, block.stride * units, 0))
+    # the scales (float32) and the ranks and pool starts (int32): 4 bytes, 2 units each
+    cells = [(w.scales_row, len(w.scales)) for w in writes] + [(w.rank_cell, 1) for w in writes]
+    cells += [(w.start_cell, 1) for w in writes if w.start_cell is not None]
+    table_bytes = 8 * TABLE_FIELDS * (len(rows) + len(cells))
+    values = np.concatenate([np.array([s for w in writes for s in w.scales], dtype=np.float32).view(np.int32),
+                             np.array([w.rank for w in writes] + [w.start for w in writes if w.start_cell is not None],
+                                      dtype=np.int32)])
+    staged = torch.empty(table_bytes + 4 * len(values), dtype=torch.uint8, pin_memory=stage)
+    table = torch.empty_like(staged, device=device) if stage else staged
+    at = table.data_ptr() + table_bytes
+    for cell, count in cells:
+        rows.append((cell.data_ptr(), at, 1, 2 * count, 0, 0))
+        at += 4 * count
+    numbers = np.array(rows, dtype=np.int64)
+    if copies and stage:
+        on_device = torch.empty(host.numel(), dtype=torch.uint8, device=device)
+        on_device.copy_(host, non_blocking=True)  # the one copy of the weights
+        numbers[: len(copies), 1] += on_device.data_ptr() - host.data_ptr()  # read from that copy
+    packed = staged.numpy()
+    packed[:table_bytes] = numbers.view(np.uint8).reshape(-1)
+    packed[table_bytes:] = values.view(np.uint8)
+    if stage:
+        table.copy_(staged, non_blocking=True)
+    copy_blocks(table[:table_bytes].view(torch.int64).view(-1, TABLE_FIELDS))
+    return True
+
+
+def _shared_buffer(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The one host buffer (a uint8 tensor over its storage) every tensor of ``weights`` lies in,
+    or None: they lie in several, on a device, or in one far larger than they are."""
+    first = weights[0]
+    if first.device.type != "cpu":
+        return None
+    storage = first.untyped_storage()
+    start, nbytes = storage.data_ptr(), storage.nbytes()
+    needed = 0
+    for t in weights:
+        at, size = t.data_ptr(), t.numel() * t.element_size()
+        if not start <= at <= start + nbytes - size:
+            return None
+        needed += size
+    if nbytes > MAX_STAGED_OVERHEAD * needed + (1 << 20):
+        return None
+    return torch.empty(0, dtype=torch.uint8).set_(storage)
 
 
 def zero_all(tensors: Sequence[torch.Tensor]) -> None:
@@ -112,7 +193,7 @@ def _dense(t: torch.Tensor) -> bool:
     """Whether ``t``'s elements fill its memory span with no gap nor overlap, in some order of its
     dimensions (ATen's ``is_non_overlapping_and_dense``, which Python does not expose): what
     torch's foreach ops need of every tensor of a list to run it in a few kernels."""
-    if t.is_contiguous():  # nearly every block and weight: a flag torch keeps, no Python walk
+    if t.is_contiguous():  # nearly every cell: a flag torch keeps, no Python walk
         return True
     expected = 1
     for stride, size in sorted((stride, size) for size, stride in zip(t.shape, t.stride()) if size != 1):
@@ -120,35 +201,6 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a foreach copy between ``a`` and ``b`` takes the fast path: both dense, of one
-    size and the same strides (dimensions of size 1 aside)."""
-    if a.shape != b.shape:
-        return False
-    if a.is_contiguous() and b.is_contiguous():  # one shape, both contiguous: one layout
-        return True
-    return _dense(a) and _dense(b) and all(x == y for x, y, size in zip(a.stride(), b.stride(), a.shape) if size != 1)
-
-
-def _staged(weights: list[torch.Tensor], device: torch.device) -> list[torch.Tensor] | None:
-    """``weights`` as views of one device copy of the host buffer they share, or None to copy
-    them one by one (no shared host buffer, or one far larger than they are)."""
-    if any(t.device.type != "cpu" for t in weights):
-        return None
-    storage = weights[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() for t in weights):
-        return None
-    needed = sum(t.numel() * t.element_size() for t in weights)
-    if storage.nbytes() > MAX_STAGED_OVERHEAD * needed + (1 << 20):
-        return None
-    host = torch.empty(0, dtype=torch.uint8).set_(storage)
-    device_copy = torch.empty(storage.nbytes(), dtype=torch.uint8, device=device)
-    device_copy.copy_(host, non_blocking=True)  # the one host-to-device copy
-    on_device = device_copy.untyped_storage()
-    return [torch.empty(0, dtype=t.dtype, device=device).set_(on_device, t.storage_offset(), t.size(), t.stride())
-            for t in weights]
 
 
 def _spread(rows: list[torch.Tensor], values: list[list[float]], dtype: torch.dtype, device: torch.device) -> None:
