@@ -63,11 +63,6 @@ class Block(NamedTuple):
     def view(self) -> torch.Tensor:
         return self.base.as_strided((self.rows, self.cols), (self.stride, 1), self.offset)
 
-    def address(self) -> int:
-        """Its first element's address."""
-        base = self.base
-        return base.data_ptr() + (self.offset - base.storage_offset()) * base.element_size()
-
 
 @dataclass
 class SlotWrite:
@@ -116,19 +111,25 @@ def _run_as_table(writes: Sequence[SlotWrite], device: torch.device, stage: bool
     if copies and host is None:
         return False
     rows: list[tuple[int, int, int, int, int, int]] = []
+    starts: dict[int, int] = {}  # storage start addresses by id(base): a layer's pools hold many blocks
     for block, weights in copies:
-        size = weights.element_size()
-        if weights.dtype != block.base.dtype or size % 2 or weights.stride(-1) != 1 and block.cols != 1:
+        base, dtype, strides = block.base, weights.dtype, weights.stride()
+        size = dtype.itemsize
+        if dtype != base.dtype or size % 2 or strides[-1] != 1 and block.cols != 1:
             return False  # a cast, or a dtype of odd size
+        start = starts.get(id(base)) or starts.setdefault(id(base), _storage_start(base))
         units = size // 2
-        rows.append((block.address(), weights.data_ptr(), block.rows, block.cols * units, block.stride * units,
-                     weights.stride(0) * units))
+        rows.append((start + block.offset * size, weights.data_ptr(), block.rows, block.cols * units,
+                     block.stride * units, strides[0] * units))
     for write in writes:
         for block in write.zeros:
-            units = block.base.element_size() // 2
-            if not units:
+            base = block.base
+            size = base.dtype.itemsize
+            if size % 2:
                 return False
-            rows.append((block.address(), 0, block.rows, block.cols * units, block.stride * units, 0))
+            start = starts.get(id(base)) or starts.setdefault(id(base), _storage_start(base))
+            rows.append((start + block.offset * size, 0, block.rows, block.cols * size // 2,
+                         block.stride * size // 2, 0))
     # the scales (float32) and the ranks and pool starts (int32): 4 bytes, 2 units each
     cells = [(w.scales_row, len(w.scales)) for w in writes] + [(w.rank_cell, 1) for w in writes]
     cells += [(w.start_cell, 1) for w in writes if w.start_cell is not None]
@@ -156,6 +157,11 @@ def _run_as_table(writes: Sequence[SlotWrite], device: torch.device, stage: bool
     return True
 
 
+def _storage_start(t: torch.Tensor) -> int:
+    """The address of the first element of ``t``'s storage."""
+    return t.data_ptr() - t.storage_offset() * t.dtype.itemsize
+
+
 def _shared_buffer(weights: list[torch.Tensor]) -> torch.Tensor | None:
     """The one host buffer (a uint8 tensor over its storage) every tensor of ``weights`` lies in,
     or None: they lie in several, on a device, or in one far larger than they are."""
@@ -166,7 +172,7 @@ def _shared_buffer(weights: list[torch.Tensor]) -> torch.Tensor | None:
     start, nbytes = storage.data_ptr(), storage.nbytes()
     needed = 0
     for t in weights:
-        at, size = t.data_ptr(), t.numel() * t.element_size()
+        at, size = t.data_ptr(), t.nbytes
         if not start <= at <= start + nbytes - size:
             return None
         needed += size
