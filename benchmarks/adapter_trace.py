@@ -238,6 +238,10 @@ class RequestRecord:
     # when the engine said its adapter was loaded for it (the "ready" event; a request whose
     # adapter sat in a GPU slot gets none): a cold TTFT is the load, then the engine's wait
     adapter_ready_s: float | None = None
+    # that load's own seconds, from its start (as the engine took the request) to "ready", and of
+    # those the registry's (resolve, read, check, validate: the handle's load_seconds)
+    adapter_load_s: float | None = None
+    adapter_registry_s: float | None = None
 
     @property
     def ttft_s(self) -> float | None:
@@ -290,7 +294,10 @@ def run_trace(
         if event.kind == "ready":
             for request_id in event.request_ids:
                 if request_id in records:
-                    records[request_id].adapter_ready_s = time.perf_counter() - start
+                    record = records[request_id]
+                    record.adapter_ready_s = time.perf_counter() - start
+                    record.adapter_load_s = event.seconds
+                    record.adapter_registry_s = getattr(event.handle, "load_seconds", None)
 
     engine.add_event_listener(on_event)
     with _phases_timed(engine, phases is not None) as spent, contextlib.ExitStack() as stack:
@@ -461,5 +468,11 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
                                           if r.adapter_ready_s is not None], 50),
         "cold_ready_to_first_token_p50_ms": _percentile([(r.first_token_s - r.adapter_ready_s) * 1e3 for r in cold
                                                          if r.adapter_ready_s is not None], 50),
+        # the first part split again: arrival to the engine taking the request (the driver adds
+        # between steps), the load's own run, and the registry's share of it
+        "cold_handed_over_p50_ms": _percentile([(r.added_s - r.arrival_s) * 1e3 for r in cold], 50),
+        "cold_load_run_p50_ms": _percentile([r.adapter_load_s * 1e3 for r in cold if r.adapter_load_s is not None], 50),
+        "cold_registry_p50_ms": _percentile([r.adapter_registry_s * 1e3 for r in cold
+                                             if r.adapter_registry_s is not None], 50),
         "adapters_used": len({r.adapter for r in records}),
     }

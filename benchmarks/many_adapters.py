@@ -318,7 +318,9 @@ def check_targets(results: list[dict], disk_bytes_per_s: float, model_bytes: int
         cold[r["adapters"]] = {"cold_p50_ms": r["cold_ttft_p50_ms"], "bound_ms": bound,
                                "passed": r["cold_ttft_p50_ms"] <= bound,
                                "load_p50_ms": r.get("cold_ready_p50_ms"),
-                               "after_load_p50_ms": r.get("cold_ready_to_first_token_p50_ms")}
+                               "after_load_p50_ms": r.get("cold_ready_to_first_token_p50_ms"),
+                               **{key: r.get(f"cold_{key}") for key in ("handed_over_p50_ms", "load_run_p50_ms",
+                                                                        "registry_p50_ms")}}
     checks["cold_ttft_bound"] = {"per_n": cold, "passed": all(c["passed"] for c in cold.values()) if cold else None}
     return checks
 

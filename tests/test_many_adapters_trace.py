@@ -156,6 +156,11 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert all(r.arrival_s <= r.adapter_ready_s <= r.first_token_s for r in cold)
     assert 0 < summary["cold_ready_p50_ms"] < summary["cold_ttft_p50_ms"]
     assert 0 < summary["cold_ready_to_first_token_p50_ms"] < summary["cold_ttft_p50_ms"]
+    # and the load again: handed over between steps, the load's run, the registry's share of it
+    loaded = [r for r in cold if r.adapter_load_s is not None]
+    assert loaded and all(0 < r.adapter_registry_s <= r.adapter_load_s for r in loaded)
+    assert all(r.added_s - r.arrival_s + r.adapter_load_s <= r.adapter_ready_s - r.arrival_s + 1e-3 for r in loaded)
+    assert 0 <= summary["cold_handed_over_p50_ms"] and 0 < summary["cold_registry_p50_ms"] <= summary["cold_load_run_p50_ms"]
     assert not engine.adapters.events._listeners  # the trace's listener is gone
     assert engine.registry.cache.stats.evictions > 0 and engine.lora_manager.stats.evictions > 0
     # the adapter of the request that finished last held its slot to the end, and no load came after
@@ -208,9 +213,13 @@ def test_the_targets_are_judged_on_the_smallest_and_largest_n():
     assert met["cold_ttft_bound"]["per_n"][1000]["bound_ms"] == pytest.approx(101.5)
     # and says where a cold TTFT went, where the trace split it
     split = check_targets([_result(4, 1000.0, 200.0), dict(_result(1000, 960.0, 390.0, cold=101.0),
-                                                           cold_ready_p50_ms=7.0, cold_ready_to_first_token_p50_ms=94.0)], 1e9)
+                                                           cold_ready_p50_ms=7.0, cold_ready_to_first_token_p50_ms=94.0,
+                                                           cold_handed_over_p50_ms=1.0, cold_load_run_p50_ms=5.0,
+                                                           cold_registry_p50_ms=4.0)], 1e9)
     assert split["cold_ttft_bound"]["per_n"][1000]["load_p50_ms"] == 7.0
     assert split["cold_ttft_bound"]["per_n"][1000]["after_load_p50_ms"] == 94.0
+    assert [split["cold_ttft_bound"]["per_n"][1000][key] for key in ("handed_over_p50_ms", "load_run_p50_ms",
+                                                                      "registry_p50_ms")] == [1.0, 5.0, 4.0]
     missed = check_targets([_result(4, 1000.0, 200.0), _result(1000, 940.0, 410.0, cold=102.0, failed=1)], 1e9)
     assert not any(check["passed"] for check in missed.values())
     # throughput is judged at saturation where it was measured (Poisson arrivals only show the rate),
