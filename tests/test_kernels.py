@@ -856,35 +856,6 @@ def test_triton_interpreter_static_meta_wide_rank_blocks(monkeypatch):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("adapt_target", [0, 12, 60, 100, 10_000])
-@pytest.mark.parametrize("mapping", ["one_slot", "mixed", "all_different"])
-def test_triton_interpreter_static_meta_splits_less_when_the_batch_fills_the_grid(mapping, adapt_target, monkeypatch):
-    """A static grid splits K 3 ways (for one adapter); a batch whose own tiles x rank blocks
-    reach the adaptive target splits less (12: the many-adapter batches not at all, 60 and 100:
-    1 to 3 ways, 10,000: as the grid; 0: off). Each gives the reference's delta from scratch
-    handed out NaN (a dropped split's partials are never read), and leaves every counter zero."""
-    from loramux.kernels import metadata, shrink
-
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 12)  # as on a GPU: K split
-    monkeypatch.setattr(shrink, "adaptive_split_target", lambda device, sms=None: adapt_target)
-    monkeypatch.setattr(metadata, "EXIT_PAST_TILES_MIN", 1)  # the device count of real tiles, as at 256 slots
-    T, H, S, R, sizes = 10, 520, 12, 32, (16, 8, 24)
-    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=11)
-    slots = static_slots(mapping, T, S, ranks, gen)
-    y0 = torch.randn(T, sum(sizes), generator=gen)
-    scratch = pytest.MonkeyPatch()  # the NaN scratch only (run_static_apply undoes its patches)
-    try:
-        y, meta = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, scratch, poison=True)
-    finally:
-        scratch.undo()
-    launch = static_launches(meta, H, R, sizes, torch.float32)[0]
-    assert launch.split_k == 3 and meta.real_tiles(launch.config.block_m) is not None
-    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
-    assert not shrink._lock_table(torch.device("cpu")).any()
-
-
-@needs_interpreter
 @pytest.mark.parametrize("mapping", ["one_slot", "mixed"])
 def test_triton_interpreter_static_meta_more_tokens_than_slots(mapping, monkeypatch):
     """40 tokens on 2 slots: one slot's 40 tokens need 3 tiles of 16, the grid's bound holds them."""

@@ -48,15 +48,15 @@ LOCK_TABLE_SIZE = 1 << 15
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
-@triton.jit(do_not_specialize=["num_active", "k_per_split", "T", "programs_target"])
+@triton.jit(do_not_specialize=["num_active", "k_per_split", "T"])
 def _shrink_kernel(
     x_ptr, a_ptr, scales_ptr, ranks_ptr, pool_ptr, buf_ptr, part_ptr, lock_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active, real_tiles_ptr,
-    T, H, NR, R, k_per_split, programs_target,
+    T, H, NR, R, k_per_split,
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn, stride_bm, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PAGED: tl.constexpr, EXIT_PAST_TILES: tl.constexpr, ADAPT_SPLIT: tl.constexpr,
+    PAGED: tl.constexpr, EXIT_PAST_TILES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_blocks = tl.cdiv(NR, BLOCK_N)
@@ -64,20 +64,9 @@ def _shrink_kernel(
     pid_m = pid // per_tile  # tile-major: programs with work come first
     pid_n = (pid % per_tile) // SPLIT_K
     pid_k = pid % SPLIT_K
-    split = SPLIT_K
     if EXIT_PAST_TILES:  # a static grid's programs past the batch's tiles: one scalar load, out
-        real_tiles = tl.load(real_tiles_ptr)
-        if pid_m >= real_tiles:
+        if pid_m >= tl.load(real_tiles_ptr):
             return
-        if ADAPT_SPLIT:
-            # the grid splits K for the one-adapter batch; a batch whose own tiles fill the target
-            # splits less (each split a program's start, partial store, counter and reduction):
-            # the programs of the splits it drops leave at once
-            want = tl.maximum(1, tl.minimum(SPLIT_K, programs_target // (real_tiles * n_blocks)))
-            k_per_split = tl.cdiv(tl.cdiv(H, BLOCK_K), want) * BLOCK_K
-            split = tl.cdiv(H, k_per_split)  # no empty split
-            if pid_k >= split:
-                return
     slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
     if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
         return
@@ -128,7 +117,7 @@ def _shrink_kernel(
         a_ptrs += BLOCK_K * stride_ak
 
     acc = acc * sc[None, :]  # columns past the rank are exact zeros (A masked)
-    if split == 1:  # SPLIT_K 1, or an adaptive grid's batch that fills the target unsplit
+    if SPLIT_K == 1:
         tl.store(buf_ptrs, acc, mask=out_mask)
     else:
         # partials: [SPLIT_K, T, NR] float32, contiguous; rows of this tile's tokens only
@@ -137,12 +126,11 @@ def _shrink_kernel(
         tl.debug_barrier()  # every thread's partial is written before the release below
         lock = lock_ptr + pid_m * n_blocks + pid_n
         arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
-        if arrived == split - 1:  # the last split of this (tile, block): reduce, in split order
+        if arrived == SPLIT_K - 1:  # the last split of this (tile, block): reduce, in split order
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # unrolled; an adaptive grid's dropped splits are skipped
-                if s < split:
-                    # .cg: read from L2, where the other programs' partials are (never a stale L1 line)
-                    total += tl.load(part_ptr + s * T * NR + part_off, mask=out_mask, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(SPLIT_K):
+                # .cg: read from L2, where the other programs' partials are (never a stale L1 line)
+                total += tl.load(part_ptr + s * T * NR + part_off, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(buf_ptrs, total, mask=out_mask)
             tl.atomic_xchg(lock, 0, sem="relaxed", scope="gpu")  # leave the table zero for the next launch
 
@@ -233,16 +221,6 @@ def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, 
     split_k = _split_for(one_adapter_tiles * cdiv(NR, block_n), target, H, block_k)
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
     return ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, 4)
-
-
-def adaptive_split_target(device: torch.device, sms: int | None = None) -> int:
-    """The programs a static grid's batch should fill before it splits K less (0: it splits
-    as the grid does whatever the batch). EXPERIMENT: LORAMUX_SHRINK_ADAPT (a multiple of the
-    launch's program target; 0 off)."""
-    import os
-
-    factor = float(os.environ.get("LORAMUX_SHRINK_ADAPT", "1"))
-    return int(factor * target_programs(device, sms))
 
 
 def _split_for(programs: int, target: int, H: int, block_k: int) -> int:
@@ -347,12 +325,11 @@ def lora_shrink_triton(
         buf, parts, locks,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         real_tiles if real_tiles is not None else meta.active_counts,
-        T, H, NR, R, launch.k_per_split, adaptive_split_target(x.device, sms),
+        T, H, NR, R, launch.k_per_split,
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
         A_PAD=slot_lanes(meta), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
         PRECISION=dot_precision(x.dtype), PAGED=pool_starts is not None, EXIT_PAST_TILES=real_tiles is not None,
-        ADAPT_SPLIT=real_tiles is not None and launch.split_k > 1 and adaptive_split_target(x.device, sms) > 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return buf
