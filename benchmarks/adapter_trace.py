@@ -17,6 +17,7 @@ Used by ``benchmarks/many_adapters.py`` and by its CPU smoke test.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import math
 import random
 import time
@@ -272,6 +273,7 @@ def run_trace(
     progress_every_s: float = 5.0,
     steps: list[tuple[StepShape, float]] | None = None,
     phases: list[dict[str, float]] | None = None,
+    load_calls: dict[str, list[float]] | None = None,
 ) -> list[RequestRecord]:
     """Replay ``trace`` in real time through ``engine`` (an ``LLMEngine``); the record of each request.
 
@@ -280,6 +282,8 @@ def run_trace(
     disk. ``progress(finished, total, seconds)`` is called every ``progress_every_s``. Each step
     that computed tokens appends ``(engine.runner.last_step, its seconds)`` to ``steps`` if given,
     and, with ``phases`` given too, the seconds it spent in each of `STEP_PHASES` to ``phases``.
+    With ``load_calls``, the seconds of each call of the cold path's `LOAD_PARTS` go to
+    ``load_calls[name]``.
     """
     from loramux import SamplingParams
 
@@ -300,7 +304,8 @@ def run_trace(
                     record.adapter_registry_s = getattr(event.handle, "load_seconds", None)
 
     engine.add_event_listener(on_event)
-    with _phases_timed(engine, phases is not None) as spent, contextlib.ExitStack() as stack:
+    with _phases_timed(engine, phases is not None) as spent, _load_parts_timed(engine, load_calls), \
+            contextlib.ExitStack() as stack:
         stack.callback(engine.remove_event_listener, on_event)
         while pending or engine.has_unfinished_requests():
             step = _replay_step(engine, pending, records, params, paths, adapter_bytes, start)
@@ -363,6 +368,51 @@ STEP_PHASES = (("collect", "adapters", "collect"), ("prefetch", "adapters", "pre
 # What prefetch spent beyond its parts waited for the manager's lock or the GIL.
 LORA_PARTS = (("lora.can_place", "lora_manager", "can_place"), ("lora.make_room", "lora_manager", "_make_room"),
               ("lora.slot_write", "lora_manager", "_write_slot"))
+
+
+# the cold path's parts, timed per call on the loading threads: (name, the module or the engine's
+# attribute that owns it, function): the file's read and hash, the checks that make the adapter of
+# it, the engine's validation, the CPU tier's insert
+LOAD_PARTS = (("load.read", "loramux.registry.loader", "_read_tensors"),
+              ("load.checks", "loramux.registry.loader", "_checked_adapter"),
+              ("load.validate", "registry", "_validate"), ("load.cpu_tier", "registry.cache", "put"))
+
+
+@contextlib.contextmanager
+def _load_parts_timed(engine, calls: dict[str, list[float]] | None):
+    """While ``calls`` is given, wrap `LOAD_PARTS` so each call appends its seconds to
+    ``calls[name]`` (from any thread); put them back on exit."""
+    restore = []
+    for name, owner_path, attr in LOAD_PARTS if calls is not None else ():
+        owner = importlib.import_module(owner_path) if owner_path.startswith("loramux.") else engine
+        if owner is engine:
+            for part in owner_path.split("."):
+                owner = getattr(owner, part, None)
+        real = getattr(owner, attr, None)
+        if real is None:
+            continue
+        times = calls.setdefault(name, [])
+
+        def timed(*args, _real=real, _times=times, **kwargs):
+            began = time.perf_counter()
+            try:
+                return _real(*args, **kwargs)
+            finally:
+                _times.append(time.perf_counter() - began)  # one append: atomic under the GIL
+
+        restore.append((owner, attr, vars(owner).get(attr, _ABSENT)))
+        setattr(owner, attr, timed)
+    try:
+        yield
+    finally:
+        for owner, attr, before in reversed(restore):
+            if before is _ABSENT:
+                delattr(owner, attr)  # the instance attribute goes: the class's method shows again
+            else:
+                setattr(owner, attr, before)
+
+
+_ABSENT = object()
 
 
 @contextlib.contextmanager

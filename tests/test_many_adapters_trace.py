@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks l
 
 from benchmarks.adapter_trace import (  # noqa: E402
     DEFAULT_MIX,
+    LOAD_PARTS,
     LORA_PARTS,
     STEP_PHASES,
     AdapterKind,
@@ -119,9 +120,9 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert len(used) > 5  # more than both tiers hold
     paths = write_adapter_files(used, model.config, tmp_path, torch.float32, workers=2)
     sizes = {a.name: adapter_nbytes(model.config, a.rank, a.targets, torch.float32) for a in used}
-    steps, phases = [], []
+    steps, phases, load_calls = [], [], {}
     records = run_trace(engine, trace, paths, max_tokens=4, adapter_bytes=lambda a: sizes[a.name], steps=steps,
-                        phases=phases)
+                        phases=phases, load_calls=load_calls)
 
     assert [r.request_id for r in records] == [r.request_id for r in trace.requests]
     # every token computed was in a logged step: each request's 6 prompt tokens and 3 decodes
@@ -138,6 +139,12 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     parts = {name: sum(p.get(name, 0.0) for p in phases) for name, *_ in LORA_PARTS}
     assert all(t > 0 for t in parts.values()), parts
     assert all(p.get(n, 0.0) <= s + 1e-4 for p, (_, s) in zip(phases, steps) for n in parts)
+    # the cold path's parts, a time per call on the loading threads: every load read, checked, validated, kept
+    loads = engine.registry.cache.stats.loads
+    assert set(load_calls) == {name for name, *_ in LOAD_PARTS}
+    assert all(len(times) >= loads and all(t > 0 for t in times) for times in load_calls.values()), load_calls
+    import loramux.registry.loader as loader
+    assert loader._read_tensors.__name__ == "_read_tensors" and "put" not in vars(engine.registry.cache)  # put back
     assert not {"run", "schedule", "prefetch", "collect", "_receive", "can_place", "_make_room", "_write_slot"} & (
         vars(engine).keys() | vars(engine.runner).keys() | vars(engine.scheduler).keys()
         | vars(engine.adapters).keys() | vars(engine.lora_manager).keys())  # unwrapped again
