@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loramux.registry.weights_io import HASH_CHUNK_BYTES, all_finite, parse_safetensors, read_and_hash
+from loramux.registry.weights_io import HASH_CHUNK_BYTES, READ_BYTES, all_finite, parse_safetensors, read_and_hash
 
 ALLOCATE = partial(torch.empty, dtype=torch.uint8)
 
@@ -42,14 +42,17 @@ def test_tensors_match_the_library_and_are_views_of_the_buffer(tmp_path):
     assert all(t.untyped_storage().data_ptr() == storage for t in parsed.values())  # no copy
 
 
-def test_the_digest_is_independent_of_how_reads_return(tmp_path):
-    data = torch.randint(0, 256, (2 * HASH_CHUNK_BYTES + 123,), dtype=torch.uint8).numpy().tobytes()
+@pytest.mark.parametrize("size", [2 * HASH_CHUNK_BYTES + 123, 2 * READ_BYTES + HASH_CHUNK_BYTES + 5, READ_BYTES])
+def test_the_digest_is_independent_of_how_reads_return(tmp_path, size):
+    """Within one read, across several (each hashed as one job), a whole number of reads: the
+    digest is the tree hash of the file's 1 MiB chunks."""
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8).numpy().tobytes()
     path = tmp_path / "big.bin"
     path.write_bytes(data)
     buffer, digest = read_and_hash(path, ALLOCATE)
     digest = digest()
     chunks = [data[i : i + HASH_CHUNK_BYTES] for i in range(0, len(data), HASH_CHUNK_BYTES)]
-    assert len(chunks) == 3 and bytes(buffer.numpy()) == data
+    assert len(chunks) == -(-size // HASH_CHUNK_BYTES) and bytes(buffer.numpy()) == data
     assert digest == hashlib.sha256(b"".join(hashlib.sha256(c).digest() for c in chunks)).digest()
 
 

@@ -1,9 +1,14 @@
 """Reading an adapter's weights file once: into one host buffer, hashed while it is read.
 
 The file is read whole into a buffer the caller allocates (page-locked when a GPU is present, so
-the copy into a GPU slot can run asynchronously straight from it). Every 1 MiB chunk is hashed on
-a small thread pool as soon as it lands, while the next chunk is read (hashlib and file reads
-release the GIL), so the content digest costs almost nothing beyond the read. A safetensors file
+the copy into a GPU slot can run asynchronously straight from it), `READ_BYTES` a read. Each read
+is hashed on a small thread pool as soon as it lands (per 1 MiB chunk), while the next is read
+(hashlib and file reads release the GIL), so the content digest costs little beyond the read.
+Reads are large because each read and each hash job takes the GIL back when it ends, and beside
+a busy engine thread that can wait up to a switch interval. On an H100 host beside the
+many-adapters trace (one run each, docs/benchmarks/many-adapters.md, fifteenth session), 4 MiB
+reads against 1 MiB: at N = 4 a cold read took 8.4 against 12.2 ms (p50) and the load 14.9
+against 21.7 ms; at N = 1,000, 14.6 against 15.4 ms (there something else holds the reads). A safetensors file
 then becomes tensors that are views into that buffer: one copy from the disk, none after it.
 
 safetensors' own Python API cannot do this: ``load_file`` copies every tensor out of a memory
@@ -37,6 +42,8 @@ __all__ = [
 ]
 
 HASH_CHUNK_BYTES = 1 << 20
+#: Bytes of one read (and one hash job of its 1 MiB chunks).
+READ_BYTES = 4 * HASH_CHUNK_BYTES
 
 # safetensors dtype names (https://github.com/huggingface/safetensors#format) -> torch
 _DTYPES: dict[str, torch.dtype] = {
@@ -59,11 +66,14 @@ def _hash_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _sha256(chunk: list[memoryview]) -> bytes:
-    """SHA-256 of the one view in ``chunk``, taken out of it first: the pool's work item keeps its
-    arguments until after the result is set, and a view kept there would hold the read buffer
-    (an arena piece) past the moment its digest is known."""
-    return hashlib.sha256(chunk.pop()).digest()
+def _sha256(piece: list[memoryview]) -> bytes:
+    """The SHA-256 of each `HASH_CHUNK_BYTES` chunk of the one view in ``piece``, concatenated;
+    the view is taken out first: the pool's work item keeps its arguments until after the result
+    is set, and a view kept there would hold the read buffer (an arena piece) past the moment
+    its digest is known."""
+    view = piece.pop()
+    return b"".join(hashlib.sha256(view[at : at + HASH_CHUNK_BYTES]).digest()
+                    for at in range(0, len(view), HASH_CHUNK_BYTES))
 
 
 def read_and_hash(
@@ -86,8 +96,8 @@ def read_and_hash(
         chunks: list[Future[bytes]] = []
         pool = _hash_pool()
         try:
-            for start in range(0, size, HASH_CHUNK_BYTES):
-                end = min(start + HASH_CHUNK_BYTES, size)
+            for start in range(0, size, READ_BYTES):
+                end = min(start + READ_BYTES, size)
                 done = start
                 while done < end:
                     read = file.readinto(view[done:end])
