@@ -381,24 +381,47 @@ LOAD_PARTS = (("load.read", "loramux.registry.loader", "_read_tensors"),
 @contextlib.contextmanager
 def _load_parts_timed(engine, calls: dict[str, list[float]] | None):
     """While ``calls`` is given, wrap `LOAD_PARTS` so each call appends its seconds to
-    ``calls[name]`` (from any thread); put them back on exit."""
-    restore = []
+    ``calls[name]`` (from any thread: one append is atomic under the GIL); put them back on exit."""
+    targets = []
     for name, owner_path, attr in LOAD_PARTS if calls is not None else ():
         owner = importlib.import_module(owner_path) if owner_path.startswith("loramux.") else engine
         if owner is engine:
             for part in owner_path.split("."):
                 owner = getattr(owner, part, None)
-        real = getattr(owner, attr, None)
+        targets.append((name, owner, attr))
+        calls.setdefault(name, [])
+    with _calls_timed(targets, lambda name, seconds: calls[name].append(seconds)):
+        yield
+
+
+@contextlib.contextmanager
+def _phases_timed(engine, on: bool):
+    """While on, wrap the methods `STEP_PHASES` and `LORA_PARTS` name on ``engine``'s parts so
+    each adds its seconds to the yielded dict (the caller clears it per step); put them back on
+    exit."""
+    spent: dict[str, float] = {}
+    targets = [(name, engine if owner_attr is None else getattr(engine, owner_attr, None), method)
+               for name, owner_attr, method in (STEP_PHASES + LORA_PARTS if on else ())]
+    with _calls_timed(targets, lambda name, seconds: spent.__setitem__(name, spent.get(name, 0.0) + seconds)):
+        yield spent
+
+
+@contextlib.contextmanager
+def _calls_timed(targets, record: Callable[[str, float], None]):
+    """Wrap each ``(name, owner, attribute)`` of ``targets`` (an owner or attribute that is None is
+    skipped) so that every call tells ``record(name, its seconds)``; put them back on exit."""
+    restore = []
+    for name, owner, attr in targets:
+        real = getattr(owner, attr, None) if owner is not None else None
         if real is None:
             continue
-        times = calls.setdefault(name, [])
 
-        def timed(*args, _real=real, _times=times, **kwargs):
+        def timed(*args, _real=real, _name=name, **kwargs):
             began = time.perf_counter()
             try:
                 return _real(*args, **kwargs)
             finally:
-                _times.append(time.perf_counter() - began)  # one append: atomic under the GIL
+                record(_name, time.perf_counter() - began)
 
         restore.append((owner, attr, vars(owner).get(attr, _ABSENT)))
         setattr(owner, attr, timed)
@@ -413,34 +436,6 @@ def _load_parts_timed(engine, calls: dict[str, list[float]] | None):
 
 
 _ABSENT = object()
-
-
-@contextlib.contextmanager
-def _phases_timed(engine, on: bool):
-    """While on, wrap the methods `STEP_PHASES` and `LORA_PARTS` name on ``engine``'s parts so
-    each adds its seconds to the yielded dict (the caller clears it per step); put them back on
-    exit."""
-    spent: dict[str, float] = {}
-    wrapped = []
-    for name, owner_attr, method in STEP_PHASES + LORA_PARTS if on else ():
-        owner = engine if owner_attr is None else getattr(engine, owner_attr, None)
-        if owner is None:
-            continue
-
-        def timed(*args, _real=getattr(owner, method), _name=name, **kwargs):
-            began = time.perf_counter()
-            try:
-                return _real(*args, **kwargs)
-            finally:
-                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - began
-
-        setattr(owner, method, timed)
-        wrapped.append((owner, method))
-    try:
-        yield spent
-    finally:
-        for owner, method in wrapped:
-            delattr(owner, method)  # the instance attribute goes: the class's method shows again
 
 
 def summarize_steps(steps: Sequence[tuple[StepShape, float]], phases: Sequence[dict[str, float]] | None = None,
