@@ -17,9 +17,11 @@ Used by ``benchmarks/many_adapters.py`` and by its CPU smoke test.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import math
 import random
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -274,6 +276,7 @@ def run_trace(
     steps: list[tuple[StepShape, float]] | None = None,
     phases: list[dict[str, float]] | None = None,
     load_calls: dict[str, list[float]] | None = None,
+    feed: str = "steps",
 ) -> list[RequestRecord]:
     """Replay ``trace`` in real time through ``engine`` (an ``LLMEngine``); the record of each request.
 
@@ -284,7 +287,14 @@ def run_trace(
     and, with ``phases`` given too, the seconds it spent in each of `STEP_PHASES` to ``phases``.
     With ``load_calls``, the seconds of each call of the cold path's `LOAD_PARTS` go to
     ``load_calls[name]``.
+
+    ``feed``: ``"steps"`` adds the requests that have arrived between steps, on the stepping
+    thread; ``"thread"`` adds each as it arrives from a thread of its own, as the server's intake
+    thread does beside its step loop (`loramux.serving.async_engine`): a cold adapter's load then
+    starts at its arrival, not at the end of the step it arrived in.
     """
+    if feed not in FEEDS:
+        raise ValueError(f"feed={feed!r}: give one of {', '.join(FEEDS)}")
     from loramux import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -304,11 +314,17 @@ def run_trace(
                     record.adapter_registry_s = getattr(event.handle, "load_seconds", None)
 
     engine.add_event_listener(on_event)
+    add = functools.partial(_add_arrived, engine, pending, records, params, paths, adapter_bytes, start)
     with _phases_timed(engine, phases is not None) as spent, _load_parts_timed(engine, load_calls), \
             contextlib.ExitStack() as stack:
         stack.callback(engine.remove_event_listener, on_event)
-        while pending or engine.has_unfinished_requests():
-            step = _replay_step(engine, pending, records, params, paths, adapter_bytes, start)
+        feeder = _Feeder(add, pending, start) if feed == "thread" else None
+        if feeder is not None:
+            stack.callback(feeder.join)  # and re-raise what it raised
+        while (feeder.is_alive() if feeder is not None else pending) or engine.has_unfinished_requests():
+            if feeder is None:
+                add()
+            step = _replay_step(engine, None if feeder is not None else pending, start)
             if step is None:
                 continue
             shape, seconds, now, outputs = step
@@ -333,9 +349,8 @@ def run_trace(
     return [records[r.request_id] for r in trace.requests]
 
 
-def _replay_step(engine, pending, records, params, paths, adapter_bytes, start):
-    """Add the requests that have arrived, then run one step: (its shape, seconds, the time after
-    it, its outputs), or None while the engine idles until the next arrival."""
+def _add_arrived(engine, pending, records, params, paths, adapter_bytes, start) -> None:
+    """Add the requests whose arrival time has passed, each with its record made first."""
     from loramux import LoRARequest
 
     now = time.perf_counter() - start
@@ -347,15 +362,52 @@ def _replay_step(engine, pending, records, params, paths, adapter_bytes, start):
             arrival_s=request.arrival_s, added_s=now)
         lora = LoRARequest(adapter.name, adapter.lora_int_id, str(paths[adapter.name]))
         engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params, lora)
+
+
+class _Feeder(threading.Thread):
+    """Adds each request of ``pending`` at its arrival time (``add``), beside the stepping thread;
+    `join` re-raises what it raised."""
+
+    def __init__(self, add: Callable[[], None], pending, start: float) -> None:
+        super().__init__(name="trace-feed", daemon=True)
+        self._add, self._pending, self._start = add, pending, start
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            while self._pending:
+                time.sleep(max(0.0, self._pending[0].arrival_s - (time.perf_counter() - self._start)))
+                self._add()
+        except BaseException as error:  # the stepping thread re-raises it
+            self.error = error
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def _replay_step(engine, pending, start):
+    """One step: (its shape, seconds, the time after it, its outputs), or None while the engine
+    idles until the next arrival (``pending``: the requests not added yet, or None when a feeder
+    thread adds them)."""
     if not engine.has_unfinished_requests():
+        now = time.perf_counter() - start
         if pending:  # idle until the next arrival
             time.sleep(max(0.0, min(pending[0].arrival_s - now, 0.01)))
+        elif pending is None:
+            time.sleep(0.0005)  # the feeder adds the next
         return None
     engine.runner.last_step = None
     began = time.perf_counter()
     outputs = engine.step()
     ended = time.perf_counter()
     return engine.runner.last_step, ended - began, ended - start, outputs
+
+
+#: How `run_trace` hands requests to the engine.
+FEEDS = ("steps", "thread")
 
 
 # the parts of `LLMEngine.step` timed apart: (name, the engine's attribute that owns it, or None for

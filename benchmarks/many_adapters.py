@@ -69,6 +69,7 @@ from benchmarks._common import (  # noqa: E402
 )
 from benchmarks.adapter_trace import (  # noqa: E402
     DEFAULT_MIX,
+    FEEDS,
     AdapterKind,
     Trace,
     TraceRequest,
@@ -142,7 +143,7 @@ def calibrate(engine, args, root: Path, vocab: int) -> dict:
             trace = make_trace(4, 3 * args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
                                seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=attempt)
         steps.clear()
-        records = run_trace(engine, trace, paths, max_tokens=args.output_len, steps=steps)
+        records = run_trace(engine, trace, paths, max_tokens=args.output_len, steps=steps, feed=args.feed)
         summary = summarize(records)
         if summary["failed"]:
             raise RuntimeError(f"the warm-up burst failed {summary['failed']} requests: {summary['failures']}")
@@ -151,7 +152,8 @@ def calibrate(engine, args, root: Path, vocab: int) -> dict:
     arrivals = make_trace(4, 4 * args.max_num_seqs, rate=capacity, prompt_len=args.prompt_len, vocab_size=vocab,
                           seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=2)
     arrival_steps = []
-    served = summarize(run_trace(engine, arrivals, paths, max_tokens=args.output_len, steps=arrival_steps))
+    served = summarize(run_trace(engine, arrivals, paths, max_tokens=args.output_len, steps=arrival_steps,
+                                 feed=args.feed))
     under_arrivals = served["requests"] / served["seconds"]
     print(f"  arrivals at {capacity:.1f} req/s: {served['tokens_per_s']:.0f} tok/s, {under_arrivals:.1f} req/s served",
           flush=True)
@@ -205,7 +207,7 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
     with compiles_watched() as compiled:
         records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
                             progress=lambda done, total_, s: print(f"  {done}/{total_} finished, {s:.0f} s", flush=True),
-                            steps=steps, phases=phases, load_calls=load_calls)
+                            steps=steps, phases=phases, load_calls=load_calls, feed=args.feed)
     after = tier_counts(engine)
     result = {"adapters": n, **summarize(records), "adapter_bytes_written": total, "write_seconds": written_s,
               **{key: after[key] - before.get(key, 0) for key in after},
@@ -220,7 +222,7 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
     # disk that a cold start waits for
     # (near capacity one replay's p99 is a few requests' waits: the median of several is reported)
     replays = [summarize(run_trace(engine, with_new_prompts(trace, vocab, args.seed + index + 7 + 100 * rep), paths,
-                                   max_tokens=args.output_len)) for rep in range(args.warm_replays)]
+                                   max_tokens=args.output_len, feed=args.feed)) for rep in range(args.warm_replays)]
     keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")
     result["host_warm_poisson"] = {key: statistics.median(r[key] or 0.0 for r in replays) for key in keys}
     result["host_warm_poisson"].update(failed=sum(r["failed"] for r in replays),
@@ -233,14 +235,15 @@ def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
     unload(engine, used, paths)
     if burst is not None:  # throughput at saturation: what S-LoRA's mark compares
         result["saturated_wave_adapter_bytes"] = wave_adapter_bytes(burst, sizes, args.max_num_seqs)
-        saturated = summarize(run_trace(engine, burst, paths, max_tokens=args.output_len))
+        saturated = summarize(run_trace(engine, burst, paths, max_tokens=args.output_len, feed=args.feed))
         # host-warm bursts are short (seconds): one stall moved a single burst by 1.6x between runs,
         # so the median of --saturated-repeats bursts is reported (each one kept in the JSON)
         warm = []
         for rep in range(args.saturated_repeats):
             warm_steps, warm_phases = [], []  # the last burst's are reported
             warm.append(summarize(run_trace(engine, with_new_prompts(burst, vocab, args.seed + index + 1000 * rep),
-                                            paths, max_tokens=args.output_len, steps=warm_steps, phases=warm_phases)))
+                                            paths, max_tokens=args.output_len, steps=warm_steps, phases=warm_phases,
+                                            feed=args.feed)))
         warm_tps = [w["tokens_per_s"] or 0.0 for w in warm]
         warm_failed = sum(w["failed"] for w in warm)
         result.update(saturated_requests=saturated["requests"], saturated_failed=saturated["failed"] + warm_failed,
@@ -341,7 +344,8 @@ def markdown(report: dict) -> str:
         f"{report['rate_req_s']:.1f} req/s ({options['load']:.2f} x the measured capacity of "
         f"{report['capacity_req_s']:.1f} req/s in a burst{_under_arrivals(report)}), "
         f"Zipf({options['zipf_exponent']}) popularity, ranks "
-        f"{sorted({k['rank'] for k in options['mix']})}, q/v, q/k/v/o and all-seven targets.",
+        f"{sorted({k['rank'] for k in options['mix']})}, q/v, q/k/v/o and all-seven targets; requests handed "
+        f"to the engine {'as they arrive, by a thread' if options.get('feed') == 'thread' else 'between steps'}.",
         f"Disk ({disk['filesystem']}): fresh adapter files read at {disk['adapter_files_read_bytes_per_s'] / GB:.2f} "
         f"GB/s (page cache dropped), sequential {disk['disk_bytes_per_s'] / GB:.2f} GB/s. Host load average "
         f"(1 min) after each N: {loads} on {os.cpu_count()} CPUs.",
@@ -482,6 +486,9 @@ def parse_args(argv=None):
     parser.add_argument("--write-workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--disk-probe-mb", type=int, default=256, help="the sequential-read probe file's size")
     parser.add_argument("--adapter-dir", default=None, help="where adapter files go (default: the temp dir)")
+    parser.add_argument("--feed", choices=FEEDS, default="steps",
+                        help="how requests reach the engine: 'steps' adds those that arrived between steps (the "
+                        "runs so far), 'thread' adds each as it arrives from a thread, as the server's intake does")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
     parser.add_argument("--tag", default="gpu" if cuda else "cpu", help="file names: many_adapters_<tag>.json/.md")
@@ -542,7 +549,7 @@ def main(argv=None) -> None:
         options = {key: getattr(args, key) for key in (
             "dtype", "load_format", "num_requests", "prompt_len", "output_len", "load", "zipf_exponent", "max_loras",
             "max_cpu_loras", "max_gpu_lora_bytes", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
-            "no_async_scheduling", "cuda_graph_sizes", "seed")}
+            "no_async_scheduling", "cuda_graph_sizes", "feed", "seed")}
         options["gpu_pool_rank_rows"] = engine.lora_manager.pool_units if engine.lora_manager is not None else 0
         options["mix"] = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in args.mix]
         report = {"device": device_name(args.device), "model": _model_label(args),

@@ -176,6 +176,27 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert not is_resident(engine, records[-1].adapter)
 
 
+def test_a_feeder_thread_hands_each_request_over_as_it_arrives(tmp_path):
+    """``feed="thread"`` (the server's intake): requests reach the engine from a thread at their
+    arrival times while the stepping thread steps; every request completes, the thread is gone
+    after, and one that cannot be added is raised on the stepping thread."""
+    import threading
+
+    model = tiny_llama()
+    engine = LLMEngine(model, max_loras=2, max_lora_rank=8, max_cpu_loras=3, max_num_seqs=4, max_model_len=32,
+                       max_num_batched_tokens=64)
+    trace = make_trace(6, 12, rate=200.0, prompt_len=5, vocab_size=128, seed=3, mix=TINY_MIX)
+    paths = write_adapter_files(trace.used_adapters(), model.config, tmp_path, torch.float32, workers=2)
+    records = run_trace(engine, trace, paths, max_tokens=3, feed="thread")
+    assert all(r.error is None and r.output_tokens == 3 for r in records)
+    assert all(r.arrival_s <= r.added_s <= r.first_token_s <= r.finish_s for r in records)
+    assert not [t for t in threading.enumerate() if t.name == "trace-feed"]
+    with pytest.raises(KeyError):  # an adapter without a file: the feeder's error, raised here
+        run_trace(engine, trace, {}, max_tokens=3, feed="thread")
+    with pytest.raises(ValueError, match="feed='bus': give one of steps, thread"):
+        run_trace(engine, trace, paths, max_tokens=3, feed="bus")
+
+
 def test_summaries_count_failures_and_unfinished_requests():
     from benchmarks.adapter_trace import RequestRecord
 
@@ -326,16 +347,21 @@ def test_bad_benchmark_options_are_refused_with_the_fix(argv, message, capsys):
     assert re.search(message, capsys.readouterr().err)
 
 
-def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path):
+@pytest.mark.parametrize("feed", ["steps", "thread"])
+def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path, feed):
     """``main`` on the tiny model: disk probe, calibration, two N values past the tiers, a saturated
-    burst each, JSON and markdown written, every target judged and no request failed."""
+    burst each, JSON and markdown written, every target judged and no request failed; requests
+    handed over between steps or by a feeder thread (``--feed``), as the report says."""
     from benchmarks.many_adapters import main
 
     main(["--adapters", "2,10", "--num-requests", "10", "--saturated-requests", "6", "--saturated-repeats", "2",
           "--warm-replays", "3", "--max-num-seqs", "4",
-          "--max-loras", "2", "--max-cpu-loras", "3", "--prompt-len", "6", "--output-len", "3",
+          "--max-loras", "2", "--max-cpu-loras", "3", "--prompt-len", "6", "--output-len", "3", "--feed", feed,
           "--disk-probe-mb", "16", "--out", str(tmp_path), "--tag", "test", "--adapter-dir", str(tmp_path)])
     report = json.loads((tmp_path / "many_adapters_test.json").read_text())
+    assert report["options"]["feed"] == feed
+    said = "as they arrive, by a thread" if feed == "thread" else "between steps"
+    assert f"requests handed to the engine {said}." in (tmp_path / "many_adapters_test.md").read_text()
     assert [r["adapters"] for r in report["results"]] == [2, 10]
     assert all(r["failed"] == 0 and r["requests"] == 10 and r["saturated_requests"] == 6 for r in report["results"])
     assert report["results"][1]["cpu_evictions"] > 0 and report["rate_req_s"] > 0
