@@ -130,3 +130,77 @@ def test_pool_needs_ranks_and_a_max_rank():
 def test_pool_on_gpu(dtype, static):
     for case in CASES + [Case(256, 4096, 32, 64, (4096, 1024, 1024), "random", True)]:
         run_pool_pipeline(case, dtype, "cuda", static=static)
+
+
+def run_untargeted_slices(dtype: torch.dtype, device: str, *, static: bool, seed: int = 5) -> None:
+    """Slices a slot's adapter does not target (scale 0, as a pooled layer writes a q/v adapter's k
+    slice): their A rows and B columns hold NaN here, so a kernel that read them would show it.
+    buf's columns of those slices are exact zeros, y's keep their bits, the rest is the reference's
+    on the weights with those slices zeroed."""
+    case = Case(40, 96, 6, 8, (32, 16, 16), "random", True)
+    x, A, B, scales, ranks, slots = make_inputs(case, dtype, "cpu", seed)
+    n, R, sizes = 3, case.R, case.slice_sizes
+    off = torch.zeros(case.S, n, dtype=torch.bool)
+    off[::2, 1] = True  # every other slot: the middle slice (k of a q/v adapter)
+    off[1, 0] = off[1, 2] = True  # one slot whose only slice is the middle one
+    scales = scales.masked_fill(off, 0.0)
+    cols = torch.repeat_interleave(off, torch.tensor(sizes), dim=1)  # [S, N]
+    gen = torch.Generator().manual_seed(seed + 7)
+    pool_a, pool_b, starts = to_pool(case, A.masked_fill(off.repeat_interleave(R, 1)[:, :, None], float("nan")),
+                                     B.masked_fill(cols[:, :, None], float("nan")), ranks, gen)
+    A0 = A.masked_fill(off.repeat_interleave(R, 1)[:, :, None], 0.0)
+    B0 = B.masked_fill(cols[:, :, None], 0.0)
+    on = [t.to(device) for t in (x, pool_a, pool_b, starts, scales, ranks, slots)]
+    x_d, pool_a, pool_b, starts, scales_d, ranks_d, slots_d = on
+    meta = build_lora_meta(slots_d, case.S, static=static)
+    meta64 = build_lora_meta(slots, case.S)
+    active = slots >= 0
+    assert (off[slots[active].long()].any(1)).any(), "no token of an adapter with an untargeted slice"
+
+    buf = lora_shrink(x_d, pool_a, scales_d, meta, ranks_d, pool_starts=starts, max_rank=R).cpu()
+    slot_of = slots.clamp(min=0).long()
+    off_cols = off[slot_of].repeat_interleave(R, 1) & active[:, None]  # [T, n*R]
+    assert torch.equal(bits(buf[off_cols]), bits(torch.zeros_like(buf[off_cols]))), "an untargeted slice was read"
+    buf_ref = reference.lora_shrink_ref(x.double(), A0.double(), scales.double(), meta64, ranks)
+    assert rel_err(buf[active], buf_ref[active]) < TOL[torch.float32 if dtype == torch.float32 else dtype]
+
+    y0 = torch.randn(case.T, sum(sizes), generator=gen).to(dtype)
+    y = y0.to(device, copy=True)
+    lora_expand(y, buf.to(device), pool_b, sizes, meta, ranks_d, pool_starts=starts, scales=scales_d)
+    y = y.cpu()
+    kept = cols[slot_of] & active[:, None]  # [T, N]
+    assert torch.equal(bits(y[kept]), bits(y0[kept])), "an untargeted slice's y columns changed"
+    assert torch.equal(bits(y[~active]), bits(y0[~active])), "a slot -1 row changed"
+    y64 = y0.double()
+    reference.lora_expand_ref(y64, buf_ref, B0.double(), sizes, meta64, ranks)
+    assert rel_err(y[active].double() - y0[active].double(), y64[active] - y0[active].double()) < TOL[dtype]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_untargeted_slices_are_never_read(kernels, static, monkeypatch):
+    if kernels == "triton" and not INTERPRET:
+        pytest.skip("the CPU run of the Triton kernels needs the interpreter")
+    monkeypatch.setenv("LORAMUX_KERNELS", "torch" if kernels == "reference" else "triton")
+    run_untargeted_slices(torch.float32, "cpu", static=static)
+
+
+def test_expand_checks_its_scales():
+    case = CASES[1]
+    x, A, B, scales, ranks, slots = make_inputs(case, torch.float32, "cpu", 0)
+    meta = build_lora_meta(slots, case.S)
+    buf = lora_shrink(x, A, scales, meta, ranks)
+    y = torch.zeros(case.T, sum(case.slice_sizes))
+    for bad, match in [(scales[:, :2], r"scales must be \[S, n_slices\] = \[5, 3\]"),
+                       (scales.double().half(), "scales must be float32")]:
+        with pytest.raises(ValueError, match=match):
+            lora_expand(y, buf, B, case.slice_sizes, meta, ranks, scales=bad)
+    assert not y.any()  # nothing was written by the refused calls
+
+
+@needs_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
+def test_untargeted_slices_on_gpu(dtype, static):
+    run_untargeted_slices(dtype, "cuda", static=static)

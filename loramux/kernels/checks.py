@@ -91,10 +91,10 @@ def _check_pool(op, pool_starts, ranks, S, device) -> None:
 
 
 def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES, *,
-                 pool_starts=None) -> tuple[int, int]:
+                 pool_starts=None, scales=None) -> tuple[int, int]:
     """Returns (n_slices, R). y: [T, sum(n_i)]; buf: [T, n_slices*R] f32; lora_b: [S, sum(n_i), R].
     With ``pool_starts`` ([S] int32) lora_b is a pool [U, sum(n_i)] (a [sum(n_i), width] block
-    per slot) and R comes from buf."""
+    per slot) and R comes from buf. ``scales``, when given: [S, n_slices] float32, as lora_shrink's."""
     op = "lora_expand"
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         _fail(op, f"y must be a 2-D tensor [T, N], got shape {tuple(getattr(y, 'shape', ()))}")
@@ -128,6 +128,14 @@ def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES, 
         _fail(op, f"buf must be float32 (lora_shrink's output), got {buf.dtype}")
     if y.dtype != lora_b.dtype:
         _fail(op, f"y is {y.dtype} but lora_b is {lora_b.dtype}; store adapter weights in the activation dtype")
+    if scales is not None:
+        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (S, n_slices):
+            _fail(op, f"scales must be [S, n_slices] = [{S}, {n_slices}] float32, got shape "
+                      f"{tuple(getattr(scales, 'shape', ()))}")
+        if scales.dtype != torch.float32 and not (dtypes is REF_DTYPES and scales.dtype == torch.float64):
+            _fail(op, f"scales must be float32, got {scales.dtype}")
+        if scales.device != y.device:
+            _fail(op, f"scales is on {scales.device} but y is on {y.device}; put every tensor on one device")
     return n_slices, R
 
 

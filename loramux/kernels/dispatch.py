@@ -49,8 +49,9 @@ def lora_shrink(
 
     x: [T, H] fp16/bf16/fp32; lora_a: [S, n_slices*R, H] (x's dtype; slice i = rows i*R:(i+1)*R);
     scales: [S, n_slices] float32; ranks: optional [S] int32, true rank per slot (rows past it
-    must be zero padding; they are skipped). Returns buf: [T, n_slices*R] float32, zeros past a
-    slot's rank; rows of slot -1 tokens are unspecified. One kernel, no memset before it, no host
+    must be zero padding; they are skipped); a slice whose scale is 0 for a slot (one its adapter
+    does not target) is not read either. Returns buf: [T, n_slices*R] float32, zeros past a
+    slot's rank and in its scale-0 slices; rows of slot -1 tokens are unspecified. One kernel, no memset before it, no host
     sync (with a static meta it can be captured in a CUDA graph).
 
     out: buf's memory, given by the caller (a float32 [T, n_slices*R] tensor on x's device), so a
@@ -90,6 +91,7 @@ def lora_expand(
     pool_starts: torch.Tensor | None = None,
     sms: int | None = None,
     store: bool = False,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place.
 
@@ -109,14 +111,18 @@ def lora_expand(
     store: ``=`` instead of ``+=``: the rows of tokens whose slot has a rank on this module are
     overwritten with their delta (rounded once to y's dtype) and never read, the others left as
     they are: for a delta buffer of its own, zeroed first, which saves reading it.
+    scales: lora_shrink's scales [S, n_slices]: a slot's slices whose scale is 0 (slices its
+    adapter does not target, whose buf columns lora_shrink left zero) are skipped, their B never
+    read and y's columns left exactly as they are.
     """
     if _use_triton(y):
         from .expand import lora_expand_triton
 
         lora_expand_triton(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pdl=pdl, pool_starts=pool_starts,
-                           sms=sms, store=store)
+                           sms=sms, store=store, scales=scales)
         return
-    reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pool_starts=pool_starts, store=store)
+    reference.lora_expand_ref(y, buf, lora_b, tuple(slice_sizes), meta, ranks, pool_starts=pool_starts, store=store,
+                              scales=scales)
 
 
 def write_kv(
@@ -193,8 +199,8 @@ def lora_apply(
     lora_b: [S, sum(slice_sizes), R]; scales: [S, n_slices] float32; ranks: [S] int32 or None.
     Two kernels on CUDA (nothing else: no memset, no host sync), so a step captured with a static
     meta replays it for any mapping. Rows of slot -1 tokens, and of slots whose rank is 0, are
-    left exactly as they were. pdl: the expand's, as for `lora_expand`. pool_starts, max_rank: the
+    left exactly as they were, as are a slot's slices whose scale is 0. pdl: the expand's, as for `lora_expand`. pool_starts, max_rank: the
     weights are pools, as for `lora_shrink` and `lora_expand`.
     """
     buf = lora_shrink(x, lora_a, scales, meta, ranks, pool_starts=pool_starts, max_rank=max_rank)
-    lora_expand(y, buf, lora_b, slice_sizes, meta, ranks, pdl=pdl, pool_starts=pool_starts)
+    lora_expand(y, buf, lora_b, slice_sizes, meta, ranks, pdl=pdl, pool_starts=pool_starts, scales=scales)

@@ -31,13 +31,13 @@ from .tiles import (DECODE_MAX_TOKENS, POOL_ALIGN, block_m_for, cdiv, dot_precis
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
 @triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group"])
 def _expand_kernel(
-    y_ptr, buf_ptr, b_ptr, ranks_ptr, pool_ptr, slice_tab_ptr,
+    y_ptr, buf_ptr, b_ptr, ranks_ptr, pool_ptr, slice_tab_ptr, scales_ptr,
     sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active, real_tiles_ptr,
     n_slices, R, n_units, group,
-    stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk,
+    stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk, stride_ss, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
-    HAS_RANKS: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
+    HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
     W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAGED: tl.constexpr,
     EXIT_PAST_TILES: tl.constexpr, STORE: tl.constexpr,
 ):
@@ -76,6 +76,9 @@ def _expand_kernel(
     s_idx = tl.arange(0, SL_PAD)
     sizes = tl.load(slice_tab_ptr + s_idx, mask=s_idx < n_slices, other=0)
     offsets = tl.load(slice_tab_ptr + SL_PAD + s_idx, mask=s_idx < n_slices, other=0)
+    if HAS_SCALES:  # the slot's scales row, loaded beside the table (both wait on the slot only)
+        slice_on = tl.load(scales_ptr + slot.to(tl.int64) * stride_ss + s_idx * stride_sn,
+                           mask=s_idx < n_slices, other=0.0) != 0.0
     n_chunks = (sizes + chunk - 1) // chunk
     cum = tl.cumsum(n_chunks, 0)
     i = tl.sum((cum <= unit).to(tl.int32), 0)
@@ -86,6 +89,13 @@ def _expand_kernel(
     if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
         off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
     n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
+    if HAS_SCALES:
+        # a slice the slot's adapter does not target (scale 0; the shrink left its buf columns
+        # zero): its B (zeros) is not read and y stays as it was
+        if tl.sum(tl.where(sel, slice_on, False).to(tl.int32), 0) == 0:
+            if USE_PDL:
+                tl.extra.cuda.gdc_wait()
+            return
 
     offs_m = m0 + tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
@@ -247,6 +257,7 @@ def lora_expand_triton(
     pool_starts: torch.Tensor | None = None,
     sms: int | None = None,
     store: bool = False,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """Triton expand; same contract as `loramux.kernels.lora_expand`. `config` overrides the
     heuristic launch shape (tests and benchmarks); `sms`: the multiprocessors the launch is sized
@@ -275,15 +286,17 @@ def lora_expand_triton(
     use_pdl = resolve_pdl(pdl, y.device)
     # `launch_pdl` only when on: PDL being available implies this Triton knows the option
     launch_options = {"launch_pdl": True} if use_pdl else {}
+    ss = scales.stride() if scales is not None else (0, 0)
     _expand_kernel[grid](
         y, buf, lora_b, ranks if ranks is not None else tab, pool_starts if pool_starts is not None else tab, tab,
+        scales if scales is not None else tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
         real_tiles if real_tiles is not None else tab,
         n_slices, R, n_units, cfg.group,
-        sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2],
+        sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2], ss[0], ss[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
         A_PAD=slot_lanes(meta), SL_PAD=sl_pad,
-        HAS_RANKS=ranks is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
+        HAS_RANKS=ranks is not None, HAS_SCALES=scales is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
         STAGES=cfg.num_stages, USE_PDL=use_pdl, PAGED=pool_starts is not None,
         EXIT_PAST_TILES=real_tiles is not None, STORE=store,

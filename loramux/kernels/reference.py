@@ -71,7 +71,8 @@ def lora_shrink_ref(
 
     x: [T, H]; lora_a: [S, n_slices*R, H], or a pool [U, n_slices, H] read from ``pool_starts``
     with R = ``max_rank``; scales: [S, n_slices] float32; ranks: [S] or None.
-    Returns buf: [T, n_slices*R] float32 (float64 for float64 x); rows of slot -1 tokens are 0.
+    Returns buf: [T, n_slices*R] float32 (float64 for float64 x); rows of slot -1 tokens are 0, and
+    so are a slot's slices whose scale is 0 (their rows are not read).
     """
     n_slices, R = check_shrink(x, lora_a, scales, meta, ranks, dtypes=REF_DTYPES, pool_starts=pool_starts,
                                max_rank=max_rank)
@@ -94,7 +95,10 @@ def lora_shrink_ref(
             a = lora_a[units[slot] : units[slot] + r].transpose(0, 1)  # pool [r, n_slices, H]
         a = a.reshape(n_slices * r, H).to(mm)  # [n_slices*r, H]
         out = (xs @ a.t()).to(acc).view(-1, n_slices, r)  # [n, n_slices, r]
-        out = out * scales[slot].to(acc).view(1, n_slices, 1)
+        scale = scales[slot].to(acc).view(1, n_slices, 1)
+        # a slice with scale 0 (one the slot's adapter does not target) is not read: zeros, even
+        # where its rows hold NaN (the Triton kernel masks them)
+        out = torch.where(scale != 0, out * scale, 0.0)
         if r == R:
             buf.index_copy_(0, rows, out.view(-1, n_slices * R))
         else:
@@ -114,9 +118,11 @@ def lora_expand_ref(
     *,
     pool_starts: torch.Tensor | None = None,
     store: bool = False,
+    scales: torch.Tensor | None = None,
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place
-    (``store``: ``=``, on the rows of slots with a rank here; see `loramux.kernels.lora_expand`).
+    (``store``: ``=``, on the rows of slots with a rank here; ``scales``: a slot's slices whose
+    scale is 0 are left as they are; see `loramux.kernels.lora_expand`).
 
     y: [T, sum(slice_sizes)] (any strides); buf: [T, n_slices*R] float32; lora_b: [S, sum(n_i), R],
     or a pool [U, sum(n_i)] holding a [sum(n_i), width] block per slot from ``pool_starts``
@@ -125,7 +131,8 @@ def lora_expand_ref(
     slot -1 tokens are not touched.
     """
     slice_sizes = tuple(slice_sizes) if isinstance(slice_sizes, list) else slice_sizes
-    n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=REF_DTYPES, pool_starts=pool_starts)
+    n_slices, R = check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=REF_DTYPES, pool_starts=pool_starts,
+                               scales=scales)
     meta = meta.exact()
     if meta.num_active == 0 or R == 0:
         return
@@ -148,5 +155,9 @@ def lora_expand_ref(
         delta = torch.cat(
             [bs[:, i] @ b[offs[i] : offs[i + 1], :r].to(mm).t() for i in range(n_slices)], dim=1
         )  # [n, N]
-        new = delta.to(y.dtype) if store else (y.index_select(0, rows).to(acc) + delta.to(acc)).to(y.dtype)
+        old = y.index_select(0, rows)
+        new = delta.to(y.dtype) if store else (old.to(acc) + delta.to(acc)).to(y.dtype)
+        if scales is not None:  # the slices the slot's adapter does not target keep y's columns
+            off = torch.repeat_interleave(scales[slot] == 0, torch.tensor(slice_sizes, device=y.device))
+            new = torch.where(off, old, new)
         y.index_copy_(0, rows, new)

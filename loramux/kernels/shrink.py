@@ -76,27 +76,28 @@ def _shrink_kernel(
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = offs_n < NR
-    n_mask = n_in
+    slot64 = slot.to(tl.int64)
+    # the scales load beside the rank's (both wait on the slot only), before the K loop: a slice
+    # with scale 0 is one the slot's adapter does not target (a q/v adapter's k in a fused qkv):
+    # its A rows (zeros) are never read, and a block of such columns only stores zeros
+    sc = tl.load(scales_ptr + slot64 * stride_ss + (offs_n // R) * stride_sn, mask=n_in, other=0.0)
+    n_mask = n_in & (sc != 0.0)
     if HAS_RANKS:
         rank = tl.load(ranks_ptr + slot)
         n_mask = n_mask & ((offs_n % R) < rank)
     out_mask = m_mask[:, None] & n_in[None, :]
     buf_ptrs = buf_ptr + tok[:, None] * stride_bm + offs_n[None, :] * stride_bn
     if tl.max(n_mask.to(tl.int32), 0) == 0:
-        # the whole block is past the slot's rank (every split sees the same): split 0 stores the
-        # zeros, nobody touches the counter
+        # the whole block is past the slot's rank or off (every split sees the same): split 0
+        # stores the zeros, nobody touches the counter
         if pid_k == 0:
             tl.store(buf_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=out_mask)
         return
 
-    slot64 = slot.to(tl.int64)
     if PAGED:  # the pool [U, n_slices, H]: rank row j of slice i at unit start + j
         a_rows = (tl.load(pool_ptr + slot).to(tl.int64) + offs_n % R) * stride_as + (offs_n // R) * stride_an
     else:  # A[slot]: [NR, H]
         a_rows = slot64 * stride_as + offs_n * stride_an
-    # the scales, loaded before the K loop: their round trip overlaps the loop's instead of
-    # following it (cold, a DRAM latency at the end of every program)
-    sc = tl.load(scales_ptr + slot64 * stride_ss + (offs_n // R) * stride_sn, mask=n_in, other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per_split, H)

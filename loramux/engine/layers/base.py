@@ -528,7 +528,7 @@ class BaseLayerWithLoRA(nn.Module):
             lora_shrink(self._lora_input(x), self.lora_a_pool, self.lora_scales, meta, self.lora_ranks, out=buf,
                         pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank, sms=sms)
             lora_expand(delta, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
-                        pool_starts=self.lora_pool_starts, sms=sms, store=True)
+                        pool_starts=self.lora_pool_starts, sms=sms, store=True, scales=self.lora_scales)
         with gemm_carveout(sms):
             output = self.base_layer(x).contiguous()  # on the main stream, beside the delta
         if streams is not None:
