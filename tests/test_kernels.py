@@ -593,7 +593,8 @@ def test_shrink_few_adapters_at_decode_size_take_the_static_shape(monkeypatch):
     for T in (64, 256):
         meta = build_lora_meta(torch.zeros(T, dtype=torch.long), 32)
         cfg = shrink.shrink_config(meta, 48, 4096, torch.bfloat16, dev, rank=16)
-        assert cfg == shrink._static_shrink_config(T, 48, 4096, torch.bfloat16, 264, 16), T
+        static = shrink._static_shrink_config(T, 48, 4096, torch.bfloat16, 264, 16)
+        assert (cfg.block_m, cfg.block_n, cfg.block_k) == (static.block_m, static.block_n, static.block_k), T
         assert cfg.block_n == 16
     prefill = build_lora_meta(torch.zeros(1024, dtype=torch.long), 32)
     assert shrink.shrink_config(prefill, 48, 4096, torch.bfloat16, dev).block_n == 64
@@ -750,43 +751,45 @@ def test_static_launch_grid_depends_only_on_tokens_and_slots(T, monkeypatch):
 
 
 def test_static_split_k_is_sized_for_the_one_adapter_batch(monkeypatch):
-    """Decode at 64 tokens, 32 slots, q/k/v r16: 16-row tiles, K split 16 ways (each program two
-    128-wide K steps), grid = 34 tiles (the bound: 31 one-token slots + 33 tokens) x 3 x 16."""
+    """Decode at 64 tokens, 32 slots, q/k/v r16, on a GPU of 132 SMs: 16-row tiles, K split 11
+    ways (the one-adapter grid's 12 programs a tile-row x 11 fill half the target of 264, each
+    program three 128-wide K steps), grid = 34 tiles (the bound: 31 one-token slots + 33 tokens)
+    x 3 x 11."""
     from loramux.kernels import shrink
 
     monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     meta = build_lora_meta(torch.full((64,), -1), 32, static=True)
     launch = shrink.shrink_launch(meta, 48, 4096, torch.bfloat16, torch.device("cpu"), rank=16)
-    assert (launch.config.block_m, launch.config.block_n, launch.split_k, launch.n_tiles) == (16, 16, 16, 34)
-    assert launch.grid == (34 * 3 * 16,)
+    assert (launch.config.block_m, launch.config.block_n, launch.split_k, launch.n_tiles) == (16, 16, 11, 34)
+    assert launch.grid == (34 * 3 * 11,)
 
 
 def test_static_decode_blocks_split_k_at_rank_64(monkeypatch):
-    """At max_lora_rank 64 (a fleet of mixed ranks), on the third of an H100 that qkv's delta
-    gets: 32-wide rank blocks, so the one-adapter grid leaves room to split K (3 ways, each program
-    11 K steps); 16-wide blocks filled it, and every program of a many-adapter batch read all of K.
-    At rank 16 the blocks stay 16 wide."""
+    """At max_lora_rank 64 (a fleet of mixed ranks), on the two thirds of an H100 that qkv's delta
+    gets at 64 tokens: 32-wide rank blocks, so the one-adapter grid leaves room to split K (3 ways,
+    each program 11 K steps); 16-wide blocks filled it, and every program of a many-adapter batch
+    read all of K. At rank 16 the blocks stay 16 wide."""
     from loramux.kernels import shrink
 
     monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     meta = build_lora_meta(torch.full((64,), -1), 256, static=True)
     cpu = torch.device("cpu")
-    r64 = shrink.shrink_launch(meta, 3 * 64, 4096, torch.bfloat16, cpu, sms=44, rank=64)
+    r64 = shrink.shrink_launch(meta, 3 * 64, 4096, torch.bfloat16, cpu, sms=88, rank=64)
     assert (r64.config.block_n, r64.split_k, r64.k_per_split) == (32, 3, 11 * 128)
-    r16 = shrink.shrink_launch(meta, 3 * 16, 4096, torch.bfloat16, cpu, sms=44, rank=16)
+    r16 = shrink.shrink_launch(meta, 3 * 16, 4096, torch.bfloat16, cpu, sms=88, rank=16)
     assert (r16.config.block_n, r16.split_k) == (16, 7)
 
 
-def test_static_decode_expand_fills_the_target_once(monkeypatch):
-    """A decode graph's expand (64 tokens, the third of an H100 beside qkv and o) takes as many
-    column blocks a program as keep its one-adapter grid at the target once: qkv 4 a program (2
-    would fill it twice), o 2 (4 would leave it short). A prefill's still fills it twice."""
+def test_static_decode_expand_fills_half_the_target(monkeypatch):
+    """A decode graph's expand (64 tokens, the two thirds of an H100 beside qkv and o) takes as
+    many column blocks a program as keep its one-adapter grid at half the target: qkv 4 a program
+    (2 would fill it twice), o 2 (4 would leave it short). A prefill's still fills it twice."""
     from loramux.kernels import expand
 
     monkeypatch.setattr(expand, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     cpu = torch.device("cpu")
-    qkv = expand.static_expand_config(64, (4096, 1024, 1024), 16, torch.bfloat16, cpu, sms=44)
-    o = expand.static_expand_config(64, (4096,), 16, torch.bfloat16, cpu, sms=44)
+    qkv = expand.static_expand_config(64, (4096, 1024, 1024), 16, torch.bfloat16, cpu, sms=88)
+    o = expand.static_expand_config(64, (4096,), 16, torch.bfloat16, cpu, sms=88)
     assert (qkv.block_n, qkv.group, o.group) == (64, 4, 2)
     prefill = expand.static_expand_config(8192, (1024,), 64, torch.bfloat16, cpu)
     assert prefill == expand._expand_shape(64, 128, (1024,), 264, 2) and prefill.group == 2
@@ -827,7 +830,10 @@ def check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, 
 def test_triton_interpreter_static_meta_matches_reference(mapping, dtype, monkeypatch):
     """Static meta through lora_apply: any mapping (all base, one slot, every token its own slot,
     rank-0 slots, a mix) of a 3-slice module with a different rank per slice, split-K on."""
+    from loramux.kernels import shrink
+
     monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 8)  # as on a GPU: K split
     T, H, S, R, sizes = 10, 520, 12, 8, (16, 8, 24)
     x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, dtype, seed=len(mapping))
     slots = static_slots(mapping, T, S, ranks, gen)

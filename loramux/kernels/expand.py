@@ -24,8 +24,9 @@ import triton.language as tl
 from .checks import check_expand
 from .metadata import LoRABatchMeta
 from .pool import POOL_ROW_ALIGN
-from .tiles import (DECODE_MAX_TOKENS, POOL_ALIGN, block_m_for, cdiv, dot_precision, next_pow2, pool_width,
-                    resolve_pdl, segment_tile, shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
+from .tiles import (DECODE_MAX_TOKENS, POOL_ALIGN, STATIC_DECODE_FILL, block_m_for, cdiv, dot_precision, next_pow2,
+                    pool_width, resolve_pdl, segment_tile, shape_from_tokens_alone, slot_lanes, static_block_m,
+                    target_programs)
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
@@ -188,16 +189,17 @@ def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, 
     block_m = min(static_block_m(num_tokens), 32 if R <= 32 else 64)
     # a decode graph's grid has a tile per adapter of the batch, and each program's start (its
     # segment, token ids, buf rows: dependent loads) is paid per tile: its one-adapter grid fills
-    # the target once, not twice, so a many-adapter batch runs fewer, longer programs (H100, 8B
-    # decode at 64 tokens: qkv's expand takes 4 blocks a program, not 2; 32 adapters' step
-    # -80 to -100 µs, one adapter's +20 to +30; docs/benchmarks/many-adapters.md, eleventh session)
-    fill = 1 if num_tokens <= DECODE_MAX_TOKENS else 2
+    # `STATIC_DECODE_FILL` of the target, not twice the target, so a many-adapter batch runs
+    # fewer, longer programs (H100, 8B decode at 64 tokens: 32 adapters' step -80 to -100 µs, one
+    # adapter's +20 to +30 at the target once; docs/benchmarks/many-adapters.md, eleventh and
+    # sixteenth sessions)
+    fill = STATIC_DECODE_FILL if num_tokens <= DECODE_MAX_TOKENS else 2
     return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, target_programs(device, sms), fill)
 
 
 @functools.lru_cache(maxsize=1024)
 def _expand_shape(block_m: int, n_tiles: int, slice_sizes: tuple[int, ...], target: int,
-                  fill: int = 2) -> ExpandConfig:
+                  fill: float = 2) -> ExpandConfig:
     """64-column blocks (32 where too few programs), then ``group`` blocks a program while the
     grid of ``n_tiles`` tiles still holds ``fill`` x ``target`` programs."""
     block_n = 64

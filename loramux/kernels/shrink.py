@@ -35,8 +35,8 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import (DECODE_MAX_TOKENS, block_m_for, cdiv, dot_precision, next_pow2, segment_tile,
-                    shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
+from .tiles import (DECODE_MAX_TOKENS, STATIC_DECODE_FILL, block_m_for, cdiv, dot_precision, next_pow2,
+                    segment_tile, shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
 from .tuned import many_adapters, tuned_shrink_config
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
@@ -197,8 +197,9 @@ def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, d
 
     The grid holds the worst-case tile count (T tokens over min(S, T) slots); its split count is
     chosen for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that needs K split
-    most. Many adapters then fill the same grid with more real tiles, each reading its own
-    adapter's weights: more programs, each as short as in the one-adapter case.
+    most, at decode sizes to fill `STATIC_DECODE_FILL` of the target. Many adapters then fill
+    the same grid with more real tiles, each reading its own adapter's weights: more programs,
+    each as short as in the one-adapter case.
     """
     return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device, sms), rank or NR)
 
@@ -219,6 +220,8 @@ def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, 
     if dtype == torch.float32:
         block_k //= 2
     one_adapter_tiles = max(1, cdiv(num_tokens, block_m))
+    if num_tokens <= DECODE_MAX_TOKENS:
+        target = max(1, int(target * STATIC_DECODE_FILL))
     split_k = _split_for(one_adapter_tiles * cdiv(NR, block_n), target, H, block_k)
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
     return ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, 4)

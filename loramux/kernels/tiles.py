@@ -101,6 +101,17 @@ def target_programs(device: torch.device, sms: int | None = None) -> int:
 
 DECODE_MAX_TOKENS = 256  # a batch of at most this many tokens is decode-sized: latency bound
 
+#: A decode graph's shrink and expand are sized so that the one-adapter batch's grid fills this
+#: share of `target_programs` (one program per multiprocessor of the launch's share, not two). A
+#: batch of many adapters fills the same grid with a tile per adapter; sized for the full target,
+#: its every tile ran as many short programs as the one adapter's, and the delta outlasted the
+#: GEMM beside it. H100, 8B shapes, 64 tokens, max rank 64, the kernels alone, µs for one rank-16
+#: adapter / 4 / 47 adapters of a mixed fleet (`benchmarks/sweep_decode_launch.py`,
+#: docs/benchmarks/many-adapters.md, sixteenth session): qkv's expand 9.2 / 8.9 / 17.1 -> 9.2 / 9.5
+#: / 14.4, o's 8.4 / 8.4 / 12.0 -> 8.5 / 8.4 / 10.4; qkv's shrink (K split 7 -> 4) 10.4 / 11.4 /
+#: 19.6 -> 11.2 / 11.1 / 17.5, o's (16 -> 8) 9.6 / 9.8 / 12.1 -> 9.8 / 10.0 / 10.6.
+STATIC_DECODE_FILL = 0.5
+
 
 def shape_from_tokens_alone(meta: LoRABatchMeta) -> bool:
     """Whether ``meta``'s launch shapes come from T and the module's shape alone, not from its
