@@ -145,3 +145,22 @@ def test_throughputs_rounds_keep_the_engines_scheduling_mode(compare_sync, monke
     assert modes == [False] * (4 if compare_sync else 2)  # base and one workload, per mode
     assert engine.async_scheduling is False
     assert ("base, sync" in result["summary"]) is compare_sync
+
+
+def test_the_cold_reads_benchmark_reads_every_file_at_each_concurrency(tmp_path):
+    """Every file is read (the makespan's bandwidth counts all their bytes) at each concurrency,
+    every round; a bad size is refused before anything is written."""
+    from benchmarks.cold_reads import main
+
+    out = tmp_path / "cold_reads.json"
+    result = main(["--files", "5", "--mb", "0.5", "--concurrency", "1,3", "--repeats", "2",
+                   "--dir", str(tmp_path), "--json", str(out)])
+    assert json.loads(out.read_text()) == result
+    assert set(result["rounds"]) == {"1", "3"} and all(len(r) == 2 for r in result["rounds"].values())
+    for rounds in result["rounds"].values():
+        for r in rounds:
+            assert 0 < r["p50_ms"] <= r["p99_ms"] <= r["makespan_ms"] * 1.001
+            assert abs(r["GBps"] - 5 * 500_000 / (r["makespan_ms"] * 1e-3) / 1e9) < 1e-9
+    assert list(tmp_path.iterdir()) == [out]  # the files went with their temp dir
+    with pytest.raises(SystemExit):
+        main(["--files", "0", "--dir", str(tmp_path)])
