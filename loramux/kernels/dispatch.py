@@ -51,8 +51,8 @@ def lora_shrink(
     scales: [S, n_slices] float32; ranks: optional [S] int32, true rank per slot (rows past it
     must be zero padding; they are skipped); a slice whose scale is 0 for a slot (one its adapter
     does not target) is not read either. Returns buf: [T, n_slices*R] float32, zeros past a
-    slot's rank and in its scale-0 slices; rows of slot -1 tokens are unspecified. One kernel, no memset before it, no host
-    sync (with a static meta it can be captured in a CUDA graph).
+    slot's rank and in its scale-0 slices; rows of slot -1 tokens are unspecified. One kernel, no
+    memset before it, no host sync (with a static meta it can be captured in a CUDA graph).
 
     out: buf's memory, given by the caller (a float32 [T, n_slices*R] tensor on x's device), so a
     shrink launched on a side stream writes into memory the main stream allocated; returned.
@@ -199,8 +199,9 @@ def lora_apply(
     lora_b: [S, sum(slice_sizes), R]; scales: [S, n_slices] float32; ranks: [S] int32 or None.
     Two kernels on CUDA (nothing else: no memset, no host sync), so a step captured with a static
     meta replays it for any mapping. Rows of slot -1 tokens, and of slots whose rank is 0, are
-    left exactly as they were, as are a slot's slices whose scale is 0. pdl: the expand's, as for `lora_expand`. pool_starts, max_rank: the
-    weights are pools, as for `lora_shrink` and `lora_expand`.
+    left exactly as they were, as are a slot's slices whose scale is 0. pdl: the expand's, as for
+    `lora_expand`. pool_starts, max_rank: the weights are pools, as for `lora_shrink` and
+    `lora_expand`.
     """
     buf = lora_shrink(x, lora_a, scales, meta, ranks, pool_starts=pool_starts, max_rank=max_rank)
     lora_expand(y, buf, lora_b, slice_sizes, meta, ranks, pdl=pdl, pool_starts=pool_starts, scales=scales)

@@ -38,8 +38,8 @@ def _expand_kernel(
     stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk, stride_ss, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
-    HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr, Y_VEC: tl.constexpr,
-    W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAGED: tl.constexpr,
+    HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr,
+    Y_VEC: tl.constexpr, W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAGED: tl.constexpr,
     EXIT_PAST_TILES: tl.constexpr, STORE: tl.constexpr,
 ):
     # STORE: y's rows of tokens with an adapter touching the module are overwritten with the delta
@@ -298,7 +298,8 @@ def lora_expand_triton(
         sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2], ss[0], ss[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
         A_PAD=slot_lanes(meta), SL_PAD=sl_pad,
-        HAS_RANKS=ranks is not None, HAS_SCALES=scales is not None, CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
+        HAS_RANKS=ranks is not None, HAS_SCALES=scales is not None,
+        CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
         STAGES=cfg.num_stages, USE_PDL=use_pdl, PAGED=pool_starts is not None,
         EXIT_PAST_TILES=real_tiles is not None, STORE=store,
