@@ -192,7 +192,8 @@ def test_expand_checks_its_scales():
     buf = lora_shrink(x, A, scales, meta, ranks)
     y = torch.zeros(case.T, sum(case.slice_sizes))
     for bad, match in [(scales[:, :2], r"scales must be \[S, n_slices\] = \[5, 3\]"),
-                       (scales.double().half(), "scales must be float32")]:
+                       (scales.half(), "scales must be float32"),
+                       (scales.tolist(), "scales must be a torch.Tensor")]:
         with pytest.raises(ValueError, match=match):
             lora_expand(y, buf, B, case.slice_sizes, meta, ranks, scales=bad)
     assert not y.any()  # nothing was written by the refused calls

@@ -38,6 +38,11 @@ def _check_common(op, meta, ranks, S, device, dtypes, tensors):
             _fail(op, f"ranks is on {ranks.device} but x/y is on {device}")
 
 
+def _check_scales_dtype(op, scales, dtypes) -> None:
+    if scales.dtype != torch.float32 and not (dtypes is REF_DTYPES and scales.dtype == torch.float64):
+        _fail(op, f"scales must be float32, got {scales.dtype}")
+
+
 def check_shrink(x, lora_a, scales, meta, ranks, dtypes=FLOAT_DTYPES, *, pool_starts=None,
                  max_rank=None) -> tuple[int, int]:
     """Returns (n_slices, R). x: [T, H]; lora_a: [S, n_slices*R, H]; scales: [S, n_slices]. With
@@ -61,8 +66,7 @@ def check_shrink(x, lora_a, scales, meta, ranks, dtypes=FLOAT_DTYPES, *, pool_st
     if x.dtype != lora_a.dtype:
         _fail(op, f"x is {x.dtype} but lora_a is {lora_a.dtype}; store adapter weights in the activation dtype")
     n_slices = scales.shape[1]
-    if scales.dtype != torch.float32 and not (dtypes is REF_DTYPES and scales.dtype == torch.float64):
-        _fail(op, f"scales must be float32, got {scales.dtype}")
+    _check_scales_dtype(op, scales, dtypes)
     if pool_starts is not None:
         _check_pool(op, pool_starts, ranks, S, x.device)
         if lora_a.shape[1] != n_slices:
@@ -107,7 +111,8 @@ def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES, 
             or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in slice_sizes)):
         _fail(op, f"slice_sizes must be a non-empty tuple of positive ints, got {slice_sizes!r}")
     S = lora_b.shape[0] if pool_starts is None else meta.num_slots
-    _check_common(op, meta, ranks, S, y.device, dtypes, [("y", y), ("buf", buf), ("lora_b", lora_b)])
+    tensors = [("y", y), ("buf", buf), ("lora_b", lora_b)] + ([("scales", scales)] if scales is not None else [])
+    _check_common(op, meta, ranks, S, y.device, dtypes, tensors)
     T, N = y.shape
     n_slices = len(slice_sizes)
     if pool_starts is not None:
@@ -129,13 +134,9 @@ def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES, 
     if y.dtype != lora_b.dtype:
         _fail(op, f"y is {y.dtype} but lora_b is {lora_b.dtype}; store adapter weights in the activation dtype")
     if scales is not None:
-        if not isinstance(scales, torch.Tensor) or tuple(scales.shape) != (S, n_slices):
-            _fail(op, f"scales must be [S, n_slices] = [{S}, {n_slices}] float32, got shape "
-                      f"{tuple(getattr(scales, 'shape', ()))}")
-        if scales.dtype != torch.float32 and not (dtypes is REF_DTYPES and scales.dtype == torch.float64):
-            _fail(op, f"scales must be float32, got {scales.dtype}")
-        if scales.device != y.device:
-            _fail(op, f"scales is on {scales.device} but y is on {y.device}; put every tensor on one device")
+        if tuple(scales.shape) != (S, n_slices):
+            _fail(op, f"scales must be [S, n_slices] = [{S}, {n_slices}] float32, got shape {tuple(scales.shape)}")
+        _check_scales_dtype(op, scales, dtypes)
     return n_slices, R
 
 
