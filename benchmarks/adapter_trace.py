@@ -241,8 +241,9 @@ class RequestRecord:
     # when the engine said its adapter was loaded for it (the "ready" event; a request whose
     # adapter sat in a GPU slot gets none): a cold TTFT is the load, then the engine's wait
     adapter_ready_s: float | None = None
-    # that load's own seconds, from its start (as the engine took the request) to "ready", and of
-    # those the registry's (resolve, read, check, validate: the handle's load_seconds)
+    # that load's own seconds, from its start (as the engine took its first request) to "ready", and
+    # of those the registry's (resolve, read, check, validate: the handle's load_seconds); a request
+    # that joined a load already running gets the same seconds, some of which came before it
     adapter_load_s: float | None = None
     adapter_registry_s: float | None = None
 
@@ -306,10 +307,11 @@ def run_trace(
 
     def on_event(event) -> None:  # in the loading thread; the record was made before add_request
         if event.kind == "ready":
+            ready_s = time.perf_counter() - start  # one time for all of this load's waiters
             for request_id in event.request_ids:
                 if request_id in records:
                     record = records[request_id]
-                    record.adapter_ready_s = time.perf_counter() - start
+                    record.adapter_ready_s = ready_s
                     record.adapter_load_s = event.seconds
                     record.adapter_registry_s = getattr(event.handle, "load_seconds", None)
 

@@ -166,7 +166,12 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     # and the load again: handed over between steps, the load's run, the registry's share of it
     loaded = [r for r in cold if r.adapter_load_s is not None]
     assert loaded and all(0 < r.adapter_registry_s <= r.adapter_load_s for r in loaded)
-    assert all(r.added_s - r.arrival_s + r.adapter_load_s <= r.adapter_ready_s - r.arrival_s + 1e-3 for r in loaded)
+    # a load starts as the engine takes its first request (later ones join it): its run fits between
+    # that request's hand-over and "ready", which all its waiters share
+    first_taken = {}
+    for r in sorted(loaded, key=lambda r: r.added_s, reverse=True):
+        first_taken[r.adapter, r.adapter_ready_s] = r
+    assert all(r.added_s + r.adapter_load_s <= r.adapter_ready_s + 1e-6 for r in first_taken.values())
     assert 0 <= summary["cold_handed_over_p50_ms"] and 0 < summary["cold_registry_p50_ms"] <= summary["cold_load_run_p50_ms"]
     assert not engine.adapters.events._listeners  # the trace's listener is gone
     assert engine.registry.cache.stats.evictions > 0 and engine.lora_manager.stats.evictions > 0
