@@ -506,6 +506,10 @@ class BaseLayerWithLoRA(nn.Module):
             main:  alloc buf, delta ─┬─ base GEMM (carveout) ─────────────────── wait(side) ─ return
             side:                    └─ wait(main) ─ zero delta ─ shrink ─ expand (store) ─┘
 
+        The GEMM is enqueued before the delta's kernels (the side stream's wait comes before it,
+        so the delta does not wait for it): started first, it gets its multiprocessors and the
+        delta takes the rest, in eager steps and in captured step graphs alike.
+
         Every fork is joined before the op returns, so a CUDA-graph capture gets a parallel
         branch that ends inside the layer. Elsewhere (tests) the same kernels run in order.
         """
@@ -521,7 +525,12 @@ class BaseLayerWithLoRA(nn.Module):
         streams = beside_streams(device)
         if streams is not None:
             main, side = streams
-            side.wait_stream(main)  # x is made on the main stream
+            side.wait_stream(main)  # x is made on the main stream (and not the GEMM, enqueued after this)
+        # the GEMM first: enqueued after the delta's kernels it ran slower beside them (H100, 8B
+        # decode replay at 64 tokens, µs: one rank-16 adapter on all seven 7,476 -> 7,271 with the
+        # base model at 7,159; docs/benchmarks/engine-h100.md, seventeenth session)
+        with gemm_carveout(sms):
+            output = self.base_layer(x).contiguous()  # on the main stream, beside the delta
         with torch.cuda.stream(side) if streams is not None else nullcontext():
             # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only
             delta.zero_()  # rows of tokens without an adapter here stay zero
@@ -529,8 +538,6 @@ class BaseLayerWithLoRA(nn.Module):
                         pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank, sms=sms)
             lora_expand(delta, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
                         pool_starts=self.lora_pool_starts, sms=sms, store=True, scales=self.lora_scales)
-        with gemm_carveout(sms):
-            output = self.base_layer(x).contiguous()  # on the main stream, beside the delta
         if streams is not None:
             main.wait_stream(side)  # the join: delta is written, and x's memory is not reused before it is read
         return output, delta.view(output.shape)
