@@ -65,8 +65,9 @@ def replay_timeline(trace_path: Path, idle_us: float = 300.0, min_kernels: int =
     (kernels split where the GPU idled ``idle_us``; those of at least ``min_kernels``), and their
     medians: the span of a replay, the span before its first attention kernel (the graph's own
     preparation: the LoRA meta, the embedding, the first layer's norm and qkv), a layer's span
-    (attention to attention), each projection's GEMM and, where a layer computes LoRA deltas
-    beside its GEMMs, how long after the GEMM its delta's expand ended (> 0: the join waited)."""
+    (attention to attention), each projection's GEMM and, for each delta computed beside a GEMM
+    (its expand paired with the last GEMM started before it), how long after the GEMM the
+    expand ended (> 0: the join waited)."""
     events = sorted((e for e in json.loads(trace_path.read_text())["traceEvents"]
                      if e.get("ph") == "X" and e.get("cat") == "kernel"), key=lambda e: e["ts"])
     replays, last_end = [], None
@@ -88,12 +89,12 @@ def replay_timeline(trace_path: Path, idle_us: float = 300.0, min_kernels: int =
             layer = kernels[a:b + 1]
             add("layer_us", layer[-1]["ts"] - layer[0]["ts"])
             gemms = [e for e in layer if e["name"].startswith(GEMM)]
-            expands = [e for e in layer if e["name"].startswith(EXPAND)]
             for name, gemm in zip(PROJECTIONS, gemms):
                 add(f"{name}_gemm_us", gemm["dur"])
-            if len(expands) == len(gemms):
-                for name, gemm, expand in zip(PROJECTIONS, gemms, expands):
-                    add(f"{name}_delta_after_gemm_us", end(expand) - end(gemm))
+            for expand in (e for e in layer if e["name"].startswith(EXPAND)):
+                beside = [i for i, gemm in enumerate(gemms[:len(PROJECTIONS)]) if gemm["ts"] <= expand["ts"]]
+                if beside:
+                    add(f"{PROJECTIONS[beside[-1]]}_delta_after_gemm_us", end(expand) - end(gemms[beside[-1]]))
     summary = {key: statistics.median(values) for key, values in spans.items()}
     summary["replays"] = len(spans.get("replay_us", []))
     return summary
@@ -107,8 +108,8 @@ def ttft_profile(model, args) -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     adapters = [random_adapter(model.config, name, 16, ALL_SEVEN, i, device, dtype)
                 for i, name in enumerate("ab")]
-    engine = LLMEngine(model, enable_lora=True, max_loras=1, max_cpu_loras=4, max_lora_rank=16, max_num_seqs=args.batch,
-                       max_model_len=1100, max_num_batched_tokens=8192)
+    engine = LLMEngine(model, enable_lora=True, max_loras=1, max_cpu_loras=4, max_lora_rank=16,
+                       max_num_seqs=max(map(int, args.batch.split(","))), max_model_len=1100, max_num_batched_tokens=8192)
     for adapter in adapters:
         engine.registry.bind(adapter)
     vocab = model.config.get_text_config().vocab_size
@@ -168,10 +169,10 @@ def slot_write_profile(engine, model, sync) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", default="64", help="decode batch sizes, e.g. 16,64,256 (one engine for all)")
     parser.add_argument("--out", type=Path, default=Path("profile.txt"))
     parser.add_argument("--ttft", action="store_true", help="only: one 128-token request's time to first token")
-    parser.add_argument("--adapters", default="1", help="adapter counts to profile beside the base step, e.g. 1,32")
+    parser.add_argument("--adapters", default="1", help="adapter counts to profile beside the base step, e.g. 1,32 (\"\": none)")
     parser.add_argument("--fleet", default="",
                         help="also profile a batch drawn from a fleet of N adapters as many_adapters.py draws its "
                              "requests (mixed ranks and targets, Zipf popularity), e.g. 4,1000 (N/seed: other requests "
@@ -188,47 +189,50 @@ def main() -> None:
         model = load_model(args.model if cuda else None, dtype="bfloat16" if cuda else "float32",
                            device="cuda" if cuda else "cpu", load_format="dummy" if cuda else "auto")[0]
         return ttft_profile(model, args)
-    counts = [int(n) for n in args.adapters.split(",")]
+    counts = [int(n) for n in args.adapters.split(",") if n]
     model = load_model(args.model, dtype="bfloat16", device="cuda", load_format="dummy")[0]
     vocab = model.config.vocab_size
     targets = QV if args.qv else ALL_SEVEN
     adapters = [random_adapter(model.config, f"a{i}", 16, targets, 1 + i, "cuda", torch.bfloat16)
-                for i in range(max(counts))]
-    batches = [("base", [None] * args.batch)]
-    batches += [(f"{n} adapter{'s' * (n > 1)}", [LoRARequest(f"a{i % n}", 1 + i % n) for i in range(args.batch)])
-                for n in counts]
-    for fleet in (f for f in args.fleet.split(",") if f):
-        n, _, seed = fleet.partition("/")  # N, or N/seed: another batch over the same N adapters
-        trace = make_trace(int(n), args.batch, rate=math.inf, prompt_len=1, vocab_size=vocab,
-                           name_prefix=f"fleet{fleet.replace('/', 's')}-", first_id=1000 * (1 + len(batches)),
-                           request_seed=int(seed) if seed else None)
-        used = trace.used_adapters()
-        adapters += [random_adapter(model.config, a.name, a.rank, a.targets, a.seed, "cuda", torch.bfloat16)
-                     for a in used]
-        big = sum("gate_proj" in a.targets for a in used)
-        batches.append((f"fleet {fleet} ({len(used)} distinct, {big} on all 7)",
-                        [LoRARequest(r.adapter.name, r.adapter.lora_int_id) for r in trace.requests]))
+                for i in range(max(counts, default=0))]
+    sizes = [int(b) for b in args.batch.split(",")]
+    batches = []  # (batch size, label, each request's adapter)
+    for size in sizes:
+        batches.append((size, "base", [None] * size))
+        batches += [(size, f"{n} adapter{'s' * (n > 1)}", [LoRARequest(f"a{i % n}", 1 + i % n) for i in range(size)])
+                    for n in counts]
+        for fleet in (f for f in args.fleet.split(",") if f):
+            n, _, seed = fleet.partition("/")  # N, or N/seed: another batch over the same N adapters
+            trace = make_trace(int(n), size, rate=math.inf, prompt_len=1, vocab_size=vocab,
+                               name_prefix=f"fleet{fleet.replace('/', 's')}-b{size}-",
+                               first_id=1000 * (1 + len(batches)), request_seed=int(seed) if seed else None)
+            used = trace.used_adapters()
+            adapters += [random_adapter(model.config, a.name, a.rank, a.targets, a.seed, "cuda", torch.bfloat16)
+                         for a in used]
+            big = sum("gate_proj" in a.targets for a in used)
+            batches.append((size, f"fleet {fleet} ({len(used)} distinct, {big} on all 7)",
+                            [LoRARequest(r.adapter.name, r.adapter.lora_int_id) for r in trace.requests]))
     t0 = time.perf_counter()
-    distinct = max(len({lora.lora_name for lora in loras if lora}) for _, loras in batches)
+    distinct = max(len({lora.lora_name for lora in loras if lora}) for _, _, loras in batches)
     max_rank = max(kind.rank for kind in DEFAULT_MIX) if args.fleet else 16
     engine = LLMEngine(model, enable_lora=True, max_loras=max(8, distinct), max_lora_rank=max_rank,
-                       max_cpu_loras=max(8, len(adapters)), max_num_seqs=args.batch, max_model_len=1100,
+                       max_cpu_loras=max(8, len(adapters)), max_num_seqs=max(sizes), max_model_len=1100,
                        max_num_batched_tokens=8192)
     report = [f"engine init {time.perf_counter() - t0:.1f} s, {engine.runner.num_graphs} graphs"]
     for adapter in adapters:
         engine.registry.bind(adapter)
-    prompts = torch.randint(1, vocab, (args.batch, 128), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = torch.randint(1, vocab, (max(sizes), 128), generator=torch.Generator().manual_seed(0)).tolist()
     timelines = {}
-    for label, loras in batches:
+    for size, label, loras in batches:
         params = (SamplingParams(temperature=0.8, top_p=0.9, logprobs=5, max_tokens=100, ignore_eos=True)
                   if args.sampled else SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
         for i, (p, lora) in enumerate(zip(prompts, loras)):
-            engine.add_request(f"{label}{i}", {"prompt_token_ids": p}, params, lora)
+            engine.add_request(f"{size}-{label}{i}", {"prompt_token_ids": p}, params, lora)
         for _ in range(20):  # prefill, then decode steps
             engine.step()
         for _ in range(40):  # a fleet's adapters are placed a few a step: until every request decodes
             running = engine.scheduler.running
-            if len(running) == args.batch and all(seq.num_computed >= 128 for seq in running):
+            if len(running) == size and all(seq.num_computed >= 128 for seq in running):
                 break
             engine.step()
         wall_ms = {}  # the host's and the GPU's step, unprofiled: the synchronous loop, then async
@@ -247,13 +251,14 @@ def main() -> None:
                 engine.step()
             torch.cuda.synchronize()
         engine.async_scheduling = True
-        report += ["", f"== decode, batch {args.batch}, {label}", kernel_table(prof, 5)]
+        report += ["", f"== decode, batch {size}, {label}", kernel_table(prof, 5)]
         # the timeline (kernels inside the graph replays, both streams): chrome://tracing or perfetto
-        trace = args.out.with_suffix(f".decode-{re.sub(r'[^0-9a-z]+', '-', label)}.trace.json")
+        key = label if len(sizes) == 1 else f"batch {size}, {label}"
+        trace = args.out.with_suffix(f".decode-{re.sub(r'[^0-9a-z]+', '-', key)}.trace.json")
         prof.export_chrome_trace(str(trace))
-        timelines[label] = replay_timeline(trace) | {"step_wall_us": 1e3 * wall_ms[True],
-                                                     "step_wall_sync_us": 1e3 * wall_ms[False]}
-        report += ["timeline (medians, us): " + ", ".join(f"{k} {v:.1f}" for k, v in timelines[label].items())]
+        timelines[key] = replay_timeline(trace) | {"step_wall_us": 1e3 * wall_ms[True],
+                                                   "step_wall_sync_us": 1e3 * wall_ms[False]}
+        report += ["timeline (medians, us): " + ", ".join(f"{k} {v:.1f}" for k, v in timelines[key].items())]
         while engine.has_unfinished_requests():
             engine.step()
         if args.decode_only:
@@ -264,7 +269,7 @@ def main() -> None:
             generator = torch.Generator().manual_seed(1 + round_)
             long = torch.randint(1, vocab, (8, 1024), generator=generator).tolist()
             for i, p in enumerate(long):
-                engine.add_request(f"{label}-p{round_}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1),
+                engine.add_request(f"{size}-{label}-p{round_}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1),
                                    loras[i % len(loras)])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -277,7 +282,7 @@ def main() -> None:
     text = "\n".join(report)
     args.out.write_text(text + "\n")
     if args.json:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "batch": args.batch,
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "batch": sizes,
                                          "timelines": timelines}, indent=2) + "\n")
     print(text)
 

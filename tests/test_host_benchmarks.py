@@ -93,14 +93,15 @@ def test_the_replay_timeline_finds_the_graphs_preparation_layers_and_joins(tmp_p
     span, each projection's GEMM and how long after it the delta beside it ended."""
     from benchmarks.profile_step import replay_timeline
 
-    def replay(t0: float, prep: float, late_o: float) -> list[tuple[str, float, float]]:
+    def replay(t0: float, prep: float, late_o: float, beside=(True,) * 4) -> list[tuple[str, float, float]]:
         kernels, t = [("meta", t0, prep)], t0 + prep
-        for _ in range(2):  # attention, then o / gate_up / down / qkv with a delta beside each
+        for _ in range(2):  # attention, then o / gate_up / down / qkv with a delta beside each (or some)
             kernels.append(("_paged_attention_kernel", t, 20.0))
             t += 20.0
-            for gemm_us, delta_end in ((15.0, late_o), (90.0, -40.0), (45.0, -20.0), (21.0, 0.0)):
-                kernels += [("nvjet_sm90_gemm", t, gemm_us), ("_shrink_kernel", t, 5.0),
-                            ("_expand_kernel", t + gemm_us + delta_end - 3.0, 3.0)]
+            for (gemm_us, delta_end), delta in zip(((15.0, late_o), (90.0, -40.0), (45.0, -20.0), (21.0, 1.0)), beside):
+                kernels.append(("nvjet_sm90_gemm", t, gemm_us))
+                if delta:
+                    kernels += [("_shrink_kernel", t, 5.0), ("_expand_kernel", t + gemm_us + delta_end - 3.0, 3.0)]
                 t += gemm_us + max(delta_end, 0.0) + 2.0
         kernels.append(("_paged_attention_kernel", t, 20.0))
         return kernels
@@ -113,10 +114,18 @@ def test_the_replay_timeline_finds_the_graphs_preparation_layers_and_joins(tmp_p
     summary = replay_timeline(path, min_kernels=10)
     assert summary["replays"] == 2
     assert summary["before_first_attention_us"] == 270.0
-    assert summary["layer_us"] == pytest.approx(202.0)  # attention 20, o 19 or 21, gate_up 92, down 47, qkv 23
+    assert summary["layer_us"] == pytest.approx(203.0)  # attention 20, o 19 or 21, gate_up 92, down 47, qkv 24
     assert summary["gate_up_gemm_us"] == 90.0 and summary["qkv_gemm_us"] == 21.0
     assert summary["o_delta_after_gemm_us"] == pytest.approx(3.0)  # the median of 2, 2, 4, 4
     assert summary["gate_up_delta_after_gemm_us"] == pytest.approx(-40.0)
+    # adapters on q/k/v/o only (the graph variant that leaves the big GEMMs alone): two deltas a
+    # layer, each paired with the GEMM it ran beside
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": n, "ts": ts, "dur": dur}
+        for n, ts, dur in replay(0.0, 270.0, 2.0, beside=(True, False, False, True))]}))
+    summary = replay_timeline(path, min_kernels=10)
+    assert summary["o_delta_after_gemm_us"] == pytest.approx(2.0) and summary["qkv_delta_after_gemm_us"] == 1.0
+    assert "gate_up_delta_after_gemm_us" not in summary and "down_delta_after_gemm_us" not in summary
 
 
 @pytest.mark.parametrize("compare_sync", [False, True])
