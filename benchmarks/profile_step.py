@@ -109,7 +109,8 @@ def ttft_profile(model, args) -> None:
     adapters = [random_adapter(model.config, name, 16, ALL_SEVEN, i, device, dtype)
                 for i, name in enumerate("ab")]
     engine = LLMEngine(model, enable_lora=True, max_loras=1, max_cpu_loras=4, max_lora_rank=16,
-                       max_num_seqs=max(map(int, args.batch.split(","))), max_model_len=1100, max_num_batched_tokens=8192)
+                       max_num_seqs=max(map(int, args.batch.split(","))), max_model_len=1100,
+                       max_num_batched_tokens=8192)
     for adapter in adapters:
         engine.registry.bind(adapter)
     vocab = model.config.get_text_config().vocab_size
@@ -172,7 +173,8 @@ def main() -> None:
     parser.add_argument("--batch", default="64", help="decode batch sizes, e.g. 16,64,256 (one engine for all)")
     parser.add_argument("--out", type=Path, default=Path("profile.txt"))
     parser.add_argument("--ttft", action="store_true", help="only: one 128-token request's time to first token")
-    parser.add_argument("--adapters", default="1", help="adapter counts to profile beside the base step, e.g. 1,32 (\"\": none)")
+    parser.add_argument("--adapters", default="1",
+                        help="adapter counts to profile beside the base step, e.g. 1,32 (\"\": none)")
     parser.add_argument("--fleet", default="",
                         help="also profile a batch drawn from a fleet of N adapters as many_adapters.py draws its "
                              "requests (mixed ranks and targets, Zipf popularity), e.g. 4,1000 (N/seed: other requests "
@@ -269,8 +271,8 @@ def main() -> None:
             generator = torch.Generator().manual_seed(1 + round_)
             long = torch.randint(1, vocab, (8, 1024), generator=generator).tolist()
             for i, p in enumerate(long):
-                engine.add_request(f"{size}-{label}-p{round_}-{i}", {"prompt_token_ids": p}, SamplingParams(max_tokens=1),
-                                   loras[i % len(loras)])
+                engine.add_request(f"{size}-{label}-p{round_}-{i}", {"prompt_token_ids": p},
+                                   SamplingParams(max_tokens=1), loras[i % len(loras)])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -194,8 +194,8 @@ def test_a_projection_forks_its_delta_beside_the_base_gemm_and_joins_before_retu
     empty = torch.empty  # fresh memory holds NaN: the base rows' zero delta is the layer's doing
     monkeypatch.setattr(torch, "empty", lambda *a, **k: empty(*a, **k).fill_(float("nan")))
     got = layer(x)
-    # the GEMM enqueued first (its blocks take their multiprocessors before the delta's), after
-    # the side stream's wait, which therefore does not wait for it
+    # the GEMM enqueued before the delta's kernels (faster beside them so) and after the side
+    # stream's wait, which therefore does not wait for it
     assert streams.log == ["side waits main", "carveout 5 on main", "base on main", "lora_shrink on side for 5 SMs",
                            "lora_expand on side for 5 SMs", "main waits side"]
     assert streams.out.dtype == torch.float32 and streams.out.shape == (6, 8)  # buf: [T, n_slices*R]

@@ -507,8 +507,7 @@ class BaseLayerWithLoRA(nn.Module):
             side:                    └─ wait(main) ─ zero delta ─ shrink ─ expand (store) ─┘
 
         The GEMM is enqueued before the delta's kernels (the side stream's wait comes before it,
-        so the delta does not wait for it): started first, it gets its multiprocessors and the
-        delta takes the rest, in eager steps and in captured step graphs alike.
+        so the delta does not wait for it): enqueued after them, it ran slower beside them.
 
         Every fork is joined before the op returns, so a CUDA-graph capture gets a parallel
         branch that ends inside the layer. Elsewhere (tests) the same kernels run in order.
@@ -526,9 +525,8 @@ class BaseLayerWithLoRA(nn.Module):
         if streams is not None:
             main, side = streams
             side.wait_stream(main)  # x is made on the main stream (and not the GEMM, enqueued after this)
-        # the GEMM first: enqueued after the delta's kernels it ran slower beside them (H100, 8B
-        # decode replay at 64 tokens, µs: one rank-16 adapter on all seven 7,476 -> 7,271 with the
-        # base model at 7,159; docs/benchmarks/engine-h100.md, seventeenth session)
+        # the GEMM first (H100, 8B decode replay at 64 tokens, µs: one rank-16 adapter on all seven
+        # 7,476 -> 7,271 with the base model at 7,159; docs/benchmarks/engine-h100.md, seventeenth session)
         with gemm_carveout(sms):
             output = self.base_layer(x).contiguous()  # on the main stream, beside the delta
         with torch.cuda.stream(side) if streams is not None else nullcontext():
