@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import drop_from_page_cache  # noqa: E402
+from benchmarks._common import drop_from_page_cache, filesystem_of  # noqa: E402
 from loramux.registry.host_memory import PAGEABLE  # noqa: E402
 from loramux.registry.weights_io import read_and_hash  # noqa: E402
 
@@ -93,8 +93,8 @@ def main(argv=None) -> dict:
                 rows[c].append(dict(p50_ms=1e3 * statistics.median(done), mean_ms=1e3 * statistics.fmean(done),
                                     p99_ms=1e3 * max(done), makespan_ms=1e3 * makespan,
                                     GBps=size * len(paths) / makespan / 1e9))
-    result = dict(files=args.files, bytes_each=size, filesystem=_filesystem(args.dir or tempfile.gettempdir()),
-                  rounds={str(c): r for c, r in rows.items()})
+    result = dict(files=args.files, bytes_each=size, rounds={str(c): r for c, r in rows.items()},
+                  filesystem=filesystem_of(Path(args.dir or tempfile.gettempdir())))
     print(f"{args.files} files of {args.mb} MB, read cold with c threads (median of {args.repeats} rounds):")
     print("  c | read done p50 | mean | last (makespan) | GB/s")
     for c, r in rows.items():
@@ -105,18 +105,6 @@ def main(argv=None) -> dict:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return result
-
-
-def _filesystem(directory: str) -> str:
-    try:
-        best = ("", "?")
-        for line in Path("/proc/mounts").read_text().splitlines():
-            _, mount, fs, *_ = line.split()
-            if directory.startswith(mount) and len(mount) > len(best[0]):
-                best = (mount, fs)
-        return best[1]
-    except OSError:
-        return "?"
 
 
 if __name__ == "__main__":
