@@ -144,6 +144,7 @@ def lora_expand_ref(
     N = offs[-1]
     slot_ranks = _slot_ranks(ranks, meta, R)
     units = _pool_units(pool_starts, meta)
+    sizes = torch.tensor(slice_sizes, device=y.device) if scales is not None else None
     for (slot, rows), r in zip(meta.segments(), slot_ranks):
         if r == 0:
             continue
@@ -158,6 +159,6 @@ def lora_expand_ref(
         old = y.index_select(0, rows)
         new = delta.to(y.dtype) if store else (old.to(acc) + delta.to(acc)).to(y.dtype)
         if scales is not None:  # the slices the slot's adapter does not target keep y's columns
-            off = torch.repeat_interleave(scales[slot] == 0, torch.tensor(slice_sizes, device=y.device))
+            off = torch.repeat_interleave(scales[slot] == 0, sizes)
             new = torch.where(off, old, new)
         y.index_copy_(0, rows, new)
