@@ -3,11 +3,15 @@ retires exactly when its last request ends (an event, no polling), outputs equal
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 from conftest import peft_greedy, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
+from loramux.errors import IncompatibleAdapterError, LoRAError
+from loramux.registry import LoRAConfig, Registry
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 PROMPT = [(3 * i) % 120 + 5 for i in range(11)]
@@ -137,7 +141,6 @@ def test_queued_requests_wait_for_room_in_a_cpu_tier_full_of_adapters_in_use(eng
 def test_a_load_that_finds_the_tier_pinned_by_loads_not_collected_yet_waits(engine_adapters, monkeypatch):
     """Two loads have pinned the whole CPU tier but not handed their adapters to the step loop yet
     (their threads still run) when a third finds no room: it waits for them, it does not fail."""
-    import threading
     import time
 
     eng = engine(max_loras=2, max_cpu_loras=2, max_num_seqs=2)
@@ -166,3 +169,78 @@ def test_a_load_that_finds_the_tier_pinned_by_loads_not_collected_yet_waits(engi
     for name in names:
         assert rec.finished[name][1] == peft_greedy(engine_adapters[name], PROMPT, 10), name
     assert not rec.of_kind("failed") and eng.registry.cache.stats.load_failures == 0
+
+
+def test_requests_for_an_adapter_in_the_cpu_tier_settle_in_the_submitting_thread(engine_adapters, monkeypatch):
+    """Only a request whose adapter is not in memory starts a loading thread: once "attn" is in
+    the CPU tier, a burst for it settles each load in add_request's thread (its "ready" event
+    too), reads nothing, and every output equals PEFT's; no CPU-tier pin is left behind."""
+    import threading
+
+    eng = engine()
+    reads, ready_threads = [], []
+    get = eng.registry.get
+    monkeypatch.setattr(eng.registry, "get", lambda request, **kw: reads.append(threading.current_thread().name)
+                        or get(request, **kw))
+    eng.add_event_listener(lambda e: e.kind == "ready" and ready_threads.append(threading.current_thread().name))
+    request = LoRARequest("attn", 1, str(engine_adapters["attn"]))
+    rec = Recorder(eng)
+    eng.add_request("first", {"prompt_token_ids": PROMPT}, GREEDY, request)
+    rec.until(lambda: not eng.has_unfinished_requests())
+    assert reads == ["loramux-load-attn"] and ready_threads == ["loramux-load-attn"]
+    for i in range(3):
+        eng.add_request(f"again{i}", {"prompt_token_ids": PROMPT}, GREEDY, request)
+    assert ready_threads[1:] == [threading.current_thread().name] * 3  # settled before add_request returned
+    rec.until(lambda: not eng.has_unfinished_requests())
+    assert reads == ["loramux-load-attn"]  # no second read, no worker
+    expected = peft_greedy(engine_adapters["attn"], PROMPT, 10)
+    assert all(rec.finished[f"again{i}"][1] == expected for i in range(3)) and rec.finished["first"][1] == expected
+    assert eng.registry.cache.num_pinned() == 0 and not eng.scheduler.adapters
+
+
+def test_a_request_naming_another_path_for_a_resident_name_is_refused_and_the_resident_one_still_serves(make_adapter):
+    """The in-memory shortcut answers only for the path the name is registered with: a request
+    naming another path goes the reading way and gets its clear error; the resident adapter
+    keeps serving, and nothing stays pinned."""
+    v1, v2 = make_adapter("moved-v1", seed=43), make_adapter("moved-v2", seed=44)
+    eng = engine()
+    rec = Recorder(eng)
+    eng.add_request("v1", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("moved", 1, str(v1)))
+    rec.until(lambda: not eng.has_unfinished_requests())
+    eng.add_request("v2", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("moved", 1, str(v2)))
+    eng.add_request("v1-again", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("moved", 1, str(v1)))
+    errors = {}
+    for _ in range(200):
+        errors.update({out.request_id: out.error for out in eng.step() if out.finished})
+        if not eng.has_unfinished_requests():
+            break
+    assert isinstance(errors["v2"], IncompatibleAdapterError) and "already registered" in str(errors["v2"])
+    assert errors["v1-again"] is None
+    assert rec.finished["v1"][1] == peft_greedy(v1, PROMPT, 10)
+    assert eng.registry.cache.num_pinned() == 0
+
+
+def test_a_check_that_fails_in_the_submitting_thread_fails_only_its_request(engine_adapters, monkeypatch):
+    """An engine over a registry it did not build checks every adapter it is handed, the
+    in-memory ones too: a failing check there fails that request (a LoRAError naming the
+    adapter), unpins the adapter, and a base request beside it completes."""
+    eng = engine(registry=Registry(LoRAConfig(max_loras=2, max_lora_rank=8)))
+    request = LoRARequest("attn", 1, str(engine_adapters["attn"]))
+    rec = Recorder(eng)
+    eng.add_request("first", {"prompt_token_ids": PROMPT}, GREEDY, request)
+    rec.until(lambda: not eng.has_unfinished_requests())
+
+    def refuse(adapter):
+        raise RuntimeError("the slots changed shape")
+
+    monkeypatch.setattr(eng.lora_manager, "validate", refuse)
+    eng.add_request("refused", {"prompt_token_ids": PROMPT}, GREEDY, request)
+    eng.add_request("base", {"prompt_token_ids": PROMPT}, GREEDY)
+    errors = {}
+    for _ in range(200):
+        errors.update({out.request_id: out.error for out in eng.step() if out.finished})
+        if not eng.has_unfinished_requests():
+            break
+    assert isinstance(errors["refused"], LoRAError) and "slots changed shape" in str(errors["refused"])
+    assert "'attn'" in str(errors["refused"]) and errors["base"] is None
+    assert eng.registry.cache.num_pinned() == 0

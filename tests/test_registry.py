@@ -93,6 +93,24 @@ def test_get_resolves_on_demand_then_hits_the_cpu_tier(root):
     assert registry.locate("alpha").resolver == "filesystem"
 
 
+def test_get_resident_answers_from_the_cpu_tier_only_and_never_reads(root, adapters):
+    """`get_resident` finds what is in memory already: None (and no miss counted, no resolver
+    asked) before the first load, after an eviction, and for a path other than the name's."""
+    resolver = CountingResolver(root)
+    registry = Registry(LoRAConfig(max_loras=1, max_cpu_loras=1), resolvers=[resolver])
+    assert registry.get_resident(LoRARequest("alpha", 1)) is None
+    assert resolver.calls == [] and registry.cache.stats.misses == 0
+    adapter = registry.get("alpha")
+    hits = registry.cache.stats.hits
+    assert registry.get_resident(LoRARequest("alpha", 3), pin=True) is adapter
+    assert registry.cache.stats.hits == hits + 1 and registry.cache.is_pinned(adapter.handle.id)
+    assert registry.name_of_id(3) == "alpha"  # the request's id recorded, as `get` records it
+    registry.cache.unpin(adapter.handle.id)
+    assert registry.get_resident(LoRARequest("alpha", 3, str(adapters["r4"]))) is None  # another path
+    registry.get("beta")  # a tier of one: alpha is evicted
+    assert registry.get_resident(LoRARequest("alpha", 3)) is None and resolver.calls == ["alpha", "beta"]
+
+
 def test_get_from_the_plugins_resolvers(root, monkeypatch):
     monkeypatch.setenv("LORAMUX_LORA_RESOLVER_DIR", str(root))
     registry = Registry()

@@ -48,7 +48,8 @@ class EngineAdapters:
         self.registry = registry
         self.manager = manager
         self.events = EventListeners()
-        self.loader = AdapterLoader(self._load, max_workers=max_workers, on_settled=self._settled)
+        self.loader = AdapterLoader(self._load, max_workers=max_workers, on_settled=self._settled,
+                                    resident=self._resident)
         self.scheduler: Scheduler | None = None
         self._lock = lock
         self._validate = validate
@@ -71,10 +72,18 @@ class EngineAdapters:
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
         """Resolve, load and validate; pin in the CPU tier (a worker thread, or ``add``'s caller)."""
-        adapter = self.registry.get(request, pin=True)
+        return self._checked(self.registry.get(request, pin=True))
+
+    def _resident(self, request: LoRARequest) -> LoRAAdapter | None:
+        """As `_load`, for an adapter in the CPU tier already (no I/O; the submitting thread); else None."""
+        adapter = self.registry.get_resident(request, pin=True)
+        return self._checked(adapter) if adapter is not None else None
+
+    def _checked(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """``adapter`` (pinned in the CPU tier) if it has a handle and fits here; else unpinned, raised."""
         try:
             if adapter.handle is None:
-                raise LoRAError("the registry returned it without a handle.", adapter=request.lora_name,
+                raise LoRAError("the registry returned it without a handle.", adapter=adapter.name,
                                 fix="Pass a loramux.registry.Registry (it issues handles).")
             if self._validate:  # a registry we did not build: check it fits here
                 self.manager.validate(adapter)

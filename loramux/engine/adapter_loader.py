@@ -5,6 +5,10 @@ every step, collects the loads that finished. Requests naming the same adapter s
 (the registry below is single-flight as well, for loads started elsewhere). Any exception becomes
 a `LoRAError` naming the adapter, handed to exactly the requests that asked for it.
 
+An adapter already in the CPU tier needs no worker: ``resident`` finds it in the submitting
+thread, and its load settles there at once (a burst of requests over a hundred resident
+adapters would otherwise start a hundred threads, each waiting for the GIL).
+
 A load is keyed by the request's own words (name, id, path): before it finishes there is no
 handle to key it by. The moment it settles, in its worker thread, ``on_settled`` hears of it,
 so the engine can say "adapter ready" or "adapter failed" without waiting for a step.
@@ -59,6 +63,9 @@ class AdapterLoader:
 
     :param load: ``load(lora_request) -> LoRAAdapter``: resolve, load and validate (runs in a
         worker thread; may block on I/O). It pins what it returns in the CPU tier.
+    :param resident: ``resident(lora_request) -> LoRAAdapter | None``: the adapter if it is in
+        memory already, pinned and checked as ``load`` would; never blocks on I/O (runs in the
+        submitting thread). None: ``load`` runs in a worker.
     :param max_workers: loads of different adapters that may run at once.
     :param on_settled: ``on_settled(waiters, adapter, error, seconds)``, called in the worker
         thread as a load ends (and in the step loop for a request that joins a load already
@@ -66,8 +73,10 @@ class AdapterLoader:
     """
 
     def __init__(self, load: Callable[[LoRARequest], LoRAAdapter], *, max_workers: int = 4,
-                 on_settled: SettledCallback | None = None) -> None:
+                 on_settled: SettledCallback | None = None,
+                 resident: Callable[[LoRARequest], LoRAAdapter | None] | None = None) -> None:
         self._load = load
+        self._resident = resident
         self._on_settled = on_settled
         # Daemon threads, not a ThreadPoolExecutor: its workers are joined at interpreter exit,
         # so one resolver hanging forever would keep a stopped server from exiting.
@@ -97,7 +106,7 @@ class AdapterLoader:
                 load = self._loads[key] = _Load(request)
             load.waiters.append(seq)
             late = load.settled
-        if start:
+        if start and not self._settled_resident(load):
             threading.Thread(target=self._run, args=(load,), name=f"loramux-load-{request.lora_name}",
                              daemon=True).start()
         elif late and self._on_settled is not None:
@@ -131,6 +140,20 @@ class AdapterLoader:
         error = load.future.exception()
         return (None, error) if error is not None else (load.future.result(), None)
 
+    def _settled_resident(self, load: _Load) -> bool:
+        """Settle ``load`` now, in this thread, if its adapter is in memory already."""
+        if self._resident is None:
+            return False
+        try:
+            adapter = _guarded(self._resident, load.request)
+        except BaseException as error:  # its checks failed: the waiters hear of it as from a worker
+            self._settle(load, (None, error))
+            return True
+        if adapter is None:
+            return False
+        self._settle(load, (adapter, None))
+        return True
+
     def _run(self, load: _Load) -> None:
         with self._workers:  # at most max_workers loads at once; the rest queue here
             if not load.future.set_running_or_notify_cancel():  # shut down meanwhile
@@ -139,17 +162,21 @@ class AdapterLoader:
                 outcome = (_guarded(self._load, load.request), None)
             except BaseException as error:  # every waiter must hear of it, whatever it is
                 outcome = (None, error)
-            load.seconds = time.perf_counter() - load.started
-            with self._lock:  # a waiter joins either before (told here) or after (told by submit)
-                load.outcome, load.settled = outcome, True
-                waiters = list(load.waiters)
-            if self._on_settled is not None and waiters:  # before poll can see it: events lead outputs
-                self._on_settled(waiters, *outcome, load.seconds)
-            adapter, error = outcome
-            if error is None:
-                load.future.set_result(adapter)
-            else:
-                load.future.set_exception(error)
+            self._settle(load, outcome)
+
+    def _settle(self, load: _Load, outcome: tuple) -> None:
+        """Tell the waiters (``on_settled``), then let `poll` see the load."""
+        load.seconds = time.perf_counter() - load.started
+        with self._lock:  # a waiter joins either before (told here) or after (told by submit)
+            load.outcome, load.settled = outcome, True
+            waiters = list(load.waiters)
+        if self._on_settled is not None and waiters:  # before poll can see it: events lead outputs
+            self._on_settled(waiters, *outcome, load.seconds)
+        adapter, error = outcome
+        if error is None:
+            load.future.set_result(adapter)
+        else:
+            load.future.set_exception(error)
 
     def shutdown(self) -> None:
         """Forget pending loads; their threads finish (or hang) on their own, as daemons."""

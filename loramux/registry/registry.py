@@ -254,6 +254,31 @@ class Registry:
             self.cache.record_miss()
         return self._load_once(name, pin=pin, force=False)
 
+    def get_resident(self, request: LoRARequest, *, pin: bool = False) -> LoRAAdapter | None:
+        """The adapter ``request`` names if it is in the CPU tier already, else None; no resolver
+        runs and nothing is read, so it answers at once (the engine asks before it starts a
+        loading thread). None as well where `get` would first (re)register the name: a
+        request naming another path than the one registered. Counts a hit, never a miss (the
+        `get` that follows a None counts it).
+
+        :param pin: also pin it, atomically (release with ``registry.cache.unpin(adapter.handle.id)``).
+        """
+        path = normalize_location(request.lora_path) if request.lora_path else None
+        with self._lock:
+            binding = self._bindings.get(request.lora_name)
+            if binding is None or binding.handle is None:
+                return None
+            if path is not None and (binding.source is None or binding.source.location != path):
+                return None
+            handle = binding.handle
+        if self.cache.peek(handle.id) is None:
+            return None
+        adapter = self.cache.get(handle.id, pin=pin)  # None only if evicted since the peek
+        if adapter is not None:
+            with self._lock:
+                binding.lora_int_id = request.lora_int_id  # as `get` records it
+        return adapter
+
     def rebind(self, name_or_request: str | LoRARequest, *, pin: bool = False) -> LoRAAdapter:
         """Reload: read the adapter again from its source and bind its name to the result.
 
