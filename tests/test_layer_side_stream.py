@@ -76,16 +76,17 @@ def test_a_layer_decides_once_and_again_when_moved(monkeypatch):
     assert not embedding.delta_beside  # its own kernels: base, then its delta, in order
 
 
-@pytest.mark.parametrize(("tokens", "sms"), [(1, 0), (8, 0), (16, 44), (32, 44), (48, 88), (256, 88), (512, 0)])
+@pytest.mark.parametrize(("tokens", "sms"), [(1, 0), (8, 0), (16, 44), (32, 44), (48, 88), (128, 88), (129, 44),
+                                             (256, 44), (512, 0)])
 def test_the_gemm_leaves_the_delta_a_share_of_the_multiprocessors_between_9_and_256_tokens(
         tokens, sms, monkeypatch):
     monkeypatch.setattr(side_stream_module, "num_sms", lambda index: 132)
-    assert lora_sms_beside(tokens, torch.device("cuda:0")) == sms  # a third, then two thirds
+    assert lora_sms_beside(tokens, torch.device("cuda:0")) == sms  # a third, two thirds at 33-128
     assert lora_sms_beside(tokens, torch.device("cpu")) == 0
 
 
-@pytest.mark.parametrize(("tokens", "sms"), [(8, 0), (32, 16), (64, 44), (256, 44), (512, 0)])
-def test_a_big_gemm_leaves_a_third_past_32_tokens(tokens, sms, monkeypatch):
+@pytest.mark.parametrize(("tokens", "sms"), [(8, 0), (32, 16), (64, 44), (128, 44), (129, 16), (256, 16), (512, 0)])
+def test_a_big_gemm_leaves_a_third_at_33_to_128_tokens_else_an_eighth(tokens, sms, monkeypatch):
     monkeypatch.setattr(side_stream_module, "num_sms", lambda index: 132)
     gate_up, o = 4096 * 2 * 14336, 4096 * 4096  # Llama-3.1-8B
     assert lora_sms_beside(tokens, torch.device("cuda:0"), gate_up) == sms

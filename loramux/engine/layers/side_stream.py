@@ -96,22 +96,26 @@ def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0
     and the GEMM lost more than the delta gained), and none past 256 tokens, where the GEMM is
     compute-bound and every multiprocessor counts. Between them a GEMM reads its weights at near
     full bandwidth on a fraction of the SMs, and the delta's many short programs want the rest:
-    at 9-32 tokens a big GEMM (`BIG_GEMM_WEIGHTS`) leaves an eighth and a small one a third, at
-    33-256 tokens a third and two thirds. Measured on an H100 (8B, decode replays, us;
-    docs/benchmarks/engine-h100.md, thirteenth session), against an eighth and a third at 33-256
-    tokens: batch 64, one adapter on all seven projections 7,666 -> 7,663, 32 adapters 8,882 ->
-    8,624, q/v adapters 7,456 -> 7,348 (one) and 7,950 -> 7,830 (32), a 47-adapter fleet 8,388 ->
-    8,333 (base 7,186-7,205); batch 128, 32 adapters 11,237 -> 10,069. Against an eighth for
-    every GEMM at 9-32 tokens: batch 32, one adapter 7,489 -> 7,299, 32 adapters 8,880 -> 8,826,
-    the fleet 7,743 -> 7,450; batch 16, 7,173 -> 7,065, 8,103 -> 8,043, 7,236 -> 7,126.
+    a big GEMM (`BIG_GEMM_WEIGHTS`) leaves an eighth and a small one a third at 9-32 and at
+    129-256 tokens, a third and two thirds at 33-128 tokens. Measured on an H100 (8B, decode
+    replays, us; docs/benchmarks/engine-h100.md), against an eighth and a third at 33-128 tokens
+    (thirteenth session): batch 64, one adapter on all seven projections 7,666 -> 7,663, 32
+    adapters 8,882 -> 8,624, q/v adapters 7,456 -> 7,348 (one) and 7,950 -> 7,830 (32), a
+    47-adapter fleet 8,388 -> 8,333 (base 7,186-7,205); batch 128, 32 adapters 11,237 -> 10,069.
+    Against an eighth for every GEMM at 9-32 tokens: batch 32, one adapter 7,489 -> 7,299, 32
+    adapters 8,880 -> 8,826, the fleet 7,743 -> 7,450; batch 16, 7,173 -> 7,065, 8,103 -> 8,043,
+    7,236 -> 7,126. At 256 tokens the GEMMs are near compute-bound, and a third of the SMs ran
+    qkv at half speed (eighteenth session; base 10,317-10,388): one adapter 13,338 with a third
+    and two thirds, 11,086 with an eighth and a third, 12,079 with none left; 32 adapters 13,761,
+    12,387, 12,974.
     """
     if device.type != "cuda" or num_tokens <= 8 or num_tokens > 256:
         return 0
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     big = is_big_gemm(gemm_weights)
-    if num_tokens <= 32:
-        return sms // 8 if big else sms // 3
-    return sms // 3 if big else sms * 2 // 3
+    if 32 < num_tokens <= 128:
+        return sms // 3 if big else sms * 2 // 3
+    return sms // 8 if big else sms // 3
 
 
 @contextmanager
