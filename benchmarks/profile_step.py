@@ -237,6 +237,10 @@ def main() -> None:
             if len(running) == size and all(seq.num_computed >= 128 for seq in running):
                 break
             engine.step()
+        else:  # a profile of a smaller batch than its label says would mislead
+            raise SystemExit(f"batch {size}, {label}: {len(engine.scheduler.running)} of {size} requests decode at "
+                             "once (the KV cache or the GPU adapter slots are short); profile fewer sizes, "
+                             "adapters or fleets in one run")
         wall_ms = {}  # the host's and the GPU's step, unprofiled: the synchronous loop, then async
         for overlapped in (False, True):
             engine.async_scheduling = overlapped
