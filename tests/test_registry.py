@@ -109,6 +109,9 @@ def test_get_resident_answers_from_the_cpu_tier_only_and_never_reads(root, adapt
     assert registry.get_resident(LoRARequest("alpha", 3, str(adapters["r4"]))) is None  # another path
     registry.get("beta")  # a tier of one: alpha is evicted
     assert registry.get_resident(LoRARequest("alpha", 3)) is None and resolver.calls == ["alpha", "beta"]
+    mine = registry.get(LoRARequest("mine", 7, str(adapters["r8"])))  # registered by path
+    assert registry.get_resident(LoRARequest("mine", 7, str(adapters["r8"]))) is mine
+    assert registry.get_resident(LoRARequest("mine", 7, f"{adapters['r8']}/../{adapters['r8'].name}/")) is mine
 
 
 def test_get_from_the_plugins_resolvers(root, monkeypatch):

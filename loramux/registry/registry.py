@@ -263,14 +263,15 @@ class Registry:
 
         :param pin: also pin it, atomically (release with ``registry.cache.unpin(adapter.handle.id)``).
         """
-        path = normalize_location(request.lora_path) if request.lora_path else None
         with self._lock:
             binding = self._bindings.get(request.lora_name)
             if binding is None or binding.handle is None:
                 return None
-            if path is not None and (binding.source is None or binding.source.location != path):
-                return None
+            location = binding.source.location if binding.source is not None else None
             handle = binding.handle
+        # the path as registered (normalized) needs no resolving: half of a burst's add_request time
+        if request.lora_path and request.lora_path != location and normalize_location(request.lora_path) != location:
+            return None
         if self.cache.peek(handle.id) is None:
             return None
         adapter = self.cache.get(handle.id, pin=pin)  # None only if evicted since the peek
