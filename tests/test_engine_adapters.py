@@ -48,6 +48,16 @@ class Recorder:
         return [(n, e) for n, e in self.events if e.kind == kind]
 
 
+def errors_at_the_end(eng: LLMEngine) -> dict[str, BaseException | None]:
+    """Step until every request finished; each one's error (None for a success)."""
+    errors = {}
+    for _ in range(200):
+        errors.update({out.request_id: out.error for out in eng.step() if out.finished})
+        if not eng.has_unfinished_requests():
+            return errors
+    raise AssertionError("the engine never finished its requests")
+
+
 def test_reload_while_requests_run_old_ones_finish_on_old_weights_new_ones_get_new(make_adapter, monkeypatch):
     old_path, new_path = make_adapter("live-v1", seed=41), make_adapter("live-v2", seed=42)
     eng = engine()
@@ -209,11 +219,7 @@ def test_a_request_naming_another_path_for_a_resident_name_is_refused_and_the_re
     rec.until(lambda: not eng.has_unfinished_requests())
     eng.add_request("v2", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("moved", 1, str(v2)))
     eng.add_request("v1-again", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("moved", 1, str(v1)))
-    errors = {}
-    for _ in range(200):
-        errors.update({out.request_id: out.error for out in eng.step() if out.finished})
-        if not eng.has_unfinished_requests():
-            break
+    errors = errors_at_the_end(eng)
     assert isinstance(errors["v2"], IncompatibleAdapterError) and "already registered" in str(errors["v2"])
     assert errors["v1-again"] is None
     assert rec.finished["v1"][1] == peft_greedy(v1, PROMPT, 10)
@@ -236,11 +242,7 @@ def test_a_check_that_fails_in_the_submitting_thread_fails_only_its_request(engi
     monkeypatch.setattr(eng.lora_manager, "validate", refuse)
     eng.add_request("refused", {"prompt_token_ids": PROMPT}, GREEDY, request)
     eng.add_request("base", {"prompt_token_ids": PROMPT}, GREEDY)
-    errors = {}
-    for _ in range(200):
-        errors.update({out.request_id: out.error for out in eng.step() if out.finished})
-        if not eng.has_unfinished_requests():
-            break
+    errors = errors_at_the_end(eng)
     assert isinstance(errors["refused"], LoRAError) and "slots changed shape" in str(errors["refused"])
     assert "'attn'" in str(errors["refused"]) and errors["base"] is None
     assert eng.registry.cache.num_pinned() == 0
