@@ -10,7 +10,7 @@ thread, and its load settles there at once (a burst of requests over a hundred r
 adapters would otherwise start a hundred threads, each waiting for the GIL).
 
 A load is keyed by the request's own words (name, id, path): before it finishes there is no
-handle to key it by. The moment it settles, in its worker thread, ``on_settled`` hears of it,
+handle to key it by. The moment it settles, in whichever thread, ``on_settled`` hears of it,
 so the engine can say "adapter ready" or "adapter failed" without waiting for a step.
 """
 
@@ -67,9 +67,10 @@ class AdapterLoader:
         memory already, pinned and checked as ``load`` would; never blocks on I/O (runs in the
         submitting thread). None: ``load`` runs in a worker.
     :param max_workers: loads of different adapters that may run at once.
-    :param on_settled: ``on_settled(waiters, adapter, error, seconds)``, called in the worker
-        thread as a load ends (and in the step loop for a request that joins a load already
-        ended); must be quick and thread-safe.
+    :param on_settled: ``on_settled(waiters, adapter, error, seconds)``, called in the thread
+        that settles a load as it ends (its worker, or the submitting thread for an adapter in
+        memory; and in the step loop for a request that joins a load already ended); must be
+        quick and thread-safe.
     """
 
     def __init__(self, load: Callable[[LoRARequest], LoRAAdapter], *, max_workers: int = 4,
