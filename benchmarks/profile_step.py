@@ -109,7 +109,7 @@ def ttft_profile(model, args) -> None:
     adapters = [random_adapter(model.config, name, 16, ALL_SEVEN, i, device, dtype)
                 for i, name in enumerate("ab")]
     engine = LLMEngine(model, enable_lora=True, max_loras=1, max_cpu_loras=4, max_lora_rank=16,
-                       max_num_seqs=max(map(int, args.batch.split(","))), max_model_len=1100,
+                       max_num_seqs=max(args.batch), max_model_len=1100,
                        max_num_batched_tokens=8192)
     for adapter in adapters:
         engine.registry.bind(adapter)
@@ -170,7 +170,8 @@ def slot_write_profile(engine, model, sync) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="llama-3.1-8b")
-    parser.add_argument("--batch", default="64", help="decode batch sizes, e.g. 16,64,256 (one engine for all)")
+    parser.add_argument("--batch", default="64", type=lambda text: [int(b) for b in text.split(",")],
+                        help="decode batch sizes, e.g. 16,64,256 (one engine for all)")
     parser.add_argument("--out", type=Path, default=Path("profile.txt"))
     parser.add_argument("--ttft", action="store_true", help="only: one 128-token request's time to first token")
     parser.add_argument("--adapters", default="1",
@@ -197,7 +198,7 @@ def main() -> None:
     targets = QV if args.qv else ALL_SEVEN
     adapters = [random_adapter(model.config, f"a{i}", 16, targets, 1 + i, "cuda", torch.bfloat16)
                 for i in range(max(counts, default=0))]
-    sizes = [int(b) for b in args.batch.split(",")]
+    sizes = args.batch
     batches = []  # (batch size, label, each request's adapter)
     for size in sizes:
         batches.append((size, "base", [None] * size))
