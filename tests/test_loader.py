@@ -271,6 +271,24 @@ def test_skipped_tensors_do_not_keep_the_read_buffer_alive(tmp_path):
     assert sum(held.values()) <= 1.25 * adapter.nbytes + 4096 < file_bytes
 
 
+def test_a_non_finite_tensor_loramux_skips_does_not_refuse_the_adapter(tmp_path):
+    # PEFT saves the base embedding beside an embedding LoRA; loramux never applies it, so its values
+    # cannot refuse the adapter, while a NaN in the LoRA weights beside it still does
+    peft_model, expected = peft_modules(tiny_llama(), r=2, target_modules=["embed_tokens", "q_proj"])
+    peft_model.save_pretrained(tmp_path / "broken")
+    weights_file = tmp_path / "broken" / "adapter_model.safetensors"
+    tensors = load_file(weights_file)
+    base_key = next(k for k in tensors if k.endswith("base_layer.weight"))
+    tensors[base_key][3, 1] = float("inf")
+    save_file(tensors, weights_file)
+    adapter = load_adapter(tmp_path / "broken")
+    assert set(adapter.modules) == set(expected)
+    lora_key = next(k for k in tensors if "lora_embedding_A" in k)
+    tensors[lora_key][0, 0] = float("nan")
+    save_file(tensors, weights_file)
+    assert_refused(tmp_path / "broken", InvalidAdapterError, "embed_tokens", "NaN or infinity")
+
+
 def test_adapters_of_one_layout_share_its_parsed_header_but_each_keeps_its_own_config(make_adapter):
     from functools import partial
 
