@@ -183,6 +183,8 @@ def main() -> None:
     parser.add_argument("--decode-only", action="store_true", help="skip the prefill profiles")
     parser.add_argument("--qv", action="store_true",
                         help="--adapters' adapters target q and v only (default: all seven)")
+    parser.add_argument("--qv-adapters", default="",
+                        help="also profile batches of this many q/v adapters (rank 16), e.g. 1,32, beside --adapters'")
     parser.add_argument("--sampled", action="store_true",
                         help="decode with temperature 0.8, top-p 0.9 and 5 logprobs a token (default: greedy)")
     parser.add_argument("--json", type=Path, default=None, help="also write the timelines as JSON")
@@ -193,17 +195,21 @@ def main() -> None:
                            device="cuda" if cuda else "cpu", load_format="dummy" if cuda else "auto")[0]
         return ttft_profile(model, args)
     counts = [int(n) for n in args.adapters.split(",") if n]
+    qv_counts = [int(n) for n in args.qv_adapters.split(",") if n]
     model = load_model(args.model, dtype="bfloat16", device="cuda", load_format="dummy")[0]
     vocab = model.config.vocab_size
     targets = QV if args.qv else ALL_SEVEN
     adapters = [random_adapter(model.config, f"a{i}", 16, targets, 1 + i, "cuda", torch.bfloat16)
                 for i in range(max(counts, default=0))]
+    adapters += [random_adapter(model.config, f"qv{i}", 16, QV, 500 + i, "cuda", torch.bfloat16)
+                 for i in range(max(qv_counts, default=0))]
     sizes = args.batch
     batches = []  # (batch size, label, each request's adapter)
     for size in sizes:
         batches.append((size, "base", [None] * size))
-        batches += [(size, f"{n} adapter{'s' * (n > 1)}", [LoRARequest(f"a{i % n}", 1 + i % n) for i in range(size)])
-                    for n in counts]
+        for prefix, label, numbers, first_id in (("a", "", counts, 1), ("qv", " q/v", qv_counts, 500)):
+            batches += [(size, f"{n}{label} adapter{'s' * (n > 1)}",
+                         [LoRARequest(f"{prefix}{i % n}", first_id + i % n) for i in range(size)]) for n in numbers]
         for fleet in (f for f in args.fleet.split(",") if f):
             n, _, seed = fleet.partition("/")  # N, or N/seed: another batch over the same N adapters
             trace = make_trace(int(n), size, rate=math.inf, prompt_len=1, vocab_size=vocab,

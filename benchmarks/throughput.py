@@ -118,7 +118,9 @@ def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
     others = [(seqs, n, round(1e3 * t, 2)) for seqs, n, t, _ in timer.records if not (seqs == n == len(prompts))]
     return {"requests": len(prompts), "generated_tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
             "decode_step_ms": median[0] and 1e3 * median[0], "decode_kv_tokens": median[1], "decode_steps_timed": len(full),
-            "other_steps_ms": sum(ms for *_, ms in others), "other_steps": others[:16]}
+            "decode_steps_ms": 1e3 * sum(t for t, _ in full), "other_steps_ms": sum(ms for *_, ms in others),
+            # the wall time no step's period covers: the first step's host work before its launch, the last outputs
+            "outside_steps_ms": 1e3 * (elapsed - sum(t for _, _, t, _ in timer.records)), "other_steps": others[:16]}
 
 
 def time_to_first_token(engine: LLMEngine, prompt, lora) -> float:
@@ -245,6 +247,12 @@ def lora_runs(args, model, prompts, rank: int, record, result) -> None:
     close(engine)
 
 
+#: What a round keeps of each run: the wall time split into its full-batch decode steps, the other
+#: steps (the prefill) and the time outside every step, so a round's tokens/s ratio can be traced
+#: to the part of the run that moved.
+ROUND_KEYS = ("decode_step_ms", "tokens_per_s", "decode_steps_ms", "other_steps_ms", "outside_steps_ms")
+
+
 def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
     """Base and adapter workloads in turn on one LoRA engine, ``--repeats`` rounds: each adapter
     workload's decode step and tokens/s over the base run of its own round, and the median over
@@ -264,13 +272,13 @@ def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
         for suffix, overlapped in modes.items():
             engine.async_scheduling = overlapped
             base = run_workload(engine, prompts, [None] * len(prompts), args.output_len)
-            row["base" + suffix] = {"decode_step_ms": base["decode_step_ms"], "tokens_per_s": base["tokens_per_s"]}
+            row["base" + suffix] = {key: base[key] for key in ROUND_KEYS}
             for label, loras in workloads.items():
                 warm_up(engine, loras, vocab)  # into GPU slots before the clock starts
                 run = run_workload(engine, prompts, loras, args.output_len)
-                row[label + suffix] = {"decode_step_ms": run["decode_step_ms"], "tokens_per_s": run["tokens_per_s"],
-                                       "step_vs_base": run["decode_step_ms"] / base["decode_step_ms"],
-                                       "tokens_vs_base": run["tokens_per_s"] / base["tokens_per_s"]}
+                row[label + suffix] = {key: run[key] for key in ROUND_KEYS} | {
+                    "step_vs_base": run["decode_step_ms"] / base["decode_step_ms"],
+                    "tokens_vs_base": run["tokens_per_s"] / base["tokens_per_s"]}
         engine.async_scheduling = configured
         rounds.append(row)
         print("  round:", {k: round(v.get("step_vs_base", v["decode_step_ms"]), 3) for k, v in row.items()}, flush=True)

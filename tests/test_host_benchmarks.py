@@ -145,7 +145,7 @@ def test_throughputs_rounds_keep_the_engines_scheduling_mode(compare_sync, monke
 
     def run_workload(engine, prompts, loras, output_len):
         modes.append(engine.async_scheduling)
-        return {"decode_step_ms": 1.0, "tokens_per_s": 1.0}
+        return dict.fromkeys(throughput.ROUND_KEYS, 1.0)
 
     monkeypatch.setattr(throughput, "run_workload", run_workload)
     monkeypatch.setattr(throughput, "warm_up", lambda engine, loras, vocab: None)
