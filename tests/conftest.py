@@ -150,6 +150,27 @@ def peft_greedy(adapter_path, prompt_ids: list[int], max_new_tokens: int, *, mod
     return out[0, len(prompt_ids) :].tolist()
 
 
+@pytest.fixture
+def gemm_onto_delta_calls(monkeypatch) -> list[int]:
+    """The token count of every forward that ran a projection's base GEMM onto its stored delta
+    (`BaseLayerWithLoRA._delta_then_gemm`), for the test's duration."""
+    from loramux.engine.layers import BaseLayerWithLoRA
+
+    calls: list[int] = []
+    run = BaseLayerWithLoRA._delta_then_gemm
+    monkeypatch.setattr(BaseLayerWithLoRA, "_delta_then_gemm",
+                        lambda layer, x, meta: calls.append(meta.num_tokens) or run(layer, x, meta))
+    return calls
+
+
+def assert_greedy_matches_peft(adapter_path, prompt_ids: list[int], token_ids: list[int], label: str = "") -> None:
+    """``token_ids`` (a request that ignores end-of-sequence) are `peft_greedy`'s tokens, up to and
+    including its end-of-sequence token where transformers stopped there."""
+    reference = peft_greedy(adapter_path, prompt_ids, len(token_ids))
+    assert len(reference) == len(token_ids) or reference[-1] == 2, reference
+    assert list(token_ids[: len(reference)]) == reference, label
+
+
 def char_tokenizer():
     """A character-level tokenizer whose 128 tokens match the tiny Llama's vocabulary, so every
     generated id decodes to a character (bos 1, eos 2, a chat template)."""

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import peft_greedy, tiny_llama
+from conftest import assert_greedy_matches_peft, peft_greedy, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm import LLM
@@ -57,6 +57,22 @@ def test_mixed_batch_matches_peft_greedy(engine_adapters):
         assert out.error is None and completion.finish_reason == "length"
         path = None if name is None else engine_adapters[name]
         assert completion.token_ids == peft_greedy(path, prompt, 10), f"adapter {name}, prompt of {len(prompt)}"
+
+
+@pytest.mark.parametrize("names", [[None, "attn", "all", "mlp"], ["all", "all", "all"]], ids=["mixed", "one adapter"])
+def test_a_long_prefill_with_adapters_matches_peft_greedy(names, engine_adapters, gemm_onto_delta_calls):
+    """A step of more than 256 tokens runs each projection's base GEMM onto its stored delta
+    (`BaseLayerWithLoRA._delta_then_gemm`): with base rows and an adapter that leaves a layer
+    alone (the buffer zeroed first), and with every row written (not zeroed)."""
+    ids = {"attn": 1, "all": 2, "mlp": 3}
+    requests = [None if n is None else LoRARequest(n, ids[n], str(engine_adapters[n])) for n in names]
+    batch = prompts(*[100] * len(names))
+    llm = LLM(tiny_llama(), max_loras=3, max_lora_rank=8, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=512)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, lora_request=requests, use_tqdm=False)
+    assert gemm_onto_delta_calls, "no step ran the GEMM onto its delta"
+    for name, prompt, out in zip(names, batch, outputs):
+        path = None if name is None else engine_adapters[name]
+        assert_greedy_matches_peft(path, prompt, out.outputs[0].token_ids, name)
 
 
 def test_requests_join_while_others_decode(engine_adapters):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import peft_greedy, tiny_llama
+from conftest import assert_greedy_matches_peft, peft_greedy, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.cuda_graphs import LORA, LORA_SMALL_GEMMS
@@ -40,6 +40,24 @@ def test_mixed_batch_on_cuda_matches_the_cpu_oracle(engine_adapters):
     for name, prompt, out in zip(names, batch, outputs):
         path = None if name is None else engine_adapters[name]
         assert out.outputs[0].token_ids == peft_greedy(path, prompt, 10), name
+
+
+@pytest.mark.parametrize("names", [[None, "attn", "all", "mlp"], ["all", "all", "all"]], ids=["mixed", "one adapter"])
+def test_a_long_eager_prefill_with_adapters_matches_the_cpu_oracle(names, engine_adapters, gemm_onto_delta_calls):
+    """Eager steps of more than 256 tokens run each projection's base GEMM onto the delta the Triton
+    expand stored (`BaseLayerWithLoRA._delta_then_gemm`), zeroed first or not."""
+    ids = {"attn": 1, "all": 2, "mlp": 3}
+    requests = [None if n is None else LoRARequest(n, ids[n], str(engine_adapters[n])) for n in names]
+    generator = torch.Generator().manual_seed(1)
+    batch = [torch.randint(3, 128, (100,), generator=generator).tolist() for _ in names]
+    llm = LLM(tiny_llama().cuda(), max_loras=3, max_lora_rank=8, max_num_seqs=4, max_model_len=128,
+              max_num_batched_tokens=512, enforce_eager=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0, max_tokens=10,
+                           ignore_eos=True), lora_request=requests, use_tqdm=False)
+    assert gemm_onto_delta_calls, "no step ran the GEMM onto its delta"
+    for name, prompt, out in zip(names, batch, outputs):
+        path = None if name is None else engine_adapters[name]
+        assert_greedy_matches_peft(path, prompt, out.outputs[0].token_ids, name)
 
 
 def test_seeded_sampling_on_cuda_is_reproducible():

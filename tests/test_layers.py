@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import save_peft_adapter, tiny_model
+from conftest import INTERPRET, save_peft_adapter, tiny_model
 from torch import nn
 
 from loramux.engine.layers import (
@@ -148,6 +148,55 @@ def test_matches_per_token_loop(layer, shape):
         got = layer(x)
     torch.testing.assert_close(got, expected_output(layer, x, token_slots, weights, multiplier), rtol=1e-5, atol=1e-5)
     assert layer.lora_ranks.tolist() == [8, 0, 3]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("mapping", ["one adapter", "with base rows", "with an adapter off this layer"])
+def test_a_prefill_adds_its_gemm_onto_the_stored_delta(kernels, mapping, monkeypatch):
+    """Past `DECODE_MAX_TOKENS` tokens a bias-free projection stores its delta first and adds the
+    base GEMM onto it (`_delta_then_gemm`): the per-token loop's output for a fused layer whose
+    adapters target some of its slices (q/v of q/k/v), rows of base tokens and of an adapter that
+    does not touch the layer exactly the base layer's; a shorter step adds the delta after."""
+    from loramux.kernels.tiles import DECODE_MAX_TOKENS
+
+    if kernels == "triton" and not INTERPRET:
+        pytest.skip("the CPU run of the Triton kernels needs the interpreter")
+    monkeypatch.setenv("LORAMUX_KERNELS", kernels)
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12, bias=False)
+    base.loramux_slices = (("q_proj", 6), ("k_proj", 4), ("v_proj", 2))
+    layer = create_lora_layer(base, "self_attn.qkv_proj", CONFIG)
+    layer.lora_context = LoRAContext(CONFIG.max_loras)
+    qv, full = random_weights(layer, 8, seed=1), random_weights(layer, 3, seed=2)
+    qv[1] = None  # k untargeted: its scale is 0, and its delta columns must come out zero
+    layer.set_lora(0, qv)
+    layer.set_lora(2, full)  # slot 1 holds nothing here: an adapter that leaves the layer alone
+    T = DECODE_MAX_TOKENS + 44
+    slots = {"one adapter": torch.zeros(T, dtype=torch.int64),
+             "with base rows": torch.tensor([0, -1, 2, 0]).repeat(T // 4),
+             "with an adapter off this layer": torch.tensor([0, 1, 2, 2]).repeat(T // 4)}[mapping]
+    x = torch.randn(T, 16, generator=torch.Generator().manual_seed(3))
+    expected = base(x).detach().clone()
+    for t, slot in enumerate(slots.tolist()):
+        pieces = {0: qv, 2: full}.get(slot)
+        if pieces:
+            expected[t] += torch.cat([w.lora_b @ (w.lora_a @ x[t]) * w.scaling if w else torch.zeros(4)
+                                      for w in pieces])
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):  # new buffers hold NaN: whatever the layer never writes shows
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    for tokens in (T, DECODE_MAX_TOKENS):  # through the GEMM onto the delta, then in line
+        layer.lora_context.set(slots[:tokens])
+        assert layer._gemm_onto_delta(x[:tokens], layer.lora_context.meta) is (tokens == T)
+        with torch.no_grad():
+            got = layer(x[:tokens])
+        torch.testing.assert_close(got, expected[:tokens], rtol=1e-5, atol=1e-5)
+        untouched = (slots[:tokens] == -1) | (slots[:tokens] == 1)
+        assert torch.equal(got[untouched], base(x[:tokens][untouched])), "a row without an adapter here changed"
 
 
 def test_without_mapping_is_exactly_the_base_layer(layer):

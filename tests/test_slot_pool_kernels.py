@@ -175,6 +175,16 @@ def run_untargeted_slices(dtype: torch.dtype, device: str, *, static: bool, seed
     reference.lora_expand_ref(y64, buf_ref, B0.double(), sizes, meta64, ranks)
     assert rel_err(y[active].double() - y0[active].double(), y64[active] - y0[active].double()) < TOL[dtype]
 
+    # store (a delta buffer of its own, never read): a written row is whole, zeros in the untargeted slices
+    delta = torch.full_like(y0, float("nan")).to(device)
+    lora_expand(delta, buf.to(device), pool_b, sizes, meta, ranks_d, pool_starts=starts, scales=scales_d, store=True)
+    delta = delta.cpu()
+    written = active & (ranks[slot_of] > 0)
+    assert (kept & written[:, None]).any() and torch.isfinite(delta[written]).all()
+    assert not delta[kept & written[:, None]].any(), "an untargeted slice's delta columns are not zero"
+    assert torch.isnan(delta[~written]).all(), "a row without an adapter here was written"
+    assert rel_err(delta[written].double(), y64[written] - y0[written].double()) < TOL[dtype]
+
 
 @pytest.mark.parametrize("static", [False, True], ids=["exact", "static"])
 @pytest.mark.parametrize("kernels", ["reference", "triton"])

@@ -109,11 +109,12 @@ def lora_expand(
     its rank rounded up to `POOL_ROW_ALIGN` (`pool_rows`), the columns past the rank zero.
     sms: as for lora_shrink.
     store: ``=`` instead of ``+=``: the rows of tokens whose slot has a rank on this module are
-    overwritten with their delta (rounded once to y's dtype) and never read, the others left as
-    they are: for a delta buffer of its own, zeroed first, which saves reading it.
+    overwritten with their delta (rounded once to y's dtype; zeros in the slices ``scales`` turns
+    off) and never read, the others left as they are: for a delta buffer of its own, which saves
+    reading it (zeroed first where some rows are not written).
     scales: lora_shrink's scales [S, n_slices]: a slot's slices whose scale is 0 (slices its
     adapter does not target, whose buf columns lora_shrink left zero) are skipped, their B never
-    read and y's columns left exactly as they are.
+    read and y's columns left exactly as they are (``store``: set to zero).
     """
     if _use_triton(y):
         from .expand import lora_expand_triton

@@ -43,7 +43,7 @@ def _expand_kernel(
     EXIT_PAST_TILES: tl.constexpr, STORE: tl.constexpr,
 ):
     # STORE: y's rows of tokens with an adapter touching the module are overwritten with the delta
-    # (y is a delta buffer of its own, zeroed before), never read
+    # (zeros in the slices it does not target) and never read: y is a delta buffer of its own
     # USE_PDL (launched with programmatic dependent launch): the program may start while the
     # kernels just before it (the base GEMM, the shrink) still run. Until `gdc_wait` it reads only
     # what was written before those kernels started (the step's meta, the slice table, the slot
@@ -90,10 +90,12 @@ def _expand_kernel(
     if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
         off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
     n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
+    slice_off = False
     if HAS_SCALES:
         # a slice the slot's adapter does not target (scale 0; the shrink left its buf columns
-        # zero): its B (zeros) is not read and y stays as it was
-        if tl.sum(tl.where(sel, slice_on, False).to(tl.int32), 0) == 0:
+        # zero): its B (zeros) is not read, and y stays as it was (STORE: takes zeros)
+        slice_off = tl.sum(tl.where(sel, slice_on, False).to(tl.int32), 0) == 0
+        if not STORE and slice_off:
             if USE_PDL:
                 tl.extra.cuda.gdc_wait()
             return
@@ -103,6 +105,16 @@ def _expand_kernel(
     tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
     if USE_PDL:  # buf (the shrink's) and y (the base GEMM's) are read only past this point
         tl.extra.cuda.gdc_wait()
+    if STORE and slice_off:  # the row of a delta buffer is whole: an untargeted slice's columns are zeros
+        n_end = tl.minimum(n_i, c0 + chunk)
+        n_loc = c0 + tl.arange(0, BLOCK_N)
+        y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
+        for j in range(0, n_blocks):
+            y_mask = m_mask[:, None] & (n_loc < n_end)[None, :]
+            tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=y_mask)
+            n_loc += BLOCK_N
+            y_ptrs += BLOCK_N * stride_yn
+        return
     offs_r = tl.arange(0, BLOCK_R)
     # buf: [T, n_slices*R] f32, slice i at columns i*R; loaded once, reused for every block
     hb = tl.load(buf_ptr + tok[:, None] * stride_bm + (i * R + offs_r)[None, :] * stride_bk,

@@ -122,7 +122,7 @@ def lora_expand_ref(
 ) -> None:
     """y[t, off_i:off_i+n_i] += buf[t, i*R:(i+1)*R] @ B[slot(t), off_i:off_i+n_i, :].T, in place
     (``store``: ``=``, on the rows of slots with a rank here; ``scales``: a slot's slices whose
-    scale is 0 are left as they are; see `loramux.kernels.lora_expand`).
+    scale is 0 are left as they are, or zero with ``store``; see `loramux.kernels.lora_expand`).
 
     y: [T, sum(slice_sizes)] (any strides); buf: [T, n_slices*R] float32; lora_b: [S, sum(n_i), R],
     or a pool [U, sum(n_i)] holding a [sum(n_i), width] block per slot from ``pool_starts``
@@ -158,7 +158,7 @@ def lora_expand_ref(
         )  # [n, N]
         old = y.index_select(0, rows)
         new = delta.to(y.dtype) if store else (old.to(acc) + delta.to(acc)).to(y.dtype)
-        if scales is not None:  # the slices the slot's adapter does not target keep y's columns
+        if scales is not None:  # the slices the slot's adapter does not target: y's columns, or zeros
             off = torch.repeat_interleave(scales[slot] == 0, sizes)
-            new = torch.where(off, old, new)
+            new = torch.where(off, torch.zeros_like(old) if store else old, new)
         y.index_copy_(0, rows, new)
