@@ -143,10 +143,9 @@ class BaseLayerWithLoRA(nn.Module):
         self.layer_id = register_layer(self)  # how the lora ops find this layer
         self.delta_beside = self._delta_beside()
         #: whether the base layer is a plain ``nn.Linear`` without bias (``x @ W.T``, a tensor-parallel
-        #: shard too) that a pooled layer with the standard kernels may run as a GEMM onto its delta
+        #: shard too) that a layer with the standard kernels may run as a GEMM onto its delta
         #: (`_gemm_onto_delta`)
-        self.plain_linear = (self.pooled and type(self).apply_lora is BaseLayerWithLoRA.apply_lora
-                             and type(base_layer) is nn.Linear and base_layer.bias is None)
+        self.plain_linear = self._standard_kernels() and type(base_layer) is nn.Linear and base_layer.bias is None
         # a pooled layer whose GEMM is big: a step graph for adapters that leave every such layer
         # alone runs its base GEMM only (`LoRAContext.skip_big`; the model manager knows, per slot,
         # from the adapter's pool footprint, which only pooled layers have)
@@ -184,12 +183,16 @@ class BaseLayerWithLoRA(nn.Module):
         self.delta_beside = self._delta_beside()
         return self
 
+    def _standard_kernels(self) -> bool:
+        """Whether this layer's delta is the standard shrink and expand over its pool (`_store_delta`):
+        a pooled layer that does not override ``apply_lora``."""
+        return self.pooled and type(self).apply_lora is BaseLayerWithLoRA.apply_lora
+
     def _delta_beside(self) -> bool:
         """Whether this layer computes its delta beside its base GEMM (`lora_delta_forward`): a
-        pooled layer running the standard shrink and expand, on a device where that pays
-        (`delta_beside_base`). A plain attribute, read by the traced ``forward``."""
-        standard = self.pooled and type(self).apply_lora is BaseLayerWithLoRA.apply_lora
-        return standard and delta_beside_base(self.lora_scales.device)
+        layer with the standard kernels, on a device where that pays (`delta_beside_base`). A plain
+        attribute, read by the traced ``forward``."""
+        return self._standard_kernels() and delta_beside_base(self.lora_scales.device)
 
     def _new_pool(self, units: int, dtype: torch.dtype, device: torch.device | None,
                   region: int | None = None) -> None:
@@ -526,10 +529,7 @@ class BaseLayerWithLoRA(nn.Module):
         delta = torch.empty(meta.num_tokens, self.out_features, dtype=self.lora_dtype, device=x.device)
         if meta.num_lora_tokens < meta.num_tokens or not all(self._host_ranks[s] for s in meta.active_slots_host):
             delta.zero_()  # the expand leaves rows of tokens without an adapter here as they are
-        buf = lora_shrink(x2d, self.lora_a_pool, self.lora_scales, meta, self.lora_ranks,
-                          pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank)
-        lora_expand(delta, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
-                    pool_starts=self.lora_pool_starts, store=True, scales=self.lora_scales)
+        self._store_delta(x2d, delta, meta)
         delta.addmm_(x2d, self.base_layer.weight.t())
         return delta.view(*self.rows_shape(x), self.out_features)
 
@@ -569,13 +569,21 @@ class BaseLayerWithLoRA(nn.Module):
         with torch.cuda.stream(side) if streams is not None else nullcontext():
             # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only
             delta.zero_()  # rows of tokens without an adapter here stay zero
-            lora_shrink(self._lora_input(x), self.lora_a_pool, self.lora_scales, meta, self.lora_ranks, out=buf,
-                        pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank, sms=sms)
-            lora_expand(delta, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
-                        pool_starts=self.lora_pool_starts, sms=sms, store=True, scales=self.lora_scales)
+            self._store_delta(self._lora_input(x), delta, meta, buf=buf, sms=sms)
         if streams is not None:
             main.wait_stream(side)  # the join: delta is written, and x's memory is not reused before it is read
         return output, delta.view(output.shape)
+
+    def _store_delta(self, x2d: torch.Tensor, delta: torch.Tensor, meta: LoRABatchMeta, *,
+                     buf: torch.Tensor | None = None, sms: int | None = None) -> None:
+        """``delta [T, N]`` = each token's delta, in the rows of tokens whose adapter touches this
+        layer (zeros in the slices it does not target; other rows left as they are): the shrink of
+        ``x2d`` (into ``buf`` when given), then the expand in its store mode; launches sized for
+        ``sms`` multiprocessors (None: all)."""
+        buf = lora_shrink(x2d, self.lora_a_pool, self.lora_scales, meta, self.lora_ranks, out=buf,
+                          pool_starts=self.lora_pool_starts, max_rank=self.max_lora_rank, sms=sms)
+        lora_expand(delta, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
+                    pool_starts=self.lora_pool_starts, sms=sms, store=True, scales=self.lora_scales)
 
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
         """``y [T, out] += delta``, in place, for activations ``x [..., in_features]``."""
