@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
-from loramux.engine.layers.slot_write import apply_slot_writes, zero_all
+from loramux.engine.layers.pool_writer import PoolWriter
+from loramux.engine.layers.slot_write import apply_slot_writes, launch_table, zero_all
 from loramux.engine.lora_patch import create_lora_layer, patch_model
 from loramux.engine.lora_validation import AdapterValidator
 from loramux.engine.slots import SlotTable
@@ -81,6 +82,9 @@ class LoRAModelManager:
             self.device = first.lora_scales.device
         else:
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        # slot writes into the pooled layers: one numpy computation of their table (CUDA: the
+        # CPU copies block by block)
+        self._pool_writer = PoolWriter(list(self.layers.values())) if self.device.type == "cuda" else None
         # prefetch copies run on a side stream (created here, at engine start, never while a
         # graph is captured); the compute stream waits on a copy's event when its slot is held
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -340,7 +344,17 @@ class LoRAModelManager:
         shards: list[dict[str, list[LoRAModuleWeights | None]]] = [{} for _ in range(size)]
         writes = []  # every layer's part, checked before anything is written, then run as one batch
         untouched = []  # the layers it has no weights for: their part of the slot is cleared
+        written: Collection[BaseLayerWithLoRA] = ()
+        # on CUDA without tensor parallelism, the pooled layers' parts in one numpy computation
+        pooled = self._pool_writer.table(slot, adapter) if self._pool_writer is not None and size == 1 else None
+        if pooled is not None:
+            table, untouched = pooled
+            if table is not None:
+                launch_table(table, self.device)
+            written = self._pool_writer.covered
         for name, layer in self.layers.items():
+            if layer in written:
+                continue
             weights = [adapter.modules.get(module) for module in layer.slice_names]
             if any(w is not None for w in weights):
                 if type(layer).set_lora is BaseLayerWithLoRA.set_lora:

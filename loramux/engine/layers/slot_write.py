@@ -38,11 +38,13 @@ import torch
 if TYPE_CHECKING:
     from loramux.engine.layers.base import BaseLayerWithLoRA
 
-__all__ = ["Block", "SlotWrite", "apply_slot_writes", "zero_all"]
+__all__ = ["Block", "SlotWrite", "Table", "apply_slot_writes", "launch_table", "table_of", "zero_all"]
 
 #: Stage the adapter's whole host buffer only when it is at most this much larger than the
 #: blocks the slot needs (a buffer with a saved base embedding beside the LoRA weights is not).
 MAX_STAGED_OVERHEAD = 1.5
+#: `loramux.kernels.block_copy.TABLE_FIELDS` (not imported here: that module loads Triton).
+_FIELDS = 6
 
 
 class Block(NamedTuple):
@@ -105,57 +107,90 @@ def _run_as_table(writes: Sequence[SlotWrite], device: torch.device, stage: bool
     """Run ``writes`` as one `copy_blocks` table (see the module docstring); False, with nothing
     done, when the table cannot express them. ``stage=False`` reads the weights where they are
     (host memory: the CPU tests, under Triton's interpreter)."""
-    from loramux.kernels.block_copy import TABLE_FIELDS, copy_blocks
+    table = table_of(writes)
+    if table is None:
+        return False
+    launch_table(table, device, stage)
+    return True
 
+
+class Table(NamedTuple):
+    """A slot write as numbers, before staging: what `launch_table` runs."""
+
+    copies: np.ndarray  # int64 [n, 6]: `copy_blocks` rows of blocks to copy, src a host address in ``host``
+    zeros: np.ndarray  # int64 [m, 6]: rows of blocks to zero (src 0)
+    cells: np.ndarray  # int64 [k, 2]: (device address, count) of the 4-byte values staged after the table
+    values: np.ndarray  # int32 [sum of counts]: the cells' values in order (float32 scales as their bits)
+    host: torch.Tensor | None  # uint8 over the one host buffer every copy reads; None without copies
+
+
+def table_of(writes: Sequence[SlotWrite]) -> Table | None:
+    """``writes`` as a `Table`, or None when a table cannot express them (weights that do not
+    share one host buffer, a cast, a dtype of odd size)."""
     copies = [pair for write in writes for pair in write.copies]
     host = _shared_buffer([weights for _, weights in copies]) if copies else None
     if copies and host is None:
-        return False
-    rows: list[tuple[int, int, int, int, int, int]] = []
+        return None
     starts: dict[int, int] = {}  # storage start addresses by id(base): a layer's pools hold many blocks
-    for block, weights in copies:
-        base, dtype, strides = block.base, weights.dtype, weights.stride()
-        size = dtype.itemsize
-        if dtype != base.dtype or size % 2 or strides[-1] != 1 and block.cols != 1:
-            return False  # a cast, or a dtype of odd size
+
+    def address(block: Block) -> int:
+        base = block.base
         start = starts.get(id(base)) or starts.setdefault(id(base), _storage_start(base))
-        units = size // 2
-        rows.append((start + block.offset * size, weights.data_ptr(), block.rows, block.cols * units,
-                     block.stride * units, strides[0] * units))
+        return start + block.offset * base.dtype.itemsize
+
+    copy_rows, zero_rows = [], []
+    for block, weights in copies:
+        dtype, strides = weights.dtype, weights.stride()
+        if dtype != block.base.dtype or dtype.itemsize % 2 or strides[-1] != 1 and block.cols != 1:
+            return None  # a cast, or a dtype of odd size
+        units = dtype.itemsize // 2
+        copy_rows.append((address(block), weights.data_ptr(), block.rows, block.cols * units,
+                          block.stride * units, strides[0] * units))
     for write in writes:
         for block in write.zeros:
-            base = block.base
-            size = base.dtype.itemsize
+            size = block.base.dtype.itemsize
             if size % 2:
-                return False
-            start = starts.get(id(base)) or starts.setdefault(id(base), _storage_start(base))
-            rows.append((start + block.offset * size, 0, block.rows, block.cols * size // 2,
-                         block.stride * size // 2, 0))
-    # the scales (float32) and the ranks and pool starts (int32): 4 bytes, 2 units each
-    cells = [(w.scales_row, len(w.scales)) for w in writes] + [(w.rank_cell, 1) for w in writes]
-    cells += [(w.start_cell, 1) for w in writes if w.start_cell is not None]
-    table_bytes = 8 * TABLE_FIELDS * (len(rows) + len(cells))
+                return None
+            zero_rows.append((address(block), 0, block.rows, block.cols * size // 2, block.stride * size // 2, 0))
+    # the scales (float32) and the ranks and pool starts (int32)
+    cells = [(w.scales_row.data_ptr(), len(w.scales)) for w in writes] + [(w.rank_cell.data_ptr(), 1) for w in writes]
+    cells += [(w.start_cell.data_ptr(), 1) for w in writes if w.start_cell is not None]
     values = np.concatenate([np.array([s for w in writes for s in w.scales], dtype=np.float32).view(np.int32),
                              np.array([w.rank for w in writes] + [w.start for w in writes if w.start_cell is not None],
                                       dtype=np.int32)])
+    return Table(_rows(copy_rows), _rows(zero_rows), np.array(cells, dtype=np.int64).reshape(-1, 2), values, host)
+
+
+def _rows(rows: list[tuple[int, ...]]) -> np.ndarray:
+    return np.array(rows, dtype=np.int64).reshape(-1, _FIELDS)
+
+
+def launch_table(table: Table, device: torch.device, stage: bool = True) -> None:
+    """Run ``table`` on ``device``'s current stream: the host buffer in one asynchronous copy,
+    the table and the cells' values in one more (page-locked), one `copy_blocks` launch.
+    ``stage=False``: the copies read the host buffer where it is, and the table stays in host
+    memory (the CPU, under Triton's interpreter)."""
+    from loramux.kernels.block_copy import TABLE_FIELDS, copy_blocks
+
+    assert TABLE_FIELDS == _FIELDS
+    copies, zeros, cells, values = table.copies.copy(), table.zeros, table.cells, table.values
+    rows = len(copies) + len(zeros) + len(cells)
+    table_bytes = 8 * TABLE_FIELDS * rows
     staged = torch.empty(table_bytes + 4 * len(values), dtype=torch.uint8, pin_memory=stage)
-    table = torch.empty_like(staged, device=device) if stage else staged
-    at = table.data_ptr() + table_bytes
-    for cell, count in cells:
-        rows.append((cell.data_ptr(), at, 1, 2 * count, 0, 0))
-        at += 4 * count
-    numbers = np.array(rows, dtype=np.int64)
-    if copies and stage:
-        on_device = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        on_device.copy_(host, non_blocking=True)  # the one copy of the weights
-        numbers[: len(copies), 1] += on_device.data_ptr() - host.data_ptr()  # read from that copy
+    on_device = torch.empty_like(staged, device=device) if stage else staged
+    # each cell copies its values from the table's own tail, where they are staged
+    at = on_device.data_ptr() + table_bytes + 4 * (np.cumsum(cells[:, 1]) - cells[:, 1])
+    cell_rows = np.stack([cells[:, 0], at, np.ones_like(at), 2 * cells[:, 1], 0 * at, 0 * at], axis=1)
+    if len(copies) and stage:
+        weights = torch.empty(table.host.numel(), dtype=torch.uint8, device=device)
+        weights.copy_(table.host, non_blocking=True)  # the one copy of the weights
+        copies[:, 1] += weights.data_ptr() - table.host.data_ptr()  # read from that copy
     packed = staged.numpy()
-    packed[:table_bytes] = numbers.view(np.uint8).reshape(-1)
+    packed[:table_bytes] = np.concatenate([copies, zeros, cell_rows]).view(np.uint8).reshape(-1)
     packed[table_bytes:] = values.view(np.uint8)
     if stage:
-        table.copy_(staged, non_blocking=True)
-    copy_blocks(table[:table_bytes].view(torch.int64).view(-1, TABLE_FIELDS))
-    return True
+        on_device.copy_(staged, non_blocking=True)
+    copy_blocks(on_device[:table_bytes].view(torch.int64).view(-1, TABLE_FIELDS))
 
 
 def _storage_start(t: torch.Tensor) -> int:
