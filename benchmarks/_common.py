@@ -60,6 +60,17 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * src.nbytes / min(times)
 
 
+def save_report(out: Path, stem: str, report: dict, text: str) -> Path:
+    """Write ``report`` as ``out/<stem>.json`` and ``text`` (its markdown) beside it; print the
+    markdown; return the JSON's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}.json"
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    path.with_suffix(".md").write_text(text)
+    print(text)
+    return path
+
+
 def kernel_device_times(prof, steps: int) -> dict[str, tuple[float, int]]:
     """Device time per kernel name in a ``torch.profiler`` run of ``steps`` steps (graph replays
     included): {name (90 chars): (us per step, launches per step)}, largest first."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import json
 import pstats
 import random
 import statistics
@@ -35,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import device_name, random_adapter, sync  # noqa: E402
+from benchmarks._common import device_name, random_adapter, save_report, sync  # noqa: E402
 from benchmarks.adapter_trace import DEFAULT_MIX, TARGET_SETS  # noqa: E402
 
 # Llama-3.1-8B's layer count and head layout at widths where host work dominates
@@ -191,11 +190,7 @@ def main(argv=None) -> dict:
     for name, gpu_bytes in (layouts[key] for key in args.layouts):
         report["layouts"][name] = result = churn(fleet, args, gpu_bytes)
         print(f"{name}: {result['host_ms_p50']:.2f} ms host per placement (p50)", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"slot_churn_{args.tag}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    path.with_suffix(".md").write_text(markdown(report))
-    print(markdown(report))
+    save_report(args.out, f"slot_churn_{args.tag}", report, markdown(report))
     return report
 
 

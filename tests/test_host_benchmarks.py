@@ -1,7 +1,8 @@
 """The host-time benchmarks on the CPU: benchmarks/slot_churn.py times both GPU memory layouts under
 churn (every placement evicts) at Llama-3.1-8B's wrapped-layer count, JSON and markdown written;
 benchmarks/trace_host.py replays the many-adapters trace with the GPU's step as a sleep;
-benchmarks/throughput.py's interleaved rounds keep the engine's scheduling mode."""
+benchmarks/throughput.py's interleaved rounds keep the engine's scheduling mode; benchmarks/first_token.py
+splits each scenario's first token into its steps' parts."""
 
 from __future__ import annotations
 
@@ -173,3 +174,28 @@ def test_the_cold_reads_benchmark_reads_every_file_at_each_concurrency(tmp_path)
     assert list(tmp_path.iterdir()) == [out]  # the files went with their temp dir
     with pytest.raises(SystemExit):
         main(["--files", "0", "--dir", str(tmp_path)])
+
+
+def test_the_first_token_benchmark_splits_each_scenario_into_its_steps_parts(tmp_path, capsys):
+    """On the embedded model, every slot taken: only the adapter in host memory and the cold one
+    take a slot (an eviction and a slot write in their steps), only the cold one reads its files
+    (its steps wait in collect); JSON and markdown written."""
+    from benchmarks.first_token import SCENARIOS, main
+
+    path = main(["--slots", "3", "--repeats", "1", "--prompt-len", "16", "--out", str(tmp_path), "--tag", "t"])
+    report = json.loads(path.read_text())
+    assert list(report["runs"]) == list(SCENARIOS) and all(len(runs) == 1 for runs in report["runs"].values())
+
+    def spent(name, part):
+        return sum(step.get(part, 0.0) for step in report["runs"][name][0]["steps"])
+
+    for name in SCENARIOS:
+        assert report["ttft_ms_median"][name] > 0 and spent(name, "forward") > 0
+        placed = name in ("adapter in host memory", "cold adapter")
+        assert (spent(name, "lora.slot_write") > 0) == placed and (spent(name, "lora.make_room") > 0) == placed
+    assert spent("cold adapter", "collect") > spent("adapter in host memory", "collect")
+    text = (tmp_path / "first_token_t.md").read_text()
+    assert text.startswith("**CPU") and "| adapter in host memory |" in text and "lora.slot_write" in text
+    with pytest.raises(SystemExit):  # too few slots to keep the resident adapter resident
+        main(["--slots", "2"])
+    assert "--slots 2: must be >= 3" in capsys.readouterr().err

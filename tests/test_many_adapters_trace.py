@@ -253,6 +253,12 @@ def test_the_targets_are_judged_on_the_smallest_and_largest_n():
     assert split["cold_ttft_bound"]["per_n"][1000]["after_load_p50_ms"] == 94.0
     assert [split["cold_ttft_bound"]["per_n"][1000][key] for key in ("handed_over_p50_ms", "load_run_p50_ms",
                                                                       "registry_p50_ms")] == [1.0, 5.0, 4.0]
+    # a cold adapter measured alone is judged beside the traces (its own bound, from its own warm TTFT)
+    alone = {"cold_p50_ms": 20.0, "warm_p50_ms": 9.0, "bound_ms": 19.0, "passed": False, "each": [{}]}
+    judged = check_targets([_result(4, 1000.0, 200.0), _result(1000, 960.0, 390.0, cold=101.0)], 1e9, cold_alone=alone)
+    assert judged["cold_ttft_bound_alone"] == {key: alone[key] for key in ("cold_p50_ms", "warm_p50_ms", "bound_ms",
+                                                                            "passed")}
+    assert judged["cold_ttft_bound"]["passed"] and "cold_ttft_bound_alone" not in met
     missed = check_targets([_result(4, 1000.0, 200.0), _result(1000, 940.0, 410.0, cold=102.0, failed=1)], 1e9)
     assert not any(check["passed"] for check in missed.values())
     # throughput is judged at saturation where it was measured (Poisson arrivals only show the rate),
@@ -340,6 +346,7 @@ def test_the_markdown_report_names_the_device_and_every_n():
         (["--max-loras", "0"], "--max-loras 0: must be >= 1"),
         (["--saturated-requests", "-1"], "--saturated-requests -1: must be >= 0"),
         (["--saturated-repeats", "0"], "--saturated-repeats 0: must be >= 1"),
+        (["--cold-alone", "-1"], "--cold-alone -1: must be >= 0 \\(0 skips the probe\\)"),
         (["--dtype", "bfloat17"], "--dtype 'bfloat17': give a torch dtype name"),
     ],
 )
@@ -377,7 +384,16 @@ def test_the_benchmark_runs_end_to_end_on_cpu(tmp_path, feed):
         assert len(replays) == 3 and r["host_warm_poisson"]["ttft_p99_ms"] == sorted(
             x["ttft_p99_ms"] for x in replays)[1]
     assert set(report["targets"]) == {"no_failed_requests", "throughput_within_5pct", "p99_ttft_at_most_2x",
-                                      "cold_ttft_bound"}
+                                      "cold_ttft_bound", "cold_ttft_bound_alone"}
+    # the cold adapters alone (the CPU default, 2): each read cold, then served warm from its slot,
+    # judged with the same disk bandwidth; and left no adapter behind
+    alone = report["cold_alone"]
+    assert [e["adapter"] for e in alone["each"]] == ["alone0", "alone1"]
+    assert all(e["cold_ttft_ms"] > e["load_ms"] > 0 and e["warm_ttft_ms"] > 0 for e in alone["each"])
+    bound = alone["warm_p50_ms"] + 1.5e3 * alone["adapter_bytes_p50"] / report["disk"]["adapter_files_read_bytes_per_s"]
+    assert alone["bound_ms"] == pytest.approx(bound)
+    assert report["targets"]["cold_ttft_bound_alone"]["passed"] == (alone["cold_p50_ms"] <= bound)
+    assert "- cold_ttft_bound_alone: " in (tmp_path / "many_adapters_test.md").read_text()
     assert report["targets"]["no_failed_requests"]["passed"] is True
     text = (tmp_path / "many_adapters_test.md").read_text()
     assert "| 10 |" in text
