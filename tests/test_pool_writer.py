@@ -71,6 +71,18 @@ def test_weights_a_table_cannot_copy_as_they_are_change_nothing(pool_setup):
         assert all(1 not in layer.rank_pool and layer._host_ranks[1] == 0 for layer in writer.layers)
 
 
+def test_a_pool_without_room_is_refused_with_the_layers_name(pool_setup):
+    """Rows the model manager did not make room for: the same clear error as `_pool_write`, and
+    the adapter already in the pool keeps its rows."""
+    base, adapters, _ = pool_setup
+    _, manager = pooled(base, 16)
+    writer = PoolWriter(list(manager.layers.values()))
+    writer.table(0, adapters["qv8"])  # 8 of the 16 rows of every q and v layer
+    with pytest.raises(RuntimeError, match=r"q_proj: no 16 free rows in its LoRA pool of 16 \(8 free\)"):
+        writer.table(1, adapters["qv16"])
+    assert all(layer.rank_pool.start_of(0) == 0 for layer in writer.layers if 0 in layer.rank_pool)
+
+
 def churn(manager, model, adapters, oracle, steps=24):
     """Activate, evict, free and activate again in a shuffled order; every slot and a mixed batch
     checked against the adapters and PEFT as it goes."""

@@ -360,13 +360,7 @@ class BaseLayerWithLoRA(nn.Module):
         held another adapter's weights; a kernel reads up to the slot's rank in every slice)."""
         width = self.units_for(weights_by_slice)
         rank = max((w.rank for w in weights_by_slice if w is not None), default=0)
-        if not self.rank_pool.fits_instead(slot, width):  # checked first: the slot stays as it was
-            raise RuntimeError(
-                f"{self.module_name}: no {width} free rows in its LoRA pool of {self.rank_pool.units} "
-                f"({self.rank_pool.free_units} free); the model manager makes room before it writes")
-        self.rank_pool.free(slot)
-        start = self.rank_pool.allocate(slot, width) or 0
-        self._host_ranks[slot] = rank  # until this write completes, a failure's reset_lora clears it
+        start = self._take_pool_rows(slot, width, rank)
         scales_row, rank_cell, start_cell = self._slot_cells(slot)
         write = SlotWrite(self, slot, scales_row, rank_cell, start_cell=start_cell, start=start)
         # blocks as numbers, no views (a view per block was most of a write's host time, for
@@ -392,6 +386,21 @@ class BaseLayerWithLoRA(nn.Module):
             b_row += size * width
         write.rank = rank
         return write
+
+    def _take_pool_rows(self, slot: int, width: int, rank: int) -> int:
+        """Give ``slot`` ``width`` rows of the pool for an adapter of ``rank`` here (its previous
+        rows freed first) and return the first; checked before anything changes.
+
+        :raises RuntimeError: no room (the model manager makes room before it writes).
+        """
+        if not self.rank_pool.fits_instead(slot, width):
+            raise RuntimeError(
+                f"{self.module_name}: no {width} free rows in its LoRA pool of {self.rank_pool.units} "
+                f"({self.rank_pool.free_units} free); the model manager makes room before it writes")
+        self.rank_pool.free(slot)
+        start = self.rank_pool.allocate(slot, width) or 0
+        self._host_ranks[slot] = rank  # until this write completes, a failure's reset_lora clears it
+        return start
 
     def _slot_cells(self, slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A pooled layer's ``slot`` entries: its scales row [n_slices], rank cell [1] and pool

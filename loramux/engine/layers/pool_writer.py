@@ -102,15 +102,8 @@ class PoolWriter:
         width = -(-rank // POOL_ROW_ALIGN) * POOL_ROW_ALIGN
         touched = np.flatnonzero(rank)
         start = np.zeros(len(self.layers), dtype=np.int64)
-        for j in touched.tolist():  # as `_pool_write`: checked, the slot's old rows freed, new ones taken
-            layer, rows_needed = self.layers[j], int(width[j])
-            if not layer.rank_pool.fits_instead(slot, rows_needed):
-                raise RuntimeError(
-                    f"{layer.module_name}: no {rows_needed} free rows in its LoRA pool of {layer.rank_pool.units} "
-                    f"({layer.rank_pool.free_units} free); the model manager makes room before it writes")
-            layer.rank_pool.free(slot)
-            start[j] = layer.rank_pool.allocate(slot, rows_needed) or 0
-            layer._host_ranks[slot] = int(rank[j])
+        for j in touched.tolist():  # as `_pool_write` takes them
+            start[j] = self.layers[j]._take_pool_rows(slot, int(width[j]), int(rank[j]))
         table = self._table_for(g, slot, per_slice, scalings, rank, width, start, touched, host)
         untouched = [layer for j, layer in enumerate(self.layers) if not rank[j]]
         return table, untouched
