@@ -242,8 +242,9 @@ class RequestRecord:
     # adapter sat in a GPU slot gets none): a cold TTFT is the load, then the engine's wait
     adapter_ready_s: float | None = None
     # that load's own seconds, from its start (as the engine took its first request) to "ready", and
-    # of those the registry's (resolve, read, check, validate: the handle's load_seconds); a request
-    # that joined a load already running gets the same seconds, some of which came before it
+    # of those the registry's (resolve, read, check, validate: the handle's load_seconds, for the
+    # load that issued the handle in this trace only; None for later loads of it); a request that
+    # joined a load already running gets the same seconds, some of which came before it
     adapter_load_s: float | None = None
     adapter_registry_s: float | None = None
 
@@ -305,15 +306,24 @@ def run_trace(
     start = time.perf_counter()
     last_report = start
 
+    issued: set[int] = set()  # handles whose registry seconds a "ready" event reported already
+
     def on_event(event) -> None:  # in the loading thread; the record was made before add_request
         if event.kind == "ready":
             ready_s = time.perf_counter() - start  # one time for all of this load's waiters
+            # a handle's load_seconds timed the load that issued it; a later load of the same
+            # content (read again after the CPU tier let it go, or found there) keeps that handle
+            handle = event.handle
+            registry_s = None
+            if handle is not None and handle.id not in issued:
+                issued.add(handle.id)
+                registry_s = handle.load_seconds
             for request_id in event.request_ids:
                 if request_id in records:
                     record = records[request_id]
                     record.adapter_ready_s = ready_s
                     record.adapter_load_s = event.seconds
-                    record.adapter_registry_s = getattr(event.handle, "load_seconds", None)
+                    record.adapter_registry_s = registry_s
 
     engine.add_event_listener(on_event)
     add = functools.partial(_add_arrived, engine, pending, records, params, paths, adapter_bytes, start)

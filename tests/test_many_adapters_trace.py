@@ -165,7 +165,14 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert 0 < summary["cold_ready_to_first_token_p50_ms"] < summary["cold_ttft_p50_ms"]
     # and the load again: handed over between steps, the load's run, the registry's share of it
     loaded = [r for r in cold if r.adapter_load_s is not None]
-    assert loaded and all(0 < r.adapter_registry_s <= r.adapter_load_s for r in loaded)
+    # the registry's seconds belong to the load that issued the adapter's handle: a load that read
+    # the same file again (the CPU tier let it go) keeps the handle, and reports none of its own
+    issuing = [r for r in loaded if r.adapter_registry_s is not None]
+    assert issuing and all(0 < r.adapter_registry_s <= r.adapter_load_s for r in issuing)
+    issued_by = {}
+    for r in issuing:
+        issued_by.setdefault(r.adapter, set()).add(r.adapter_ready_s)
+    assert all(len(loads) == 1 for loads in issued_by.values())
     # a load starts as the engine takes its first request (later ones join it): its run fits between
     # that request's hand-over and "ready", which all its waiters share
     first_taken = {}
