@@ -163,6 +163,17 @@ def gemm_onto_delta_calls(monkeypatch) -> list[int]:
     return calls
 
 
+def resident_requests(llm, names: list[str | None], paths: dict, ids: dict[str, int]) -> list:
+    """One request per name (None: the base model), their adapters read into host memory first, so
+    every request is schedulable in the engine's first step (loads ending apart split a batch)."""
+    from loramux import LoRARequest
+
+    requests = [None if n is None else LoRARequest(n, ids[n], str(paths[n])) for n in names]
+    for request in {r for r in requests if r is not None}:
+        llm.llm_engine.add_lora(request)
+    return requests
+
+
 def assert_greedy_matches_peft(adapter_path, prompt_ids: list[int], token_ids: list[int], label: str = "") -> None:
     """``token_ids`` (a request that ignores end-of-sequence) are `peft_greedy`'s tokens, up to and
     including its end-of-sequence token where transformers stopped there."""

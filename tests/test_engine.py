@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_greedy_matches_peft, peft_greedy, tiny_llama
+from conftest import assert_greedy_matches_peft, peft_greedy, resident_requests, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm import LLM
@@ -64,10 +64,9 @@ def test_a_long_prefill_with_adapters_matches_peft_greedy(names, engine_adapters
     """A step of more than 256 tokens runs each projection's base GEMM onto its stored delta
     (`BaseLayerWithLoRA._delta_then_gemm`): with base rows and an adapter that leaves a layer
     alone (the buffer zeroed first), and with every row written (not zeroed)."""
-    ids = {"attn": 1, "all": 2, "mlp": 3}
-    requests = [None if n is None else LoRARequest(n, ids[n], str(engine_adapters[n])) for n in names]
     batch = prompts(*[100] * len(names))
     llm = LLM(tiny_llama(), max_loras=3, max_lora_rank=8, max_num_seqs=4, max_model_len=128, max_num_batched_tokens=512)
+    requests = resident_requests(llm, names, engine_adapters, {"attn": 1, "all": 2, "mlp": 3})
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, lora_request=requests, use_tqdm=False)
     assert gemm_onto_delta_calls, "no step ran the GEMM onto its delta"
     for name, prompt, out in zip(names, batch, outputs):

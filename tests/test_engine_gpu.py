@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_greedy_matches_peft, peft_greedy, tiny_llama
+from conftest import assert_greedy_matches_peft, peft_greedy, resident_requests, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.cuda_graphs import LORA, LORA_SMALL_GEMMS
@@ -28,8 +28,6 @@ def LLM(*args, **kwargs):  # noqa: N802 - loramux's LLM with a small KV cache
 
 def test_mixed_batch_on_cuda_matches_the_cpu_oracle(engine_adapters):
     names = [None, "attn", "all", "mlp", "attn", None, "all", "mlp"]
-    ids = {"attn": 1, "all": 2, "mlp": 3}
-    requests = [None if n is None else LoRARequest(n, ids[n], str(engine_adapters[n])) for n in names]
     generator = torch.Generator().manual_seed(1)
     batch = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (5, 17, 3, 9, 30, 1, 4, 12)]
     llm = LLM(
@@ -52,6 +50,7 @@ def test_a_long_eager_prefill_with_adapters_matches_the_cpu_oracle(names, engine
     batch = [torch.randint(3, 128, (100,), generator=generator).tolist() for _ in names]
     llm = LLM(tiny_llama().cuda(), max_loras=3, max_lora_rank=8, max_num_seqs=4, max_model_len=128,
               max_num_batched_tokens=512, enforce_eager=True)
+    requests = resident_requests(llm, names, engine_adapters, {"attn": 1, "all": 2, "mlp": 3})
     outputs = llm.generate([{"prompt_token_ids": p} for p in batch], SamplingParams(temperature=0, max_tokens=10,
                            ignore_eos=True), lora_request=requests, use_tqdm=False)
     assert gemm_onto_delta_calls, "no step ran the GEMM onto its delta"
