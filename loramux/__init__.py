@@ -10,6 +10,7 @@ from loramux.errors import (
     AdapterDownloadError,
     AdapterNotFoundError,
     CacheFullError,
+    EngineClosedError,
     IncompatibleAdapterError,
     InvalidAdapterError,
     LoRAError,
@@ -32,6 +33,7 @@ __all__ = [
     "IncompatibleAdapterError",
     "AdapterDownloadError",
     "CacheFullError",
+    "EngineClosedError",
     "PluginError",
 ]
 

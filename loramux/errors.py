@@ -17,6 +17,7 @@ __all__ = [
     "CacheFullError",
     "CacheBusyError",
     "PluginError",
+    "EngineClosedError",
 ]
 
 
@@ -86,3 +87,7 @@ class CacheBusyError(CacheFullError):
 
 class PluginError(LoRAError):
     """A plugin failed to import or broke a hook's contract; loramux carries on without it."""
+
+
+class EngineClosedError(LoRAError, RuntimeError):
+    """The engine was closed (``close()``, a ``with`` block's end, or garbage collection)."""

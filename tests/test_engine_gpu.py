@@ -28,6 +28,8 @@ def LLM(*args, **kwargs):  # noqa: N802 - loramux's LLM with a small KV cache
 
 def test_mixed_batch_on_cuda_matches_the_cpu_oracle(engine_adapters):
     names = [None, "attn", "all", "mlp", "attn", None, "all", "mlp"]
+    ids = {"attn": 1, "all": 2, "mlp": 3}
+    requests = [None if n is None else LoRARequest(n, ids[n], str(engine_adapters[n])) for n in names]
     generator = torch.Generator().manual_seed(1)
     batch = [torch.randint(3, 128, (n,), generator=generator).tolist() for n in (5, 17, 3, 9, 30, 1, 4, 12)]
     llm = LLM(

@@ -129,7 +129,7 @@ class FakeEngine:
                                          reason is not None))
         return outputs
 
-    def add_lora(self, lora_request):
+    def add_lora(self, lora_request, *, wait_s=0.0):
         name = lora_request.lora_name
         if "invalid" in lora_request.lora_path:
             raise InvalidAdapterError("adapter_config.json is missing.", adapter=name, path=lora_request.lora_path)

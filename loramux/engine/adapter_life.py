@@ -16,6 +16,7 @@ state changes run under the engine's step lock, so the step loop, API threads (`
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from loramux.engine.adapter_loader import AdapterLoader
@@ -58,6 +59,8 @@ class EngineAdapters:
         # LOADING_ADAPTER) and load again as references are released, oldest first
         self._deferred: list[Sequence] = []
         self._room_freed = False
+        self._room = threading.Condition(lock)  # notified as requests release CPU-tier references
+        self._released_count = 0
         self.prefetches = 0  # adapters copied into a GPU slot before their request was admitted
         registry.add_unbind_listener(self._on_unbind)
 
@@ -245,6 +248,8 @@ class EngineAdapters:
     def _released(self, handle: AdapterHandle) -> None:
         self.registry.cache.unpin(handle.id)  # a retired handle leaves the CPU tier here
         self._room_freed = True
+        self._released_count += 1
+        self._room.notify_all()
         if handle.id in self._unbound:
             self._retire(handle)
         elif self.registry.handle(handle.name) != handle:  # unbound before it was referenced
@@ -267,11 +272,15 @@ class EngineAdapters:
         self.manager.deactivate(handle.id)
         self.events.emit(AdapterEvent("retired", handle.name, handle=handle))
 
-    def add(self, request: LoRARequest) -> AdapterHandle:
+    def add(self, request: LoRARequest, *, wait_s: float = 0.0) -> AdapterHandle:
         """Load ``request``'s adapter now and bind its name to it (a reload if already bound).
 
         Requests running on the old handle finish on it; new requests get the new one; the old
         handle retires when its last request ends. A pin (``pin``) moves to the new handle.
+
+        :param wait_s: when the CPU tier is full of adapters that queued or running requests
+            hold, wait up to this long for them to release one (another thread must be stepping
+            the engine), then load; 0 raises `CacheBusyError` at once.
         """
         name = request.lora_name
         old = self.registry.handle(name)
@@ -279,7 +288,7 @@ class EngineAdapters:
             was_pinned = old is not None and old.id in self.scheduler.user_pinned()
         if request.lora_path:
             self.registry.register(name, request.lora_path, request.base_model_name, replace=True)
-        adapter = self.registry.rebind(request, pin=True)
+        adapter = self._rebind_when_room(request, time.monotonic() + wait_s)
         try:
             if self._validate:
                 self.manager.validate(adapter)
@@ -288,6 +297,22 @@ class EngineAdapters:
         finally:
             self._unpin_cpu(adapter)
         return adapter.handle
+
+    def _rebind_when_room(self, request: LoRARequest, deadline: float) -> LoRAAdapter:
+        """``registry.rebind(request, pin=True)``, again each time a request releases the CPU tier,
+        while it is full of adapters in use that will be released, until ``deadline``."""
+        while True:
+            with self._lock:
+                released = self._released_count
+            try:
+                return self.registry.rebind(request, pin=True)
+            except CacheBusyError:
+                with self._room:
+                    while released == self._released_count:
+                        remaining = deadline - time.monotonic()
+                        if remaining <= 0 or not self._room_will_free():
+                            raise
+                        self._room.wait(remaining)
 
     def remove(self, name: str) -> bool:
         """Unload: unbind ``name`` and return at once; its handle retires when unused (event)."""
@@ -316,6 +341,14 @@ class EngineAdapters:
         finally:
             if not isinstance(name_or_adapter, LoRAAdapter):
                 self._unpin_cpu(adapter)
+
+    def close(self) -> None:
+        """Stop loading and leave the registry (which may outlive the engine). Also drops the
+        references that tie this object, the loader and the scheduler into cycles, so that the
+        engine's memory goes as soon as its last reference does."""
+        self.loader.shutdown()
+        self.registry.remove_unbind_listener(self._on_unbind)
+        self.scheduler = None
 
     def _unpin_cpu(self, adapter: LoRAAdapter) -> None:
         if adapter.handle is not None and self.registry.cache.is_pinned(adapter.handle.id):

@@ -180,11 +180,13 @@ class AdapterLoader:
             load.future.set_exception(error)
 
     def shutdown(self) -> None:
-        """Forget pending loads; their threads finish (or hang) on their own, as daemons."""
+        """Forget pending loads; their threads finish (or hang) on their own, as daemons, and
+        report to no one (the callbacks are dropped: they belong to a closed engine)."""
         with self._lock:
             for load in self._loads.values():
                 load.future.cancel()
             self._loads.clear()
+            self._load = self._resident = self._on_settled = None
 
 
 def _guarded(load: Callable[[LoRARequest], LoRAAdapter], request: LoRARequest) -> LoRAAdapter:

@@ -229,7 +229,8 @@ def warm_up_kernels(runner: ModelRunner) -> int:
     counters = dataclasses.asdict(manager.stats) if manager is not None else {}
     slot = _hold_zero_adapter(manager) if shapes else None
     try:
-        if runner.device.type == "cuda":
+        if runner.device.type == "cuda" and runner.workers is None:
+            # a sharded step needs every rank; the workers compile their kernels as it runs
             _compile_in_parallel(runner, plan, slot)
         for step in tqdm(plan, desc="Warming up kernels", unit="step", leave=False):
             _run_step(runner, step, slot)
@@ -300,7 +301,8 @@ def _run_step(runner: ModelRunner, step: WarmupStep, slot: int | None) -> None:
     decodes = step.num_seqs - 1
     positions = [0] * decodes + list(range(step.chunk))
     lora_slots = [slot] * step.num_tokens if slot is not None and step.lora else None
-    runner._forward_packed(
+    runner._on_all_ranks(  # every tensor-parallel rank runs the step (its collectives need them all)
+        "_forward_packed",
         ids=[0] * step.num_tokens, positions=positions, slots=[-1] * step.num_tokens,
         tables=[[0]] * decodes + [[0] * width], seq_lens=[1] * decodes + [step.chunk],
         query_start=list(range(decodes + 1)) + [step.num_tokens],

@@ -79,6 +79,18 @@ class LLM:
         self.llm_engine = LLMEngine(model, config=config, **kwargs)
         self._ids = itertools.count()
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Give the engine's device memory back and stop its threads and workers (idempotent).
+        ``del llm`` and leaving a ``with LLM(...) as llm:`` block do the same; ``generate`` raises
+        `~loramux.errors.EngineClosedError` after."""
+        self.llm_engine.close()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -18,6 +18,7 @@ handle to slot is in :mod:`loramux.engine.adapter_life`.
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import threading
@@ -38,10 +39,10 @@ from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams
 from loramux.engine.scheduler import Scheduler
-from loramux.engine.serving_process import prepare_process_for_serving
+from loramux.engine.serving_process import prepare_process_for_serving, release_frozen_heap
 from loramux.engine.structured_output import StructuredOutputs
 from loramux.engine.sequence import Sequence, SequenceStatus
-from loramux.errors import LoRAError
+from loramux.errors import EngineClosedError, LoRAError
 from loramux.registry import AdapterHandle, LoRARequest
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -71,11 +72,12 @@ class LLMEngine:
             )
         self.config = config
         self.workers = None  # tensor parallelism: ranks 1..N-1, building their shards beside ours
+        if torch.cuda.is_available() and str(config.device or "cuda").startswith("cuda"):
+            gc.collect()  # an engine dropped before this one may hold device memory in reference cycles
         if config.tensor_parallel_size > 1:
             from loramux.engine.tensor_parallel.workers import WorkerGroup
 
             self.workers = WorkerGroup(config)
-            weakref.finalize(self, self.workers.shutdown)  # no orphans, even without close()
         try:
             setup: EngineSetup = build_engine_setup(config)
             self.setup = setup
@@ -149,9 +151,29 @@ class LLMEngine:
         self._inbox: deque[tuple[str, object]] = deque()
         self._requests: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
+        # close() and garbage collection alike stop the loads and the workers and give the device
+        # memory back; the finalizer holds the parts, not the engine, so `del engine` runs it
+        self._closer = weakref.finalize(self, _close_parts, self.runner, self.adapters, self.workers)
         for request in setup.lora_modules:
             self.add_lora(request)
         prepare_process_for_serving(freeze_gc=setup.device.type == "cuda")  # the engine serves from now on
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    @property
+    def closed(self) -> bool:
+        return not self._closer.alive
+
+    def _check_open(self) -> None:
+        if not self._closer.alive:
+            raise EngineClosedError(
+                f"this engine for {self.model_name!r} is closed: it holds no device memory and runs nothing.",
+                fix="Build a new LLM or LLMEngine.",
+            )
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -168,6 +190,7 @@ class LLMEngine:
             outside the vocabulary, a text prompt without a tokenizer, or an adapter with LoRA
             disabled.
         """
+        self._check_open()
         params = params or SamplingParams()
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
@@ -280,6 +303,7 @@ class LLMEngine:
         without it; then the adapters are copied beside the step launched.
         """
         with self._step_lock:
+            self._check_open()
             touched: dict[str, Sequence] = {}
             self._drain_inbox(touched)
             if self.adapters is not None:
@@ -406,13 +430,18 @@ class LLMEngine:
         if self.lora_manager is None:
             raise ValueError("LoRA is disabled; build the engine with enable_lora=True")
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
+    def add_lora(self, lora_request: LoRARequest, *, wait_s: float = 0.0) -> bool:
         """Load an adapter now (blocking) and bind its name to it, so requests naming it start at
         once. An adapter already bound is reloaded: the name gets the new weights (a new handle)
         for new requests, running ones finish on the old weights, and the old handle retires
-        (a "retired" event) when its last request ends."""
+        (a "retired" event) when its last request ends.
+
+        :param wait_s: if the CPU tier is full of adapters that requests hold, wait up to this
+            many seconds for one to be released (while another thread steps the engine); 0 raises
+            `~loramux.errors.CacheBusyError` at once.
+        """
         self._require_lora()
-        self.adapters.add(lora_request)
+        self.adapters.add(lora_request, wait_s=wait_s)
         return True
 
     def remove_lora(self, name_or_id: str | int) -> bool:
@@ -443,11 +472,20 @@ class LLMEngine:
         return self.registry.list()
 
     def close(self) -> None:
-        """Stop loading and give the device memory back (graphs, KV cache): the engine is done."""
-        if self.adapters is not None:
-            self.adapters.loader.shutdown()
-        self.runner.release_graphs()
-        self.runner.kv = self.kv_cache = None
-        if self.workers is not None:
-            self.workers.shutdown()
+        """Stop loading, stop the tensor-parallel workers and give the device memory back: the
+        engine is done (``add_request`` and ``step`` raise `EngineClosedError` after). Idempotent;
+        ``del`` of the last reference, or leaving a ``with`` block, does the same."""
+        with self._step_lock:
+            self._closer()
+            self.kv_cache = None
+
+
+def _close_parts(runner: ModelRunner, adapters: EngineAdapters | None, workers) -> None:
+    """Close an engine's parts (its finalizer: it must not hold the engine itself)."""
+    if adapters is not None:
+        adapters.close()
+    runner.close()
+    if workers is not None:
+        workers.shutdown()
+    release_frozen_heap()
 

@@ -247,17 +247,16 @@ class ModelRunner:
 
         if self.device.type != "cuda" or not uses_triton(self.device):
             return
-        if self.workers is not None:  # its steps run here alone, and a sharded forward needs every rank
-            logger.info("tensor parallel: no kernel warm-up; kernels compile at first use (cached on disk)")
-            return
         assert self.kv is not None, "allocate the KV cache before warming up the kernels"
         started = time.perf_counter()
         steps = warm_up_kernels(self)
         self.startup_seconds["warmup"] = time.perf_counter() - started
         logger.info("warmed up the Triton kernels with %d steps in %.1f s", steps, self.startup_seconds["warmup"])
 
-    def release_graphs(self) -> None:
+    def close(self) -> None:
+        """Give the step graphs and the KV cache back (the engine closes)."""
         self.graphs = None
+        self.kv = None
 
     @property
     def graph_steps(self) -> int:

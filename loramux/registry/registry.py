@@ -200,6 +200,12 @@ class Registry:
         with self._lock:
             self._unbind_listeners.append(listener)
 
+    def remove_unbind_listener(self, listener: Callable[[AdapterHandle], None]) -> None:
+        """Stop calling ``listener`` (an engine closing: the registry may outlive it)."""
+        with self._lock:
+            if listener in self._unbind_listeners:
+                self._unbind_listeners.remove(listener)
+
     def name_of_id(self, lora_int_id: int) -> str | None:
         """The name a ``LoRARequest`` with this ``lora_int_id`` last asked for, if still bound."""
         with self._lock:

@@ -32,6 +32,12 @@ logger = logging.getLogger("loramux.serving")
 
 router = APIRouter()
 
+#: How long a runtime load waits for room when the CPU tier is full of adapters that running or
+#: queued requests hold: they release it as they finish, so the load waits its turn (as a
+#: completion naming a cold adapter does) rather than failing; an adapter that can never fit (larger
+#: than the whole tier) fails at once.
+RUNTIME_LOAD_WAIT_S = 300.0
+
 
 def register_static_adapters(state: ServerState, engine: Any) -> None:
     """Load the ``--lora-modules`` adapters now (before serving), so a bad one stops start-up."""
@@ -65,7 +71,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
         retired = _retirement(state, old)  # asked before the engine can retire it
         started = time.monotonic()
         try:  # loads and validates; blocks on I/O, so not on the event loop nor the engine thread
-            await asyncio.to_thread(state.engine.engine.add_lora, lora)
+            await asyncio.to_thread(state.engine.engine.add_lora, lora, wait_s=RUNTIME_LOAD_WAIT_S)
         except (LoRAError, ValueError) as error:
             if old is not None:
                 state.engine.forget_retirement(old.id)

@@ -83,6 +83,7 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
         destroy_group()
 
 
+@torch.inference_mode()  # as the driver's steps: the graphs' static inputs are inference tensors
 def _serve(runner, manager: WorkerLoRAManager | None, conn) -> None:
     while True:
         try:
