@@ -21,7 +21,7 @@ static meta and any prefill-sized batch, from T, S and the module's shape alone
 serves any mix of adapters. The split count there is sized for the one-adapter case (the fewest
 real tiles), which wants the most parallelism in K; a mixed batch gets more real tiles from the
 same grid. Eager launches on the whole GPU first look for a shape tuned on this device model
-(`loramux.kernels.tuned`, written by benchmarks/tune_shrink.py).
+(`loramux.kernels.tuned`, written by scripts/tune_shrink.py).
 """
 
 from __future__ import annotations
