@@ -152,9 +152,9 @@ class EngineAdapters:
         ``busy()`` says the GPU still computes (the runner's `computing`; None where there is no
         GPU work to hide behind: the CPU, a step with nothing to run), and never more than
         `PREFETCH_PER_STEP`: with hundreds of slots free (a fresh engine, a burst after a quiet
-        spell) one step had placed every queued adapter at once (on an H100, 1.1-1.5 s single
-        steps in a trace of 1,000 adapters), and placements at admission, before the step's
-        forward, made its slowest steps (52-103 ms of a 1,000-adapter trace).
+        spell) one step would otherwise place every queued adapter at once and last as long as
+        all those copies; placed at admission instead, before the step's forward, each copy
+        would lengthen the step (docs/benchmarks/many_adapters.md).
         """
         in_slots = self.scheduler.handles_in_slots()
         room = self.scheduler.max_loras - len(in_slots)

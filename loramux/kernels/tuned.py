@@ -2,10 +2,9 @@
 LoRA configs are): an eager launch on the whole GPU takes the tuned shape for its module and token
 count where one was measured, and the heuristics of `loramux.kernels.shrink` elsewhere.
 
-Why: the heuristics size a launch from the tile count and a program target; on an H100 they lost
-to vLLM's tuned shrink in 17 of the 108 cases timed, down to 0.72x (o, rank 64, T = 1024). With
-the H100's tuned shapes 10 of 112 lose, none below 0.96x (docs/benchmarks/kernels-vs-vllm.md). A
-search per shape on the device finds what a rule misses.
+Why: the heuristics size a launch from the tile count and a program target, and in some cases
+they lose to vLLM's tuned shrink by a wide margin; a search per shape on the device finds what a
+rule misses (docs/benchmarks/kernels.md compares both sides, each with its tuned shapes).
 
 Files: ``<device name, spaces and dashes as underscores>_shrink.json`` (``NVIDIA_H100_80GB_HBM3_shrink.json``)
 in ``loramux/data/kernel_configs``, or in the folder ``LORAMUX_KERNEL_CONFIG_DIR`` names (an empty
