@@ -95,6 +95,25 @@ def test_throughput_smoke(tmp_path):
     assert "## Tensor parallelism" in text and "Not yet measured on a GPU" in text
 
 
+def test_throughput_tensor_parallel_smoke(tmp_path):
+    """``-tp 2`` on the CPU (gloo, a worker process): TP=1 and TP=2 serve the batch with 0, 1 and
+    32 adapters, and the page's tensor-parallel section shows both sizes and the targets."""
+    from benchmarks import throughput
+    from benchmarks._common import TINY_CONFIG
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"model_type": "llama", **TINY_CONFIG}))
+    throughput.main(["-tp", "2", "--model", str(config), "--num-requests", "2", "--prompt-len", "6", "--output-len", "2",
+                     "--ranks", "8", "--out", str(tmp_path)])
+    document = json.loads((tmp_path / "throughput_tp.json").read_text())
+    runs = document["result"]["runs"]
+    assert [(r["tp"], r["adapters"]) for r in runs] == [(tp, n) for tp in (1, 2) for n in (0, 1, 32)]
+    assert all(r["generated_tokens"] == 2 * 2 for r in runs) and document["device"].startswith("2 x CPU")
+    assert set(document["result"]["targets"]["step_ratio"]) == {f"TP=2/TP=1, {n} adapters" for n in (0, 1, 32)}
+    text = report.render_page("throughput", tmp_path).read_text()
+    assert "| TP=2, 32 adapters |" in text and text.count("Not yet measured on a GPU") == 1  # the one-GPU section
+
+
 def test_many_adapters_smoke(tmp_path):
     from benchmarks import many_adapters
 
