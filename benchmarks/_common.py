@@ -1,24 +1,39 @@
-"""What several benchmarks share: naming the device, its copy ceiling, the disk's read bandwidth,
-Llama-style projection shapes, and random LoRA adapters in memory or saved as PEFT saves them.
+"""What several benchmarks share: the results file (with the device, command, commit and date),
+the model to measure, the device and its copy ceiling, the engine's start-up stages and what
+compiled while serving, the disk's read bandwidth, Llama-style projection shapes, and random LoRA
+adapters in memory or saved as PEFT saves them. Statistics live in ``benchmarks.stats``.
 
 Imported as ``benchmarks._common`` (the scripts put the repository root on ``sys.path``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import os
 import platform
+import shlex
+import subprocess
 import time
 from pathlib import Path
 
 import torch
 
 __all__ = [
-    "ALL_SEVEN", "QV", "QKVO", "copy_bandwidth", "device_name", "disk_bandwidth", "drop_from_page_cache",
-    "filesystem_of", "kernel_device_times", "projection_shapes", "random_adapter", "read_seconds",
-    "save_peft_files", "sync",
+    "ALL_SEVEN", "QV", "QKVO", "RESULTS_DIR", "TINY_CONFIG", "cell", "compiles_watched", "copy_bandwidth", "default_out", "device_name",
+    "disk_bandwidth", "drop_from_page_cache", "engine_stages", "filesystem_of", "load_bench_model",
+    "projection_shapes", "random_adapter", "read_seconds", "save_peft_files", "sync", "write_result",
 ]
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "docs" / "benchmarks"  # where results pages and their JSON live
+
+
+def default_out(gpu: bool = True) -> Path:
+    """Where a benchmark writes its JSON by default: the results pages' folder, except for a GPU
+    benchmark run without CUDA (a smoke run must not replace the GPU's results)."""
+    return RESULTS_DIR if torch.cuda.is_available() or not gpu else Path("benchmark-results")
 
 ALL_SEVEN = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -26,6 +41,62 @@ QV = ("q_proj", "v_proj")
 ATTENTION = frozenset(QKVO)
 
 BANDWIDTH_FILE_BYTES = 256 << 20
+# "tiny": a 2-layer Llama with random weights, small enough that 2 CPU cores run a benchmark's
+# smallest mode in seconds (the CPU smoke runs)
+TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512)
+
+
+# -- results -------------------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    """The commit measured: $LORAMUX_COMMIT where set (a copy of the tree without .git), else git's
+    HEAD, with "-dirty" when the tree has changes; "unknown" without either."""
+    if os.environ.get("LORAMUX_COMMIT"):
+        return os.environ["LORAMUX_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("-dirty" if dirty else "")
+
+
+def write_result(path: Path, benchmark: str, device: str, result: dict, argv: list[str]) -> Path:
+    """Write ``result`` as the benchmark's JSON at ``path``, with what its results page states:
+    the device, the exact command, the commit and the date (``benchmarks/report.py`` renders it)."""
+    document = {"benchmark": benchmark, "device": device,
+                "command": " ".join(["PYTHONPATH=. python", f"benchmarks/{benchmark}.py", *map(shlex.quote, argv)]),
+                "commit": git_commit(), "date": datetime.date.today().isoformat(), "torch": torch.__version__,
+                "result": result}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    return path
+
+
+def cell(value, spec: str = "{:.2f}") -> str:
+    """A table cell: ``value`` formatted, or empty where it was not measured."""
+    return "" if value is None else spec.format(value)
+
+
+# -- the model -----------------------------------------------------------------------------------
+
+
+def load_bench_model(name: str | None, dtype: str, device: torch.device, load_format: str = "auto"):
+    """The model a benchmark measures: "tiny" (`TINY_CONFIG`, random), or what ``load_model`` loads
+    (None: the embedded model; a shipped config name with ``load_format="dummy"``: random weights)."""
+    if name == "tiny":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).to(device, getattr(torch, dtype)).eval()
+    from loramux.engine.model_loader import load_model
+
+    return load_model(name, dtype=dtype, device=device, load_format=load_format)[0]
 
 
 # -- the device ----------------------------------------------------------------------------------
@@ -60,28 +131,39 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * src.nbytes / min(times)
 
 
-def save_report(out: Path, stem: str, report: dict, text: str) -> Path:
-    """Write ``report`` as ``out/<stem>.json`` and ``text`` (its markdown) beside it; print the
-    markdown; return the JSON's path."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{stem}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    path.with_suffix(".md").write_text(text)
-    print(text)
-    return path
+def engine_stages(engine, engine_seconds: float) -> dict:
+    """Where an engine's start went: compile, capture, kernel warm-up, waiting for the page-locked
+    arena, the rest (profile run, KV cache); and the arena's own page-locking, on its thread."""
+    runner, pinning = engine.runner, engine.setup.pinning
+    parts = {"compile_s": runner.regions.compile_seconds if runner.regions else 0.0,
+             "capture_s": runner.startup_seconds.get("capture", 0.0),
+             "warmup_s": runner.startup_seconds.get("warmup", 0.0),
+             "pinned_arena_wait_s": pinning.waited if pinning else 0.0}
+    return {"engine_s": engine_seconds, **parts, "other_s": engine_seconds - sum(parts.values()),
+            "pinned_arena_s": pinning.seconds if pinning else 0.0}
 
 
-def kernel_device_times(prof, steps: int) -> dict[str, tuple[float, int]]:
-    """Device time per kernel name in a ``torch.profiler`` run of ``steps`` steps (graph replays
-    included): {name (90 chars): (us per step, launches per step)}, largest first."""
-    totals: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            entry = totals.setdefault(event.name[:90], [0.0, 0])
-            entry[0] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-            entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
-    return {name: (us / steps, n // steps) for name, (us, n) in ranked}
+@contextlib.contextmanager
+def compiles_watched():
+    """What compiled inside the block: dynamo frames and Triton kernels (built, or read from the
+    disk cache), each a stall of the step that needed it. Yields a dict filled on exit."""
+    import triton
+
+    from loramux.engine.compilation import compiled_frames
+
+    knobs = getattr(triton, "knobs", None)
+    built: list[str] = []
+    frames = compiled_frames()
+    watched: dict = {}
+    if knobs is not None:
+        knobs.runtime.jit_post_compile_hook = lambda **kw: built.append(kw["repr"][:300])
+    try:
+        yield watched
+    finally:
+        if knobs is not None:
+            knobs.runtime.jit_post_compile_hook = None
+        watched.update(dynamo_frames=compiled_frames() - frames,
+                       triton_kernels=len(built) if knobs is not None else None, kernels=built)
 
 
 # -- the disk ------------------------------------------------------------------------------------
@@ -135,19 +217,12 @@ def filesystem_of(path: Path) -> str:
     """The type of the filesystem holding ``path`` (from /proc/mounts; "tmpfs" means no disk at all),
     or "unknown" where the system does not say."""
     path = Path(path).resolve()
-    best, kind = -1, "unknown"
     try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
+        mounts = [fields for fields in map(str.split, Path("/proc/mounts").read_text().splitlines()) if len(fields) > 2]
     except OSError:
-        return kind
-    for line in mounts:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount = Path(fields[1])
-        if (path == mount or mount in path.parents) and len(mount.parts) > best:
-            best, kind = len(mount.parts), fields[2]
-    return kind
+        return "unknown"
+    holding = [(len(Path(m[1]).parts), m[2]) for m in mounts if path == Path(m[1]) or Path(m[1]) in path.parents]
+    return max(holding)[1] if holding else "unknown"
 
 
 # -- adapters ------------------------------------------------------------------------------------

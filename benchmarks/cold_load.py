@@ -1,28 +1,25 @@
-"""The cold path of one adapter, stage by stage: resolve -> read -> validate -> pin -> copy.
+"""The cold path of one adapter, stage by stage: resolve, read, check, validate, copy to the GPU,
+each timed on its own (best of N) and then the whole load through the registry, against the floor
+of reading the same file.
 
-Builds a synthetic adapter with Llama-3.1-8B shapes (rank 16 on q_proj [4096 -> 4096] and v_proj
-[4096 -> 1024] of 32 layers, bfloat16: 13.6 MB), saved as PEFT saves one (adapter_config.json +
-adapter_model.safetensors), and times each stage of loading it, best of N. The base model for
-the engine's validation is built on the ``meta`` device (shapes only), so no weights are needed.
+    PYTHONPATH=. python benchmarks/cold_load.py                                   # CUDA or CPU
+    PYTHONPATH=. python benchmarks/cold_load.py --repeats 1 --disk-probe-mb 16 --out /tmp   # CPU smoke
 
-Two regimes: "disk" drops the adapter's pages from the page cache before every repetition
+The adapter is synthetic, with Llama-3.1-8B shapes (rank 16 on q_proj [4096 -> 4096] and v_proj
+[4096 -> 1024] of 32 layers, bfloat16), saved as PEFT saves one; the base model for the engine's
+validation is built on the ``meta`` device (shapes only), so no weights are needed. Two regimes:
+"disk" drops the adapter's pages from the page cache before every repetition
 (``posix_fadvise(DONTNEED)``, no root needed), "page cache" reads it while cached. The same run
-measures the disk's sequential read bandwidth (a 256 MiB file, dropped from the cache), so that
-"cold TTFT <= warm TTFT + 1.5 x adapter bytes / disk bandwidth" can be judged on any host.
-
-    python benchmarks/cold_load.py [--repeats 20] [--json out.json]
-
-Pin and copy run only with CUDA (pinned memory needs it); on CPU they are reported as n/a. With
-CUDA the weights are read straight into a piece of a page-locked arena made beforehand, as the
-engine's loads are, so "pin" costs nothing of its own.
-The content digest is hashed chunk by chunk while the file is read; "digest_wait" is what is left
-of it after the checks and validation ran.
+measures the disk's sequential read bandwidth, so that "cold TTFT <= warm TTFT + 1.5 x adapter
+bytes / disk bandwidth" can be judged on any host. With CUDA the weights are read straight into a
+piece of a page-locked arena made beforehand, as the engine's loads are, and copied to the GPU;
+without it there is no copy. The content digest is hashed chunk by chunk while the file is read;
+"digest_wait" is what is left of it after the checks and validation ran.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -35,8 +32,16 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import disk_bandwidth, drop_from_page_cache, read_seconds  # noqa: E402
+from benchmarks._common import (  # noqa: E402
+    default_out,
+    disk_bandwidth,
+    drop_from_page_cache,
+    read_seconds,
+    write_peft_config,
+    write_result,
+)
 
+TITLE = "Cold adapter loads"
 LAYERS, HIDDEN, KV_OUT, RANK = 32, 4096, 1024, 16
 
 
@@ -51,30 +56,22 @@ def make_adapter(directory: Path, *, seed: int = 0) -> Path:
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, RANK, generator=generator).bfloat16()
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": "meta-llama/Llama-3.1-8B",
-        "r": RANK, "lora_alpha": 32, "lora_dropout": 0.0, "target_modules": ["q_proj", "v_proj"],
-        "bias": "none", "use_rslora": False, "use_dora": False, "rank_pattern": {}, "alpha_pattern": {},
-        "fan_in_fan_out": False, "init_lora_weights": True, "modules_to_save": None,
-        "layers_to_transform": None, "inference_mode": True, "peft_version": "0.13.0",
-    }
-    (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    write_peft_config(directory, RANK, ("q_proj", "v_proj"))
     return directory
 
 
 def meta_llama_8b():
     """Llama-3.1-8B's module tree on the meta device: real shapes, no memory."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=14336, num_hidden_layers=LAYERS, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-    )
+    from loramux.engine.model_loader import dummy_config
+
     with torch.device("meta"):
-        return LlamaForCausalLM(config).to(torch.bfloat16)
+        return AutoModelForCausalLM.from_config(dummy_config("llama-3.1-8b")).to(torch.bfloat16)
 
 
 def best(times: list[float]) -> float:
+    """Milliseconds of the fastest repetition: the stage's own cost, without other work's noise."""
     return min(times) * 1e3
 
 
@@ -155,12 +152,14 @@ def sha256_seconds(path: Path) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None) -> Path:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--dir", default=None, help="where to write the adapter (default: a temp dir)")
-    parser.add_argument("--json", default=None, help="write the results here")
-    args = parser.parse_args()
+    parser.add_argument("--disk-probe-mb", type=int, default=256, help="the sequential-read probe file's size")
+    parser.add_argument("--out", type=Path, default=default_out(), help="folder for cold_load.json")
+    args = parser.parse_args(argv)
     from loramux.engine.lora_model import LoRAModelManager
     from loramux.registry import LoRAConfig
 
@@ -171,30 +170,48 @@ def main() -> None:
         manager = LoRAModelManager(meta_llama_8b(), LoRAConfig(max_loras=1, max_lora_rank=RANK),
                                    target_modules=["q_proj", "v_proj"])
         stages = Stages(root, directory.name, manager)
-        bandwidth = disk_bandwidth(root)
+        bandwidth = disk_bandwidth(root, nbytes=args.disk_probe_mb << 20)
         results = {}
         for regime, drop in (("disk", True), ("page_cache", False)):
             stages.run_once(drop)  # warm-up: imports, allocator
             runs = [stages.run_once(drop) for _ in range(args.repeats)]
             results[regime] = {stage: round(best([r[stage] for r in runs]), 3) for stage in runs[0]}
         hash_ms = best([sha256_seconds(directory / "adapter_model.safetensors") for _ in range(5)])
-    report = {
-        "device": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
-        + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ", no CUDA"),
-        "adapter_bytes": nbytes,
-        "repeats": args.repeats,
-        **{key: round(value / 1e9, 3) for key, value in bandwidth.items()},
-        "ms_best_of_n": results,
-        "ms_sha256_single_thread": round(hash_ms, 3),
-        "load_average_1m": round(os.getloadavg()[0], 2),
-        "ms_floor_disk": round(nbytes / bandwidth["disk_bytes_per_s"] * 1e3, 3),
-        "ms_floor_page_cache": round(nbytes / bandwidth["page_cache_bytes_per_s"] * 1e3, 3),
-    }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
+    host = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    device = f"{torch.cuda.get_device_name()} (host: {host})" if torch.cuda.is_available() else f"CPU ({host})"
+    report = {"adapter_bytes": nbytes, "repeats": args.repeats,
+              **{key: round(value / 1e9, 3) for key, value in bandwidth.items()},  # GB/s
+              "ms_best_of_n": results, "ms_sha256_single_thread": round(hash_ms, 3),
+              "load_average_1m": round(os.getloadavg()[0], 2),
+              "ms_floor_disk": round(nbytes / bandwidth["disk_bytes_per_s"] * 1e3, 3),
+              "ms_floor_page_cache": round(nbytes / bandwidth["page_cache_bytes_per_s"] * 1e3, 3)}
+    print(markdown(report))
+    return write_result(args.out / "cold_load.json", "cold_load", device, report, argv)
 
+
+STAGES = {"raw_read": "the file read whole into a buffer (the floor)", "resolve": "resolve the name to a dir",
+          "read": "read, hashed chunk by chunk on a pool", "loader_checks": "parse and check the tensors",
+          "engine_validate": "the engine's validation", "digest_wait": "the digest's tail",
+          "pin": "page-lock (0: read into the arena)", "copy": "copy to the GPU",
+          "registry_get": "the whole load through the registry"}
+
+
+def markdown(report: dict) -> str:
+    disk, cached = report["ms_best_of_n"]["disk"], report["ms_best_of_n"]["page_cache"]
+    lines = [f"One adapter of {report['adapter_bytes'] / 1e6:.1f} MB (Llama-3.1-8B, rank 16, q/v, bfloat16); best of "
+             f"{report['repeats']}; disk read at {report['disk_bytes_per_s']:.2f} GB/s, page cache at "
+             f"{report['page_cache_bytes_per_s']:.2f} GB/s; host load average {report['load_average_1m']}", "",
+             "| stage | ms, from disk | ms, from the page cache |", "| --- | ---: | ---: |"]
+    lines += [f"| {stage}: {what} | {disk[stage]:.2f} | {cached[stage]:.2f} |" for stage, what in STAGES.items()
+              if stage in disk]
+    lines += ["", f"- the file's bytes over the bandwidth: {report['ms_floor_disk']:.2f} ms from disk, "
+              f"{report['ms_floor_page_cache']:.2f} ms from the page cache",
+              f"- SHA-256 of the whole file on one thread: {report['ms_sha256_single_thread']:.2f} ms"]
+    return "\n".join(lines) + "\n"
+
+
+#: JSON stem -> (heading, renderer, the command that measures it), for benchmarks/report.py
+SECTIONS = {"cold_load": ("", markdown, "PYTHONPATH=. python benchmarks/cold_load.py")}
 
 if __name__ == "__main__":
     main()

@@ -1,22 +1,38 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks of a release in one call (device time is scarce); results under $OUT.
-#   OUT=results bash benchmarks/gpu_suite.sh
-# Each stage has a time limit (seconds, overridable) and writes its files as it goes, so a stage that
-# runs out of time leaves the others' results.
+# A release's checks on the GPU machine in one run: the whole `pytest -m gpu` suite, then a short run
+# of every maintained benchmark, each stage under its own time limit (seconds, overridable), writing
+# as it goes, so a stage that runs out of time leaves the others' results. Everything lands in $OUT:
+# each benchmark's JSON and log, the tests' log, status.txt (each stage's exit code) and the pages.
+#
+#   OUT=results LORAMUX_COMMIT=$(git rev-parse --short HEAD) bash benchmarks/gpu_suite.sh
+#
+# Then, where the tree has git: cp results/*.json docs/benchmarks/ && python benchmarks/report.py --all
+# (structured_output is measured on the host's CPU, where xgrammar is installed: not here.)
 set -u
 OUT=${OUT:-results}
 mkdir -p "$OUT"
 export PYTHONPATH=.
+GPUS=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
-timeout "${THROUGHPUT_S:-200}" python benchmarks/throughput.py --ranks 16 --adapters 1,32 --peft-adapters 0 \
-    --json "$OUT/throughput.json" --markdown "$OUT/throughput.md" > "$OUT/throughput.log" 2>&1
-echo "throughput rc=$?" >> "$OUT/status.txt"
-timeout "${MANY_S:-320}" python benchmarks/many_adapters.py --tag h100 --out "$OUT" \
-    --adapter-dir /var/tmp/loramux-adapters --adapters "${MANY_N:-4,32,256,1000}" --num-requests "${MANY_REQUESTS:-128}" \
-    --saturated-requests "${MANY_SATURATED:-96}" > "$OUT/many_adapters.log" 2>&1
-echo "many_adapters rc=$?" >> "$OUT/status.txt"
+
+stage() {  # stage NAME SECONDS COMMAND...: run it under its limit, log it, record its exit code
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name rc=$?" | tee -a "$OUT/status.txt"
+}
+
+stage tests "${TESTS_S:-600}" python -m pytest -m gpu -q -p no:cacheprovider -rfE tests
+stage throughput "${THROUGHPUT_S:-420}" python benchmarks/throughput.py --ranks 16 --adapters 1,32 \
+    --peft-adapters 0 --output-len 64 --out "$OUT"
+if [ "$GPUS" -ge 2 ]; then
+    stage throughput_tp "${TP_S:-540}" python benchmarks/throughput.py -tp 2 --ranks 16 --output-len 64 --out "$OUT"
+fi
+stage many_adapters "${MANY_S:-420}" python benchmarks/many_adapters.py --adapters "${MANY_N:-4,32,256,1000}" \
+    --num-requests 128 --saturated-requests 96 --warm-replays 1 --saturated-repeats 1 \
+    --adapter-dir /var/tmp/loramux-adapters --out "$OUT"
 rm -rf /var/tmp/loramux-adapters
-timeout "${TESTS_S:-120}" python -m pytest -m gpu -q -p no:cacheprovider -rfE tests/test_compilation.py \
-    tests/test_engine_gpu.py::test_churn_with_graphs_loads_running_and_new_shapes_equals_eager \
-    tests/test_engine_gpu.py::test_mixed_batch_on_cuda_matches_the_cpu_oracle > "$OUT/tests.log" 2>&1
-echo "tests rc=$?" >> "$OUT/status.txt"
+stage cold_load "${COLD_S:-120}" python benchmarks/cold_load.py --out "$OUT"
+VLLM=$([ -d .thirdparty/vllm_lora ] || echo --no-vllm)  # fetched with `python benchmarks/vllm_ops.py`
+stage kernels "${KERNELS_S:-420}" python benchmarks/kernels.py --tokens 1,64,256,1024,8192 $VLLM --out "$OUT"
+stage report 120 python benchmarks/report.py --all --results "$OUT"

@@ -1,311 +1,229 @@
-"""Thousands of adapters under churn (issue 10, item 5): throughput and TTFT as N grows past the tiers.
+"""Many adapters under churn: throughput and time to first token as the number of adapters N grows
+past both tiers, with each request's TTFT split by where its adapter was when it arrived (a GPU
+slot, host memory, or only its files on disk).
 
-    PYTHONPATH=. python benchmarks/many_adapters.py                    # CPU: embedded model, small
-    PYTHONPATH=. python benchmarks/many_adapters.py --tag h100         # CUDA: Llama-3.1-8B shapes, dummy
-    PYTHONPATH=. python benchmarks/many_adapters.py --plot docs/benchmarks/many_adapters_h100.json
+    PYTHONPATH=. python benchmarks/many_adapters.py          # CUDA: Llama-3.1-8B shapes, dummy weights
+    PYTHONPATH=. python benchmarks/many_adapters.py --adapters 2,8 --num-requests 8 --saturated-requests 4 \\
+        --warm-replays 1 --cold-alone 1 --disk-probe-mb 16 --out /tmp     # CPU smoke (a tiny random Llama)
 
-For each N (default 4, 32, 256, 1000 on CUDA) one trace (``benchmarks/adapter_trace.py``): N
-adapters of a mix of ranks (8-64) and target sets (q/v, q/k/v/o, all seven), Zipf(1) popularity,
-Poisson arrivals, every request 128 prompt + 64 generated tokens (``ignore_eos``). The adapters a
-trace uses are written as PEFT files on local disk, dropped from the page cache, and registered by
-path, so a cold load reads the disk. One engine (on CUDA ``max_loras=256``, ``max_cpu_loras=256``
-and a 10 GiB adapter pool, what 32 rank-64 slots took: tiers smaller than N) is built once and
-serves every N; each N has fresh adapter names, and the previous
-N's adapters are unloaded, so each trace starts with cold tiers.
+For each N (4, 32, 256, 1,000 on CUDA) one trace: N adapters of a mix of ranks (8-64) and target
+sets (q/v, q/k/v/o, all seven), Zipf(1) popularity, Poisson arrivals, every request 128 prompt + 64
+generated tokens (``ignore_eos``). The adapters a trace uses are written as PEFT files on local
+disk, dropped from the page cache and named by path, so a cold load reads the disk. One engine (on
+CUDA ``max_loras=256``, ``max_cpu_loras=256``, a 10 GiB adapter pool: tiers smaller than N) serves
+every N; each N has fresh adapter names and the last N's are unloaded, so each trace starts cold.
 
-The arrival rate defaults to ``--load`` (0.75) times the capacity measured on the same engine
-first: a saturated burst over 4 warm adapters (busy, not drowning). Per N: output tokens/s, TTFT
-p50/p99, cold against warm TTFT, failed requests, tier loads and evictions under Poisson arrivals;
-then, from cold tiers and page cache again, ``--saturated-requests`` over the same adapters all at
-once: the throughput at saturation (under Poisson arrivals an engine that keeps up just serves the
-rate). Before that, the Poisson trace is replayed ``--warm-replays`` times more with new prompts
-while its adapters are in host memory (mostly not in a GPU slot): the TTFT cliff past the slots,
-without the disk a cold start waits for (the p99 target is judged on the median replay; the cold
-ratio is reported beside it; one replay's p99 at N = 1,000 moved 217-676 ms between runs of the
-same code on an H100). Then the same burst once more with new prompts, its adapters now in host memory (the CPU
-tier, and the page cache for those it had to evict): S-LoRA's setting, whose mark (2,000 adapters
-within ~5% of 5) kept every adapter in host memory; the cold burst is bound by the disk instead.
-The issue's targets: saturated throughput at the largest N within 5% of the smallest (judged on
-the host-warm bursts; the cold ratio is reported beside it), p99
-TTFT at the largest N at most 2x the smallest's, cold TTFT p50 at most warm p50 + 1.5 x (adapter
-bytes / disk read bandwidth), the bandwidth measured in this run by reading fresh adapter files
-with the page cache dropped.
-Every step of the calibration, the Poisson traces and the last host-warm burst is logged (its
-tokens, padded size and time; in the Poisson traces also its phases and the slowest steps,
-`adapter_trace.STEP_PHASES`), as is what compiled while a trace served (dynamo frames, Triton
-kernels) and the engine's start-up stages.
-Writes ``many_adapters_<tag>.json`` and ``.md`` into ``--out``; ``--plot`` draws the PNG from a JSON
-(matplotlib, the ``bench`` extra: a separate step, as the GPU machine has no matplotlib).
+The arrival rate is ``--load`` (0.75) times the capacity measured first on the same engine (a
+saturated burst over 4 warm adapters). Per N: the Poisson trace; the same arrivals again with new
+prompts while the adapters sit in host memory (``--warm-replays``, the median reported: the TTFT
+cliff past the GPU slots without the disk); then ``--saturated-requests`` all at once from cold
+tiers, and again host-warm (``--saturated-repeats``, the median): throughput at saturation, which
+Poisson arrivals at a rate the engine keeps up with cannot show. Also ``--cold-alone`` adapters
+loaded one at a time on the idle engine. Step time by point comes from the engine's step listener.
+The targets: saturated host-warm throughput at the largest N within 5% of the smallest's, host-warm
+p99 TTFT at the largest N at most 2x the smallest's, cold TTFT p50 at most warm p50 + 1.5 x (adapter
+bytes / the disk's read bandwidth, measured in the run), and no failed request.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import random
 import shutil
-import statistics
 import sys
 import tempfile
+import threading
 import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loramux.serving.options import parse_byte_size  # noqa: E402
-
+from benchmarks import stats  # noqa: E402
 from benchmarks._common import (  # noqa: E402
+    ALL_SEVEN,
+    QKVO,
+    QV,
+    cell,
+    compiles_watched,
     copy_bandwidth,
+    default_out,
     device_name,
     disk_bandwidth,
     drop_from_page_cache,
+    engine_stages,
     filesystem_of,
+    load_bench_model,
+    module_name,
+    projection_shapes,
     read_seconds,
     sync,
+    write_peft_config,
+    write_result,
 )
-from benchmarks.adapter_trace import (  # noqa: E402
-    DEFAULT_MIX,
-    FEEDS,
-    AdapterKind,
-    Trace,
-    TraceRequest,
-    adapter_nbytes,
-    make_trace,
-    run_trace,
-    summarize,
-    summarize_steps,
-    write_adapter_files,
-)
-from benchmarks.startup_check import compiles_watched, engine_stages  # noqa: E402
+from loramux.engine.instrumentation import StepTimings  # noqa: E402
+from loramux.serving.options import parse_byte_size  # noqa: E402
 
+TITLE = "Many adapters"
 GB = 1e9
-# the CPU default: a 2-layer Llama small enough that 2 cores replay every trace in seconds
-TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=256)
+TARGET_SETS = {"q/v": QV, "q/k/v/o": QKVO, "all 7": ALL_SEVEN}
+TIERS = ("gpu", "cpu", "disk")  # where a request's adapter was when it arrived
 
 
-def build_engine(args):
-    """Load the model and build the one engine every N runs on."""
-    from loramux.engine.llm_engine import LLMEngine
-    from loramux.engine.model_loader import load_model
+@dataclass(frozen=True)
+class AdapterKind:
+    """One kind of adapter in the fleet: its rank, the projections it adapts, its share of adapters."""
 
-    if args.model == "tiny":  # random weights from a small config: the CPU smoke run
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        torch.manual_seed(args.seed)
-        model = LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).to(args.weights_dtype).eval()
-    else:
-        model = load_model(args.model, dtype=args.dtype, device=args.device, load_format=args.load_format)[0]
-    max_rank = max(kind.rank for kind in args.mix)
-    return LLMEngine(model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=max_rank,
-                     max_cpu_loras=args.max_cpu_loras, max_gpu_lora_bytes=args.max_gpu_lora_bytes,
-                     max_num_seqs=args.max_num_seqs,
-                     max_model_len=args.prompt_len + args.output_len + 8,
-                     max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
-                     enforce_eager=args.enforce_eager, cuda_graph_sizes=args.cuda_graph_sizes,
-                     async_scheduling=not args.no_async_scheduling)
+    rank: int
+    targets: str  # a key of TARGET_SETS
+    share: float
 
 
-def measure_disk(engine, args, root: Path) -> dict:
-    """Read bandwidth of fresh adapter files (of the mix, written, synced and dropped from the page
-    cache) and of one ``--disk-probe-mb`` file; bytes/s. The adapter files' figure judges the cold
-    target."""
-    probe = make_trace(8, 8, rate=math.inf, prompt_len=1, vocab_size=2, seed=args.seed + 99, mix=args.mix,
-                       zipf_exponent=0, name_prefix="probe")
-    adapters = probe.adapters
-    paths = write_adapter_files(adapters, engine.model.config, root / "probe", args.weights_dtype)
-    files = [paths[a.name] / "adapter_model.safetensors" for a in adapters]
-    drop_from_page_cache(*files)
-    seconds = sum(read_seconds(f) for f in files)
-    nbytes = sum(f.stat().st_size for f in files)
-    shutil.rmtree(root / "probe")
-    sequential = disk_bandwidth(root, nbytes=args.disk_probe_mb << 20)
-    return {"filesystem": filesystem_of(root), "adapter_files_read_bytes_per_s": nbytes / seconds,
-            "adapter_files_read_bytes": nbytes, **sequential}
+# Most adapters of a fleet are small; the big ones (rank 64 on all seven projections) are a small share
+DEFAULT_MIX = (
+    AdapterKind(8, "q/v", 0.514), AdapterKind(16, "q/v", 0.22), AdapterKind(32, "q/v", 0.06), AdapterKind(64, "q/v", 0.01),
+    AdapterKind(8, "q/k/v/o", 0.10), AdapterKind(16, "q/k/v/o", 0.04), AdapterKind(32, "q/k/v/o", 0.015),
+    AdapterKind(64, "q/k/v/o", 0.005),
+    AdapterKind(8, "all 7", 0.02), AdapterKind(16, "all 7", 0.01), AdapterKind(32, "all 7", 0.004),
+    AdapterKind(64, "all 7", 0.002),
+)
 
 
-def calibrate(engine, args, root: Path, vocab: int) -> dict:
-    """Requests/s the engine serves in a saturated burst (three batches of ``max_num_seqs`` requests
-    at once) over 4 warm adapters, after one untimed burst that compiles and loads: the capacity
-    the default rate is a fraction of (``capacity_req_s``). Then the same adapters under Poisson
-    arrivals at that capacity: what the engine serves when every step mixes a new prompt into the
-    decodes, as under the traces (``under_arrivals_req_s``). Each with its steps (`summarize_steps`)."""
-    trace = make_trace(4, 3 * args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
-                       seed=args.seed + 7, mix=args.mix, name_prefix="warm")
-    paths = write_adapter_files(trace.adapters, engine.model.config, root / "warm", args.weights_dtype)
-    capacity, steps = 0.0, []
-    for attempt in range(2):
-        if attempt:  # the same adapters, new prompts (no prefix-cache hits)
-            trace = make_trace(4, 3 * args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
-                               seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=attempt)
-        steps.clear()
-        records = run_trace(engine, trace, paths, max_tokens=args.output_len, steps=steps, feed=args.feed)
-        summary = summarize(records)
-        if summary["failed"]:
-            raise RuntimeError(f"the warm-up burst failed {summary['failed']} requests: {summary['failures']}")
-        capacity = summary["requests"] / summary["seconds"]
-        print(f"  burst {attempt + 1}: {summary['tokens_per_s']:.0f} tok/s, {capacity:.1f} req/s", flush=True)
-    arrivals = make_trace(4, 4 * args.max_num_seqs, rate=capacity, prompt_len=args.prompt_len, vocab_size=vocab,
-                          seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=2)
-    arrival_steps = []
-    served = summarize(run_trace(engine, arrivals, paths, max_tokens=args.output_len, steps=arrival_steps,
-                                 feed=args.feed))
-    under_arrivals = served["requests"] / served["seconds"]
-    print(f"  arrivals at {capacity:.1f} req/s: {served['tokens_per_s']:.0f} tok/s, {under_arrivals:.1f} req/s served",
-          flush=True)
-    for adapter in trace.adapters:
-        engine.remove_lora(adapter.name)
-    shutil.rmtree(root / "warm")
-    return {"capacity_req_s": capacity, "capacity_steps": summarize_steps(steps),
-            "under_arrivals_req_s": under_arrivals, "under_arrivals_steps": summarize_steps(arrival_steps)}
+@dataclass(frozen=True)
+class TraceAdapter:
+    name: str
+    lora_int_id: int
+    rank: int
+    targets: tuple[str, ...]
+    seed: int  # of its random weights: every adapter has its own content (and digest)
 
 
-def cold_alone(engine, args, root: Path, vocab: int, disk_bytes_per_s: float) -> dict:
-    """One request at a time on the idle engine, ``--cold-alone`` adapters of the mix: each first
-    cold (in no tier, its files out of the page cache), then again with a fresh prompt, resident
-    in its GPU slot. The cold TTFT bound for a load that has the disk to itself, as the bandwidth
-    in it was measured; a trace's cold loads share the disk with the loads around them."""
-    probe = make_trace(args.cold_alone, args.cold_alone, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
-                       seed=args.seed + 55, mix=args.mix, zipf_exponent=0, name_prefix="alone", first_id=90_001)
-    adapters = probe.adapters
-    paths = write_adapter_files(adapters, engine.model.config, root / "alone", args.weights_dtype)
-    sizes = {a.name: adapter_nbytes(engine.model.config, a.rank, a.targets, args.weights_dtype) for a in adapters}
-    rng = random.Random(args.seed + 56)
-    each = []
-    for adapter in adapters:
-        drop_from_page_cache(*(paths[adapter.name] / f for f in ("adapter_model.safetensors", "adapter_config.json")))
-        records = {}
-        for label in ("cold", "warm"):
-            prompt = [rng.randrange(1, vocab) for _ in range(args.prompt_len)]
-            alone = Trace([adapter], [TraceRequest(f"{adapter.name}-{label}", 0.0, adapter, prompt)])
-            records[label] = run_trace(engine, alone, paths, max_tokens=1, adapter_bytes=lambda a: sizes[a.name])[0]
-        cold, warm = records["cold"], records["warm"]
-        if cold.error or warm.error or not cold.cold or warm.cold:
-            raise RuntimeError(f"cold-alone probe of {adapter.name}: cold {cold}, warm {warm}")
-        each.append({"adapter": adapter.name, "bytes": sizes[adapter.name], "cold_ttft_ms": 1e3 * cold.ttft_s,
-                     "warm_ttft_ms": 1e3 * warm.ttft_s, "load_ms": 1e3 * (cold.adapter_ready_s - cold.arrival_s)})
-    unload(engine, adapters, paths)
-    shutil.rmtree(root / "alone")
-    p50 = {key: statistics.median(e[key] for e in each) for key in ("bytes", "cold_ttft_ms", "warm_ttft_ms", "load_ms")}
-    bound = p50["warm_ttft_ms"] + 1.5 * 1e3 * p50["bytes"] / disk_bytes_per_s
-    return {"cold_p50_ms": p50["cold_ttft_ms"], "warm_p50_ms": p50["warm_ttft_ms"], "load_p50_ms": p50["load_ms"],
-            "adapter_bytes_p50": p50["bytes"], "bound_ms": bound, "passed": p50["cold_ttft_ms"] <= bound, "each": each}
+@dataclass(frozen=True)
+class TraceRequest:
+    request_id: str
+    arrival_s: float  # since the trace starts
+    adapter: TraceAdapter
+    prompt_token_ids: list[int]
 
 
-def tier_counts(engine) -> dict[str, int]:
-    """The tiers' cumulative loads and evictions, as /metrics reads them; on CUDA also the caching
-    allocator's device allocations and its retries (a retry frees the cache: a device-wide sync
-    the host waits on, wherever in the step it falls)."""
-    from loramux.serving.engine_info import read_tiers
+@dataclass(frozen=True)
+class Trace:
+    adapters: list[TraceAdapter]  # all N, most popular first
+    requests: list[TraceRequest]  # by arrival
 
-    counts = {}
-    for tier, stats in read_tiers(engine).items():
-        for name in ("loads", "evictions"):
-            counts[f"{tier}_{name}"] = getattr(stats, name) or 0
-    device = engine.setup.device
-    if device.type == "cuda":
-        stats = torch.cuda.memory_stats(device)
-        counts["cuda_mallocs"] = stats.get("num_device_alloc", 0)
-        counts["cuda_alloc_retries"] = stats.get("num_alloc_retries", 0)
-    return counts
+    def used_adapters(self) -> list[TraceAdapter]:
+        """The adapters some request asks for (the others are never read: no file is needed)."""
+        return list({r.adapter.name: r.adapter for r in self.requests}.values())
 
 
-def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
-    """``n`` adapters: write the files of those used, replay the Poisson trace, then (from cold tiers
-    and page cache again) a saturated burst over the same adapters; unload them, delete the files."""
-    config = engine.model.config
-    common = dict(prompt_len=args.prompt_len, vocab_size=vocab, seed=args.seed + index, mix=args.mix,
-                  zipf_exponent=args.zipf_exponent, name_prefix=f"n{n}-", first_id=1 + 100_000 * (index + 1))
-    trace = make_trace(n, args.num_requests, rate=args.rate, **common)
-    burst = make_trace(n, args.saturated_requests, rate=math.inf, request_seed=1, **common) \
-        if args.saturated_requests else None
-    used = list({a.name: a for t in (trace, burst) if t for a in t.used_adapters()}.values())
-    sizes = {a.name: adapter_nbytes(config, a.rank, a.targets, args.weights_dtype) for a in used}
-    total = sum(sizes.values())
-    if total > args.max_disk_gb * GB:
-        raise SystemExit(f"N={n}: the {len(used)} adapters used need {total / GB:.1f} GB of disk, over "
-                         f"--max-disk-gb={args.max_disk_gb}; raise it, or lower N or --num-requests")
-    t0 = time.perf_counter()
-    paths = write_adapter_files(used, config, root / f"n{n}", args.weights_dtype, workers=args.write_workers)
-    written_s = time.perf_counter() - t0
-    print(f"N={n}: wrote {len(used)} adapter files ({total / GB:.2f} GB) in {written_s:.1f} s; "
-          f"replaying {len(trace.requests)} requests over {trace.requests[-1].arrival_s:.1f} s", flush=True)
-    before = tier_counts(engine)
-    steps, phases, load_calls = [], [], {}
-    with compiles_watched() as compiled:
-        records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
-                            progress=lambda done, total_, s: print(f"  {done}/{total_} finished, {s:.0f} s", flush=True),
-                            steps=steps, phases=phases, load_calls=load_calls, feed=args.feed)
-    after = tier_counts(engine)
-    result = {"adapters": n, **summarize(records), "adapter_bytes_written": total, "write_seconds": written_s,
-              **{key: after[key] - before.get(key, 0) for key in after},
-              "load_average_1m": os.getloadavg()[0],  # other work on the host skews every number
-              "poisson_steps": summarize_steps(steps, phases), "compiled_while_serving": compiled,
-              # the cold path's parts over the trace's loads (loading threads): p50 ms a call
-              "load_parts_p50_ms": {name: statistics.median(t) * 1e3 for name, t in load_calls.items() if t}}
-    print(f"  N={n}: {result['tokens_per_s']:.0f} tok/s, TTFT p50 {result['ttft_p50_ms']:.0f} ms, p99 "
-          f"{result['ttft_p99_ms']:.0f} ms; {result['cold_requests']} cold; {result['failed']} failed", flush=True)
-    # the same arrivals again, new prompts, the adapters now in host memory (the CPU tier, the page
-    # cache past it) but mostly not in a GPU slot: the TTFT cliff the issue asks about, without the
-    # disk that a cold start waits for
-    # (near capacity one replay's p99 is a few requests' waits: the median of several is reported)
-    replays = [summarize(run_trace(engine, with_new_prompts(trace, vocab, args.seed + index + 7 + 100 * rep), paths,
-                                   max_tokens=args.output_len, feed=args.feed)) for rep in range(args.warm_replays)]
-    keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")
-    result["host_warm_poisson"] = {key: statistics.median(r[key] or 0.0 for r in replays) for key in keys}
-    result["host_warm_poisson"].update(failed=sum(r["failed"] for r in replays),
-                                       each=[{key: r[key] for key in keys} for r in replays])
-    result["failed"] += result["host_warm_poisson"]["failed"]
-    warm = result["host_warm_poisson"]
-    print(f"  N={n} again, host-warm (median of {len(replays)}): {warm['tokens_per_s']:.0f} tok/s, TTFT p50 "
-          f"{warm['ttft_p50_ms']:.0f} ms, p99 {warm['ttft_p99_ms']:.0f} ms "
-          f"(each: {', '.join(f'{r[keys[2]]:.0f}' for r in replays)})", flush=True)
-    unload(engine, used, paths)
-    if burst is not None:  # throughput at saturation: what S-LoRA's mark compares
-        result["saturated_wave_adapter_bytes"] = wave_adapter_bytes(burst, sizes, args.max_num_seqs)
-        saturated = summarize(run_trace(engine, burst, paths, max_tokens=args.output_len, feed=args.feed))
-        # host-warm bursts are short (seconds): one stall moved a single burst by 1.6x between runs,
-        # so the median of --saturated-repeats bursts is reported (each one kept in the JSON)
-        warm = []
-        for rep in range(args.saturated_repeats):
-            warm_steps, warm_phases = [], []  # the last burst's are reported
-            warm.append(summarize(run_trace(engine, with_new_prompts(burst, vocab, args.seed + index + 1000 * rep),
-                                            paths, max_tokens=args.output_len, steps=warm_steps, phases=warm_phases,
-                                            feed=args.feed)))
-        warm_tps = [w["tokens_per_s"] or 0.0 for w in warm]
-        warm_failed = sum(w["failed"] for w in warm)
-        result.update(saturated_requests=saturated["requests"], saturated_failed=saturated["failed"] + warm_failed,
-                      saturated_tokens_per_s=saturated["tokens_per_s"],
-                      saturated_warm_tokens_per_s=statistics.median(warm_tps),
-                      saturated_warm_tokens_per_s_each=warm_tps, saturated_warm_steps=summarize_steps(warm_steps, warm_phases))
-        result["failed"] += saturated["failed"] + warm_failed
-        print(f"  N={n} saturated: {saturated['tokens_per_s']:.0f} tok/s from cold tiers, "
-              f"{statistics.median(warm_tps):.0f} tok/s host-warm (median of {', '.join(f'{t:.0f}' for t in warm_tps)}), "
-              f"over {saturated['requests']} requests; {saturated['failed'] + warm_failed} failed", flush=True)
-        unload(engine, used, paths)
-    shutil.rmtree(root / f"n{n}")
-    return result
+def make_trace(num_adapters: int, num_requests: int, *, rate: float, prompt_len: int, vocab_size: int, seed: int = 0,
+               mix: Sequence[AdapterKind] = DEFAULT_MIX, zipf_exponent: float = 1.0, name_prefix: str = "a",
+               first_id: int = 1, request_seed: int | None = None) -> Trace:
+    """N adapters (kinds drawn from ``mix`` by share), requests choosing adapter i with probability
+    proportional to 1 / i^``zipf_exponent``, arriving as a Poisson process of ``rate`` requests/s
+    (``math.inf``: all at once). The adapters depend on ``seed`` only; the requests on
+    ``request_seed`` too (default: ``seed``), so another one gives other requests over the same adapters.
 
-
-def wave_adapter_bytes(burst: Trace, sizes: dict[str, int], batch: int) -> float:
-    """Mean bytes of the distinct adapters in each wave of ``batch`` requests of a burst: what a
-    decode step of a full batch reads on top of the model's weights, the burst's bytes floor."""
-    waves = [burst.requests[i:i + batch] for i in range(0, len(burst.requests), batch)]
-    return statistics.mean(sum(sizes[name] for name in {r.adapter.name for r in wave}) for wave in waves)
+    :raises ValueError: a count, length or rate that is not positive, an empty mix, a share or rank
+        that is not positive, a target set that is not one of ``TARGET_SETS``, a negative exponent.
+    """
+    for what, value in (("num_adapters", num_adapters), ("num_requests", num_requests),
+                        ("prompt_len", prompt_len), ("vocab_size", vocab_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"make_trace {what}: got {value!r}; allowed: an int >= 1")
+    if vocab_size < 2:
+        raise ValueError(f"make_trace vocab_size: got {vocab_size}; allowed: >= 2 (token 0 is left out of prompts)")
+    if not (isinstance(rate, (int, float)) and rate > 0):
+        raise ValueError(f"make_trace rate: got {rate!r}; allowed: requests per second > 0 (math.inf: all at once)")
+    if not (isinstance(zipf_exponent, (int, float)) and zipf_exponent >= 0):
+        raise ValueError(f"make_trace zipf_exponent: got {zipf_exponent!r}; allowed: a number >= 0 (0: uniform)")
+    if not mix:
+        raise ValueError("make_trace mix: got no adapter kinds; give at least one AdapterKind")
+    for kind in mix:
+        if kind.targets not in TARGET_SETS:
+            raise ValueError(f"make_trace mix: target set {kind.targets!r} of {kind}; allowed: {sorted(TARGET_SETS)}")
+        if not kind.share > 0 or isinstance(kind.rank, bool) or not isinstance(kind.rank, int) or kind.rank < 1:
+            raise ValueError(f"make_trace mix: {kind} needs a share > 0 and an int rank >= 1")
+    rng = random.Random(seed)
+    kinds = rng.choices(list(mix), weights=[k.share for k in mix], k=num_adapters)
+    adapters = [TraceAdapter(f"{name_prefix}{i}", first_id + i, kind.rank, TARGET_SETS[kind.targets],
+                             seed=rng.randrange(2**31)) for i, kind in enumerate(kinds)]
+    if request_seed is not None:
+        rng = random.Random(f"{seed}/{request_seed}")
+    chosen = rng.choices(adapters, weights=[1.0 / (i + 1) ** zipf_exponent for i in range(num_adapters)], k=num_requests)
+    tag = "" if request_seed is None else f"s{request_seed}-"
+    arrival, requests = 0.0, []
+    for index, adapter in enumerate(chosen):
+        if index and math.isfinite(rate):
+            arrival += rng.expovariate(rate)
+        prompt = [rng.randrange(1, vocab_size) for _ in range(prompt_len)]
+        requests.append(TraceRequest(f"{name_prefix}{tag}req{index}", arrival, adapter, prompt))
+    return Trace(adapters, requests)
 
 
 def with_new_prompts(trace: Trace, vocab: int, seed: int) -> Trace:
     """The same requests over the same adapters with fresh prompts (no prefix-cache hits)."""
     rng = random.Random(seed)
-    return Trace(trace.adapters, [
-        TraceRequest(f"{r.request_id}-again", r.arrival_s, r.adapter,
-                     [rng.randrange(1, vocab) for _ in r.prompt_token_ids])
-        for r in trace.requests
-    ])
+    return Trace(trace.adapters, [TraceRequest(f"{r.request_id}-again", r.arrival_s, r.adapter,
+                                               [rng.randrange(1, vocab) for _ in r.prompt_token_ids])
+                                  for r in trace.requests])
+
+
+# -- adapter files ---------------------------------------------------------------------------------
+
+
+def adapter_nbytes(config, rank: int, targets: Sequence[str], dtype: torch.dtype) -> int:
+    """Bytes of the A and B weights of one adapter on ``targets`` of every layer of ``config``."""
+    shapes = projection_shapes(config)
+    return sum(rank * sum(shapes[p]) for p in targets) * config.get_text_config().num_hidden_layers * dtype.itemsize
+
+
+_POOL_ELEMENTS = 1 << 23  # 8 Mi random values: every tensor is a slice of it at its own offset
+
+
+def write_adapter_files(adapters: Sequence[TraceAdapter], config, directory: Path, dtype: torch.dtype, *,
+                        workers: int = 8, drop_cache: bool = True) -> dict[str, Path]:
+    """Write each adapter as PEFT saves one, under ``directory/<name>``; returns name -> dir.
+
+    Weights are slices of one random pool at offsets drawn from the adapter's seed (generating them
+    would cost more than the disk). With ``drop_cache`` each file is synced and evicted from the
+    page cache, so the first load reads the disk.
+    """
+    from safetensors.torch import save_file
+
+    shapes, layers = projection_shapes(config), config.get_text_config().num_hidden_layers
+    # std 0.02: the adapters' deltas stay small beside the base model's, as trained ones do
+    pool = (torch.randn(_POOL_ELEMENTS, generator=torch.Generator().manual_seed(0)) * 0.02).to(dtype)
+
+    def write(adapter: TraceAdapter) -> tuple[str, Path]:
+        rng = random.Random(adapter.seed)
+        tensors = {}
+        for layer in range(layers):
+            for proj in adapter.targets:
+                fan_in, fan_out = shapes[proj]
+                for part, shape in (("lora_A", (adapter.rank, fan_in)), ("lora_B", (fan_out, adapter.rank))):
+                    start = rng.randrange(_POOL_ELEMENTS - shape[0] * shape[1] + 1)
+                    key = f"base_model.model.{module_name(layer, proj)}.{part}.weight"
+                    tensors[key] = pool[start:start + shape[0] * shape[1]].clone().view(shape)
+        path = Path(directory) / adapter.name
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, path / "adapter_model.safetensors")
+        write_peft_config(path, adapter.rank, adapter.targets)
+        if drop_cache:
+            drop_from_page_cache(path / "adapter_model.safetensors", path / "adapter_config.json")
+        return adapter.name, path
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as executor:
+        return dict(executor.map(write, adapters))
 
 
 def unload(engine, adapters, paths: dict[str, Path]) -> None:
@@ -316,221 +234,410 @@ def unload(engine, adapters, paths: dict[str, Path]) -> None:
                                                                           "adapter_config.json")))
 
 
+# -- driving the engine ---------------------------------------------------------------------------
+
+
+@dataclass
+class RequestRecord:
+    """What happened to one request; times in seconds since the trace started."""
+
+    request_id: str
+    adapter: str
+    adapter_bytes: int
+    tier: str  # where its adapter was when it arrived: "gpu" (a slot), "cpu" (host memory) or "disk"
+    arrival_s: float  # when the trace says it arrives (TTFT counts from here)
+    added_s: float  # when the driver handed it to the engine
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    output_tokens: int = 0
+    error: str | None = None
+    adapter_ready_s: float | None = None  # the engine's "ready" event for its load (none when it was in a slot)
+
+    @property
+    def cold(self) -> bool:
+        return self.tier == "disk"
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+
+def adapter_tier(engine, name: str) -> str:
+    """Where the adapter bound to ``name`` is now: "gpu" (a slot), "cpu" (the CPU tier) or "disk"."""
+    handle = engine.registry.handle(name)
+    if handle is not None and engine.lora_manager.slot_of(handle.id) is not None:
+        return "gpu"
+    return "cpu" if handle is not None and handle.id in engine.registry.cache else "disk"
+
+
+FEEDS = ("steps", "thread")  # how run_trace hands requests to the engine
+
+
+def run_trace(engine, trace: Trace, paths: dict[str, Path], *, max_tokens: int,
+              adapter_bytes: Callable[[TraceAdapter], int] = lambda adapter: 0, steps: list[StepTimings] | None = None,
+              feed: str = "steps") -> list[RequestRecord]:
+    """Replay ``trace`` in real time through ``engine`` (an ``LLMEngine``); the record of each request.
+
+    Every request generates exactly ``max_tokens`` tokens (greedy, ``ignore_eos``), its adapter named
+    by path, so a cold one is read from disk. ``steps`` receives the `StepTimings` of every step. ``feed``: "steps" adds the requests that
+    arrived between steps; "thread" adds each as it arrives from a thread of its own, as the
+    server's intake thread does, so a cold load starts at its arrival.
+    """
+    if feed not in FEEDS:
+        raise ValueError(f"feed={feed!r}: give one of {', '.join(FEEDS)}")
+    from loramux import LoRARequest, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    pending, records = deque(trace.requests), {}
+    start = time.perf_counter()
+
+    def on_event(event) -> None:  # in the loading thread; the record was made before add_request
+        if event.kind == "ready":
+            for request_id in event.request_ids:
+                if request_id in records:
+                    records[request_id].adapter_ready_s = time.perf_counter() - start
+
+    def add_arrived() -> None:
+        now = time.perf_counter() - start
+        while pending and pending[0].arrival_s <= now:
+            request = pending.popleft()
+            adapter = request.adapter
+            records[request.request_id] = RequestRecord(request.request_id, adapter.name, adapter_bytes(adapter),
+                                                        adapter_tier(engine, adapter.name), request.arrival_s, now)
+            engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids}, params,
+                               LoRARequest(adapter.name, adapter.lora_int_id, str(paths[adapter.name])))
+
+    with contextlib.ExitStack() as stack:
+        engine.add_event_listener(on_event)
+        stack.callback(engine.remove_event_listener, on_event)
+        if steps is not None:
+            engine.add_step_listener(steps.append)
+            stack.callback(engine.remove_step_listener, steps.append)
+        feeder = _Feeder(add_arrived, pending, start) if feed == "thread" else None
+        if feeder is not None:
+            stack.callback(feeder.join)  # and re-raise what it raised
+        while (feeder.is_alive() if feeder is not None else pending) or engine.has_unfinished_requests():
+            if feeder is None:
+                add_arrived()
+            if not engine.has_unfinished_requests():  # idle until the next arrival
+                wait = pending[0].arrival_s - (time.perf_counter() - start) if pending and feeder is None else 0.0005
+                time.sleep(max(0.0, min(wait, 0.01)))
+                continue
+            outputs = engine.step()
+            now = time.perf_counter() - start
+            for out in outputs:
+                record = records[out.request_id]
+                tokens = len(out.outputs[0].token_ids)
+                if tokens and record.first_token_s is None:
+                    record.first_token_s = now
+                if out.finished:
+                    record.finish_s, record.output_tokens = now, tokens
+                    if out.error is not None or out.outputs[0].finish_reason in ("error", "abort"):
+                        record.error = str(out.error or out.outputs[0].finish_reason)
+    return [records[r.request_id] for r in trace.requests]
+
+
+class _Feeder(threading.Thread):
+    """Adds each request of ``pending`` at its arrival time beside the stepping thread; `join`
+    re-raises what it raised."""
+
+    def __init__(self, add: Callable[[], None], pending, start: float) -> None:
+        super().__init__(name="trace-feed", daemon=True)
+        self._add, self._pending, self._start = add, pending, start
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            while self._pending:
+                time.sleep(max(0.0, self._pending[0].arrival_s - (time.perf_counter() - self._start)))
+                self._add()
+        except BaseException as error:  # the stepping thread re-raises it
+            self.error = error
+
+    def join(self, timeout: float | None = None) -> None:
+        super().join(timeout)
+        if self.error is not None:
+            raise self.error
+
+
+def summarize(records: Sequence[RequestRecord]) -> dict:
+    """Throughput (output tokens from first arrival to last finish), TTFT p50/p99 in all and by tier,
+    the cold requests' TTFT split at their adapter's "ready" event (the load, then the engine's
+    wait), and the requests that failed or never finished."""
+    done = [r for r in records if r.finish_s is not None and r.error is None]
+    failed = [r for r in records if r.error is not None or r.finish_s is None]
+    ttft = {tier: [1e3 * r.ttft_s for r in done if r.tier == tier and r.ttft_s is not None] for tier in TIERS}
+    every = [t for tier in TIERS for t in ttft[tier]]
+    cold = [r for r in done if r.cold and r.adapter_ready_s is not None]
+    tokens = sum(r.output_tokens for r in done)
+    span = (max(r.finish_s for r in done) - min(r.arrival_s for r in records)) if done else None
+    return {"requests": len(records), "failed": len(failed),
+            "failures": sorted({r.error or "did not finish" for r in failed})[:5],
+            "output_tokens": tokens, "seconds": span, "tokens_per_s": stats.ratio(tokens, span),
+            "ttft_p50_ms": stats.median(every), "ttft_p99_ms": stats.percentile(every, 99),
+            "ttft_by_tier": {tier: {"requests": len(ttft[tier]), "p50_ms": stats.median(ttft[tier]),
+                                    "p99_ms": stats.percentile(ttft[tier], 99)} for tier in TIERS},
+            "cold_requests": len(ttft["disk"]), "cold_ttft_p50_ms": stats.median(ttft["disk"]),
+            "warm_ttft_p50_ms": stats.median(ttft["gpu"] + ttft["cpu"]),
+            "cold_adapter_bytes_p50": stats.median(r.adapter_bytes for r in done if r.cold),
+            "cold_ready_p50_ms": stats.median(1e3 * (r.adapter_ready_s - r.arrival_s) for r in cold),
+            "cold_ready_to_first_token_p50_ms": stats.median(1e3 * (r.first_token_s - r.adapter_ready_s) for r in cold),
+            "adapters_used": len({r.adapter for r in records})}
+
+
+def summarize_steps(steps: Sequence[StepTimings]) -> dict:
+    """Where a trace's step time went: the steps that launched a forward, their mean time, the share
+    that computed prompt tokens, the padding share of the forwards' tokens, the milliseconds at each
+    timing point in all, and the steps by the tokens their forward ran (a graph's padded size)."""
+    from loramux.engine.instrumentation import POINTS
+
+    ran = [t for t in steps if t.launched is not None]
+    by_size: dict[int, list[StepTimings]] = {}
+    for t in ran:
+        by_size.setdefault(t.launched.padded_tokens, []).append(t)
+    padded = sum(t.launched.padded_tokens for t in ran)
+    return {"steps": len(ran), "step_ms_mean": stats.ratio(1e3 * sum(t.seconds for t in ran), len(ran)),
+            "with_prompt_share": stats.ratio(sum(t.launched.prompt_tokens > 0 for t in ran), len(ran)),
+            "padding_share": 1 - sum(t.launched.num_tokens for t in ran) / padded if padded else None,
+            "point_ms_total": {name: 1e3 * sum(t.phase(name) for t in steps) for name in POINTS},
+            "by_padded_tokens": {size: {"steps": len(group), "ms_mean": 1e3 * sum(t.seconds for t in group) / len(group),
+                                        "tokens_mean": sum(t.launched.num_tokens for t in group) / len(group)}
+                                 for size, group in sorted(by_size.items())}}
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+
+
+def build_engine(args):
+    """Load the model and build the one engine every N runs on."""
+    from loramux.engine.llm_engine import LLMEngine
+
+    model = load_bench_model(args.model, args.dtype, args.device, args.load_format)
+    return LLMEngine(model, enable_lora=True, max_loras=args.max_loras, max_lora_rank=max(k.rank for k in args.mix),
+                     max_cpu_loras=args.max_cpu_loras, max_gpu_lora_bytes=args.max_gpu_lora_bytes,
+                     max_num_seqs=args.max_num_seqs, max_model_len=args.prompt_len + args.output_len + 8,
+                     max_num_batched_tokens=max(args.max_num_batched_tokens, args.max_num_seqs),
+                     enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
+
+
+def measure_disk(engine, args, root: Path) -> dict:
+    """Read bandwidth of fresh adapter files of the mix (written, synced, dropped from the page
+    cache: what judges the cold target) and of one ``--disk-probe-mb`` file; bytes/s."""
+    probe = make_trace(8, 8, rate=math.inf, prompt_len=1, vocab_size=2, seed=args.seed + 99, mix=args.mix,
+                       zipf_exponent=0, name_prefix="probe")
+    paths = write_adapter_files(probe.adapters, engine.model.config, root / "probe", args.weights_dtype)
+    files = [paths[a.name] / "adapter_model.safetensors" for a in probe.adapters]
+    drop_from_page_cache(*files)
+    seconds = sum(read_seconds(f) for f in files)
+    nbytes = sum(f.stat().st_size for f in files)
+    shutil.rmtree(root / "probe")
+    return {"filesystem": filesystem_of(root), "adapter_files_read_bytes_per_s": nbytes / seconds,
+            **disk_bandwidth(root, nbytes=args.disk_probe_mb << 20)}
+
+
+def calibrate(engine, args, root: Path, vocab: int) -> dict:
+    """Requests/s the engine serves in a saturated burst (three batches of ``max_num_seqs`` at once)
+    over 4 warm adapters, after one untimed burst that compiles and loads: the capacity the default
+    rate is a fraction of. Then the same adapters under Poisson arrivals at that capacity."""
+    def burst(attempt):
+        return make_trace(4, 3 * args.max_num_seqs, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
+                          seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=attempt or None)
+
+    paths = write_adapter_files(burst(0).adapters, engine.model.config, root / "warm", args.weights_dtype)
+    for attempt in range(2):
+        steps = []
+        summary = summarize(run_trace(engine, burst(attempt), paths, max_tokens=args.output_len, steps=steps,
+                                      feed=args.feed))
+        if summary["failed"]:
+            raise RuntimeError(f"the warm-up burst failed {summary['failed']} requests: {summary['failures']}")
+        capacity = summary["requests"] / summary["seconds"]
+    arrivals = make_trace(4, 4 * args.max_num_seqs, rate=capacity, prompt_len=args.prompt_len, vocab_size=vocab,
+                          seed=args.seed + 7, mix=args.mix, name_prefix="warm", request_seed=2)
+    served = summarize(run_trace(engine, arrivals, paths, max_tokens=args.output_len, feed=args.feed))
+    unload(engine, burst(0).adapters, paths)
+    shutil.rmtree(root / "warm")
+    print(f"  capacity {capacity:.1f} req/s; under arrivals at it {served['requests'] / served['seconds']:.1f}", flush=True)
+    return {"capacity_req_s": capacity, "capacity_steps": summarize_steps(steps),
+            "under_arrivals_req_s": served["requests"] / served["seconds"]}
+
+
+def cold_alone(engine, args, root: Path, vocab: int, disk_bytes_per_s: float) -> dict:
+    """One request at a time on the idle engine, ``--cold-alone`` adapters of the mix: each first
+    cold (in no tier, its files out of the page cache), then again, resident: the cold TTFT bound
+    for a load that has the disk to itself."""
+    probe = make_trace(args.cold_alone, args.cold_alone, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
+                       seed=args.seed + 55, mix=args.mix, zipf_exponent=0, name_prefix="alone", first_id=90_001)
+    paths = write_adapter_files(probe.adapters, engine.model.config, root / "alone", args.weights_dtype)
+    sizes = {a.name: adapter_nbytes(engine.model.config, a.rank, a.targets, args.weights_dtype) for a in probe.adapters}
+    rng, each = random.Random(args.seed + 56), []
+    for adapter in probe.adapters:
+        drop_from_page_cache(*(paths[adapter.name] / f for f in ("adapter_model.safetensors", "adapter_config.json")))
+        cold, warm = (run_trace(engine, Trace([adapter], [TraceRequest(f"{adapter.name}-{label}", 0.0, adapter,
+                                                                       [rng.randrange(1, vocab) for _ in range(args.prompt_len)])]),
+                                paths, max_tokens=1, adapter_bytes=lambda a: sizes[a.name])[0] for label in ("cold", "warm"))
+        if cold.error or warm.error or not cold.cold or warm.cold:
+            raise RuntimeError(f"cold-alone probe of {adapter.name}: cold {cold}, warm {warm}")
+        each.append({"adapter": adapter.name, "bytes": sizes[adapter.name], "cold_ttft_ms": 1e3 * cold.ttft_s,
+                     "warm_ttft_ms": 1e3 * warm.ttft_s, "load_ms": 1e3 * (cold.adapter_ready_s - cold.arrival_s)})
+    unload(engine, probe.adapters, paths)
+    shutil.rmtree(root / "alone")
+    p50 = {key: stats.median(e[key] for e in each) for key in ("bytes", "cold_ttft_ms", "warm_ttft_ms", "load_ms")}
+    bound = p50["warm_ttft_ms"] + 1.5 * 1e3 * p50["bytes"] / disk_bytes_per_s
+    return {"cold_p50_ms": p50["cold_ttft_ms"], "warm_p50_ms": p50["warm_ttft_ms"], "load_p50_ms": p50["load_ms"],
+            "adapter_bytes_p50": p50["bytes"], "bound_ms": bound, "passed": p50["cold_ttft_ms"] <= bound, "each": each}
+
+
+def tier_counts(engine) -> dict[str, int]:
+    """The tiers' cumulative loads and evictions; on CUDA also the caching allocator's device
+    allocations and retries (a retry frees the cache: a device-wide sync the step waits on)."""
+    counts = {f"{tier}_{name}": getattr(stats_, name) for tier, stats_ in
+              (("cpu", engine.registry.cache.stats), ("gpu", engine.lora_manager.stats)) for name in ("loads", "evictions")}
+    if engine.setup.device.type == "cuda":
+        memory = torch.cuda.memory_stats(engine.setup.device)
+        counts |= {"cuda_mallocs": memory.get("num_device_alloc", 0), "cuda_alloc_retries": memory.get("num_alloc_retries", 0)}
+    return counts
+
+
+def wave_adapter_bytes(burst: Trace, sizes: dict[str, int], batch: int) -> float:
+    """Mean bytes of the distinct adapters in each wave of ``batch`` requests of a burst: what a
+    decode step of a full batch reads on top of the model's weights."""
+    waves = [burst.requests[i:i + batch] for i in range(0, len(burst.requests), batch)]
+    return stats.ratio(sum(sum(sizes[n] for n in {r.adapter.name for r in wave}) for wave in waves), len(waves))
+
+
+def run_one(engine, args, root: Path, n: int, vocab: int, index: int) -> dict:
+    """``n`` adapters: the Poisson trace, its host-warm replays, then (from cold tiers and page cache
+    again) a saturated burst and its host-warm repeats; unload them, delete the files."""
+    config = engine.model.config
+    common = dict(prompt_len=args.prompt_len, vocab_size=vocab, seed=args.seed + index, mix=args.mix,
+                  zipf_exponent=args.zipf_exponent, name_prefix=f"n{n}-", first_id=1 + 100_000 * (index + 1))
+    trace = make_trace(n, args.num_requests, rate=args.rate, **common)
+    burst = make_trace(n, args.saturated_requests, rate=math.inf, request_seed=1, **common) if args.saturated_requests else None
+    used = list({a.name: a for t in (trace, burst) if t for a in t.used_adapters()}.values())
+    sizes = {a.name: adapter_nbytes(config, a.rank, a.targets, args.weights_dtype) for a in used}
+    if sum(sizes.values()) > args.max_disk_gb * GB:
+        raise SystemExit(f"N={n}: the {len(used)} adapters used need {sum(sizes.values()) / GB:.1f} GB of disk, over "
+                         f"--max-disk-gb={args.max_disk_gb}; raise it, or lower N or --num-requests")
+    paths = write_adapter_files(used, config, root / f"n{n}", args.weights_dtype, workers=args.write_workers)
+    print(f"N={n}: {len(used)} adapter files ({sum(sizes.values()) / GB:.2f} GB); replaying {len(trace.requests)} "
+          f"requests over {trace.requests[-1].arrival_s:.1f} s", flush=True)
+    before, steps = tier_counts(engine), []
+    with compiles_watched() as compiled:
+        records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
+                            steps=steps, feed=args.feed)
+    after = tier_counts(engine)
+    result = {"adapters": n, **summarize(records), "adapter_bytes_written": sum(sizes.values()),
+              **{key: after[key] - before.get(key, 0) for key in after},
+              "load_average_1m": os.getloadavg()[0],  # other work on the host skews every number
+              "poisson_steps": summarize_steps(steps),
+              "compiled_while_serving": {k: v for k, v in compiled.items() if k != "kernels"}}
+    # the same arrivals again, new prompts, the adapters now in host memory but mostly not in a slot:
+    # near capacity one replay's p99 is a few requests' waits, so the median of several is reported
+    replays = [summarize(run_trace(engine, with_new_prompts(trace, vocab, args.seed + index + 7 + 100 * rep), paths,
+                                   max_tokens=args.output_len, feed=args.feed)) for rep in range(args.warm_replays)]
+    keys = ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")
+    result["host_warm_poisson"] = {key: stats.median(r[key] or 0.0 for r in replays) for key in keys} | {
+        "failed": sum(r["failed"] for r in replays), "each": [{key: r[key] for key in keys} for r in replays]}
+    result["failed"] += result["host_warm_poisson"]["failed"]
+    unload(engine, used, paths)
+    if burst is not None:  # throughput at saturation: cold tiers, then host-warm (one stall moves a short burst)
+        result["saturated_wave_adapter_bytes"] = wave_adapter_bytes(burst, sizes, args.max_num_seqs)
+        saturated = summarize(run_trace(engine, burst, paths, max_tokens=args.output_len, feed=args.feed))
+        warm_steps = []
+        warm = [summarize(run_trace(engine, with_new_prompts(burst, vocab, args.seed + index + 1000 * rep), paths,
+                                    max_tokens=args.output_len, steps=warm_steps if rep == args.saturated_repeats - 1
+                                    else None, feed=args.feed)) for rep in range(args.saturated_repeats)]
+        warm_tps = [w["tokens_per_s"] or 0.0 for w in warm]
+        failed = saturated["failed"] + sum(w["failed"] for w in warm)
+        result.update(saturated_requests=saturated["requests"], saturated_failed=failed,
+                      saturated_tokens_per_s=saturated["tokens_per_s"], saturated_warm_tokens_per_s=stats.median(warm_tps),
+                      saturated_warm_tokens_per_s_each=warm_tps, saturated_warm_steps=summarize_steps(warm_steps))
+        result["failed"] += failed
+        unload(engine, used, paths)
+    shutil.rmtree(root / f"n{n}")
+    print(f"  N={n}: {result['tokens_per_s'] or 0:.0f} tok/s, TTFT p50 {result['ttft_p50_ms'] or 0:.0f} ms, p99 "
+          f"{result['ttft_p99_ms'] or 0:.0f} ms; saturated host-warm {result.get('saturated_warm_tokens_per_s') or 0:.0f} "
+          f"tok/s; {result['failed']} failed", flush=True)
+    return result
+
+
 def check_targets(results: list[dict], disk_bytes_per_s: float, model_bytes: int | None = None,
                   cold_alone: dict | None = None) -> dict:
-    """The issue's targets, each with the numbers it was judged on (None: not measurable here).
+    """The targets, each with the numbers it was judged on (None: not measurable here).
     ``model_bytes``: the model's weights, for the throughput target's bytes floor (the ratio a step
-    reading the model and its wave's adapters, and nothing else, would give). ``cold_alone``: the
-    `cold_alone` probe, judged as its own target beside the traces' cold requests."""
+    reading the model and its wave's adapters, and nothing else, would give)."""
     small, large = results[0], results[-1]
     checks = {"no_failed_requests": {"failed": sum(r["failed"] for r in results),
                                      "passed": all(r["failed"] == 0 for r in results)}}
-    # at saturation where measured (under Poisson arrivals an engine that keeps up serves the rate),
-    # adapters in host memory as in S-LoRA's mark; from cold tiers and disk beside it
     key = "saturated_warm_tokens_per_s" if small.get("saturated_warm_tokens_per_s") else "tokens_per_s"
     if len(results) > 1 and small[key] and large.get(key):
         ratio = large[key] / small[key]
-        checks["throughput_within_5pct"] = {"largest_over_smallest": ratio, "measured": key, "passed": ratio >= 0.95}
-        if small.get("saturated_tokens_per_s") and large.get("saturated_tokens_per_s"):
-            checks["throughput_within_5pct"]["cold_tiers_largest_over_smallest"] = (
-                large["saturated_tokens_per_s"] / small["saturated_tokens_per_s"])
+        check = checks["throughput_within_5pct"] = {"largest_over_smallest": ratio, "measured": key, "passed": ratio >= 0.95}
+        check["cold_tiers_largest_over_smallest"] = stats.ratio(large.get("saturated_tokens_per_s"),
+                                                                small.get("saturated_tokens_per_s"))
         if model_bytes and small.get("saturated_wave_adapter_bytes") and large.get("saturated_wave_adapter_bytes"):
-            checks["throughput_within_5pct"]["bytes_floor"] = (
-                (model_bytes + small["saturated_wave_adapter_bytes"]) / (model_bytes + large["saturated_wave_adapter_bytes"]))
+            check["bytes_floor"] = ((model_bytes + small["saturated_wave_adapter_bytes"])
+                                    / (model_bytes + large["saturated_wave_adapter_bytes"]))
     if len(results) > 1 and small["ttft_p99_ms"] and large["ttft_p99_ms"] is not None:
-        # judged on the host-warm replay where measured (a cold start waits for the disk, which the
+        # judged on the host-warm replays where measured (a cold start waits for the disk, which the
         # cold TTFT bound judges); the cold traces' ratio beside it
-        warm_small, warm_large = small.get("host_warm_poisson"), large.get("host_warm_poisson")
         cold_ratio = large["ttft_p99_ms"] / small["ttft_p99_ms"]
-        if warm_small and warm_large and warm_small["ttft_p99_ms"] and warm_large["ttft_p99_ms"] is not None:
-            ratio = warm_large["ttft_p99_ms"] / warm_small["ttft_p99_ms"]
-            checks["p99_ttft_at_most_2x"] = {"largest_over_smallest": ratio, "measured": "host_warm_poisson",
-                                             "cold_largest_over_smallest": cold_ratio, "passed": ratio <= 2.0}
-        else:
-            checks["p99_ttft_at_most_2x"] = {"largest_over_smallest": cold_ratio, "passed": cold_ratio <= 2.0}
+        warm_small, warm_large = small.get("host_warm_poisson") or {}, large.get("host_warm_poisson") or {}
+        ratio = stats.ratio(warm_large.get("ttft_p99_ms"), warm_small.get("ttft_p99_ms"))
+        checks["p99_ttft_at_most_2x"] = ({"largest_over_smallest": cold_ratio, "passed": cold_ratio <= 2.0} if ratio is None
+                                         else {"largest_over_smallest": ratio, "measured": "host_warm_poisson",
+                                               "cold_largest_over_smallest": cold_ratio, "passed": ratio <= 2.0})
     cold = {}
     for r in results:
-        if r["cold_ttft_p50_ms"] is None or r["warm_ttft_p50_ms"] is None:
-            continue
-        bound = r["warm_ttft_p50_ms"] + 1.5 * 1e3 * r["cold_adapter_bytes_p50"] / disk_bytes_per_s
-        # where a cold TTFT goes: the load (to the "ready" event), then the engine's wait after it
-        cold[r["adapters"]] = {"cold_p50_ms": r["cold_ttft_p50_ms"], "bound_ms": bound,
-                               "passed": r["cold_ttft_p50_ms"] <= bound,
-                               "load_p50_ms": r.get("cold_ready_p50_ms"),
-                               "after_load_p50_ms": r.get("cold_ready_to_first_token_p50_ms"),
-                               **{key: r.get(f"cold_{key}") for key in ("handed_over_p50_ms", "load_run_p50_ms",
-                                                                        "registry_p50_ms")},
-                               "load_parts_p50_ms": r.get("load_parts_p50_ms")}
+        if r["cold_ttft_p50_ms"] is not None and r["warm_ttft_p50_ms"] is not None:
+            bound = r["warm_ttft_p50_ms"] + 1.5 * 1e3 * r["cold_adapter_bytes_p50"] / disk_bytes_per_s
+            cold[r["adapters"]] = {"cold_p50_ms": r["cold_ttft_p50_ms"], "bound_ms": bound,
+                                   "passed": r["cold_ttft_p50_ms"] <= bound, "load_p50_ms": r.get("cold_ready_p50_ms"),
+                                   "after_load_p50_ms": r.get("cold_ready_to_first_token_p50_ms")}
     checks["cold_ttft_bound"] = {"per_n": cold, "passed": all(c["passed"] for c in cold.values()) if cold else None}
     if cold_alone:
         checks["cold_ttft_bound_alone"] = {key: value for key, value in cold_alone.items() if key != "each"}
     return checks
 
 
-def markdown(report: dict) -> str:
-    options, disk = report["options"], report["disk"]
-    fmt = lambda v, f="{:.0f}": "" if v is None else f.format(v)  # noqa: E731
-    loads = ", ".join(f"{r.get('load_average_1m', 0):.1f}" for r in report["results"])
-    lines = [
-        f"**{report['device']}**, {report['model']} ({options['dtype']}, {report['mode']}); one engine, "
-        f"max_loras={options['max_loras']}, max_cpu_loras={options['max_cpu_loras']}, "
-        f"GPU adapter memory {_gpu_memory(options)}, "
-        f"max_num_seqs={options['max_num_seqs']}; {options['num_requests']} requests per N "
-        f"({options['prompt_len']} prompt + {options['output_len']} generated tokens), Poisson arrivals at "
-        f"{report['rate_req_s']:.1f} req/s ({options['load']:.2f} x the measured capacity of "
-        f"{report['capacity_req_s']:.1f} req/s in a burst{_under_arrivals(report)}), "
-        f"Zipf({options['zipf_exponent']}) popularity, ranks "
-        f"{sorted({k['rank'] for k in options['mix']})}, q/v, q/k/v/o and all-seven targets; requests handed "
-        f"to the engine {'as they arrive, by a thread' if options.get('feed') == 'thread' else 'between steps'}.",
-        f"Disk ({disk['filesystem']}): fresh adapter files read at {disk['adapter_files_read_bytes_per_s'] / GB:.2f} "
-        f"GB/s (page cache dropped), sequential {disk['disk_bytes_per_s'] / GB:.2f} GB/s. Host load average "
-        f"(1 min) after each N: {loads} on {os.cpu_count()} CPUs.",
-        "",
-        "| N | used | GB on disk | tokens/s (Poisson) | saturated tokens/s, cold tiers | saturated, host-warm | "
-        "vs first | TTFT p50 (ms) | p99 (ms) | again host-warm (median replay): p50 | p99 | "
-        "cold req. | cold p50 (ms) | warm p50 (ms) | CPU loads | CPU evictions | GPU evictions | failed |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: | ---: | ---: |",
-    ]
-    key = "saturated_warm_tokens_per_s" if report["results"][0].get("saturated_warm_tokens_per_s") else "tokens_per_s"
-    first = report["results"][0][key]
-    for r in report["results"]:
-        lines.append(
-            f"| {r['adapters']} | {r['adapters_used']} | {r['adapter_bytes_written'] / GB:.2f} | "
-            f"{fmt(r['tokens_per_s'])} | {fmt(r.get('saturated_tokens_per_s'))} | "
-            f"{fmt(r.get('saturated_warm_tokens_per_s'))} | "
-            f"{fmt(r[key] / first if first and r.get(key) else None, '{:.3f}x')} | "
-            f"{fmt(r['ttft_p50_ms'])} | {fmt(r['ttft_p99_ms'])} | "
-            f"{fmt(r.get('host_warm_poisson', {}).get('ttft_p50_ms'))} | "
-            f"{fmt(r.get('host_warm_poisson', {}).get('ttft_p99_ms'))} | {r['cold_requests']} | {fmt(r['cold_ttft_p50_ms'])} | "
-            f"{fmt(r['warm_ttft_p50_ms'])} | {r.get('cpu_loads', '')} | {r.get('cpu_evictions', '')} | "
-            f"{r.get('gpu_evictions', '')} | {r['failed']} |")
-    lines += steps_table(report)
-    lines += ["", "Targets (issue 10):", ""]
-    for name, check in report["targets"].items():
-        verdict = {True: "**met**", False: "**not met**", None: "not measurable"}[check["passed"]]
-        detail = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in check.items() if k != "passed"}
-        lines.append(f"- {name}: {verdict} {json.dumps(detail)}")
-    return "\n".join(lines) + "\n"
-
-
-# the steps table's GPU tier column: `adapter_trace.LORA_PARTS`, in the order its header names them
-TIER_COLUMN = ("lora.slot_write", "lora.make_room", "lora.can_place")
-
-
-def steps_table(report: dict) -> list[str]:
-    """Markdown lines: where the step time went in the capacity burst, each Poisson trace and the
-    last host-warm burst, by the tokens each forward ran (reports before step logging have none)."""
-    phases = [("capacity burst, 4 adapters", report.get("capacity_steps")),
-              ("4 adapters, arrivals at capacity", report.get("under_arrivals_steps"))]
-    for r in report["results"]:
-        phases += [(f"N={r['adapters']} Poisson", r.get("poisson_steps")),
-                   (f"N={r['adapters']} host-warm burst", r.get("saturated_warm_steps"))]
-    phases = [(name, steps) for name, steps in phases if steps and steps["steps"]]
-    if not phases:
-        return []
-    lines = ["", f"Steps (graph sizes {report.get('graph_sizes') or 'none: eager'}): mean wall time of "
-             "`engine.step()`, by the tokens its forward ran (a graph's padded size), as "
-             "size: ms x steps (mean tokens computed), the six most frequent sizes (all in the JSON):", "",
-             "| phase | steps | mean ms | with prompt tokens | padding | GPU tier on the engine's thread, ms in all: "
-             "slot writes / evictions / placement checks | by size |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
-    for name, steps in phases:
-        frequent = sorted(steps["by_padded_tokens"].items(), key=lambda item: -item[1]["steps"])[:6]
-        sizes = "; ".join(f"{T}: {g['ms_mean']:.1f} x {g['steps']} ({g['tokens_mean']:.0f})"
-                          for T, g in sorted(frequent, key=lambda item: int(item[0])))
-        total = steps.get("phase_ms_total")  # timed in the Poisson traces and the last host-warm burst
-        tier = " / ".join(f"{total.get(part, 0.0):.0f}" for part in TIER_COLUMN) if total else ""
-        lines.append(f"| {name} | {steps['steps']} | {steps['step_ms_mean']:.2f} | {steps['with_prompt_share']:.0%} | "
-                     f"{steps['padding_share']:.0%} | {tier} | {sizes} |")
-    return lines
-
-
-def plot(json_path: Path) -> Path:
-    """Throughput and TTFT p50/p99 against N (log x) from a results JSON; writes a PNG beside it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    report = json.loads(Path(json_path).read_text())
-    results = report["results"]
-    n = [r["adapters"] for r in results]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(n, [r["tokens_per_s"] for r in results], "o-", label="Poisson arrivals")
-    if all(r.get("saturated_tokens_per_s") for r in results):
-        left.plot(n, [r["saturated_tokens_per_s"] for r in results], "s-", label="saturated, cold tiers")
-    if all(r.get("saturated_warm_tokens_per_s") for r in results):
-        left.plot(n, [r["saturated_warm_tokens_per_s"] for r in results], "^-", label="saturated, host-warm")
-    left.legend()
-    left.set(xscale="log", xlabel="adapters (N)", ylabel="output tokens/s", title="throughput")
-    left.set_ylim(bottom=0)
-    for key, label in (("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99"), ("cold_ttft_p50_ms", "cold p50"),
-                       ("warm_ttft_p50_ms", "warm p50")):
-        right.plot(n, [r[key] for r in results], "o-", label=label)
-    right.set(xscale="log", xlabel="adapters (N)", ylabel="ms", title="time to first token")
-    right.set_ylim(bottom=0)
-    right.legend()
-    for axes in (left, right):  # the N values themselves as ticks, not powers of ten
-        axes.set_xticks(n, [str(value) for value in n])
-        axes.minorticks_off()
-    options = report["options"]
-    figure.suptitle(f"{report['device']}: {report['model']}, max_loras={options['max_loras']}, "
-                    f"max_cpu_loras={options['max_cpu_loras']}, {report['rate_req_s']:.1f} req/s", fontsize=9)
-    figure.tight_layout()
-    out = Path(json_path).with_suffix(".png")
-    figure.savefig(out, dpi=120)
-    return out
-
-
 def parse_args(argv=None):
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="llama-3.1-8b" if cuda else "tiny",
-                        help="default: llama-3.1-8b (dummy weights) on CUDA, 'tiny' (TINY_CONFIG, random) on CPU; "
-                        "a model id, dir or shipped dummy config name")
+                        help="a shipped config name (random weights on CUDA), a model id or dir, or 'tiny'")
     parser.add_argument("--load-format", default="dummy" if cuda else "auto")
     parser.add_argument("--dtype", default="bfloat16" if cuda else "float32")
     parser.add_argument("--adapters", default="4,32,256,1000" if cuda else "2,8,32", help="the N values, ascending")
     parser.add_argument("--num-requests", type=int, default=512 if cuda else 24, help="per N")
     parser.add_argument("--prompt-len", type=int, default=128 if cuda else 16)
     parser.add_argument("--output-len", type=int, default=64 if cuda else 8)
-    parser.add_argument("--warm-replays", type=int, default=3 if cuda else 1,
-                        help="host-warm replays of each Poisson trace; the median is reported and judged")
-    parser.add_argument("--saturated-repeats", type=int, default=3 if cuda else 1,
-                        help="host-warm bursts per N; their median is reported")
+    parser.add_argument("--warm-replays", type=int, default=3 if cuda else 1, help="host-warm replays of each trace")
+    parser.add_argument("--saturated-repeats", type=int, default=3 if cuda else 1, help="host-warm bursts per N")
     parser.add_argument("--saturated-requests", type=int, default=256 if cuda else 16,
-                        help="per N, all at once after the Poisson trace: throughput at saturation (0: skip)")
+                        help="per N, all at once after the Poisson trace (0: skip)")
     parser.add_argument("--rate", type=float, default=0.0,
                         help="arrivals per second (default 0: --load x the measured capacity; inf: all at once)")
     parser.add_argument("--load", type=float, default=0.75, help="the default rate as a fraction of capacity")
     parser.add_argument("--zipf-exponent", type=float, default=1.0)
-    # on CUDA: a 10 GiB pool (what 32 slots of rank 64 took at 8B) shared by 256 slots
     parser.add_argument("--max-loras", type=int, default=256 if cuda else 4)
     parser.add_argument("--max-cpu-loras", type=int, default=256 if cuda else 8)
-    parser.add_argument("--max-gpu-lora-bytes", type=parse_byte_size, default=10 << 30 if cuda else None,
-                        metavar="SIZE", help="GPU memory for adapter weights, shared by rank (default on CUDA "
-                        "10GiB; on the CPU room for --max-loras adapters of the mix's largest rank)")
+    parser.add_argument("--max-gpu-lora-bytes", type=parse_byte_size, default=10 << 30 if cuda else None, metavar="SIZE",
+                        help="GPU memory for adapter weights, shared by rank (default on CUDA 10GiB)")
     parser.add_argument("--max-num-seqs", type=int, default=64 if cuda else 16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096 if cuda else 256)
     parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="read every step's tokens back before the next step (the engine's old loop)")
-    parser.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="T",
-                        help="the padded token counts to capture step graphs for (default: the engine's)")
+    parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--max-disk-gb", type=float, default=20.0, help="refuse a trace whose files need more")
     parser.add_argument("--write-workers", type=int, default=min(16, os.cpu_count() or 1))
     parser.add_argument("--disk-probe-mb", type=int, default=256, help="the sequential-read probe file's size")
     parser.add_argument("--adapter-dir", default=None, help="where adapter files go (default: the temp dir)")
     parser.add_argument("--feed", choices=FEEDS, default="steps",
-                        help="how requests reach the engine: 'steps' adds those that arrived between steps (the "
-                        "runs so far), 'thread' adds each as it arrives from a thread, as the server's intake does")
+                        help="'steps' adds the requests that arrived between steps, 'thread' adds each as it arrives")
     parser.add_argument("--cold-alone", type=int, default=8 if cuda else 2, metavar="K",
                         help="adapters whose cold and warm TTFT are measured alone on the idle engine (0 skips)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks"))
-    parser.add_argument("--tag", default="gpu" if cuda else "cpu", help="file names: many_adapters_<tag>.json/.md")
-    parser.add_argument("--plot", type=Path, default=None, help="only draw the PNG of this results JSON")
+    parser.add_argument("--out", type=Path, default=default_out(), help="folder for many_adapters.json")
     args = parser.parse_args(argv)
     try:
         args.adapters = sorted(int(x) for x in args.adapters.split(","))
@@ -542,13 +649,12 @@ def parse_args(argv=None):
         parser.error(f"--rate {args.rate}: give arrivals per second > 0, inf (all at once) or 0 (--load x capacity)")
     if not 0 < args.load <= 1:
         parser.error(f"--load {args.load}: give a fraction of the measured capacity in (0, 1]")
-    if args.cold_alone < 0:
-        parser.error(f"--cold-alone {args.cold_alone}: must be >= 0 (0 skips the probe)")
     for option in ("num_requests", "disk_probe_mb", "max_loras", "max_cpu_loras", "max_num_seqs", "saturated_repeats"):
         if getattr(args, option) < 1:
             parser.error(f"--{option.replace('_', '-')} {getattr(args, option)}: must be >= 1")
-    if args.saturated_requests < 0:
-        parser.error(f"--saturated-requests {args.saturated_requests}: must be >= 0 (0 skips the saturated burst)")
+    for option in ("saturated_requests", "cold_alone", "warm_replays"):
+        if getattr(args, option) < 0:
+            parser.error(f"--{option.replace('_', '-')} {getattr(args, option)}: must be >= 0 (0 skips it)")
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
         parser.error(f"--dtype {args.dtype!r}: give a torch dtype name, e.g. bfloat16, float16 or float32")
     args.device = torch.device("cuda" if cuda else "cpu")
@@ -557,95 +663,128 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> Path:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.plot is not None:
-        print(plot(args.plot))
-        return
     started = time.perf_counter()
     bandwidth = copy_bandwidth(args.device)  # before the engine: its KV cache takes the free memory
-    if args.device.type == "cuda":
-        torch.cuda.empty_cache()  # hand the probe's 2 GiB back, or the KV cache is sized without them
-    engine_started = time.perf_counter()
+    torch.cuda.empty_cache() if args.device.type == "cuda" else None
     engine = build_engine(args)
     sync(args.device)
-    engine_seconds = time.perf_counter() - engine_started
+    engine_seconds = time.perf_counter() - started
     vocab = engine.vocab_size
     mode = "eager" if args.enforce_eager or args.device.type != "cuda" else "compiled + graphs"
-    mode += ", synchronous loop" if args.no_async_scheduling else ", async scheduling"
-    print(f"{device_name(args.device)}: engine ready in {time.perf_counter() - started:.0f} s ({mode})", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"{device_name(args.device)}: engine ready in {engine_seconds:.0f} s ({mode})", flush=True)
     if args.adapter_dir:
         Path(args.adapter_dir).mkdir(parents=True, exist_ok=True)
+    path = args.out / "many_adapters.json"
     with tempfile.TemporaryDirectory(prefix="many-adapters-", dir=args.adapter_dir) as tmp:
         root = Path(tmp)
         disk = measure_disk(engine, args, root)
-        print(f"disk ({disk['filesystem']}): adapter files {disk['adapter_files_read_bytes_per_s'] / GB:.2f} GB/s, "
-              f"sequential {disk['disk_bytes_per_s'] / GB:.2f} GB/s", flush=True)
         calibration = calibrate(engine, args, root, vocab)
-        capacity = calibration["capacity_req_s"]
         alone = cold_alone(engine, args, root, vocab, disk["adapter_files_read_bytes_per_s"]) if args.cold_alone else None
-        if alone:
-            print(f"cold adapter alone: TTFT p50 {alone['cold_p50_ms']:.1f} ms against {alone['bound_ms']:.1f} "
-                  f"(warm {alone['warm_p50_ms']:.1f} ms)", flush=True)
-        args.rate = args.rate or args.load * capacity
-        print(f"capacity {capacity:.1f} req/s; arrivals at {args.rate:.1f} req/s", flush=True)
+        args.rate = args.rate or args.load * calibration["capacity_req_s"]
         options = {key: getattr(args, key) for key in (
-            "dtype", "load_format", "num_requests", "prompt_len", "output_len", "load", "zipf_exponent", "max_loras",
-            "max_cpu_loras", "max_gpu_lora_bytes", "max_num_seqs", "max_num_batched_tokens", "enforce_eager",
-            "no_async_scheduling", "cuda_graph_sizes", "feed", "seed")}
-        options["gpu_pool_rank_rows"] = engine.lora_manager.pool_units if engine.lora_manager is not None else 0
+            "load_format", "num_requests", "prompt_len", "output_len", "load", "zipf_exponent", "max_loras",
+            "max_cpu_loras", "max_gpu_lora_bytes", "max_num_seqs", "max_num_batched_tokens", "feed", "seed")}
         options["mix"] = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in args.mix]
-        report = {"device": device_name(args.device), "model": _model_label(args),
-                  "mode": mode, "torch": torch.__version__, "options": options, "disk": disk,
+        report = {"model": args.model, "dtype": args.dtype, "mode": mode, "options": options, "disk": disk,
                   "copy_bandwidth_GBps": bandwidth and bandwidth / GB, **calibration, "rate_req_s": args.rate,
-                  "graph_sizes": engine.runner.graph_sizes if engine.runner.graphs is not None else [],
                   "engine_start": engine_stages(engine, engine_seconds), "cold_alone": alone, "results": []}
         model_bytes = sum(p.nbytes for p in engine.model.parameters())
         for index, n in enumerate(args.adapters):
             report["results"].append(run_one(engine, args, root, n, vocab, index))
             report["targets"] = check_targets(report["results"], disk["adapter_files_read_bytes_per_s"],
                                               model_bytes=model_bytes, cold_alone=alone)
-            save(report, args)  # what was measured survives a later failure
-    report["total_seconds"] = time.perf_counter() - started
-    json_path = save(report, args)
+            report["total_seconds"] = time.perf_counter() - started
+            write_result(path, "many_adapters", device_name(args.device), report, argv)  # survives a later failure
     print(markdown(report))
-    print(f"wrote {json_path} and {json_path.with_suffix('.md')} in {report['total_seconds']:.0f} s")
-
-
-def _under_arrivals(report: dict) -> str:
-    """What the engine served under arrivals at its burst capacity, and the rate as a share of it
-    (older reports lack it)."""
-    served = report.get("under_arrivals_req_s")
-    if not served:
-        return ""
-    return (f"; under arrivals at that capacity it served {served:.1f} req/s, so the traces' rate is "
-            f"{report['rate_req_s'] / served:.2f} x that")
-
-
-def _gpu_memory(options: dict) -> str:
-    """The GPU tier's memory as the report states it (older reports lack the fields)."""
-    size = options.get("max_gpu_lora_bytes")
-    rows = options.get("gpu_pool_rank_rows")
-    text = "max_loras x max rank" if size is None else f"{size / GB:.1f} GB"
-    return text + (f" ({rows} rank rows per layer, pooled)" if rows else "")
-
-
-def _model_label(args) -> str:
-    if args.model == "tiny":
-        return "tiny Llama ({num_hidden_layers} layers, hidden {hidden_size}, random)".format(**TINY_CONFIG)
-    name = args.model or "SmolLM2-135M-Instruct (embedded)"
-    return f"{name} (dummy weights)" if args.load_format == "dummy" else name
-
-
-def save(report: dict, args) -> Path:
-    path = args.out / f"many_adapters_{args.tag}.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    path.with_suffix(".md").write_text(markdown(report))
     return path
 
 
-__all__ = ["AdapterKind", "check_targets", "main", "markdown", "plot"]
+# -- the results page -----------------------------------------------------------------------------
+
+
+def _cell(value, spec: str = "{:.0f}") -> str:
+    return cell(value, spec)
+
+
+def markdown(report: dict) -> str:
+    options, disk, results = report["options"], report["disk"], report["results"]
+    gpu_bytes = options.get("max_gpu_lora_bytes")
+    lines = [f"{report['model']} ({report['dtype']}, {report['mode']}); one engine, max_loras={options['max_loras']}, "
+             f"max_cpu_loras={options['max_cpu_loras']}, GPU adapter memory "
+             f"{'max_loras x max rank' if gpu_bytes is None else f'{gpu_bytes / GB:.1f} GB'}, "
+             f"max_num_seqs={options['max_num_seqs']}; {options['num_requests']} requests per N ({options['prompt_len']} "
+             f"prompt + {options['output_len']} generated tokens), Poisson arrivals at {report['rate_req_s']:.1f} req/s "
+             f"({options['load']:.2f} x the capacity of {report['capacity_req_s']:.1f} req/s measured in a burst), "
+             f"Zipf({options['zipf_exponent']}) popularity, ranks {sorted({k['rank'] for k in options['mix']})} on q/v, "
+             f"q/k/v/o and all seven projections. Disk ({disk['filesystem']}): fresh adapter files read at "
+             f"{disk['adapter_files_read_bytes_per_s'] / GB:.2f} GB/s.", "",
+             "| N | used | GB on disk | tokens/s (Poisson) | saturated, cold tiers | saturated, host-warm | vs first N | "
+             "TTFT p50 (ms) | p99 | host-warm p50 | p99 | TTFT p50 by tier: GPU / CPU / disk | CPU evictions | "
+             "GPU evictions | failed |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    key = "saturated_warm_tokens_per_s" if results[0].get("saturated_warm_tokens_per_s") else "tokens_per_s"
+    for r in results:
+        warm, tiers = r.get("host_warm_poisson") or {}, r.get("ttft_by_tier") or {}
+        by_tier = " / ".join(_cell((tiers.get(t) or {}).get("p50_ms")) or "-" for t in TIERS)
+        lines.append(f"| {r['adapters']} | {r['adapters_used']} | {r['adapter_bytes_written'] / GB:.2f} | "
+                     f"{_cell(r['tokens_per_s'])} | {_cell(r.get('saturated_tokens_per_s'))} | "
+                     f"{_cell(r.get('saturated_warm_tokens_per_s'))} | "
+                     f"{_cell(stats.ratio(r.get(key), results[0][key]), '{:.3f}x')} | {_cell(r['ttft_p50_ms'])} | "
+                     f"{_cell(r['ttft_p99_ms'])} | {_cell(warm.get('ttft_p50_ms'))} | {_cell(warm.get('ttft_p99_ms'))} | "
+                     f"{by_tier} | {r.get('cpu_evictions', '')} | {r.get('gpu_evictions', '')} | {r['failed']} |")
+    steps = [(f"N={r['adapters']} Poisson", r.get("poisson_steps")) for r in results]
+    steps += [(f"N={r['adapters']} host-warm burst", r.get("saturated_warm_steps")) for r in results]
+    steps = [(name, s) for name, s in steps if s and s["steps"]]
+    if steps:
+        lines += ["", "Steps: mean wall time of `engine.step()`, and the engine's thread's milliseconds in all at the "
+                  "GPU tier's timing points:", "",
+                  "| trace | steps | mean ms | with prompt tokens | padding | lora.place ms | lora.can_place ms |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [f"| {name} | {s['steps']} | {s['step_ms_mean']:.2f} | {s['with_prompt_share']:.0%} | "
+                  f"{s['padding_share']:.0%} | {s['point_ms_total']['lora.place']:.0f} | "
+                  f"{s['point_ms_total']['lora.can_place']:.0f} |" for name, s in steps]
+    lines += ["", "Targets:", ""]
+    for name, check in report.get("targets", {}).items():
+        verdict = {True: "**met**", False: "**not met**", None: "not measurable"}[check["passed"]]
+        detail = json.loads(json.dumps({k: v for k, v in check.items() if k != "passed"}),
+                            parse_float=lambda text: round(float(text), 3))
+        lines.append(f"- {name}: {verdict} {json.dumps(detail)}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(document: dict, path: Path) -> None:
+    """Throughput and TTFT p50/p99 against N (log x)."""
+    import matplotlib.pyplot as plt
+
+    report = document["result"]
+    results = report["results"]
+    n = [r["adapters"] for r in results]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label, mark in (("tokens_per_s", "Poisson arrivals", "o-"), ("saturated_tokens_per_s", "saturated, cold tiers", "s-"),
+                             ("saturated_warm_tokens_per_s", "saturated, host-warm", "^-")):
+        if all(r.get(key) for r in results):
+            left.plot(n, [r[key] for r in results], mark, label=label)
+    left.set(xscale="log", xlabel="adapters (N)", ylabel="output tokens/s", title="throughput")
+    for key, label in (("ttft_p50_ms", "p50"), ("ttft_p99_ms", "p99"), ("cold_ttft_p50_ms", "cold p50"),
+                       ("warm_ttft_p50_ms", "warm p50")):
+        right.plot(n, [r[key] for r in results], "o-", label=label)
+    right.set(xscale="log", xlabel="adapters (N)", ylabel="ms", title="time to first token")
+    for axes in (left, right):  # the N values themselves as ticks, not powers of ten
+        axes.set_ylim(bottom=0)
+        axes.legend()
+        axes.set_xticks(n, [str(value) for value in n])
+        axes.minorticks_off()
+    figure.suptitle(f"{document['device']}: {report['model']}, max_loras={report['options']['max_loras']}, "
+                    f"max_cpu_loras={report['options']['max_cpu_loras']}, {report['rate_req_s']:.1f} req/s", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+#: JSON stem -> (heading, renderer, the command that measures it), for benchmarks/report.py
+SECTIONS = {"many_adapters": ("", markdown, "PYTHONPATH=. python benchmarks/many_adapters.py")}
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,4 @@
-"""Issue 10's crash, replayed in a process of its own: a step-graph capture mid-run while a loader
+"""The capture race, replayed in a process of its own: a step-graph capture mid-run while a loader
 thread pins host memory. `tests/test_capture_safety_gpu.py` runs it; it also runs by hand::
 
     PYTHONPATH=. python tests/capture_safety_driver.py --workdir /tmp/cs            # the code as it is

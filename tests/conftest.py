@@ -61,7 +61,7 @@ def make_adapter(tmp_path_factory):
     return make
 
 
-# --- kernels (issue 4) -------------------------------------------------------------------------
+# --- kernels -------------------------------------------------------------------------------------
 # Without CUDA the Triton kernels run under the interpreter. Triton reads TRITON_INTERPRET when a
 # @triton.jit function is defined, and loramux imports its kernel modules lazily, so setting it here
 # (before any test module is imported) holds for the whole pytest process.
@@ -86,7 +86,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
-# --- LoRA layers and model patching (issue 5) --------------------------------------------------
+# --- LoRA layers and model patching --------------------------------------------------------------
 TINY_ARCHS = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
 
 
@@ -111,7 +111,7 @@ def tiny_model(arch: str, seed: int = 0):
 
 
 # --------------------------------------------------------------------------------------------------
-# Generation engine (issue 6)
+# Generation engine
 # --------------------------------------------------------------------------------------------------
 
 
@@ -216,7 +216,7 @@ def engine_adapters(make_adapter):
 
 
 # --------------------------------------------------------------------------------------------------
-# Plugins and resolvers (issue 3)
+# Plugins and resolvers
 # --------------------------------------------------------------------------------------------------
 
 PLUGIN_ENV_VARS = (

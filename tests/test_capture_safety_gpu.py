@@ -1,4 +1,5 @@
-"""Issue 10's crash as a regression test that can see the crash.
+"""The capture race (a graph captured while a loader thread makes CUDA calls) as a regression test
+that can see the crash.
 
 The crash: a step-graph capture, started mid-run for a new shape while adapters loaded on
 background threads, was invalidated (``cudaErrorStreamCaptureInvalidated``) and the process

@@ -1,4 +1,4 @@
-"""Regional compilation (issue 12): one compiled graph serves every decoder layer and every token
+"""Regional compilation: one compiled graph serves every decoder layer and every token
 count, and equals eager; the compile caches go where they should.
 
 On CPU with dynamo's ``aot_eager`` backend (no C++ codegen): what is proved here is dynamo's side,

@@ -1,4 +1,4 @@
-"""The demo adapters keep the base model's facts (issue 14): the record the training script wrote
+"""The demo adapters keep the base model's facts: the record the training script wrote
 (loramux/data/adapters/facts.json) says so, and a few facts are checked again here, greedily,
 through the engine with all three adapters and the base model in one batch."""
 

@@ -1,4 +1,4 @@
-"""One adapter identity in the engine (issue 11): reload and unload are rebinding, the old handle
+"""One adapter identity in the engine: reload and unload are rebinding, the old handle
 retires exactly when its last request ends (an event, no polling), outputs equal PEFT's."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`EngineConfig` (issue 11, item 6): one validated dataclass for the engine's options."""
+"""`EngineConfig`: one validated dataclass for the engine's options."""
 
 from __future__ import annotations
 

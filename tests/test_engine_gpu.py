@@ -156,7 +156,7 @@ def test_decode_graphs_bf16_base_and_lora_match_eager(engine_adapters):
 
 
 def test_churn_with_graphs_loads_running_and_new_shapes_equals_eager(make_adapter):
-    """Issue 10's crash: many more adapters than CPU tier and slots, loads on background threads
+    """The capture race: many more adapters than CPU tier and slots, loads on background threads
     (pinning host memory) while new batch shapes appear. Every request completes, with the eager
     engine's tokens, and no graph is captured after start."""
     import random

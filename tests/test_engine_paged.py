@@ -1,5 +1,5 @@
 """The paged engine on CPU: preemption, prefix caching keyed by adapter content, fused sibling
-projections, and a churn trace with many more adapters than tiers (issue 10, item 1)."""
+projections, and a churn trace with many more adapters than tiers."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def reference_greedy(adapter_path, prompts: list[list[int]], max_new_tokens: int
 
 
 def test_churn_with_many_more_adapters_than_tiers(make_adapter, monkeypatch):
-    """Issue 10, item 1 on CPU: 12 adapters of four kinds (ranks 2-8; q/v, q/k/v/o, all seven, MLP
+    """Churn on the CPU: 12 adapters of four kinds (ranks 2-8; q/v, q/k/v/o, all seven, MLP
     only) over 2 GPU slots and 3 CPU entries, power-law popularity then each adapter once, requests
     arriving over many steps while adapter loads run beside the loop (slowed, so they overlap decode steps) and batch
     shapes keep changing. Every request completes with the eager float64 reference's tokens."""

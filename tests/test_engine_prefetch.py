@@ -1,4 +1,4 @@
-"""Overlap loading with compute (issue 10, item 2) on CPU: a queued request's adapter is copied
+"""Overlap loading with compute on CPU: a queued request's adapter is copied
 into a free GPU slot before its request is admitted, and a prefetch never evicts a slot in use."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The start-up kernel warm-up (issue 12): its plan reaches every launch configuration of the
+"""The start-up kernel warm-up: its plan reaches every launch configuration of the
 candidate steps, and running it changes nothing a request could see.
 
 The plan is host-only arithmetic over the kernels' own config functions, so it is checked here
@@ -69,8 +69,8 @@ def test_plan_reaches_every_shrink_expand_and_attention_config(h100_heuristics):
 
 def test_plan_reaches_every_kernel_of_prefill_steps_with_many_adapters(h100_heuristics):
     """Steps past the graphs mixing many adapters launch only kernels the one-adapter plan
-    compiled: before, their launch shapes followed their segments, and a trace of 1,000 adapters
-    on an H100 compiled kernels mid-serving (steps of 0.6-1.9 s)."""
+    compiled: were their launch shapes to follow their segments, a trace of many adapters would
+    compile kernels mid-serving, each a step lasting seconds."""
     slots, max_tokens = 256, 4096
     _, reached = plan_warmup(max_num_batched_tokens=max_tokens, max_num_seqs=64, lora_modules=MODULES,
                              num_slots=slots, min_tokens=513, **EIGHT_B)
@@ -94,9 +94,9 @@ def test_plan_reaches_every_kernel_of_prefill_steps_with_many_adapters(h100_heur
 
 
 def test_plan_past_the_graphs_reaches_attention_at_every_sequence_count(h100_heuristics):
-    """A step of 517 tokens over 9 sequences compiled an attention kernel mid-serving on an H100:
-    the plan stood B = 2 for every B of 2..16, and `attention_config` takes shorter query blocks
-    as B grows."""
+    """A step of 517 tokens over 9 sequences needs an attention kernel of its own: a plan standing
+    B = 2 for every B of 2..16 would miss it, as `attention_config` takes shorter query blocks as
+    B grows."""
     _, reached = plan_warmup(max_num_batched_tokens=2048, max_num_seqs=64, min_tokens=513, **EIGHT_B)
     attentions = {key[1:] for key in reached if key[0] == "attention"}
     for T in range(513, 2049, 7):

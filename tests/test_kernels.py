@@ -1,4 +1,4 @@
-"""Multi-LoRA kernels (issues 4 and 13): Triton vs a float64 torch reference, the reference vs a
+"""Multi-LoRA kernels: Triton vs a float64 torch reference, the reference vs a
 per-token loop, metadata, argument checks and dispatch; the static (CUDA-graph) meta: launch grids
 that do not depend on the mapping, any mapping against the reference, no zeroed buffers.
 
@@ -663,7 +663,7 @@ def test_triton_interpreter_grid_past_the_last_tile():
 
 
 # ---------------------------------------------------------------------------------------------
-# static meta (CUDA graphs, issue 13): grids from T and S only, no zeroing, any mapping
+# static meta (CUDA graphs): grids from T and S only, no zeroing, any mapping
 
 
 def static_slots(mapping: str, T: int, S: int, ranks: torch.Tensor, gen: torch.Generator) -> torch.Tensor:

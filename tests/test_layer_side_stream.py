@@ -1,4 +1,4 @@
-"""Issue 13: a LoRA projection computes its delta on a side CUDA stream beside its base GEMM, which
+"""A LoRA projection computes its delta on a side CUDA stream beside its base GEMM, which
 leaves it some multiprocessors, in one custom op (``loramux::lora_delta``) that returns the base
 output and the delta apart; the layer adds them in traced code. CPU tests: the decision, the
 fork/join order (with recording stand-ins for the CUDA streams), equality with the sequential

@@ -1,4 +1,4 @@
-"""Issue 13 on the GPU: a LoRA step captured in a CUDA graph with every projection's delta on the
+"""On the GPU: a LoRA step captured in a CUDA graph with every projection's delta on the
 side stream, beside a base GEMM that leaves it multiprocessors, replays what the eager step
 computes, and both equal the sequential path (delta added after the base GEMM) to rounding.
 Run on the GPU machine: ``pytest -m gpu tests/test_layer_side_stream_gpu.py``."""

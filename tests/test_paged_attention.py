@@ -1,4 +1,4 @@
-"""Paged attention and the KV write (issue 12): the Triton kernels against the torch reference, and
+"""Paged attention and the KV write: the Triton kernels against the torch reference, and
 the reference against a dense causal attention computed from scratch (the independent oracle).
 
 Without CUDA the Triton kernels run under TRITON_INTERPRET=1 (set in conftest.py) in float32 and

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (PDL) for the LoRA expand (issue 13): when it is available, that a
+"""Programmatic dependent launch (PDL) for the LoRA expand: when it is available, that a
 request where it is not changes nothing, that the launcher asks Triton for it only when it is on,
 and (gpu) that an expand launched with PDL right after a base GEMM in a CUDA graph gives the
 result of the same step without PDL.

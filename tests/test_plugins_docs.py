@@ -1,5 +1,5 @@
 """Docs of hooks are contracts: every hook is documented under its exact signature and has a
-``test_hook_<name>``, and the README's resolver plugin works as written."""
+``test_hook_<name>``, and the resolver plugin of docs/plugins.md works as written."""
 
 from __future__ import annotations
 
@@ -69,19 +69,19 @@ def test_every_hook_spec_has_a_full_docstring():
 
 
 # -------------------------------------------------------------------------------------------------
-# README: "Write a resolver plugin", followed as a new user would
+# docs/plugins.md: "Write a resolver plugin", followed as a new user would
 # -------------------------------------------------------------------------------------------------
 
 
-def readme_section(title: str) -> str:
-    text = (REPO_ROOT / "README.md").read_text()
+def docs_section(title: str) -> str:
+    text = (REPO_ROOT / "docs" / "plugins.md").read_text()
     start = text.index(f"## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else None]
 
 
-def test_readme_resolver_plugin_works_as_written(tmp_path, make_adapter):
-    section = readme_section("Write a resolver plugin")
+def test_the_docs_resolver_plugin_works_as_written(tmp_path, make_adapter):
+    section = docs_section("Write a resolver plugin")
     project = tmp_path / "my-catalog"
     project.mkdir()
     for block in re.findall(r"```(?:toml|python)\n(.*?)```", section, re.DOTALL):

@@ -1,4 +1,4 @@
-"""The kernels reading adapters from a rank-row pool (issue 10): every slot's rows at its own
+"""The kernels reading adapters from a rank-row pool: every slot's rows at its own
 start in a pool [U, n_slices, H] / [U, N] shared by adapters of different ranks, the rows around
 them another adapter's (NaN here, so a read past a slot's rank shows). Triton (the interpreter on
 the CPU, the GPU under `gpu`) and the torch reference against the float64 reference on the

@@ -1,4 +1,4 @@
-"""Tensor parallelism (issue 15): the model and its adapters sharded over 2 ranks.
+"""Tensor parallelism: the model and its adapters sharded over 2 ranks.
 
 On CPU the ranks are 2 processes joined by gloo; the `gpu` tests run the same on 2 GPUs (NCCL).
 Greedy tokens are compared in float64 (float32 on the GPU, through the compiled forward and the

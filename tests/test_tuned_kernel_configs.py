@@ -1,5 +1,5 @@
 """Tuned shrink launch shapes (`loramux.kernels.tuned`): the file a device reads, which entry a
-launch takes, which launches read it at all, and benchmarks/tune_shrink.py that writes it."""
+launch takes, which launches read it at all, and scripts/tune_shrink.py that writes it."""
 
 from __future__ import annotations
 
@@ -181,11 +181,11 @@ def test_a_tuned_shape_runs_and_agrees_with_the_reference(monkeypatch):
     assert rel_err(out[rows], ref[rows]) < 1e-5
 
 
-# --- benchmarks/tune_shrink.py --------------------------------------------------------------------
+# --- scripts/tune_shrink.py --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def tune_shrink():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    sys.path.insert(0, str(ROOT / "scripts"))
     import tune_shrink
 
     return tune_shrink

@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 from loramux.engine.adapter_loader import AdapterLoader
 from loramux.engine.events import AdapterEvent, EventListeners
+from loramux.engine.instrumentation import StepClock
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.errors import CacheBusyError, LoRAError
@@ -42,12 +43,14 @@ class EngineAdapters:
     :param validate: whether to validate what the registry returns (a registry the engine did
         not build, which does not run the engine's ``validate`` callback itself).
     :param max_workers: loads that may run at once beside the step loop.
+    :param clock: the engine's timing points (``lora.can_place``, ``lora.place``).
     """
 
     def __init__(self, registry, manager, *, lock: threading.RLock, validate: bool = False,
-                 max_workers: int = 4) -> None:
+                 max_workers: int = 4, clock: StepClock | None = None) -> None:
         self.registry = registry
         self.manager = manager
+        self.clock = clock or StepClock()
         self.events = EventListeners()
         self.loader = AdapterLoader(self._load, max_workers=max_workers, on_settled=self._settled,
                                     resident=self._resident)
@@ -152,9 +155,9 @@ class EngineAdapters:
         ``busy()`` says the GPU still computes (the runner's `computing`; None where there is no
         GPU work to hide behind: the CPU, a step with nothing to run), and never more than
         `PREFETCH_PER_STEP`: with hundreds of slots free (a fresh engine, a burst after a quiet
-        spell) one step had placed every queued adapter at once (on an H100, 1.1-1.5 s single
-        steps in a trace of 1,000 adapters), and placements at admission, before the step's
-        forward, made its slowest steps (52-103 ms of a 1,000-adapter trace).
+        spell) one step would otherwise place every queued adapter at once and last as long as
+        all those copies; placed at admission instead, before the step's forward, each copy
+        would lengthen the step (docs/benchmarks/many_adapters.md).
         """
         in_slots = self.scheduler.handles_in_slots()
         room = self.scheduler.max_loras - len(in_slots)
@@ -172,7 +175,9 @@ class EngineAdapters:
                 continue  # still resident from an earlier use
             adapter = self.registry.cache.get(handle.id)  # referenced, so pinned in the CPU tier
             try:
-                if adapter is None or self.manager.prefetch(adapter, keep=seen) is None:
+                with self.clock["lora.place"]:
+                    slot = None if adapter is None else self.manager.prefetch(adapter, keep=seen)
+                if slot is None:
                     return
             except LoRAError as error:  # only this adapter's requests fail (the next step reports them)
                 self.scheduler.fail_waiting(handle, error)
@@ -225,11 +230,13 @@ class EngineAdapters:
     def _has_room_for(self, handle: AdapterHandle) -> bool:
         # referenced, so pinned in the CPU tier; if not, admission tries and `_start` says why
         adapter = self.registry.cache.peek(handle.id)
-        return adapter is None or self.manager.can_place(adapter)
+        with self.clock["lora.can_place"]:
+            return adapter is None or self.manager.can_place(adapter)
 
     def _fits_beside_pinned(self, handle: AdapterHandle, pinned: set[int]) -> bool:
         adapter = self.registry.cache.peek(handle.id)
-        return adapter is None or self.manager.fits_beside(adapter, pinned)
+        with self.clock["lora.can_place"]:
+            return adapter is None or self.manager.fits_beside(adapter, pinned)
 
     def _is_placed(self, handle: AdapterHandle) -> bool:
         return self.manager.slot_of(handle.id) is not None
@@ -239,7 +246,8 @@ class EngineAdapters:
         if adapter is None:
             raise LoRAError("its weights left the CPU tier while a request referenced them.",
                             adapter=handle.name, fix="This is a bug in loramux; please report it.")
-        self.manager.activate(adapter)
+        with self.clock["lora.place"]:
+            self.manager.activate(adapter)
         return self.manager.hold(handle.id)
 
     def _end(self, handle: AdapterHandle) -> None:

@@ -1,7 +1,7 @@
 """Regional compilation of the model (its repeated decoder layer), and the on-disk compile caches.
 
-Compiling the whole 8B forward with ``torch.compile`` traces and lowers all 32 layers: 60-115 s
-on an H100. Every decoder layer runs the same code on weights of the same shapes, so we compile
+Compiling the whole 8B forward with ``torch.compile`` traces and lowers all 32 layers, a minute
+or more at start. Every decoder layer runs the same code on weights of the same shapes, so we compile
 the layer instead (torch's "regional compilation" recipe): one code object, one compiled graph
 that all layers share, built in the time of one layer. The elementwise chains that needed
 compiling (RMSNorm, RoPE, SiLU-mul, the residual adds) all live inside the layer; what stays eager

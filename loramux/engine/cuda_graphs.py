@@ -4,9 +4,8 @@ One graph per padded token count ``T``: the decode sizes (2, 4, 8, then steps of
 ``max_num_seqs``) and, above them, powers of two up to ``max_graph_tokens`` (default 4096, capped
 at ``max_num_batched_tokens``), so a prefill or a mixed step of prefill chunks and decodes replays a
 graph too (eagerly, the Python of a step's 32 layers costs several times the GPU's time for a
-128-token prompt; on an H100 at 8B shapes steps of 513-1194 tokens took 56-137 ms eagerly, and
-graphs up to 4096 tokens took the p99 time to first token of a 4-adapter trace from 68-175 ms to
-53-55 ms, `docs/benchmarks/many-adapters.md`). With
+128-token prompt, and that host time lands in every request's time to first token; see
+docs/benchmarks/many_adapters.md). With
 LoRA enabled each size has a second graph for steps that use adapters (the base graph launches no
 LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step), and, where
 some layers' GEMMs are big (`BaseLayerWithLoRA.big_gemm`: gate_up and down at 8B), a third for

@@ -3,8 +3,8 @@
 Our kernels pick their launch shape from the step (tile sizes, K splits, split-KV, the padded
 sequence count): `shrink_config` / `expand_config` from the token count and the adapter
 segments, `attention_config` from the token and sequence counts. Each distinct shape is a
-distinct Triton compile, seconds each on first use: before this warm-up, the first requests of
-a fresh process paid them (time to first token 1.27 s for the first base request on an H100).
+distinct Triton compile, seconds each on first use: without this warm-up, the first requests of
+a fresh process would pay them in their time to first token.
 
 Step graphs (steps of up to ``max_graph_tokens`` tokens) are captured at start and compile
 their own shapes. For the larger steps, which run eagerly, `plan_warmup` enumerates the steps

@@ -13,7 +13,8 @@ overlaps the GPU's), detokenize, check stops. A request naming an adapter that i
 for its load while the others keep decoding; a failed load finishes only that request, with
 ``finish_reason="error"`` and the error. Adapter events ("ready", "failed", "retired") reach
 listeners as they happen (:meth:`LLMEngine.add_event_listener`); the adapter's life from name to
-handle to slot is in :mod:`loramux.engine.adapter_life`.
+handle to slot is in :mod:`loramux.engine.adapter_life`. Step listeners get each step's timings
+by named point (:meth:`LLMEngine.add_step_listener`, :mod:`loramux.engine.instrumentation`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
 from loramux.engine.events import AdapterEvent
 from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
+from loramux.engine.instrumentation import StepClock, StepListener
 from loramux.engine.model_runner import LaunchedStep, ModelRunner
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import Sampler
@@ -128,11 +130,13 @@ class LLMEngine:
         )
         self._lock = threading.Lock()  # guards the inbox and the request table
         self._step_lock = threading.RLock()  # one step, or one adapter operation, at a time
+        self.clock = StepClock()  # the step's named timing points (add_step_listener)
         self.adapters: EngineAdapters | None = None
         if setup.lora_manager is not None:
             self.adapters = EngineAdapters(
                 setup.registry, setup.lora_manager, lock=self._step_lock,
                 validate=not setup.registry_validates, max_workers=setup.max_loading_workers,
+                clock=self.clock,
             )
         self.scheduler = Scheduler(
             self.block_manager,
@@ -302,32 +306,38 @@ class LLMEngine:
         (penalties, structured outputs) makes the step read them back before scheduling, as
         without it; then the adapters are copied beside the step launched.
         """
-        with self._step_lock:
+        clock = self.clock
+        with self._step_lock, clock.step:
             self._check_open()
             touched: dict[str, Sequence] = {}
             self._drain_inbox(touched)
             if self.adapters is not None:
                 idle = not self.scheduler.has_work()
-                for seq in self.adapters.collect(timeout=0.05 if idle else 0.0):
-                    touched[seq.request_id] = seq
+                with clock["collect"]:
+                    for seq in self.adapters.collect(timeout=0.05 if idle else 0.0):
+                        touched[seq.request_id] = seq
             previous, self._in_flight = self._in_flight, None
             if previous is not None and not self._overlaps():
                 self._receive(previous, touched)  # the tokens first: this step's sampling reads them
                 previous = None
             if previous is not None:  # admission below can take what this copies
                 self._prefetch(beside_step=True)  # while the GPU computes the step in flight
-            batch = self.scheduler.schedule()
+            with clock["schedule"]:
+                batch = self.scheduler.schedule()
             if not len(batch):  # nothing runs until tokens arrive or adapters take slots
                 if previous is not None:
                     self._receive(previous, touched)
                     previous = None
                 self._prefetch(beside_step=False)
-                batch = self.scheduler.schedule()
+                with clock["schedule"]:
+                    batch = self.scheduler.schedule()
             for seq in self.scheduler.failed:
                 touched[seq.request_id] = seq
             self.scheduler.failed.clear()
             if len(batch):
-                launched = self.runner.run(batch)
+                with clock["forward"]:
+                    launched = self.runner.run(batch)
+                clock.launched(self.runner.last_step, batch)
                 for seq, n in batch.chunks:
                     seq.num_computed += n
                 for row, seq in enumerate(launched.seqs):
@@ -353,7 +363,8 @@ class LLMEngine:
         copy only while it does; see `EngineAdapters.prefetch`)."""
         if self.adapters is not None:
             computing = beside_step and self.setup.device.type == "cuda"
-            self.adapters.prefetch(self.runner.computing if computing else None)
+            with self.clock["prefetch"]:
+                self.adapters.prefetch(self.runner.computing if computing else None)
 
     def _overlaps(self) -> bool:
         """Whether the next step may be launched before this one's tokens are read back."""
@@ -362,17 +373,19 @@ class LLMEngine:
     def _receive(self, step: LaunchedStep, touched: dict[str, Sequence]) -> None:
         """Read a launched step's tokens back (waiting for its GPU work) and append them; a
         sequence that finished meanwhile (a stop in the step before, an abort) drops its token."""
-        tokens = step.token_ids()  # waits for the step: its logprobs are on the host then too
-        logprobs = step.sampled.row_logprobs() if step.seqs else None
-        for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
-            if seq.is_finished:
-                continue
-            if logprobs is not None and logprobs[row] is not None:
-                seq.output_logprobs.append(logprobs[row])
-            seq.append_token(token, self.eos_token_ids, self.max_model_len)
-            touched[seq.request_id] = seq
-            if seq.is_finished:
-                self._release(seq)  # now: the next schedule must not count it
+        with self.clock["receive"]:
+            tokens = step.token_ids()  # waits for the step: its logprobs are on the host then too
+            self.clock.received()
+            logprobs = step.sampled.row_logprobs() if step.seqs else None
+            for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
+                if seq.is_finished:
+                    continue
+                if logprobs is not None and logprobs[row] is not None:
+                    seq.output_logprobs.append(logprobs[row])
+                seq.append_token(token, self.eos_token_ids, self.max_model_len)
+                touched[seq.request_id] = seq
+                if seq.is_finished:
+                    self._release(seq)  # now: the next schedule must not count it
 
     def _release(self, seq: Sequence) -> None:
         """A finished request gives back what it holds (a no-op once done)."""
@@ -416,6 +429,18 @@ class LLMEngine:
     def remove_event_listener(self, listener: Callable[[AdapterEvent], None]) -> None:
         self._require_lora()
         self.adapters.events.remove(listener)
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Call ``listener(timings)`` after every step with its
+        :class:`~loramux.engine.instrumentation.StepTimings`: wall time, seconds per named point
+        (schedule, forward, receive, GPU-tier placement, ...), the forward launched and those
+        read back. It runs on the stepping thread; an exception it raises leaves ``step``."""
+        with self._step_lock:
+            self.clock.add_listener(listener)
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        with self._step_lock:
+            self.clock.remove_listener(listener)
 
     def _name_of(self, name_or_id: str | int) -> str:
         if isinstance(name_or_id, int):

@@ -41,6 +41,7 @@ from loramux.resolvers.cache import cache_dir  # one cache dir for adapters and 
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "default_model_path",
+    "dummy_config",
     "dummy_config_names",
     "load_model",
 ]
@@ -251,6 +252,12 @@ def load_model(
 def dummy_config_names() -> list[str]:
     """Names of the configs shipped in ``loramux/data/configs/`` for ``load_format="dummy"``."""
     return sorted(p.name.removesuffix(".json") for p in _configs_dir().iterdir() if p.name.endswith(".json"))
+
+
+def dummy_config(model: str | os.PathLike[str] | None) -> PretrainedConfig:
+    """The config ``load_format="dummy"`` builds ``model`` from (a shipped config name, a config
+    file, a model dir or id; None: the embedded model's), without building the model."""
+    return _dummy_config_and_tokenizer(model)[0]
 
 
 def _configs_dir():

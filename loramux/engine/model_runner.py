@@ -47,7 +47,7 @@ FIELD_ALIGN = 4  # int32s: 16 bytes
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one step computed (benchmarks and metrics read `ModelRunner.last_step`)."""
+    """What one step computed (`ModelRunner.last_step`; step listeners get it in `BatchTimings`)."""
 
     num_seqs: int
     num_tokens: int  # tokens computed

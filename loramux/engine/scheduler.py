@@ -26,8 +26,8 @@ free GPU slots (a side CUDA stream) while the GPU computes a step, as many as ad
 start now (``max_loras`` less the slots in use), never into a slot in use. Admission itself
 copies nothing (``is_placed``): a request whose adapter has room but no slot yet is passed over
 until the copy beside the step has put it there, so no step waits on the host work of placing
-adapters (on an H100, admission-time placements made the slowest steps of a 1,000-adapter trace,
-52-103 ms). What admission below guarantees, with that:
+adapters (placements at admission made the slowest steps of a many-adapter trace). What
+admission below guarantees, with that:
 
 - FIFO among blocked adapters: the oldest request whose adapter needs a slot is admitted first,
   and nothing behind it takes a slot before it (base-model and pinned-adapter requests aside).
@@ -39,8 +39,8 @@ adapters (on an H100, admission-time placements made the slowest steps of a 1,00
   forever, and the k-th blocked adapter waits for at most k slots to drain.
 - Full batches: a queued request for an adapter already in a slot, and not draining, is admitted
   past a blocked one (it takes no slot). Holding every request behind the oldest blocked one
-  instead made waves of small batches: on an H100 with 32 slots and 59 adapters in a burst of
-  96 requests, half the throughput of 4 adapters.
+  instead makes waves of small batches, and a burst over more adapters than slots then runs at
+  a fraction of the throughput of a few adapters.
 - Slots stay busy: a slot freed by a finished adapter is refilled by the next queued adapter,
   whose weights are usually already there (prefetched).
 

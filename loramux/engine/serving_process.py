@@ -4,19 +4,17 @@
 Both are about the engine's thread sharing one interpreter with threads that run Python: adapter
 loaders, the HTTP server's event loop. Each time the engine's thread gives the GIL up (a graph
 replay, a copy, a wait on the GPU) and a thread running Python takes it, the engine's thread waits
-for it until that thread is made to let go, after the *switch interval*: 5 ms by default, for a
-step of ~10 ms. On an H100 (``benchmarks/host_contention.py``, ``python``) four such threads made
-the median step 355 ms instead of 3.6 ms. On the CPU (``benchmarks/loader_gil.py``) a step of 20
-such calls (7 ms alone) took 116 ms beside one such thread at 5 ms, 20 ms at 0.5 ms, 15 ms at
-0.2 ms; beside four, 416 ms and 70 ms at 0.5 ms; the busy threads lost 4-7% of their throughput.
-So the engine lowers it to `SERVING_SWITCH_INTERVAL_S` (a lower one set by the user stays).
+for it until that thread is made to let go, after the *switch interval*: 5 ms by default, half a
+decode step. A step makes tens of such calls, so beside busy threads its time is mostly waits.
+So the engine lowers it to `SERVING_SWITCH_INTERVAL_S` (a lower one set by the user stays): the
+waits shrink tenfold, and the busy threads lose little of their throughput to the extra switches.
 
 The cyclic garbage collector runs in whichever thread allocates when its counters say so, holding
 the GIL for as long as it walks the heap: a full collection walks every object of the model,
-transformers and the compiled graphs (~150-200 ms a collection on the CPU among 400,000 objects,
-started by loader threads every hundred loads or so). ``gc.freeze()`` moves what exists at start
-out of the collector's sight, so a collection walks only what came after (adapters, requests):
-beside four loader threads that step's p99 went from 229 ms to 38 ms. Done on CUDA only (a CPU
+transformers and the compiled graphs (hundreds of thousands of objects, a pause of many steps'
+length, started by loader threads every hundred loads or so). ``gc.freeze()`` moves what exists
+at start out of the collector's sight, so a collection walks only what came after (adapters,
+requests), and the tail of the step time stays short. Done on CUDA only (a CPU
 engine does not serve at that scale, and the test suite builds hundreds), after unfreezing what
 an earlier engine froze, so its garbage is collected again; closing an engine unfreezes it too.
 """

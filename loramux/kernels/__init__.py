@@ -8,7 +8,7 @@
 For CUDA graphs: ``build_lora_meta(token_slots, num_slots, static=True)`` (no host sync; launch
 grids from T and num_slots only, so one captured graph replays for any mix of adapters).
 
-Paged attention (issue 12): `write_kv(key, value, k_cache, v_cache, slot_mapping)` stores a step's
+Paged attention: `write_kv(key, value, k_cache, v_cache, slot_mapping)` stores a step's
 keys/values, then `paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
 scale=...)` serves decode tokens and prefill chunks of many sequences in one launch.
 

@@ -306,9 +306,8 @@ def attention_config(
     if programs < target:
         splits = max(1, min(MAX_SPLITS, cdiv(target, programs), max_blocks * block_size // MIN_KEYS_PER_SPLIT))
     block_n = 64 if d_pad <= 128 else 32
-    if T <= B:  # decode, swept on an H100 (8B shapes, block 16; benchmarks/attention.py --sweep):
-        # without splits 32-key tiles, 2 stages (B=64: 38 vs 47 us at 256 keys, 107 vs 128 at 1024);
-        # with splits 128-key tiles (B=8, 1024 keys: 31 vs 34 us)
+    if T <= B:  # decode, the fastest of a sweep on the GPU (8B shapes, block 16): without splits
+        # 32-key tiles, 2 stages; with splits (few long sequences) 128-key tiles
         block_n, num_stages = (32 if splits == 1 else (128 if d_pad <= 128 else 32)), 2
     if dtype == torch.float32:
         block_n = max(16, block_n // 2)

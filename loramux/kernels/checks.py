@@ -140,7 +140,7 @@ def check_expand(y, buf, lora_b, slice_sizes, meta, ranks, dtypes=FLOAT_DTYPES, 
     return n_slices, R
 
 
-# --- paged attention and the KV write (issue 12) ------------------------------------------------
+# --- paged attention and the KV write -----------------------------------------------------------
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 

@@ -202,9 +202,7 @@ def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, 
     # a decode graph's grid has a tile per adapter of the batch, and each program's start (its
     # segment, token ids, buf rows: dependent loads) is paid per tile: its one-adapter grid fills
     # `STATIC_DECODE_FILL` of the target, not twice the target, so a many-adapter batch runs
-    # fewer, longer programs (H100, 8B decode at 64 tokens: 32 adapters' step -80 to -100 µs, one
-    # adapter's +20 to +30 at the target once; docs/benchmarks/many-adapters.md, eleventh and
-    # sixteenth sessions)
+    # fewer, longer programs: the many-adapter step gains more than the one-adapter step loses
     fill = STATIC_DECODE_FILL if num_tokens <= DECODE_MAX_TOKENS else 2
     return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, target_programs(device, sms), fill)
 

@@ -25,9 +25,8 @@ __all__ = ["LoRABatchMeta", "build_lora_meta"]
 STATIC_TILE_HEIGHTS = (16, 32, 64)
 assert STATIC_TILE_HEIGHTS == tuple(16 << i for i in range(3)), "_build_static_meta counts these heights"
 #: A static grid of at least this many tiles checks the real count first, so its programs past
-#: them exit on one scalar load. Every program pays that load's latency first: on an H100 (8B
-#: decode, fused layers) it cost 1-2 us a layer where the bound is small (T = 1; 34 tiles at 32
-#: slots and T = 64) and saved 15 us a layer at 64 tiles (256 slots, T = 64).
+#: them exit on one scalar load. Every program pays that load's latency first: it costs more
+#: than it saves where the bound is small, and saves several times that where the grid is large.
 EXIT_PAST_TILES_MIN = 48
 
 

@@ -21,7 +21,7 @@ static meta and any prefill-sized batch, from T, S and the module's shape alone
 serves any mix of adapters. The split count there is sized for the one-adapter case (the fewest
 real tiles), which wants the most parallelism in K; a mixed batch gets more real tiles from the
 same grid. Eager launches on the whole GPU first look for a shape tuned on this device model
-(`loramux.kernels.tuned`, written by benchmarks/tune_shrink.py).
+(`loramux.kernels.tuned`, written by scripts/tune_shrink.py).
 """
 
 from __future__ import annotations
@@ -157,9 +157,8 @@ def shrink_config(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     A static meta and a prefill-sized batch (`shape_from_tokens_alone`) get `static_shrink_config`.
     A decode-sized batch (at most `DECODE_MAX_TOKENS` tokens) is latency bound whatever its mix:
     tiles of its segments' height, narrow rank blocks that spread the weights over many short
-    programs (on an H100 one adapter over 64 tokens in 64-row tiles and 64-wide blocks took 2x the
-    time of this shape, and lost to vLLM's tuned kernel), K split until the grid fills the GPU
-    (or ``sms`` of its multiprocessors, `target_programs`).
+    programs (tall tiles and wide blocks leave most of the GPU idle at decode), K split until the
+    grid fills the GPU (or ``sms`` of its multiprocessors, `target_programs`).
     """
     key = ("shrink", NR, H, dtype, device, sms, rank)
     cfg = meta._cache.get(key)
@@ -210,10 +209,8 @@ def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, 
     np2 = min(max(16, next_pow2(NR)), 256)
     if num_tokens <= DECODE_MAX_TOKENS:
         # decode: the weights dominate whatever the mix. Blocks as wide as a slice's R, up to 32:
-        # at R = 64, 16-wide blocks filled the one-adapter grid, so K went unsplit and each
-        # program of a many-adapter batch read all of K (H100, 8B decode at 64 tokens, R = 64, µs
-        # a step: 47 adapters of a mixed fleet 9,262 -> 8,453, one adapter 8,095 -> 7,705;
-        # 64-wide blocks 8,723 and 7,710; docs/benchmarks/many-adapters.md, eleventh session)
+        # at R = 64, 16-wide blocks fill the one-adapter grid, so K goes unsplit and each program
+        # of a many-adapter batch reads all of K; 64-wide blocks leave too few programs
         block_n, block_k = min(max(16, next_pow2(R)), 32), 128
     else:
         block_n, block_k = min(np2, 64), 64

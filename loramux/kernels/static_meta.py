@@ -2,16 +2,12 @@
 
 A CUDA graph built with a static meta (`loramux.kernels.metadata`) recomputes the meta's device
 arrays from ``token_slots`` on every replay. With torch ops that is about 60 small kernels a meta
-(a second meta for the logits rows where the LM head has LoRA): on an H100 (Llama-3.1-8B shapes, batch 64, one
-adapter) the LoRA step graph spent 270 us before its first attention kernel against 55 us for the
-base step's graph, about a third of what one adapter cost the step (`benchmarks/profile_step.py`,
-docs/benchmarks/engine-h100.md, ninth session). This kernel computes the same arrays in one
-program: the slots' counts (a one-hot sum over blocks of tokens), their starts (a prefix sum),
+(a second meta for the logits rows where the LM head has LoRA), launched one after the other
+before the step's first layer: a good part of what one adapter costs a decode step. This kernel
+computes the same arrays in one program: the slots' counts (a one-hot sum over blocks of tokens), their starts (a prefix sum),
 each token's place in its slot's segment (a running count per slot), the active slots first in
 ascending order, the padding past the slot vector, and the real tile counts.
 
-Measured on an H100 (same workload, one call): the LoRA graph's span before its first attention
-kernel went from 333 to 114 us, and one adapter's decode step from 7,766 to 7,573 us (base 7,074).
 So it is on by default on CUDA; ``LORAMUX_META_KERNEL=0`` builds with the torch ops instead (a
 fallback should a Triton version miscompile it). The CPU tests run it under Triton's interpreter
 against the torch build.

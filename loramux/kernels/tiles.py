@@ -60,7 +60,7 @@ def slot_lanes(meta: LoRABatchMeta) -> int:
 
 
 def cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # triton.cdiv is a JIT wrapper: ~2 us a call on the host
+    return -(-a // b)  # triton.cdiv is a JIT wrapper: slow on the host, called per launch
 
 
 POOL_ALIGN = tl.constexpr(POOL_ROW_ALIGN)  # `loramux.kernels.pool`'s, readable inside kernels
@@ -105,13 +105,8 @@ DECODE_MAX_TOKENS = 256  # a batch of at most this many tokens is decode-sized: 
 #: share of `target_programs` (one program per multiprocessor of the launch's share, not two). A
 #: batch of many adapters fills the same grid with a tile per adapter; sized for the full target,
 #: its every tile ran as many short programs as the one adapter's, and the delta outlasted the
-#: GEMM beside it. H100, 8B shapes, 64 tokens, max rank 64, the kernels alone, µs for one rank-16
-#: adapter / 4 / 47 adapters of a mixed fleet (`benchmarks/sweep_decode_launch.py`,
-#: docs/benchmarks/many-adapters.md, sixteenth session): qkv's expand 9.2 / 8.9 / 17.1 -> 9.2 / 9.5
-#: / 14.4, o's 8.4 / 8.4 / 12.0 -> 8.5 / 8.4 / 10.4; qkv's shrink (K split 7 -> 4) 10.4 / 11.4 /
-#: 19.6 -> 11.2 / 11.1 / 17.5, o's (16 -> 8) 9.6 / 9.8 / 12.1 -> 9.8 / 10.0 / 10.6. The whole
-#: decode step (64 tokens, one machine): the 47-adapter fleet's 8,179 -> 7,928 µs, 32 adapters on
-#: all seven at max rank 16 8,533 -> 8,341, one adapter unchanged (7,576 -> 7,574, 7,463 -> 7,455).
+#: GEMM beside it. Half the target shortens the many-adapter kernels and leaves the one-adapter
+#: ones as they were, which the decode step shows (docs/benchmarks/throughput.md).
 STATIC_DECODE_FILL = 0.5
 
 
@@ -121,8 +116,7 @@ def shape_from_tokens_alone(meta: LoRABatchMeta) -> bool:
 
     Prefill-sized steps run eagerly in the engine (past its largest step graph), and every launch
     shape is a Triton compile of seconds: shaped from their segments, a step with a mix of adapters
-    not seen before compiled kernels mid-serving (on an H100, single steps of 0.6-1.9 s in a trace
-    of 1,000 adapters). From T alone, a mix changes a launch's grid, never its kernel, and the
+    not seen before would compile kernels mid-serving, one step lasting seconds. From T alone, a mix changes a launch's grid, never its kernel, and the
     start-up warm-up's one-adapter steps compile every kernel serving will use."""
     return meta.static or meta.num_tokens > DECODE_MAX_TOKENS
 

@@ -2,14 +2,13 @@
 LoRA configs are): an eager launch on the whole GPU takes the tuned shape for its module and token
 count where one was measured, and the heuristics of `loramux.kernels.shrink` elsewhere.
 
-Why: the heuristics size a launch from the tile count and a program target; on an H100 they lost
-to vLLM's tuned shrink in 17 of the 108 cases timed, down to 0.72x (o, rank 64, T = 1024). With
-the H100's tuned shapes 10 of 112 lose, none below 0.96x (docs/benchmarks/kernels-vs-vllm.md). A
-search per shape on the device finds what a rule misses.
+Why: the heuristics size a launch from the tile count and a program target, and in some cases
+they lose to vLLM's tuned shrink by a wide margin; a search per shape on the device finds what a
+rule misses (docs/benchmarks/kernels.md compares both sides, each with its tuned shapes).
 
 Files: ``<device name, spaces and dashes as underscores>_shrink.json`` (``NVIDIA_H100_80GB_HBM3_shrink.json``)
 in ``loramux/data/kernel_configs``, or in the folder ``LORAMUX_KERNEL_CONFIG_DIR`` names (an empty
-folder turns tuning off). ``benchmarks/tune_shrink.py`` writes them::
+folder turns tuning off). ``scripts/tune_shrink.py`` writes them::
 
     {"device": "NVIDIA H100 80GB HBM3", "entries": [
         {"dtype": "bfloat16", "n_slices": 3, "rank": 16, "hidden": 4096, "tokens": 64,
@@ -100,6 +99,6 @@ def _device_index(folder: str, device_name: str) -> dict[tuple, tuple[tuple[int,
             index.setdefault(key, []).append((int(e["tokens"]), config))
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"tuned kernel configs {path} are malformed ({type(e).__name__}: {e}); write them "
-                         f"with benchmarks/tune_shrink.py, or set {CONFIG_DIR_ENV_VAR} to a folder without "
+                         f"with scripts/tune_shrink.py, or set {CONFIG_DIR_ENV_VAR} to a folder without "
                          f"this file to use the built-in heuristics") from None
     return {key: tuple(sorted(pairs, key=lambda p: p[0])) for key, pairs in index.items()}

@@ -5,9 +5,9 @@ A load asks its `HostMemory` for one uint8 buffer per adapter (``allocate(nbytes
 file is read straight into it, or a cast packs into it. Page-locked memory lets the copy into a
 GPU slot run asynchronously, but allocating it (``cudaHostAlloc``, which
 ``torch.empty(..., pin_memory=True)`` calls for any size PyTorch's host cache holds no block of)
-takes the CUDA driver's lock: every CUDA call of the engine's thread waits behind it (2.8 s steps
-on an H100, ``docs/benchmarks/h100/host_contention.json``). So the engine never pins per load: it
-reserves an arena at start and loads carve from it.
+takes the CUDA driver's lock: every CUDA call of the engine's thread waits behind it, so loads
+pinning their own buffers make the engine's steps stall for as long as the pinning takes. So the
+engine never pins per load: it reserves an arena at start and loads carve from it.
 """
 
 from __future__ import annotations

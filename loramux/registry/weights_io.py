@@ -5,10 +5,8 @@ the copy into a GPU slot can run asynchronously straight from it), `READ_BYTES` 
 is hashed on a small thread pool as soon as it lands (per 1 MiB chunk), while the next is read
 (hashlib and file reads release the GIL), so the content digest costs little beyond the read.
 Reads are large because each read and each hash job takes the GIL back when it ends, and beside
-a busy engine thread that can wait up to a switch interval. On an H100 host beside the
-many-adapters trace (one run each, docs/benchmarks/many-adapters.md, fifteenth session), 4 MiB
-reads against 1 MiB: at N = 4 a cold read took 8.4 against 12.2 ms (p50) and the load 14.9
-against 21.7 ms; at N = 1,000, 14.6 against 15.4 ms (there something else holds the reads). A safetensors file
+a busy engine thread that can wait up to a switch interval: fewer, larger reads wait fewer times
+(cold loads stage by stage: docs/benchmarks/cold_load.md). A safetensors file
 then becomes tensors that are views into that buffer: one copy from the disk, none after it.
 
 safetensors' own Python API cannot do this: ``load_file`` copies every tensor out of a memory

@@ -25,4 +25,4 @@ def __getattr__(name: str):
     if name in _READERS:
         return _READERS[name]()
     raise AttributeError(f"vllm.envs shim has no {name!r}: add it to benchmarks/vllm_shims/vllm/envs.py "
-                         "with vLLM's default, then rerun benchmarks/fetch_vllm_lora_ops.py")
+                         "with vLLM's default, then rerun benchmarks/vllm_ops.py")

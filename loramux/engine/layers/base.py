@@ -487,8 +487,8 @@ class BaseLayerWithLoRA(nn.Module):
             return self.base_layer(x)
         shape, dtype = self.base_output_spec(x)
         # the LM head runs outside the compiled layers: nothing would fold its sum, which would
-        # be a launch of its own over the whole logits (14 us a decode step at 8B on an H100),
-        # and its delta's buffer zeros to write; in line, a slot without LoRA there costs nothing
+        # be a launch of its own over the whole logits, and its delta's buffer zeros to write;
+        # in line, a slot without LoRA there costs nothing
         if self.delta_beside and self.lora_context.beside and not self.computes_logits:
             # the delta comes back beside the base output and the sum is traced, so a compiled layer
             # folds it into the pointwise kernel that reads the output next (no launch of its own)
@@ -531,9 +531,7 @@ class BaseLayerWithLoRA(nn.Module):
         row's delta into a buffer of its own (never read), then the base GEMM adding its product
         onto that buffer (``addmm_``: cuBLAS reads it in the epilogue). Adding the delta after the
         GEMM instead reads and writes the output's targeted slices once more in a memory-bound
-        kernel (at 8,192 tokens of Llama-3.1-8B's gate_up, 940 MB a layer). H100, one all-seven
-        rank-16 adapter, an 8,192-token prefill: LoRA's device time 19.9 -> 13.9 ms (the expand
-        16.1 -> 8.4; docs/benchmarks/engine-h100.md, twentieth session)."""
+        kernel, as many bytes as the layer's whole output at a long prefill."""
         x2d = self._lora_input(x)
         delta = torch.empty(meta.num_tokens, self.out_features, dtype=self.lora_dtype, device=x.device)
         if meta.num_lora_tokens < meta.num_tokens or not all(self._host_ranks[s] for s in meta.active_slots_host):
@@ -571,8 +569,7 @@ class BaseLayerWithLoRA(nn.Module):
         if streams is not None:
             main, side = streams
             side.wait_stream(main)  # x is made on the main stream (and not the GEMM, enqueued after this)
-        # the GEMM first (H100, 8B decode replay at 64 tokens, µs: one rank-16 adapter on all seven
-        # 7,476 -> 7,271 with the base model at 7,159; docs/benchmarks/engine-h100.md, seventeenth session)
+        # the GEMM first: enqueued after the delta's kernels, it runs slower beside them
         with gemm_carveout(sms):
             output = self.base_layer(x).contiguous()  # on the main stream, beside the delta
         with torch.cuda.stream(side) if streams is not None else nullcontext():

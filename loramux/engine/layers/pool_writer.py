@@ -3,10 +3,10 @@ computed with numpy.
 
 `BaseLayerWithLoRA.slot_write` describes one layer's part of a slot write (for a pooled layer,
 `_pool_write`: its blocks as numbers) and `slot_write.table_of` turns the parts into a table:
-Python for every layer and every block. An 8B model has 128 pooled layers; on an H100 host that
-Python took 6.5 ms of the engine's thread for a rank-16 adapter on all seven projections, all of
-it before the step that admits the adapter's request could launch (from host memory to the
-first token 17.8 ms, against 9.1 ms for the adapter resident in its slot).
+Python for every layer and every block. An 8B model has 128 pooled layers, and that Python ran on
+the engine's thread before the step that admits the adapter's request could launch: a large part
+of the time to first token of a request whose adapter waits in host memory
+(docs/benchmarks/throughput.md).
 
 Every number of that table follows from a few per layer (its pools' addresses and strides, read
 once) and a few per module of the adapter (its rank, its weights' addresses and row strides, its

@@ -1,28 +1,18 @@
 """Where a LoRA projection's delta is computed: on a side CUDA stream, beside its base GEMM.
 
 At decode a projection's LoRA work (shrink, expand) is a chain of latency-bound launches that
-move a few MB: in line with the base GEMM it costs its latency, ~10 us a projection, 38 us a
-layer at Llama-3.1-8B shapes. So in a step graph on CUDA with the Triton kernels
-(`delta_beside_base`; eager steps add it in line, `LoRAContext.beside`) the whole
-delta is computed on a side stream into a buffer of its own, while the main stream runs the base
-GEMM; the op returns both and the compiled layer adds them in the pointwise kernel that reads the
-output next (RoPE, SiLU-mul, the residual add). Nothing of the delta is left in line with the
-GEMM but the join.
+move a few MB: in line with the base GEMM it adds its whole latency to every projection. So in a
+step graph on CUDA with the Triton kernels (`delta_beside_base`; eager steps add it in line,
+`LoRAContext.beside`) the whole delta is computed on a side stream into a buffer of its own,
+while the main stream runs the base GEMM; the op returns both and the compiled layer adds them in
+the pointwise kernel that reads the output next (RoPE, SiLU-mul, the residual add). Nothing of
+the delta is left in line with the GEMM but the join.
 
 A GEMM at decode takes every multiprocessor, so the side stream's kernels would wait for its
 tail. The GEMM is told to leave some free instead (`gemm_carveout`: cuBLASLt's SM count target,
 through torch's experimental carveout), and the LoRA launches are sized for those
-(`lora_sms_beside`). Measured on an H100 (`benchmarks/lora_decode.py`, 8B fused layout, rank 16,
-32 layers in one CUDA graph; us a layer over the base GEMMs, 1 / 32 adapters; no add after the
-join, which the compiled layer folds into its next kernel):
-
-    tokens   shrink beside, expand after   delta beside   delta beside, GEMM leaves SMs free
-    8        22.5 / 43.3                   10.0 / 30.0    15.6 / 33.0 (32 SMs)
-    16       27.0 / 63.4                   13.4 / 45.1    13.4 / 36.7 (16 SMs)
-    32       37.4 / 102.2                  20.7 / 86.9    14.8 / 54.5 (16 SMs)
-    64       38.5 / 88.0                   34.0 / 81.0    15.3 / 53.7 (32 SMs)
-    128      44.8 / 78.8                   41.4 / 71.2    28.3 / 62.4 (32 SMs)
-    256      72.6 / 110.6                  55.3 / 107.4   49.6 / 67.6 (32 SMs)
+(`lora_sms_beside`): beside the GEMM, the delta costs a fraction of what it costs in line, and
+of what it costs beside a GEMM that takes every multiprocessor (docs/benchmarks/throughput.md).
 
 One side stream per device, shared by every layer of every model in the process. The split-K
 shrink keeps one counter table per device (`loramux.kernels.shrink`: two split-K shrinks must
@@ -92,22 +82,14 @@ def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0
     it (0: the GEMM takes them all, and the LoRA launches are sized for all); ``gemm_weights``:
     the GEMM's ``in_features * out_features``.
 
-    From the table in this module's docstring: none up to 8 tokens (the GEMM's tail leaves room,
-    and the GEMM lost more than the delta gained), and none past 256 tokens, where the GEMM is
-    compute-bound and every multiprocessor counts. Between them a GEMM reads its weights at near
-    full bandwidth on a fraction of the SMs, and the delta's many short programs want the rest:
-    a big GEMM (`BIG_GEMM_WEIGHTS`) leaves an eighth and a small one a third at 9-32 and at
-    129-256 tokens, a third and two thirds at 33-128 tokens. Measured on an H100 (8B, decode
-    replays, us; docs/benchmarks/engine-h100.md), against an eighth and a third at 33-128 tokens
-    (thirteenth session): batch 64, one adapter on all seven projections 7,666 -> 7,663, 32
-    adapters 8,882 -> 8,624, q/v adapters 7,456 -> 7,348 (one) and 7,950 -> 7,830 (32), a
-    47-adapter fleet 8,388 -> 8,333 (base 7,186-7,205); batch 128, 32 adapters 11,237 -> 10,069.
-    Against an eighth for every GEMM at 9-32 tokens: batch 32, one adapter 7,489 -> 7,299, 32
-    adapters 8,880 -> 8,826, the fleet 7,743 -> 7,450; batch 16, 7,173 -> 7,065, 8,103 -> 8,043,
-    7,236 -> 7,126. At 256 tokens the GEMMs are near compute-bound, and a third of the SMs ran
-    qkv at half speed (eighteenth session; base 10,317-10,388): one adapter 13,338 with a third
-    and two thirds, 11,086 with an eighth and a third, 12,079 with none left; 32 adapters 13,761,
-    12,387, 12,974.
+    None up to 8 tokens (the GEMM's tail leaves room, and a carveout costs the GEMM more than
+    the delta gains), and none past 256 tokens, where the GEMM is compute-bound and every
+    multiprocessor counts. Between them a GEMM reads its weights at near full bandwidth on a
+    fraction of the SMs, and the delta's many short programs want the rest: a big GEMM
+    (`BIG_GEMM_WEIGHTS`) leaves an eighth and a small one a third at 9-32 and at 129-256 tokens
+    (there the GEMMs are nearly compute-bound and a larger share slows them more than the delta
+    gains), a third and two thirds at 33-128 tokens. These shares were the fastest decode steps of
+    the choices tried, at every batch size and adapter mix measured (docs/benchmarks/throughput.md).
     """
     if device.type != "cuda" or num_tokens <= 8 or num_tokens > 256:
         return 0

@@ -15,9 +15,7 @@ checked, nothing written yet), its blocks as numbers (`Block`: no tensor views);
 Why numbers and one kernel: the engine's thread runs slot writes inside its steps, and each torch
 call is a point where the GIL may pass to a loader thread. Done with views and torch's foreach
 ops a write was ~600 calls on an 8B adapter (a view per block, a staged view per weight, the
-copies), the engine thread's largest cost under churn; now it is a dozen. On an H100 host
-(docs/benchmarks/many-adapters.md, fifteenth session): 2.5-3.8 -> 1.7-1.8 ms a placement alone
-(`benchmarks/slot_churn.py`), 8.9 -> 4.0 ms a write inside the 1,000-adapter trace (one call).
+copies), the engine thread's largest cost under churn; now it is a dozen.
 
 Nothing blocks the host: the host buffers are page-locked in the CPU tier (elsewhere the copy is
 staged, as any pageable copy), and the table comes from PyTorch's pinned allocator. Where the

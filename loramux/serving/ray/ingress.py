@@ -47,7 +47,7 @@ class _Ingress:
 
     :param replicas: the replicas' deployment handle.
     :param adapter_affinity: route by adapter (Ray's multiplexing); False spreads requests by
-        queue length alone (for comparison: ``benchmarks/ray_routing.py``).
+        queue length alone (a baseline to compare routing against).
     """
 
     def __init__(self, replicas: Any, adapter_affinity: bool = True) -> None:
