@@ -32,33 +32,36 @@ _CLIENT_CLOSED = 499
 
 
 def completion_prompts(request: CompletionRequest, vocab_size: int | None, tokenizer: Any = None) -> list[Any]:
-    """The prompts of a completions request: strings, ``{"prompt_token_ids": [...]}``, or (with
-    ``add_special_tokens: false``) ``{"prompt": text, "prompt_token_ids": [...]}`` tokenized here
-    without the tokenizer's BOS; run it in a worker thread then.
+    """The prompts of a completions request: strings or ``{"prompt_token_ids": [...]}``; with
+    ``add_special_tokens: false``, texts tokenized here without the tokenizer's BOS (run it in a
+    worker thread then).
 
-    :raises APIError: 400 for a token id outside the vocabulary (the model could not embed it), or
-        text to tokenize without a tokenizer.
+    :raises APIError: 400 for a token id outside the vocabulary (the model could not embed it).
     """
     prompt = request.prompt
-    if isinstance(prompt, str) or all(isinstance(item, int) for item in prompt):
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if all(isinstance(item, int) for item in prompt):
         prompt = [prompt]
     prompts = []
     for item in prompt:
-        if isinstance(item, str) and request.add_special_tokens:
-            prompts.append(item)
-        elif isinstance(item, str):
-            if tokenizer is None:
-                raise APIError(400, "prompt: this model has no tokenizer; give token ids", param="prompt",
-                               code="no_tokenizer")
-            prompts.append({"prompt": item, "prompt_token_ids": tokenizer(item, add_special_tokens=False).input_ids})
-        else:
-            bad = next((t for t in item if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-            if bad is not None:
-                limit = f"0 to {vocab_size - 1}" if vocab_size is not None else "0 or more"
-                raise APIError(400, f"prompt: token id {bad} is outside the vocabulary ({limit})", param="prompt",
-                               code="invalid_parameter")
-            prompts.append({"prompt_token_ids": list(item)})
+        if isinstance(item, str):
+            prompts.append(item if request.add_special_tokens else _without_special_tokens(tokenizer, item))
+            continue
+        bad = next((t for t in item if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+        if bad is not None:
+            limit = f"0 to {vocab_size - 1}" if vocab_size is not None else "0 or more"
+            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary ({limit})", param="prompt",
+                           code="invalid_parameter")
+        prompts.append({"prompt_token_ids": list(item)})
     return prompts
+
+
+def _without_special_tokens(tokenizer: Any, text: str) -> dict:
+    if tokenizer is None:
+        raise APIError(400, "prompt: this model has no tokenizer; give token ids", param="prompt",
+                       code="no_tokenizer")
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
 
 
 def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None) -> dict:

@@ -47,7 +47,7 @@ class _ChoiceStream:
         """The choice's part of the next chunk, or None when it has nothing new to send yet."""
         gen = self.gen
         reason = finish_reason(gen, output)
-        ids = gen.generated(output)[0]
+        ids, entries = gen.generated(output)
         if reason is None and self.started and len(ids) - self.sent_tokens < gen.stream_interval:
             return None
         text = gen.text_of(output)
@@ -55,10 +55,9 @@ class _ChoiceStream:
         delta, self.sent_chars = text[self.sent_chars:end], end
         logprobs = None
         if gen.logprobs is not None:  # the logprobs of the tokens new since the last chunk
-            count = len(gen.generated(output)[1])
-            if count > self.sent_logprobs or (not self.started and gen.echo):
+            if len(entries) > self.sent_logprobs or (not self.started and gen.echo):
                 logprobs = gen.logprobs_json(output, self.sent_logprobs, with_prompt=not self.started)
-            self.sent_logprobs = count
+            self.sent_logprobs = len(entries)
         new_ids = ids[self.sent_tokens:]
         if not delta and reason is None and logprobs is None and not (gen.return_token_ids and new_ids):
             return None
