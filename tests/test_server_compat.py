@@ -14,10 +14,11 @@ from collections import defaultdict
 import pytest
 
 openai = pytest.importorskip("openai", reason="the serve extras are not installed: pip install -e .[serve,test]")
-from conftest import char_tokenizer, save_peft_adapter, tiny_llama  # noqa: E402
+from conftest import char_tokenizer  # noqa: E402
 from test_engine_outputs import oracle_logprobs  # noqa: E402
-from test_server import Server, metric  # noqa: E402
-from test_server_api import client, http  # noqa: E402,F401 (module fixtures, on this module's server)
+from test_server import metric  # noqa: E402
+# the server and clients of test_server_api, on this module's workspace
+from test_server_api import client, http, server, tiny_workspace  # noqa: E402,F401
 
 # The character tokenizer with a BOS on every text prompt (as Llama's), and a chat template that
 # shows vLLM's template inputs: documents and a variable of its own.
@@ -31,29 +32,10 @@ CONTINUATIONS = [" dog", " cat.", " Mars", " it"]
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serving_compat")
-    model = tiny_llama()
-    model.config.bos_token_id, model.config.eos_token_id = 1, 2
-    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
-    model.save_pretrained(root / "model")
     tokenizer = char_tokenizer()
     tokenizer.add_bos_token = True
     tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(root / "model")
-    adapter = save_peft_adapter(model, root / "style", seed=7)
-    (root / "site").mkdir()
-    return dict(root=root, model=root / "model", adapter=adapter, site=root / "site", release=root / "release")
-
-
-@pytest.fixture(scope="module")
-def server(workspace):
-    process = Server("compat", ["--max-loras", "1", "--lora-modules", f"style={workspace['adapter']}",
-                                "--served-model-name", "tiny", "--dtype", "float32"], workspace)
-    try:
-        process.wait_until_listening()
-        yield process
-    finally:
-        process.stop()
+    return tiny_workspace(tmp_path_factory.mktemp("serving_compat"), tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,9 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve extras are not installed: pip install -e .[serve,test]")
 from test_sampling_params import _table  # noqa: E402
 from test_server import metric  # noqa: E402
-from test_server_api import client, http  # noqa: E402,F401 (module fixtures, on this module's server)
-from test_server_compat import offline, server, workspace  # noqa: E402,F401
+# the server and clients of test_server_api, on test_server_compat's workspace
+from test_server_api import client, http, server  # noqa: E402,F401
+from test_server_compat import offline, workspace  # noqa: E402,F401
 
 # vLLM's extra parameters, as vllm-project/vllm declares them at commit
 # 002032ee2b18e1f7bd924ec47b62504ba3866063 between the "--8<-- [start:...]" / "[end:...]" markers that
