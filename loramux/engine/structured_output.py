@@ -2,9 +2,10 @@
 
 ``StructuredOutputs(tokenizer, vocab_size, eos_token_ids)`` compiles a request's format (a JSON
 schema, any JSON object, a regex, a choice of strings, an EBNF grammar or a structural tag) once
-per distinct format (an LRU of compiled grammars) and hands each request its own ``GrammarState``. Each step the
-sampler asks every row that has one for its next-token bitmask, fills them into one batched bitmask
-and applies it to the logits in place; after sampling, the state accepts the token.
+per distinct format (an LRU of compiled grammars) and hands each request its own
+``GrammarState``. Each step the sampler asks every row that has one for its next-token bitmask,
+fills them into one batched bitmask and applies it to the logits in place; after sampling, the
+state accepts the token.
 
 xgrammar was chosen over llguidance by measurement (``benchmarks/structured_output_engines.py``,
 results in docs/serving.md). Its JSON-schema converter accepts some keywords it does not enforce
