@@ -221,7 +221,7 @@ def test_an_evaluation_harness_scores_repeated_contexts_as_the_cache_off_run(cli
 # ---------------------------------------------------------------------------------------------
 
 
-def test_stream_options_only_with_stream(client, http):
+def test_stream_options_only_with_stream_and_prompt_logprobs_only_without(client, http):
     for route, body in (("/v1/completions", {"prompt": "x"}),
                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
         for stream in (False, None):
@@ -235,6 +235,10 @@ def test_stream_options_only_with_stream(client, http):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt="x", max_tokens=2, stream_options={"include_usage": True})
     assert caught.value.param == "stream_options"
+    with pytest.raises(openai.BadRequestError) as caught:  # as vLLM: a stream has no place for them
+        client.completions.create(model="tiny", prompt="x", max_tokens=2, stream=True,
+                                  extra_body={"prompt_logprobs": 1})
+    assert caught.value.param == "prompt_logprobs"
     assert http.get("/health").json() == {"status": "ok"}
 
 

@@ -132,6 +132,13 @@ class _SamplingFields(_Request):
             raise ValueError("only allowed with stream: true")
         return value
 
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_when_streaming(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("stream"):  # vLLM's rule: a stream has no place for them
+            raise ValueError("not available with stream: true; ask without streaming")
+        return value
+
     def unsupported(self) -> tuple[str, str] | None:
         """The first field asking for something loramux does not do, and what that is; or None."""
         for name, value in (self.model_extra or {}).items():
