@@ -69,10 +69,11 @@ async def _generation(state: ServerState, endpoint: str, body: Any, prompts: lis
     structured = await _structured_outputs(state, body)
     lora_request = state.book.lookup(body.model)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
-    response_id = f"{prefix}-{body.request_id or uuid.uuid4().hex}"
+    engine_id = f"{prefix}-{uuid.uuid4().hex}"  # unique, whatever request_id a client gives
+    response_id = f"{prefix}-{body.request_id}" if body.request_id else engine_id
     echo_only = endpoint == "completions" and max_tokens == 0  # score the prompt, generate nothing
     params = state.sampling_params(body, max_tokens or 1, structured)
-    requests, prompt_of_choice = build_requests(prompts, params, lora_request, response_id, body.cache_salt)
+    requests, prompt_of_choice = build_requests(prompts, params, lora_request, engine_id, body.cache_salt)
     options = body.stream_options
     include_usage = bool(body.stream and options and options.include_usage)
     return Generation(

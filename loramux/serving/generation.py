@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 from fastapi import Request
@@ -99,19 +98,18 @@ def chat_echo(request: ChatCompletionRequest) -> str:
     return last.text() if request.echo and last.role == role else ""
 
 
-def build_requests(prompts: list[Any], params: Any, lora_request: Any, response_id: str,
+def build_requests(prompts: list[Any], params: Any, lora_request: Any, base_id: str,
                    cache_salt: str | None = None) -> tuple[list[SubRequest], list[int]]:
-    """One engine request per (prompt, sample of ``params.n``), ids ``<response id>-<uuid>-<choice>``;
-    and each choice's prompt. ``cache_salt`` (vLLM's) joins every prompt: its blocks are shared
-    only with prompts salted alike."""
-    base = f"{response_id}-{uuid.uuid4().hex}"
+    """One engine request per (prompt, sample of ``params.n``), ids ``<base_id>-<choice>``; and each
+    choice's prompt. ``cache_salt`` (vLLM's) joins every prompt: its blocks are shared only with
+    prompts salted alike."""
     samples = [params.for_sample(i) for i in range(params.n)]
     requests, prompt_of_choice = [], []
     for prompt_index, prompt in enumerate(prompts):
         if cache_salt is not None:
             prompt = {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}), "cache_salt": cache_salt}
         for sample in samples:
-            requests.append(SubRequest(f"{base}-{len(requests)}", prompt, sample, lora_request))
+            requests.append(SubRequest(f"{base_id}-{len(requests)}", prompt, sample, lora_request))
             prompt_of_choice.append(prompt_index)
     return requests, prompt_of_choice
 
