@@ -24,6 +24,7 @@ class FakeSeq:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_pending: int = 0
+    reads_prefix_cache: bool = True
 
     @property
     def num_tokens(self) -> int:
@@ -200,6 +201,20 @@ def test_chunked_prefill_blocks_are_hittable_only_once_scheduled():
     assert admit(bm, FakeSeq(prompt)).num_cached_tokens == BS
     bm.cache_full_blocks(a, 3 * BS)
     assert admit(bm, FakeSeq(prompt)).num_cached_tokens == 3 * BS
+    bm.check_invariants()
+
+
+def test_a_sequence_that_must_compute_its_prompt_takes_no_hit_but_caches_its_blocks():
+    """Prompt logprobs need every position's logits: such a sequence reads nothing from the cache
+    (and counts no lookup), while the blocks it fills serve the sequences after it."""
+    bm = BlockManager(16, BS)
+    a = admit(bm, FakeSeq(list(range(3 * BS))))
+    scorer = admit(bm, FakeSeq(list(range(3 * BS)), reads_prefix_cache=False))
+    assert scorer.num_cached_tokens == 0 and not set(scorer.block_table) & set(a.block_table)
+    assert (bm.stats.queries, bm.stats.hits) == (3 * BS, 0)
+    bm.deallocate(a)
+    later = admit(bm, FakeSeq(list(range(3 * BS))))
+    assert later.num_cached_tokens == 2 * BS and later.block_table[:2] == scorer.block_table[:2]
     bm.check_invariants()
 
 

@@ -74,6 +74,36 @@ def test_logprobs_and_prompt_logprobs_equal_peft(engine_adapters):
                 assert entry[top_token].logprob == pytest.approx(row[top_token].item(), abs=1e-4)
 
 
+def test_prompt_logprobs_of_a_prompt_whose_start_is_cached_equal_peft(engine_adapters):
+    """The same prompt scored twice, its first two blocks in the prefix cache (a plain request
+    put them there, and a plain request finds them again after): every position is scored, the
+    same both times and as PEFT's log_softmax, for the base model and an adapter."""
+    torch.manual_seed(9)
+    prompt = torch.randint(3, 128, (37,)).tolist()
+    llm = LLM(tiny_llama(), max_loras=1, max_lora_rank=8, max_model_len=64, dtype="float32")
+    stats = llm.llm_engine.block_manager.stats
+    for name in (None, "all"):
+        lora = None if name is None else LoRARequest(name, 1, str(engine_adapters[name]))
+        expected = oracle_logprobs(None if name is None else engine_adapters[name], prompt)  # [T, V]
+        plain = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate({"prompt_token_ids": prompt}, plain, lora, use_tqdm=False)
+        scored = []
+        for _ in range(2):
+            hits = stats.hits
+            scoring = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+            out = llm.generate({"prompt_token_ids": prompt}, scoring, lora, use_tqdm=False)[0]
+            assert stats.hits == hits  # computed in full
+            assert out.prompt_logprobs[0] is None and None not in out.prompt_logprobs[1:]
+            for position in range(1, len(prompt)):
+                token, row = prompt[position], expected[position - 1]
+                assert out.prompt_logprobs[position][token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            scored.append(out.prompt_logprobs)
+        assert scored[0] == scored[1]
+        hits = stats.hits
+        llm.generate({"prompt_token_ids": prompt}, plain, lora, use_tqdm=False)
+        assert stats.hits - hits == 32  # the prefix was cached all along
+
+
 SCHEMA = {
     "type": "object",
     "properties": {

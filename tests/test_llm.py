@@ -44,7 +44,7 @@ def test_lora_request_with_lora_disabled_is_refused():
 
 
 def test_sampling_params_are_checked():
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(max_tokens=0), dict(stop=[""])):
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(max_tokens=0), dict(stop=[""])):
         with pytest.raises(ValueError, match="SamplingParams"):
             SamplingParams(**bad)
     assert SamplingParams(stop="x").stop_strings == ("x",)

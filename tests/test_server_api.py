@@ -27,18 +27,23 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serving_api")
+def tiny_workspace(root, tokenizer=None) -> dict:
+    """The tiny Llama and ``tokenizer`` (default: the character tokenizer) saved under ``root``,
+    with a PEFT adapter "style" for it."""
     model = tiny_llama()
     model.config.bos_token_id, model.config.eos_token_id = 1, 2
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
     model.save_pretrained(root / "model")
-    char_tokenizer().save_pretrained(root / "model")
+    (tokenizer or char_tokenizer()).save_pretrained(root / "model")
     adapter = save_peft_adapter(model, root / "style", seed=7)
     site = root / "site"
     site.mkdir()
     return dict(root=root, model=root / "model", adapter=adapter, site=site, release=root / "release")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    return tiny_workspace(tmp_path_factory.mktemp("serving_api"))
 
 
 @pytest.fixture(scope="module")

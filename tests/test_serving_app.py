@@ -31,7 +31,7 @@ from loramux.serving import ServerConfig, build_app
 class FakeTokenizer:
     chat_template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
 
-    def apply_chat_template(self, messages, *, chat_template, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, *, chat_template, add_generation_prompt, tokenize, **variables):
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 
     def __call__(self, text, add_special_tokens=True):

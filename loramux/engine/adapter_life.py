@@ -134,7 +134,7 @@ class EngineAdapters:
             with self._lock:
                 for seq in waiters:
                     seq.handle = handle
-                    seq.cache_salt = handle.digest  # prefix-cache blocks key on content, not name
+                    seq.salt_with(handle.digest)  # prefix-cache blocks key on content, not name
                     self.scheduler.add(seq)  # its reference; the first one pins the CPU tier
                 self._unpin_cpu(result.adapter)  # the load's own pin: the references hold it now
         return failed

@@ -15,6 +15,8 @@ thread-safe: the scheduler owns it.
 - ``seq.num_cached_tokens: int``: set by `allocate`: leading tokens whose K/V is already cached.
 - ``seq.cache_salt: str | bytes | None``: the adapter's identity, a digest of its weights'
   content (never its name, so a reload under the same name shares nothing); None for the base model.
+- ``seq.reads_prefix_cache: bool``: False for a sequence that must compute its whole prompt (it
+  asks for prompt logprobs): it takes no hit, though the blocks it fills are cached for others.
 - ``seq.block_token_ids(index, block_size) -> Sequence[int]``: the token ids of block ``index``.
 
 **Prefix caching.** A full block is keyed by a hash of (its parent block's hash, its token ids,
@@ -177,7 +179,7 @@ class BlockManager:
         for _ in range(blocks_needed(seq.num_tokens, self.block_size) - len(hits)):
             seq.block_table.append(self._take_free_block())
         seq.num_cached_tokens = len(hits) * self.block_size
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and seq.reads_prefix_cache:
             self.stats.queries += seq.num_tokens
             self.stats.hits += seq.num_cached_tokens
         self._check()
@@ -243,7 +245,7 @@ class BlockManager:
 
     def _prefix_hits(self, seq: Any) -> list[int]:
         """Cached blocks holding ``seq``'s leading full blocks; never the last token's block."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         hits, parent = [], None
         for index in range((seq.num_tokens - 1) // self.block_size):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence as Seq
+from dataclasses import replace
 
 from tqdm.auto import tqdm
 
@@ -107,8 +108,9 @@ class LLM:
         :param sampling_params: one for all prompts, or one per prompt (default: ``SamplingParams()``).
         :param lora_request: one adapter for all prompts, or one per prompt (None = base model).
         :param use_tqdm: show a progress bar.
-        :returns: one finished `RequestOutput` per prompt. A request whose adapter failed to load
-            finishes with ``finish_reason="error"`` and its ``error``; the others are unaffected.
+        :returns: one finished `RequestOutput` per prompt, with ``SamplingParams.n`` completions in
+            its ``outputs`` (``index`` 0 to n-1). A request whose adapter failed to load finishes
+            with ``finish_reason="error"`` and its ``error``; the others are unaffected.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
@@ -117,16 +119,22 @@ class LLM:
         params = _per_prompt(sampling_params, n, "sampling_params", SamplingParams) or [SamplingParams()] * n
         loras = _per_prompt(lora_request, n, "lora_request", LoRARequest) or [None] * n
         engine = self.llm_engine
-        ids = [f"llm-{next(self._ids)}" for _ in range(n)]
+        # one engine request per sample: "llm-<k>", or "llm-<k>-<i>" for sample i of n > 1
+        samples: list[tuple[str, list[str]]] = []
         added = []
         try:
-            for request_id, prompt, p, lora in zip(ids, prompts, params, loras):
-                engine.add_request(request_id, prompt, p, lora)
-                added.append(request_id)
+            for prompt, p, lora in zip(prompts, params, loras):
+                request_id = f"llm-{next(self._ids)}"
+                ids = [request_id] if p.n == 1 else [f"{request_id}-{i}" for i in range(p.n)]
+                samples.append((request_id, ids))
+                for index, sample_id in enumerate(ids):
+                    engine.add_request(sample_id, prompt, p if p.n == 1 else p.for_sample(index), lora)
+                    added.append(sample_id)
         except BaseException:
             engine.abort_request(added)
             raise
-        return self._run(ids, use_tqdm)
+        finished = self._run(added, use_tqdm)
+        return [_merge_samples(request_id, [finished[i] for i in ids]) for request_id, ids in samples]
 
     def chat(
         self,
@@ -154,7 +162,7 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, lora_request, use_tqdm)
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
         engine = self.llm_engine
         finished: dict[str, RequestOutput] = {}
         wanted = set(ids)
@@ -173,7 +181,18 @@ class LLM:
             raise
         finally:
             bar.close()
-        return [finished[i] for i in ids]
+        return finished
+
+
+def _merge_samples(request_id: str, outputs: list[RequestOutput]) -> RequestOutput:
+    """One prompt's samples as one output (vLLM's shape): their completions, numbered, in ``outputs``."""
+    if len(outputs) == 1:
+        return outputs[0]
+    completions = [output.outputs[0] for output in outputs]
+    for index, completion in enumerate(completions):
+        completion.index = index
+    error = next((o.error for o in outputs if o.error is not None), None)
+    return replace(outputs[0], request_id=request_id, outputs=completions, error=error)
 
 
 def _per_prompt(value, n: int, name: str, single_type) -> list | None:

@@ -51,7 +51,9 @@ __all__ = ["LLMEngine", "PromptType"]
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | Mapping  # "text", or {"prompt_token_ids": [...]} (optionally with "prompt")
+# "text", or {"prompt_token_ids": [...]} (optionally with "prompt"), or {"prompt": "text"}; a dict
+# may hold a "cache_salt": its prefix-cache blocks are shared only with prompts of the same salt
+PromptType = str | Mapping
 
 
 class LLMEngine:
@@ -191,11 +193,14 @@ class LLMEngine:
         """Queue a request; it joins the batch at the next step (after its adapter loads).
 
         :raises ValueError: a duplicate ``request_id``, an empty or too long prompt, a token id
-            outside the vocabulary, a text prompt without a tokenizer, or an adapter with LoRA
-            disabled.
+            outside the vocabulary, a text prompt without a tokenizer, an adapter with LoRA
+            disabled, or ``params.n > 1`` (one request is one sample).
         """
         self._check_open()
         params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError(f"request {request_id!r}: SamplingParams.n={params.n}; an engine request is one "
+                             "sample: add one request per sample (params.for_sample(i)), or use LLM.generate")
         text, token_ids = self._tokenize(prompt)
         if not token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -217,10 +222,11 @@ class LLMEngine:
             )
         if (params.stop_strings or params.include_stop_str_in_output) and self.tokenizer is None:
             raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this model has none")
-        bad = next((t for t in params.logit_bias or () if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"request {request_id!r}: logit_bias names token id {bad}, outside the vocabulary "
-                             f"(0 to {self.vocab_size - 1})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = next((t for t in getattr(params, name) or () if t >= self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"request {request_id!r}: {name} names token id {bad}, outside the vocabulary "
+                                 f"(0 to {self.vocab_size - 1})")
         grammar = None if params.structured_outputs is None else self.structured_outputs.new_state(
             params.structured_outputs)  # raises UnsupportedStructuredOutput (a ValueError) naming the feature
         seq = Sequence(
@@ -231,8 +237,10 @@ class LLMEngine:
             arrival=next(self._arrivals),
             lora_request=lora_request,
             grammar=grammar,
+            request_salt=self._cache_salt(request_id, prompt),
         )
-        if self.tokenizer is not None:
+        seq.salt_with(None)  # its adapter's digest joins once the adapter is resolved
+        if self.tokenizer is not None and params.detokenize:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer,
                 token_ids,
@@ -291,6 +299,14 @@ class LLMEngine:
         if isinstance(prompt, Mapping) and "prompt" in prompt:
             return self._tokenize(prompt["prompt"])
         raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
+
+    @staticmethod
+    def _cache_salt(request_id: str, prompt: PromptType) -> str | None:
+        """A prompt's ``cache_salt`` (vLLM's: ``{"prompt": ..., "cache_salt": "..."}``), or None."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"request {request_id!r}: cache_salt: got {salt!r}; allowed: a non-empty string")
+        return salt
 
     # -- the loop ------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Logit processors that depend on a request's history or its own table: penalties, logit bias,
-min_tokens and min_p. Each is vectorised over the batch (no loop over the vocabulary), and the
-sampler calls them only for the rows whose request asks (``SamplingParams.changes_logits``).
+allowed tokens, min_tokens and min_p. Each is vectorised over the batch (no loop over the
+vocabulary), and the sampler calls them only for the rows whose request asks
+(``SamplingParams.changes_logits``).
 
 The rules are vLLM's (and OpenAI's for presence / frequency):
 
@@ -16,7 +17,7 @@ import torch
 
 from loramux.engine.device_tensors import device_tensor
 
-__all__ = ["apply_logit_bias", "apply_min_p", "apply_penalties", "block_tokens", "token_counts"]
+__all__ = ["allow_only", "apply_logit_bias", "apply_min_p", "apply_penalties", "block_tokens", "token_counts"]
 
 
 def token_counts(token_lists: Seq[Seq[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -64,6 +65,16 @@ def block_tokens(logits: torch.Tensor, rows: Seq[int], tokens: Seq[Seq[int]]) ->
     if index_rows:
         device = logits.device
         logits[device_tensor(index_rows, device), device_tensor(index_tokens, device)] = float("-inf")
+
+
+def allow_only(logits: torch.Tensor, rows: Seq[int], allowed: Seq[Seq[int]]) -> None:
+    """Set every token of each row but its allowed ones to -inf, in place (``allowed_token_ids``)."""
+    device = logits.device
+    keep = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=device)  # [R, V]
+    keep[device_tensor([i for i, ids in enumerate(allowed) for _ in ids], device),
+         device_tensor([t for ids in allowed for t in ids], device)] = True
+    index = device_tensor(list(rows), device)
+    logits[index] = logits[index].masked_fill(~keep, float("-inf"))
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

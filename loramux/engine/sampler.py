@@ -2,11 +2,11 @@
 
 ``sampler(logits [B, V], seqs) -> SamplerOutput``. In order, for the rows whose request asks:
 logprobs are taken from the raw logits; then the grammar mask (structured outputs), logit bias,
-the min_tokens block on stop tokens, and the presence / frequency / repetition penalties act on the
-logits. Greedy rows take the argmax. Sampled rows divide by their temperature, cut to top-k /
-top-p (one sort shared by both) and min_p, and draw with the exponential-race trick
-(``argmax(p / E)``, E ~ Exp(1)) so a request with a seed draws its noise from its own generator and
-gets the same tokens whatever else is in the batch.
+the allowed-tokens mask, the min_tokens block on stop tokens, and the presence / frequency /
+repetition penalties act on the logits. Greedy rows take the argmax. Sampled rows divide by their
+temperature, cut to top-k / top-p (one sort shared by both) and min_p, and draw with the
+exponential-race trick (``argmax(p / E)``, E ~ Exp(1)) so a request with a seed draws its noise
+from its own generator and gets the same tokens whatever else is in the batch.
 
 A batch where no request asks for any of it pays one pass over the params and nothing else.
 
@@ -25,7 +25,7 @@ import torch
 
 from loramux.engine.device_tensors import device_tensor
 from loramux.engine.logprobs import Logprob, TokenLogprobs, token_logprobs
-from loramux.engine.penalties import apply_logit_bias, apply_min_p, apply_penalties, block_tokens
+from loramux.engine.penalties import allow_only, apply_logit_bias, apply_min_p, apply_penalties, block_tokens
 from loramux.engine.structured_output import apply_grammar_masks
 
 __all__ = ["Sampler", "SamplerOutput"]
@@ -93,7 +93,8 @@ class Sampler:
         return out
 
     def _process(self, logits: torch.Tensor, seqs: Seq) -> torch.Tensor:
-        """Grammar masks, logit bias, min_tokens and penalties; logits: [B, V] float32 (a copy)."""
+        """Grammar masks, logit bias, allowed tokens, min_tokens and penalties; logits: [B, V]
+        float32 (a copy)."""
         device = logits.device
         grammar_rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
         if grammar_rows:
@@ -101,6 +102,9 @@ class Sampler:
         bias_rows = [i for i, s in enumerate(seqs) if s.params.logit_bias]
         if bias_rows:
             apply_logit_bias(logits, bias_rows, [seqs[i].params.logit_bias for i in bias_rows])
+        allowed_rows = [i for i, s in enumerate(seqs) if s.params.allowed_token_ids is not None]
+        if allowed_rows:
+            allow_only(logits, allowed_rows, [seqs[i].params.allowed_token_ids for i in allowed_rows])
         early = [i for i, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
         if early:
             block_tokens(logits, early, [self.eos_token_ids + seqs[i].params.stop_token_ids for i in early])
@@ -124,10 +128,10 @@ class Sampler:
         temperature = device_tensor([p.temperature or 1.0 for p in params], device)
         scaled = logits / temperature[:, None]
         vocab = scaled.shape[-1]
-        if any(p.top_k != -1 or p.top_p < 1.0 for p in params):
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):  # top_k 0 or -1: no cut
             scaled = _top_k_top_p(
                 scaled,
-                device_tensor([vocab if p.top_k == -1 else min(p.top_k, vocab) for p in params], device),
+                device_tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], device),
                 device_tensor([p.top_p for p in params], device),
             )
         if any(p.min_p for p in params):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -34,8 +35,9 @@ class Sequence:
     token, the step samples a new one. A decode is just a chunk of one token. ``block_table``
     lists the KV blocks it holds (`BlockManager`); ``num_cached_tokens`` of them came from the
     prefix cache. ``cache_salt`` is the adapter's identity in prefix-cache hashes (its content
-    digest; None for the base model). ``handle`` is the adapter it runs with: the one its name
-    was bound to when it was resolved, kept to the end even if the name is rebound meanwhile.
+    digest; None for the base model), joined with the request's own salt if it gave one
+    (`salt_with`). ``handle`` is the adapter it runs with: the one its name was bound to when it
+    was resolved, kept to the end even if the name is rebound meanwhile.
 
     ``num_pending`` counts the tokens a launched step samples that the host has not read back
     yet (async scheduling: the next step is launched first). They count in ``num_tokens``, so the
@@ -55,6 +57,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)  # paged KV blocks (see block_manager.py)
     num_cached_tokens: int = 0  # leading tokens found in the prefix cache at allocation
     cache_salt: str | bytes | None = None  # the adapter's content digest; None for the base model
+    request_salt: str | None = None  # the request's own cache_salt (vLLM's), joined into cache_salt
     num_preemptions: int = 0
     # its adapter, once the registry resolved it (the scheduler's reference keeps it in the CPU
     # tier), and the GPU slot it runs in (set at admission; -1 for the base model or while queued)
@@ -71,6 +74,14 @@ class Sequence:
     grammar: GrammarState | None = None  # structured outputs: its place in its grammar
     num_pending: int = 0  # sampled on the device, not read back yet
     pending_row: int = -1  # the newest pending token's row in its step's sampled tokens
+
+    def salt_with(self, adapter_digest: str | None) -> None:
+        """Key its prefix-cache blocks by its adapter's content digest (None: the base model) and
+        its own salt, if the request gave one: then only requests with the same salt share them."""
+        if self.request_salt is None:
+            self.cache_salt = adapter_digest
+        else:
+            self.cache_salt = json.dumps([adapter_digest, self.request_salt]).encode()
 
     @property
     def lora_name(self) -> str | None:
@@ -104,7 +115,13 @@ class Sequence:
     def will_finish(self, max_model_len: int) -> bool:
         """Whether its tokens, pending ones included, reach ``max_tokens`` or ``max_model_len``: it
         finishes once they arrive, whatever they are, so no step need compute past them."""
-        return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
+        return self.params.reached_max_tokens(self.num_output_tokens) or self.num_tokens >= max_model_len
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether its prompt may start from cached KV blocks: not when every prompt position must be
+        computed (prompt logprobs score only positions whose logits a step produced)."""
+        return not self.params.skip_reading_prefix_cache
 
     @property
     def num_uncomputed(self) -> int:
@@ -161,7 +178,7 @@ class Sequence:
             self.finish("stop", token)
         elif self.detokenizer is not None and (stop := self.detokenizer.add_token(token)) is not None:
             self.finish("stop", stop)
-        elif len(self.output_token_ids) >= params.max_tokens or self.num_known_tokens >= max_model_len:
+        elif params.reached_max_tokens(len(self.output_token_ids)) or self.num_known_tokens >= max_model_len:
             self.finish("length")
 
     def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:

@@ -1,10 +1,11 @@
 """Structured outputs: a grammar per request, enforced as a token mask in the sampler (xgrammar).
 
 ``StructuredOutputs(tokenizer, vocab_size, eos_token_ids)`` compiles a request's format (a JSON
-schema, any JSON object, a regex, a choice of strings or an EBNF grammar) once per distinct format
-(an LRU of compiled grammars) and hands each request its own ``GrammarState``. Each step the
-sampler asks every row that has one for its next-token bitmask, fills them into one batched bitmask
-and applies it to the logits in place; after sampling, the state accepts the token.
+schema, any JSON object, a regex, a choice of strings, an EBNF grammar or a structural tag) once
+per distinct format (an LRU of compiled grammars) and hands each request its own
+``GrammarState``. Each step the sampler asks every row that has one for its next-token bitmask,
+fills them into one batched bitmask and applies it to the logits in place; after sampling, the
+state accepts the token.
 
 xgrammar was chosen over llguidance by measurement: its masks take a steady, short time, where a
 few of llguidance's took seconds and would stall the whole batch (docs/benchmarks/structured_output.md). Its JSON-schema converter accepts some keywords it does not enforce
@@ -41,6 +42,8 @@ _CACHE_SIZE = 256
 # (forcing the compact form pushes them off their distribution), and a fixed layout, unlike free
 # whitespace, leaves no room to loop on blank lines.
 _JSON_LAYOUT = dict(any_whitespace=False, indent=2)
+# disable_any_whitespace (vLLM's): one line, with xgrammar's default separators ", " and ": "
+_ONE_LINE_JSON = dict(any_whitespace=False)
 
 
 class UnsupportedStructuredOutput(ValueError):
@@ -80,6 +83,41 @@ def check_json_schema(schema: Any, path: str = "$") -> None:
             continue
         if isinstance(value, (dict, list)):
             check_json_schema(value, where)
+
+
+def _compile_structural_tag(compiler: Any, text: str) -> Any:
+    """A structural tag in either of vLLM's forms: ``{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}``, or xgrammar's ``{"type": "structural_tag", "format": {...}}``. Every
+    JSON schema inside is checked like a ``json`` format's."""
+    import xgrammar as xgr
+
+    try:
+        tag = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise UnsupportedStructuredOutput(f"the structural tag is not valid JSON: {error}") from None
+    if not isinstance(tag, dict):
+        raise UnsupportedStructuredOutput(f"a structural tag is a JSON object, got {type(tag).__name__}")
+    if "structures" in tag:
+        items = []
+        for i, item in enumerate(tag["structures"]):
+            check_json_schema(item.get("schema", {}), f"$.structures[{i}].schema")
+            items.append(xgr.StructuralTagItem(begin=item["begin"], schema=json.dumps(item.get("schema", {})),
+                                               end=item["end"]))
+        return compiler.compile_structural_tag(items, tag.get("triggers", []))
+    _check_tag_schemas(tag, "$")
+    return compiler.compile_structural_tag(text)
+
+
+def _check_tag_schemas(node: Any, path: str) -> None:
+    """check_json_schema every ``{"type": "json_schema", "json_schema": ...}`` part of a structural tag."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_tag_schemas(item, f"{path}[{i}]")
+    elif isinstance(node, dict):
+        if node.get("type") == "json_schema":
+            check_json_schema(node.get("json_schema"), f"{path}.json_schema")
+        for key, value in node.items():
+            _check_tag_schemas(value, f"{path}.{key}")
 
 
 class GrammarState:
@@ -133,7 +171,7 @@ class StructuredOutputs:
         self.eos_token_ids = sorted(eos_token_ids)
         self._compiler = None
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
 
     def _get_compiler(self):
         try:
@@ -171,7 +209,8 @@ class StructuredOutputs:
 
     def _compile(self, spec: StructuredOutputsParams) -> Any:
         compiler = self._get_compiler()
-        kind, text = spec.key()
+        kind, text, one_line = spec.key()
+        layout = _ONE_LINE_JSON if one_line else _JSON_LAYOUT
         try:
             if kind == "json":
                 try:
@@ -182,9 +221,9 @@ class StructuredOutputs:
                     raise UnsupportedStructuredOutput(
                         f"a JSON schema is an object, got {type(schema).__name__}")
                 check_json_schema(schema)
-                return compiler.compile_json_schema(text, **_JSON_LAYOUT)
+                return compiler.compile_json_schema(text, **layout)
             if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', **_JSON_LAYOUT)
+                return compiler.compile_json_schema('{"type": "object"}', **layout)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":
@@ -193,6 +232,8 @@ class StructuredOutputs:
                 choices = json.loads(text)
                 ebnf = "root ::= " + " | ".join(json.dumps(c) for c in choices)
                 return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
+            if kind == "structural_tag":
+                return _compile_structural_tag(compiler, text)
             return compiler.compile_grammar(text)
         except UnsupportedStructuredOutput:
             raise

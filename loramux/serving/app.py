@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,10 +20,11 @@ from fastapi.responses import JSONResponse, Response
 from loramux.engine.structured_output import UnsupportedStructuredOutput
 from loramux.serving import lora_admin
 from loramux.serving.errors import APIError, install_error_handlers
-from loramux.serving.generation import Generation, build_requests, chat_prompt, completion_prompts, run_generation
+from loramux.serving.generation import build_requests, chat_echo, chat_prompt, completion_prompts, run_generation
 from loramux.serving.metrics import CONTENT_TYPE
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from loramux.serving.request_params import structured_outputs_of
+from loramux.serving.responses import Generation
 from loramux.serving.state import ServerConfig, ServerState, get_state
 
 __all__ = ["build_app"]
@@ -39,23 +41,25 @@ def _check_api_key(request: Request) -> None:
 
 
 def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
-    name = body.unsupported()
-    if name is not None:
-        raise APIError(400, f"{name}: not supported by loramux; leave it out", param=name,
+    refused = body.unsupported()
+    if refused is not None:
+        name, what = refused
+        raise APIError(400, f"{name}: not supported by loramux ({what}); leave it out", param=name,
                        code="unsupported_parameter")
 
 
 async def _structured_outputs(state: ServerState, body: Any) -> Any:
     """The request's format, compiled once here (in a worker thread, so a slow schema holds up
     neither the event loop nor the engine thread, whose compile then finds it cached)."""
-    spec = structured_outputs_of(body)
+    asked = structured_outputs_of(body)
+    if asked is None:
+        return None
+    field, spec = asked
     compiler = getattr(state.engine.engine, "structured_outputs", None)
-    if spec is not None and compiler is not None:
+    if compiler is not None:
         try:
             await asyncio.to_thread(compiler.compile, spec)
         except UnsupportedStructuredOutput as error:
-            field = "response_format" if body.response_format is not None else next(
-                f for f in ("guided_json", "guided_regex", "guided_choice", "guided_grammar") if getattr(body, f))
             raise APIError(400, f"{field}: {error}", param=field, code="unsupported_schema") from error
     return spec
 
@@ -65,18 +69,23 @@ async def _generation(state: ServerState, endpoint: str, body: Any, prompts: lis
     structured = await _structured_outputs(state, body)
     lora_request = state.book.lookup(body.model)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
+    engine_id = f"{prefix}-{uuid.uuid4().hex}"  # unique, whatever request_id a client gives
+    response_id = f"{prefix}-{body.request_id}" if body.request_id else engine_id
     echo_only = endpoint == "completions" and max_tokens == 0  # score the prompt, generate nothing
-    requests, prompt_of_choice = build_requests(
-        prompts, body.n, lambda sample: state.sampling_params(body, max_tokens or 1, sample, structured),
-        lora_request, prefix)
-    include_usage = bool(body.stream and body.stream_options and body.stream_options.include_usage)
-    gen = Generation(endpoint, body.model, lora_request, requests, body.stream, include_usage, prompt_of_choice)
-    gen.echo = endpoint == "completions" and body.echo
-    gen.echo_only = echo_only
-    gen.logprobs = (body.logprobs if endpoint == "completions" else
-                    (body.top_logprobs or 0) if body.logprobs else None)
-    gen.tokenizer = getattr(state.engine.engine, "tokenizer", None)
-    return gen
+    params = state.sampling_params(body, max_tokens or 1, structured)
+    requests, prompt_of_choice = build_requests(prompts, params, lora_request, engine_id, body.cache_salt)
+    options = body.stream_options
+    include_usage = bool(body.stream and options and options.include_usage)
+    return Generation(
+        endpoint, body.model, lora_request, requests, response_id, prompt_of_choice, stream=body.stream,
+        include_usage=include_usage, continuous_usage=include_usage and options.continuous_usage_stats,
+        stream_interval=body.stream_interval or 1, echo=endpoint == "completions" and body.echo,
+        echo_only=echo_only, chat_echo=chat_echo(body) if endpoint == "chat" else "",
+        logprobs=body.logprobs if endpoint == "completions" else (body.top_logprobs or 0) if body.logprobs else None,
+        prompt_logprobs=body.prompt_logprobs is not None,  # vLLM's field (echo's come in logprobs)
+        return_token_ids=body.return_token_ids,
+        rendered_prompt=prompts[0]["prompt"] if endpoint == "chat" and body.return_prompt_text else None,
+        tokenizer=getattr(state.engine.engine, "tokenizer", None), tokens_as_ids=body.return_tokens_as_token_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +139,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise APIError(400, "max_tokens: 0 is allowed only with echo: true (to score the prompt); give "
                        "max_tokens >= 1", param="max_tokens", code="invalid_parameter")
     max_tokens = state.default_max_tokens(None) if body.max_tokens is None else body.max_tokens
-    gen = await _generation(state, "completions", body, completion_prompts(body, state.vocab_size), max_tokens)
+    tokenizer = getattr(state.engine.engine, "tokenizer", None)
+    if body.add_special_tokens:
+        prompts = completion_prompts(body, state.vocab_size)
+    else:  # tokenized here: in a worker thread, off the event loop
+        prompts = await asyncio.to_thread(completion_prompts, body, state.vocab_size, tokenizer)
+    gen = await _generation(state, "completions", body, prompts, max_tokens)
     return await run_generation(state, request, gen)
 
 

@@ -11,101 +11,41 @@ engine requests (``AsyncEngine.release``), both while waiting and mid-stream.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from loramux.errors import AdapterNotFoundError, InvalidAdapterError, IncompatibleAdapterError, LoRAError
+from loramux.errors import AdapterNotFoundError, InvalidAdapterError, IncompatibleAdapterError
 from loramux.serving.async_engine import RequestGroup, SubRequest
 from loramux.serving.errors import APIError, EngineDeadError, error_response, to_api_error
-from loramux.serving.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
+from loramux.serving.responses import Generation, full_response, raise_output_error
+from loramux.serving.streaming import stream_events
 
-__all__ = ["Generation", "chat_prompt", "completion_prompts", "run_generation"]
+__all__ = ["build_requests", "chat_echo", "chat_prompt", "completion_prompts", "run_generation"]
 
 # Status for a client that went away before its answer (nginx's convention; nobody reads it).
 _CLIENT_CLOSED = 499
 
 
-@dataclass
-class Generation:
-    """One generation request as the handlers see it."""
-
-    endpoint: str  # "completions" | "chat"
-    model: str  # the request's model field, echoed in responses
-    lora_request: Any  # LoRARequest | None
-    requests: list[SubRequest]
-    stream: bool
-    include_usage: bool
-    prompt_of_choice: list[int] = field(default_factory=list)  # choice index -> prompt index
-    echo: bool = False  # completions: the prompt leads the text (and its logprobs lead the logprobs)
-    echo_only: bool = False  # completions with max_tokens 0: the prompt alone, nothing generated
-    logprobs: int | None = None  # alternatives per token (chat's top_logprobs); None: no logprobs
-    tokenizer: Any = None
-    _token_text: TokenText | None = field(default=None, repr=False)
-
-    @property
-    def token_text(self) -> TokenText:
-        if self._token_text is None:
-            self._token_text = TokenText(self.tokenizer)
-        return self._token_text
-
-    def text_of(self, output: Any) -> str:
-        """A choice's text as the client sees it (with the prompt first under ``echo``)."""
-        text = "" if self.echo_only or not output.outputs else output.outputs[0].text
-        return self.prompt_text(output) + text if self.echo else text
-
-    def prompt_text(self, output: Any) -> str:
-        if output.prompt is not None:
-            return output.prompt
-        ids = output.prompt_token_ids or []
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
-
-    def generated(self, output: Any) -> tuple[list[int], list]:
-        """The generated tokens the client sees and their logprob entries."""
-        if self.echo_only or not output.outputs:
-            return [], []
-        completion = output.outputs[0]
-        return list(completion.token_ids), list(completion.logprobs or [])
-
-    def logprobs_json(self, output: Any, start: int = 0, with_prompt: bool = True) -> dict | None:
-        """The choice's ``logprobs`` for its generated tokens from ``start`` on (None if not asked)."""
-        if self.logprobs is None:
-            return None
-        ids, entries = self.generated(output)
-        ids, entries = ids[start:len(entries)], entries[start:]
-        if self.endpoint == "chat":
-            return chat_logprobs(self.token_text, ids, entries, self.logprobs)
-        if self.echo and with_prompt:
-            ids = list(output.prompt_token_ids or []) + ids
-            entries = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids or [])) + entries
-        return completion_logprobs(self.token_text, ids, entries, self.logprobs)
-
-    @property
-    def response_id(self) -> str:
-        return self.requests[0].request_id.rsplit("-", 1)[0]  # build_requests numbers the choices
-
-
-def completion_prompts(request: CompletionRequest, vocab_size: int | None) -> list[Any]:
-    """The prompts of a completions request: strings or ``{"prompt_token_ids": [...]}``.
+def completion_prompts(request: CompletionRequest, vocab_size: int | None, tokenizer: Any = None) -> list[Any]:
+    """The prompts of a completions request: strings or ``{"prompt_token_ids": [...]}``; with
+    ``add_special_tokens: false``, texts tokenized here without the tokenizer's BOS (run it in a
+    worker thread then).
 
     :raises APIError: 400 for a token id outside the vocabulary (the model could not embed it).
     """
     prompt = request.prompt
     if isinstance(prompt, str):
-        return [prompt]
+        prompt = [prompt]
     if all(isinstance(item, int) for item in prompt):
         prompt = [prompt]
     prompts = []
     for item in prompt:
         if isinstance(item, str):
-            prompts.append(item)
+            prompts.append(item if request.add_special_tokens else _without_special_tokens(tokenizer, item))
             continue
         bad = next((t for t in item if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
         if bad is not None:
@@ -116,8 +56,16 @@ def completion_prompts(request: CompletionRequest, vocab_size: int | None) -> li
     return prompts
 
 
-def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None) -> Any:
-    """Render ``request.messages`` with the model's chat template into the prompt the engine takes."""
+def _without_special_tokens(tokenizer: Any, text: str) -> dict:
+    if tokenizer is None:
+        raise APIError(400, "prompt: this model has no tokenizer; give token ids", param="prompt",
+                       code="no_tokenizer")
+    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+
+
+def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None) -> dict:
+    """Render ``request.messages`` with the model's chat template into the prompt the engine takes:
+    ``{"prompt": text, "prompt_token_ids": [...]}``."""
     if tokenizer is None:
         raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions "
                        "with token ids", param="messages", code="no_tokenizer")
@@ -129,23 +77,39 @@ def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, chat_template: s
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
     except ValueError as error:
         raise APIError(400, f"messages: {error}", param="messages", code="invalid_parameter") from error
-    try:  # as LLM.chat does: the template holds any BOS token, so none is added again
-        text = tokenizer.apply_chat_template(messages, chat_template=template,
-                                             add_generation_prompt=request.add_generation_prompt, tokenize=False)
+    options = {**(request.chat_template_kwargs or {}), "chat_template": template, "tokenize": False,
+               "add_generation_prompt": request.add_generation_prompt,
+               "continue_final_message": request.continue_final_message, "documents": request.documents}
+    try:
+        text = tokenizer.apply_chat_template(messages, **options)
     except Exception as error:  # a template that raises on these messages (e.g. role order)
         raise APIError(400, f"messages: the chat template refused them: {error}", param="messages",
                        code="invalid_parameter") from error
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
+    # as LLM.chat does: the template holds any BOS token, so none is added again unless asked
+    ids = tokenizer(text, add_special_tokens=request.add_special_tokens).input_ids
+    return {"prompt": text, "prompt_token_ids": ids}
 
 
-def build_requests(prompts: list[Any], n: int, make_params: Callable[[int], Any],
-                   lora_request: Any, prefix: str) -> tuple[list[SubRequest], list[int]]:
-    """One engine request per (prompt, choice), ids ``<response id>-<choice>``; and each choice's prompt."""
-    response_id = f"{prefix}-{uuid.uuid4().hex}"
+def chat_echo(request: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's content, when it has the answer's role (the answer
+    goes on from it: ``continue_final_message``)."""
+    role = "assistant" if request.add_generation_prompt else request.messages[-1].role
+    last = request.messages[-1]
+    return last.text() if request.echo and last.role == role else ""
+
+
+def build_requests(prompts: list[Any], params: Any, lora_request: Any, base_id: str,
+                   cache_salt: str | None = None) -> tuple[list[SubRequest], list[int]]:
+    """One engine request per (prompt, sample of ``params.n``), ids ``<base_id>-<choice>``; and each
+    choice's prompt. ``cache_salt`` (vLLM's) joins every prompt: its blocks are shared only with
+    prompts salted alike."""
+    samples = [params.for_sample(i) for i in range(params.n)]
     requests, prompt_of_choice = [], []
     for prompt_index, prompt in enumerate(prompts):
-        for sample in range(n):
-            requests.append(SubRequest(f"{response_id}-{len(requests)}", prompt, make_params(sample), lora_request))
+        if cache_salt is not None:
+            prompt = {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}), "cache_salt": cache_salt}
+        for sample in samples:
+            requests.append(SubRequest(f"{base_id}-{len(requests)}", prompt, sample, lora_request))
             prompt_of_choice.append(prompt_index)
     return requests, prompt_of_choice
 
@@ -177,15 +141,7 @@ async def _until_disconnected(request: Request, awaitable) -> Any:
 async def _all_outputs(group: RequestGroup) -> None:
     while not group.finished:
         await group.changes()
-        _raise_output_error(group)
-
-
-def _raise_output_error(group: RequestGroup) -> None:
-    for output in group.latest:
-        if output is not None and getattr(output, "error", None) is not None:
-            raise output.error
-        if output is not None and output.outputs and output.outputs[0].finish_reason == "error":
-            raise LoRAError("the engine failed this request without saying why")
+        raise_output_error(group)
 
 
 def _resolution_outcome(error: BaseException | None) -> str:
@@ -223,7 +179,7 @@ async def run_generation(state: Any, http_request: Request, gen: Generation) -> 
         return error_response(to_api_error(error))
     try:
         await _until_disconnected(http_request, group.changes())
-        _raise_output_error(group)
+        raise_output_error(group)
     except ConnectionAbortedError as error:
         state.engine.release(group)
         if gen.lora_request is not None:  # an on-demand name nobody waits for any more is dropped
@@ -241,7 +197,7 @@ async def run_generation(state: Any, http_request: Request, gen: Generation) -> 
     _settle_adapter(state, gen, group, None)
 
     if gen.stream:
-        return _ClosingStreamingResponse(_stream(state, gen, group, started), media_type="text/event-stream",
+        return _ClosingStreamingResponse(stream_events(state, gen, group, started), media_type="text/event-stream",
                                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         await _until_disconnected(http_request, _all_outputs(group))
@@ -254,7 +210,7 @@ async def run_generation(state: Any, http_request: Request, gen: Generation) -> 
     finally:
         state.engine.release(group)
     state.count_request(gen, "ok", group, seconds=time.monotonic() - started)
-    return JSONResponse(_full_response(gen, group))
+    return JSONResponse(full_response(gen, group))
 
 
 def _settle_adapter(state: Any, gen: Generation, group: RequestGroup, error: BaseException | None) -> None:
@@ -274,131 +230,3 @@ def _settle_adapter(state: Any, gen: Generation, group: RequestGroup, error: Bas
         elif error is None and group.first_output_at is not None:
             state.metrics.load_seconds.labels("on_demand", "unknown").observe(
                 group.first_output_at - group.submitted_at)
-
-
-# ---------------------------------------------------------------------------------------------
-# Response bodies
-# ---------------------------------------------------------------------------------------------
-
-
-def _usage(gen: Generation, group: RequestGroup) -> dict:
-    prompt_tokens: dict[int, int] = {}
-    completion_tokens = 0
-    for index, output in enumerate(group.latest):
-        if output is None:
-            continue
-        prompt_tokens[gen.prompt_of_choice[index]] = len(output.prompt_token_ids or ())
-        completion_tokens += len(gen.generated(output)[0])
-    prompt = sum(prompt_tokens.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens}
-
-
-def _finish_reason(output: Any) -> str | None:
-    if not output.finished:
-        return None
-    reason = output.outputs[0].finish_reason if output.outputs else None
-    return reason or "stop"
-
-
-def _prompt_logprobs(gen: Generation, output: Any) -> list | None:
-    asked = gen.requests[0].params
-    if getattr(asked, "prompt_logprobs", None) is None or (gen.echo and gen.logprobs is not None):
-        return None  # not asked, or asked only to serve echo's logprobs
-    return prompt_logprobs_json(gen.token_text, output.prompt_logprobs)
-
-
-def _full_response(gen: Generation, group: RequestGroup) -> dict:
-    choices = []
-    for index, output in enumerate(group.latest):
-        text = gen.text_of(output)
-        choice: dict[str, Any] = {"index": index, "logprobs": gen.logprobs_json(output),
-                                  "finish_reason": "length" if gen.echo_only else _finish_reason(output)}
-        if gen.endpoint == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        prompt_logprobs = _prompt_logprobs(gen, output)
-        if prompt_logprobs is not None:
-            choice["prompt_logprobs"] = prompt_logprobs
-        choices.append(choice)
-    object_name = "chat.completion" if gen.endpoint == "chat" else "text_completion"
-    return {"id": gen.response_id, "object": object_name,
-            "created": int(time.time()), "model": gen.model, "choices": choices,
-            "usage": _usage(gen, group)}
-
-
-def _sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"
-
-
-def _held_back(params: Any) -> int:
-    """Characters a stream keeps back while a request runs: the engine cuts its text at a stop
-    string once it is complete, so the start of a possible stop string must not be sent yet."""
-    return max((len(stop) for stop in getattr(params, "stop_strings", ())), default=1) - 1
-
-
-async def _stream(state: Any, gen: Generation, group: RequestGroup, started: float) -> AsyncIterator[str]:
-    """The SSE body: one chunk per step with each choice's new text, then usage, then ``[DONE]``."""
-    response_id, created = gen.response_id, int(time.time())
-    object_name = "chat.completion.chunk" if gen.endpoint == "chat" else "text_completion"
-    held_back = [_held_back(request.params) for request in gen.requests]
-    sent = [0] * len(gen.requests)  # characters of each choice's text already sent
-    sent_tokens = [0] * len(gen.requests)  # generated tokens whose logprobs were sent
-    done = [False] * len(gen.requests)
-
-    def chunk(choices: list[dict], usage: dict | None = None) -> str:
-        body: dict[str, Any] = {"id": response_id, "object": object_name, "created": created,
-                                "model": gen.model, "choices": choices}
-        if gen.include_usage:
-            body["usage"] = usage
-        return _sse(body)
-
-    def choice(index: int, output: Any) -> dict | None:
-        text = gen.text_of(output)
-        reason = _finish_reason(output)
-        end = len(text) if reason is not None else max(sent[index], len(text) - held_back[index])
-        first = sent[index] == 0 and sent_tokens[index] == 0
-        delta, sent[index], done[index] = text[sent[index]:end], end, reason is not None
-        logprobs = None
-        if gen.logprobs is not None:  # the logprobs of the tokens new since the last chunk
-            count = len(gen.generated(output)[1])
-            logprobs = gen.logprobs_json(output, sent_tokens[index], with_prompt=first)
-            has_new = count > sent_tokens[index] or (first and gen.echo)
-            sent_tokens[index] = count
-            logprobs = logprobs if has_new else None
-        if not delta and reason is None and logprobs is None:
-            return None
-        body = ({"delta": {"content": delta} if delta else {}} if gen.endpoint == "chat" else {"text": delta})
-        if gen.echo_only and reason is not None:
-            reason = "length"
-        return {"index": index, **body, "logprobs": logprobs, "finish_reason": reason}
-
-    status = "cancelled"
-    try:
-        if gen.endpoint == "chat":  # OpenAI sends the role first, alone
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None} for i in range(len(gen.requests))])
-        changed = list(range(len(gen.requests)))
-        while True:
-            choices = [choice(i, group.latest[i]) for i in changed if group.latest[i] is not None and not done[i]]
-            choices = [c for c in choices if c is not None]
-            if choices:
-                yield chunk(choices)
-            if all(done):
-                break
-            changed = await group.changes()
-            _raise_output_error(group)
-        if gen.include_usage:
-            yield chunk([], _usage(gen, group))
-        status = "ok"
-        yield _sse("[DONE]")
-    except Exception as error:  # mid-stream failure: an error event the openai client raises
-        status = "error"
-        yield _sse(to_api_error(error).body())
-        yield _sse("[DONE]")
-    finally:  # also runs when the client disconnects and the stream is cancelled
-        state.engine.release(group)
-        seconds = time.monotonic() - started if status == "ok" else None
-        state.count_request(gen, status, group, seconds=seconds)

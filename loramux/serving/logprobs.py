@@ -25,13 +25,20 @@ def _finite(value: float) -> float:
 
 
 class TokenText:
-    """Decodes single tokens, cached (the same tokens recur in every response)."""
+    """Decodes single tokens, cached (the same tokens recur in every response).
 
-    def __init__(self, tokenizer: Any) -> None:
+    ``as_ids`` (vLLM's ``return_tokens_as_token_ids``): a token is ``"token_id:<id>"``, which names
+    it even where its text does not (a piece of a multi-byte character).
+    """
+
+    def __init__(self, tokenizer: Any, *, as_ids: bool = False) -> None:
         self.tokenizer = tokenizer
+        self.as_ids = as_ids
         self.text = lru_cache(maxsize=65536)(self._decode)
 
     def _decode(self, token_id: int) -> str:
+        if self.as_ids:
+            return f"token_id:{token_id}"
         if self.tokenizer is None:
             return f"<{token_id}>"
         return self.tokenizer.decode([token_id])

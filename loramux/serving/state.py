@@ -13,10 +13,10 @@ from loramux.serving.adapters import AdapterBook
 from loramux.serving.async_engine import AsyncEngine, RequestGroup
 from loramux.serving.engine_info import engine_requests, read_tiers, router_stats, vocab_size
 from loramux.serving.errors import APIError
-from loramux.serving.generation import Generation
 from loramux.serving.metrics import UNKNOWN_MODEL, Metrics
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
 from loramux.serving.request_params import extra_sampling_kwargs
+from loramux.serving.responses import Generation
 
 __all__ = ["ServerConfig", "ServerState", "get_state"]
 
@@ -102,13 +102,13 @@ class ServerState:
         return max(1, limit - (prompt_len or 0))
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                        sample: int, structured: Any = None) -> Any:
-        """The engine's ``SamplingParams`` for choice number ``sample`` of ``body``."""
-        seed = None if body.seed is None else body.seed + sample
+                        structured: Any = None) -> Any:
+        """The engine's ``SamplingParams`` for ``body``, its ``n`` samples included (each choice's
+        engine request takes ``for_sample(i)``)."""
         try:
             return self.sampling_params_cls(
-                temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
-                stop=body.stop_list(), stop_token_ids=body.stop_token_ids, seed=seed,
+                n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
+                stop=body.stop_list(), stop_token_ids=body.stop_token_ids, seed=body.seed,
                 ignore_eos=body.ignore_eos, **extra_sampling_kwargs(body, structured))
         except (TypeError, ValueError) as error:
             raise APIError(400, f"invalid sampling parameters: {error}", code="invalid_parameter") from error
