@@ -5,12 +5,11 @@ wrapped, naming the plugin and the fix, never on a first forward."""
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import peft_greedy, save_peft_adapter, tiny_llama
+from test_plugins import load_plugin_file
 from torch import nn
 
 import loramux
@@ -22,19 +21,9 @@ from loramux.plugins import plugin_errors, reset_plugin_manager
 from loramux.registry import LoRAConfig, load_adapter
 
 CONFIG = LoRAConfig(max_loras=3, max_lora_rank=8)
-PLUGINS = Path(__file__).parent / "plugins"
 MLP = ["gate_proj", "up_proj", "down_proj"]
-
-
-def plugin_file(stem: str):
-    spec = importlib.util.spec_from_file_location(f"layer_plugin_{stem}", PLUGINS / f"{stem}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-scaled = plugin_file("scaled_linear_lora")
-conv = plugin_file("conv1x1_lora")
+scaled = load_plugin_file("scaled_linear_lora")
+conv = load_plugin_file("conv1x1_lora")
 
 
 @pytest.fixture
@@ -193,6 +182,15 @@ class OwnDeltaUndeclared(LinearWithLoRA):
         super().apply_lora(x, y, meta)
 
 
+class LegacyOwnKernels(LinearWithLoRA):
+    """Written for the per-slot layout: its own kernels read ``lora_a_stacked``."""
+
+    support = LayerSupport(own_delta=True)
+
+    def apply_lora(self, x, y, meta):
+        y += x @ self.lora_a_stacked[0].T
+
+
 class WrongSpec(BaseLayerWithLoRA):
     """A convolution wrapped as if its tokens were the leading dims of its input."""
 
@@ -224,9 +222,11 @@ def answers(wrapper_type, base_type):
      "route DELTA_THEN_GEMM gives another output", "DELTA_THEN_GEMM only where base_layer(x) is x @ weight.T"),
     (answers(OwnDeltaUndeclared, nn.Linear), lambda: nn.Linear(16, 8),
      "route BASE_THEN_DELTA gives another output", "Declare LayerSupport(own_delta=True)"),
+    (answers(LegacyOwnKernels, nn.Linear), lambda: nn.Linear(16, 8),
+     "route BASE_THEN_DELTA failed: AttributeError", "lora_a_stacked is gone (no per-slot copy is kept"),
     (answers(WrongSpec, nn.Conv1d), lambda: nn.Conv1d(16, 8, 1),
      "rows_shape gives [1, 16] for example_input(3)", "Make rows_shape return the dims"),
-], ids=["no dtype", "gemm onto delta", "own delta undeclared", "layout"])
+], ids=["no dtype", "gemm onto delta", "own delta undeclared", "per-slot layout", "layout"])
 def test_a_plugins_mistake_is_caught_when_the_layer_is_wrapped(registered, fresh_errors, plugin, base, problem, fix):
     """The plugin is named with the problem and the fix; its layer goes to the next plugin
     (loramux's own wrapper, if any: a plain linear keeps LoRA), and nothing fails later."""

@@ -42,9 +42,9 @@ MAX_STAGED_OVERHEAD = 1.5
 _FIELDS = 6
 
 
-#: columns of `WritePlan.copies`: layer, pool (0: A, 1: B), dst offset, rows, cols, dst stride,
-#: src address, src stride (offsets and strides in elements; dst offsets from the pool's first
-#: element), source (index into `WritePlan.sources`)
+#: columns of `WritePlan.copies`: a `copy_blocks` row (dst and src addresses in bytes; rows;
+#: columns, dst stride and src stride in 2-byte units), then the block's layer, its pool (0: A,
+#: 1: B) and its source (an index into `WritePlan.sources`); `WritePlan.zeros` has no source
 COPY_FIELDS = 9
 
 
@@ -54,7 +54,7 @@ class WritePlan(NamedTuple):
 
     slot: int
     copies: np.ndarray  # int64 [n, COPY_FIELDS]
-    zeros: np.ndarray  # int64 [m, 6]: layer, pool, dst offset, rows, cols, dst stride
+    zeros: np.ndarray  # int64 [m, COPY_FIELDS - 1]
     touched: np.ndarray  # int64 [k]: the layers it writes, in order
     scales: np.ndarray  # float32: every slice's scale of the touched layers, in order
     ranks: np.ndarray  # int64 [k]
@@ -79,13 +79,15 @@ def copy_one_by_one(plan: WritePlan, slots: Sequence[LayerSlots]) -> None:
     order): the CPU, and weights a table cannot copy as they are (a cast happens on the copy)."""
     device = slots[0].scales.device if slots else torch.device("cpu")
 
-    def block(j: int, pool: int, offset: int, rows: int, cols: int, stride: int) -> torch.Tensor:
+    def block(dst: int, rows: int, cols: int, stride: int, j: int, pool: int) -> torch.Tensor:
         base = slots[j].lora_a if pool == 0 else slots[j].lora_b
-        return base.as_strided((rows, cols), (stride, 1), base.storage_offset() + offset)
+        size = base.element_size()  # the row's columns and stride are in 2-byte units
+        offset = base.storage_offset() + (dst - base.data_ptr()) // size
+        return base.as_strided((rows, cols * 2 // size), (stride * 2 // size, 1), offset)
 
-    for *dst, _, _, source in plan.copies.tolist():  # non_blocking: asynchronous from pinned memory
-        block(*dst).copy_(plan.sources[source], non_blocking=True)
-    zero_all([block(*row) for row in plan.zeros.tolist()])
+    for dst, _, rows, cols, stride, _, j, pool, source in plan.copies.tolist():
+        block(dst, rows, cols, stride, j, pool).copy_(plan.sources[source], non_blocking=True)  # async from pinned memory
+    zero_all([block(dst, rows, cols, stride, j, pool) for dst, _, rows, cols, stride, _, j, pool in plan.zeros.tolist()])
     touched = [slots[j] for j in plan.touched.tolist()]
     scales = np.split(plan.scales, np.cumsum([s.n_slices for s in touched])[:-1]) if touched else []
     _spread([s.scales[plan.slot] for s in touched], [row.tolist() for row in scales], torch.float32, device)

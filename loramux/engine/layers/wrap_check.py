@@ -12,10 +12,11 @@ kernels cannot compute in already), and a dry run on a tiny input (``example_inp
   its base layer does not allow, such as the GEMM onto the delta for a layer that scales its
   product, shows here), and a base token's output is the base layer's.
 
-A failure raises `LayerContractError`, whose message names the wrapper and whose ``fix`` says
-what to change; `loramux.plugins.layers.create_lora_layer` reports it naming the plugin and asks
-the next plugin for the layer. The run uses the layer's device and kernels; the pool and the
-mapping it makes are dropped afterwards.
+A kind of layer (its classes, sizes, dtype, device and routes) is run once per process. A failure
+raises `LayerContractError`, whose message names the wrapper and whose ``fix`` says what to
+change; `loramux.plugins.layers.create_lora_layer` reports it naming the plugin and asks the next
+plugin for the layer. The run uses the layer's device and kernels; the pool and the mapping it
+makes are dropped afterwards.
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ __all__ = ["LayerContractError", "check_wrapper"]
 
 TOKENS = (0, -1, 0)  # the dry run's mapping: an adapter's token, a base token, the adapter's again
 RANK = 2
+#: what a wrapper read before the adapter weight pool held its weights, and where it is now
+MOVED = {
+    **dict.fromkeys(("lora_a_stacked", "lora_b_stacked"), "no per-slot copy is kept: the weights are rank-pooled"),
+    "lora_a_pool": "self.slots.lora_a", "lora_b_pool": "self.slots.lora_b", "lora_pool_starts": "self.slots.pool_starts",
+    "lora_scales": "self.slots.scales", "lora_ranks": "self.slots.ranks", "_host_ranks": "self.slots.host_ranks",
+    "rank_pool": "self.slots.rows",
+}
+
+
+_PASSED: set[tuple] = set()  # the kinds of layer whose dry run passed
 
 
 class LayerContractError(ValueError):
@@ -55,12 +66,20 @@ def check_wrapper(layer: nn.Module) -> None:
         raise LayerContractError(
             f"{type(layer).__name__} is not a loramux.engine.layers.BaseLayerWithLoRA, so it cannot hold adapters",
             fix="Subclass BaseLayerWithLoRA")
+    # one dry run per kind of layer: a model has a few kinds, each in every decoder layer
+    kind = (type(layer), type(layer.base_layer), layer.in_features, layer.output_sizes, layer.lora_dtype,
+            layer.lora_device, layer.support)
+    if kind in _PASSED:
+        return
     saved = layer.slots, layer.lora_context
     try:
         with torch.no_grad():
             _dry_run(layer)
     finally:
         layer.slots, layer.lora_context = saved
+    if len(_PASSED) >= 1024:
+        _PASSED.clear()  # kinds of plugin layers come and go in tests; this only bounds the set
+    _PASSED.add(kind)
 
 
 def _dry_run(layer: BaseLayerWithLoRA) -> None:
@@ -143,4 +162,8 @@ def _attempt(layer: BaseLayerWithLoRA, run, what: str, fix: str):
     except LayerContractError:
         raise
     except Exception as error:
+        moved = MOVED.get(getattr(error, "name", None)) if isinstance(error, AttributeError) else None
+        if moved is not None:
+            fix = (f"{error.name} is gone ({moved}): read the layer's LayerSlots, self.slots (docs/plugins.md, "
+                   "'Upgrading a wrapper written for earlier versions')")
         raise LayerContractError(f"{layer._label()}: {what} failed: {type(error).__name__}: {error}", fix=fix) from error

@@ -20,8 +20,8 @@ that share no host buffer).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
 import numpy as np
-import torch
 
 from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.engine.layers.slot_copy import COPY_FIELDS, Table, WritePlan, shared_buffer
@@ -39,6 +39,7 @@ class WritePlanner:
 
     def __init__(self, layers: Sequence[BaseLayerWithLoRA]) -> None:
         self.layers = list(layers)
+        self._slots = [layer.slots for layer in self.layers]  # read once: a module's lookup is slow
         self._slice: dict[str, int] = {}  # module name -> its row in the slice arrays
         slices = []  # (layer index, slice index, output rows, output rows of the slices before it)
         for j, layer in enumerate(self.layers):
@@ -50,6 +51,7 @@ class WritePlanner:
         self._layer, self._index, self._size, self._before = np.array(slices, dtype=np.int64).reshape(-1, 4).T
         self._sentinel = None  # the tensor `geometry` checks
         self._geometry: dict[str, np.ndarray] = {}
+        self._dtype: list = []  # each slice's pool dtype (read with the geometry)
 
     def layer_of(self, module: str) -> tuple[BaseLayerWithLoRA, int] | None:
         """The layer a module's weights fill, and its slice there."""
@@ -64,24 +66,27 @@ class WritePlanner:
         :raises RuntimeError: a layer's pool has no room (the model manager makes room first);
             nothing changed.
         """
-        g = self.geometry()
+        g, dtypes, slice_of = self.geometry(), self._dtype, self._slice.get
         found, tensors, scaling = [], [], []
-        table_ok = True
+        first = next(iter(modules.values()), None)
+        # weights on a device already (an adapter bound as it is) are in no host buffer
+        table_ok = first is not None and first.lora_a.device.type == "cpu"
         for name, w in modules.items():  # the one pass over the adapter's modules
-            row = self._slice.get(name)
+            row = slice_of(name)
             if row is None:
                 continue
             a, b = w.lora_a, w.lora_b
-            a_strides, b_strides = a.stride(), b.stride()
-            if len(a_strides) != 2 or len(b_strides) != 2:  # a layout the layer maps (a convolution's)
+            try:
+                (a_rows, a_cols), (b_rows, b_cols) = a.stride(), b.stride()
+            except ValueError:  # not matrices: a layout the layer maps (a convolution's)
                 w = self.layers[int(self._layer[row])].adapter_matrices(w)
                 a, b = w.lora_a, w.lora_b
-                a_strides, b_strides = a.stride(), b.stride()
-            dtype = self._dtype[row]
-            if table_ok and (a.dtype != dtype or b.dtype != dtype or a.device.type != "cpu"
-                             or a_strides[1] != 1 and a.shape[1] != 1 or b_strides[1] != 1 and b.shape[1] != 1):
-                table_ok = False  # a cast, columns apart, or device memory: copied block by block
-            found.append((row, a.shape[0], a.data_ptr(), b.data_ptr(), a_strides[0], b_strides[0], len(tensors)))
+                (a_rows, a_cols), (b_rows, b_cols) = a.stride(), b.stride()
+            dtype = dtypes[row]
+            if table_ok and (a.dtype != dtype or b.dtype != dtype or a_cols != 1 and a.shape[1] != 1
+                             or b_cols != 1 and b.shape[1] != 1):
+                table_ok = False  # a cast, or columns apart: copied block by block
+            found.append((row, a.shape[0], a.data_ptr(), b.data_ptr(), a_rows, b_rows, 2 * len(scaling)))
             tensors += (a, b)
             scaling.append(float(w.scaling))
         n_layers = len(self.layers)
@@ -97,8 +102,8 @@ class WritePlanner:
         touched = np.flatnonzero(rank)
         start = np.zeros(n_layers, dtype=np.int64)
         self._take_rows(slot, touched, width, rank, start)
-        copies, zeros = self._blocks(g, per_slice, rank, width, start, touched)
-        s = np.flatnonzero(np.isin(self._layer, touched))
+        s = np.flatnonzero(np.isin(self._layer, touched))  # the touched layers' slices, in order
+        copies, zeros = self._blocks(g, s, per_slice, rank, width, start)
         scales = np.where(per_slice[s, 1] > 0, scalings[s] * g["multiplier"][self._layer[s]], 0.0).astype(np.float32)
         untouched = np.flatnonzero(rank == 0).tolist()
         return WritePlan(slot, copies, zeros, touched, scales, rank[touched], start[touched], tensors, table_ok,
@@ -107,35 +112,39 @@ class WritePlanner:
     def _take_rows(self, slot: int, touched: np.ndarray, width: np.ndarray, rank: np.ndarray,
                    start: np.ndarray) -> None:
         """Give ``slot`` ``width[j]`` rows of every touched layer's pool, checked first for all."""
-        for j in touched.tolist():
-            slots = self.layers[j].slots
-            if not slots.rows.fits_instead(slot, int(width[j])):
+        # the check: a fixed region holds what it is wide enough for, shared rows are asked
+        region = self.geometry()["region"][touched]
+        for j in [*touched[(region > 0) & (width[touched] > region)].tolist(), *touched[region == 0].tolist()]:
+            rows = self._slots[j].rows
+            if not rows.fits_instead(slot, int(width[j])):
                 raise RuntimeError(
                     f"{self.layers[j].module_name}: no {int(width[j])} free rows in its LoRA pool of "
-                    f"{slots.rows.units} ({slots.rows.free_units} free); the model manager makes room before it writes")
+                    f"{rows.units} ({rows.free_units} free); the model manager makes room before it writes")
         for j in touched.tolist():
-            slots = self.layers[j].slots
+            slots = self._slots[j]
             slots.rows.free(slot)
             start[j] = slots.rows.allocate(slot, int(width[j])) or 0
             slots.host_ranks[slot] = int(rank[j])  # until the write completes, a failure's clear zeroes it
 
-    def _blocks(self, g, per_slice, rank, width, start, touched) -> tuple[np.ndarray, np.ndarray]:
-        """The blocks to copy and to zero, over every slice of the touched layers (one the adapter
-        leaves out still gets zeros)."""
-        s = np.flatnonzero(np.isin(self._layer, touched))  # slices, layer by layer, in order
+    def _blocks(self, g, s, per_slice, rank, width, start) -> tuple[np.ndarray, np.ndarray]:
+        """The blocks to copy and to zero, as `copy_blocks` rows (addresses in bytes, the rest in
+        2-byte units) with each block's layer and pool (and its source, for a copy), over the
+        slices ``s`` of the touched layers (one the adapter leaves out still gets zeros)."""
         j, i, size, before = self._layer[s], self._index[s], self._size[s], self._before[s]
         _, r, src_a, src_b, stride_a, stride_b, source = per_slice[s].T
-        a_row, K, w = g["a_row"][j], g["in"][j], width[j]
-        a_dst = start[j] * a_row + i * g["a_slice"][j]  # the slice's first A row
-        b_dst = start[j] * g["out"][j] + w * before  # its [size, width] B block
+        itemsize, units = g["itemsize"][j], g["itemsize"][j] // 2
+        a_row, w = g["a_row"][j], width[j]  # elements between a pool's A rows; the slot's rows
+        a_dst = g["a_ptr"][j] + (start[j] * a_row + i * g["a_slice"][j]) * itemsize  # the slice's first A row
+        b_dst = g["b_ptr"][j] + (start[j] * g["out"][j] + w * before) * itemsize  # its [size, width] B block
+        k_units, a_stride = g["in"][j] * units, a_row * units
         copy = r > 0
         copies = np.concatenate([
-            _stack(j, 0, a_dst, r, K, a_row, src_a, stride_a, source)[copy],
-            _stack(j, 1, b_dst, size, r, w, src_b, stride_b, source + 1)[copy]])
+            _stack(a_dst, src_a, r, k_units, a_stride, stride_a * units, j, 0, source)[copy],
+            _stack(b_dst, src_b, size, r * units, w * units, stride_b * units, j, 1, source + 1)[copy]])
         zeros = np.concatenate([  # the kernels read A's rows up to the rank, B's columns up to the width
-            _stack(j, 0, a_dst + r * a_row, rank[j] - r, K, a_row)[r < rank[j]],
-            _stack(j, 1, b_dst + r, size, w - r, w)[r < w]])
-        return copies.reshape(-1, COPY_FIELDS), zeros.reshape(-1, 6)
+            _stack(a_dst + r * a_row * itemsize, 0, rank[j] - r, k_units, a_stride, 0, j, 0)[r < rank[j]],
+            _stack(b_dst + r * itemsize, 0, size, (w - r) * units, w * units, 0, j, 1)[r < w]])
+        return copies.reshape(-1, COPY_FIELDS), zeros.reshape(-1, COPY_FIELDS - 1)
 
     def table(self, plan: WritePlan) -> Table | None:
         """``plan`` as one `copy_blocks` table, or None where a table cannot say it (a cast,
@@ -144,34 +153,24 @@ class WritePlanner:
         if plan.sources and host is None:
             return None
         g, t, slot = self.geometry(), plan.touched, plan.slot
-        itemsize = g["itemsize"]
-
-        def rows(blocks: np.ndarray, src: np.ndarray, src_stride: np.ndarray) -> np.ndarray:
-            j, pool, offset, n, cols, stride = blocks[:, :6].T
-            dst = np.where(pool == 0, g["a_ptr"][j], g["b_ptr"][j]) + offset * itemsize[j]
-            units = itemsize[j] // 2  # copy_blocks counts 2-byte units
-            return np.stack([dst, src, n, cols * units, stride * units, src_stride * units], axis=1)
-
-        copies, zeros = plan.copies, plan.zeros
         cells = np.concatenate([  # each touched layer's scales row, rank cell and pool start cell at the slot
             np.stack([g["scales"][t] + slot * g["scales_row"][t], g["slices"][t]], axis=1),
             np.stack([g["ranks"][t] + slot * 4, np.ones_like(t)], axis=1),
             np.stack([g["starts"][t] + slot * 4, np.ones_like(t)], axis=1)])
         values = np.concatenate([plan.scales.view(np.int32), plan.ranks.astype(np.int32), plan.starts.astype(np.int32)])
-        return Table(rows(copies, copies[:, 6], copies[:, 7]), rows(zeros, 0 * zeros[:, 0], 0 * zeros[:, 0]),
-                     cells, values, host)
+        return Table(plan.copies[:, :6], plan.zeros[:, :6], cells, values, host)
 
     def geometry(self) -> dict[str, np.ndarray]:
         """Each layer's pools as numbers (addresses in bytes, strides in elements) and its
         scale multiplier. Read again when the pools were replaced: ``module.to`` moves them all,
         so the first layer's A pool tells."""
-        if self.layers and self.layers[0].slots.lora_a is not self._sentinel:
-            self._sentinel = self.layers[0].slots.lora_a
+        if self._slots and self._slots[0].lora_a is not self._sentinel:
+            self._sentinel = self._slots[0].lora_a
             self._geometry = self._read_geometry()
         return self._geometry
 
     def _read_geometry(self) -> dict[str, np.ndarray]:
-        slots = [layer.slots for layer in self.layers]
+        slots = self._slots
         for s in slots:
             assert s.lora_a.stride(2) == 1 and s.lora_b.is_contiguous() and s.ranks.stride(0) == s.pool_starts.stride(0) == 1
         self._dtype = [slots[j].dtype for j in self._layer.tolist()]  # per slice
@@ -183,6 +182,7 @@ class WritePlanner:
             "scales": [s.scales.data_ptr() for s in slots], "scales_row": [4 * s.scales.stride(0) for s in slots],
             "slices": [s.n_slices for s in slots],
             "ranks": [s.ranks.data_ptr() for s in slots], "starts": [s.pool_starts.data_ptr() for s in slots],
+            "region": [s.rows.region or 0 for s in slots],
         }
         geometry = {name: np.array(values, dtype=np.int64) for name, values in columns.items()}
         geometry["multiplier"] = np.array([layer.scale_multiplier() for layer in self.layers], dtype=np.float64)
