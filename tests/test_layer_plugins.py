@@ -130,6 +130,10 @@ def test_conv1x1_serves_peft_convolution_adapters(registered, tmp_path):
         expected = oracle(ids, adapter_names=[n or "__base__" for n in names])
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got[0], model(ids)[0])
+    manager.set_mapping(manager.token_slots(names, 6), static=True)  # as a step graph maps them
+    assert manager.layers["mix"].route_plan.graph is Route.DELTA_APART  # the CPU: apart, in order
+    with torch.no_grad():
+        torch.testing.assert_close(served(ids), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_without_its_layout_hook_a_convolution_adapter_is_refused_naming_it(tmp_path):
