@@ -153,12 +153,12 @@ def peft_greedy(adapter_path, prompt_ids: list[int], max_new_tokens: int, *, mod
 @pytest.fixture
 def gemm_onto_delta_calls(monkeypatch) -> list[int]:
     """The token count of every forward that ran a projection's base GEMM onto its stored delta
-    (`BaseLayerWithLoRA._delta_then_gemm`), for the test's duration."""
-    from loramux.engine.layers import BaseLayerWithLoRA
+    (the kernel backend's `Route.DELTA_THEN_GEMM`), for the test's duration."""
+    from loramux.engine.layers import Route, backend
 
     calls: list[int] = []
-    run = BaseLayerWithLoRA._delta_then_gemm
-    monkeypatch.setattr(BaseLayerWithLoRA, "_delta_then_gemm",
+    run = backend.ROUTE_BODIES[Route.DELTA_THEN_GEMM]
+    monkeypatch.setitem(backend.ROUTE_BODIES, Route.DELTA_THEN_GEMM,
                         lambda layer, x, meta: calls.append(meta.num_tokens) or run(layer, x, meta))
     return calls
 

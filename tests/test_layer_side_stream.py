@@ -14,9 +14,10 @@ import torch
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
-import loramux.engine.layers.base as base_module
+import loramux.engine.layers.backend as backend_module
 import loramux.engine.layers.side_stream as side_stream_module
-from loramux.engine.layers import BaseLayerWithLoRA, EmbeddingWithLoRA, LinearWithLoRA, LoRAContext
+from layer_helpers import in_order, pool_of, reset_lora, set_lora
+from loramux.engine.layers import BaseLayerWithLoRA, EmbeddingWithLoRA, LinearWithLoRA, LoRAContext, Route
 from loramux.engine.layers.side_stream import delta_beside_base, gemm_carveout, lora_sms_beside
 from loramux.kernels import build_lora_meta, lora_shrink
 from loramux.registry import LoRAConfig, LoRAModuleWeights
@@ -28,9 +29,10 @@ SLOTS = torch.tensor([0, -1, 1, 1, -1, 0], dtype=torch.int32)  # adapters and ba
 def with_adapters(layer, ranks=(4, 8)):
     """``layer`` with a context and one random adapter per slot of ``ranks`` (rank 0: none)."""
     layer.lora_context = LoRAContext(CONFIG.max_loras)
+    pool_of(layer, CONFIG)
     generator = torch.Generator().manual_seed(len(ranks))
     for slot, rank in enumerate(ranks):
-        layer.set_lora(slot, [None if rank == 0 else LoRAModuleWeights(
+        set_lora(layer, slot, [None if rank == 0 else LoRAModuleWeights(
             torch.randn(rank, layer.in_features, generator=generator),
             torch.randn(size, rank, generator=generator), scaling=0.5 + slot, is_embedding=layer.is_embedding)
             for size in layer.output_sizes])
@@ -46,7 +48,7 @@ def linear(dtype=torch.float32):
 def beside(monkeypatch):
     """Layers built from now on compute their delta beside the base GEMM, as on CUDA (here with
     no streams: in order)."""
-    monkeypatch.setattr(base_module, "delta_beside_base", lambda device: True)
+    monkeypatch.setattr(side_stream_module, "delta_beside_base", lambda device: True)
 
 
 # -- the decision -----------------------------------------------------------------------------------
@@ -69,11 +71,12 @@ def test_the_delta_goes_beside_the_base_gemm_only_on_cuda_with_the_triton_kernel
 
 def test_a_layer_decides_once_and_again_when_moved(monkeypatch):
     layer = linear()
-    assert not layer.delta_beside  # on the CPU
-    monkeypatch.setattr(base_module, "delta_beside_base", lambda device: True)
-    assert not layer.delta_beside and layer.float().delta_beside  # `_apply` (module.to, .float) asks again
+    assert layer.route_plan.graph is Route.BASE_THEN_DELTA  # on the CPU
+    monkeypatch.setattr(side_stream_module, "delta_beside_base", lambda device: True)
+    assert layer.route_plan.graph is Route.BASE_THEN_DELTA
+    assert layer.float().route_plan.graph is Route.DELTA_BESIDE  # `_apply` (module.to, .float) asks again
     embedding = with_adapters(EmbeddingWithLoRA(nn.Embedding(50, 12), "embed", CONFIG)).float()
-    assert not embedding.delta_beside  # its own kernels: base, then its delta, in order
+    assert embedding.route_plan.graph is Route.BASE_THEN_DELTA  # its own kernels: base, then its delta, in order
 
 
 @pytest.mark.parametrize(("tokens", "sms"), [(1, 0), (8, 0), (16, 44), (32, 44), (48, 88), (128, 88), (129, 44),
@@ -128,12 +131,12 @@ class Streams:
         self.log: list[str] = []
         self.current = "main"
         self.main, self.side = _Stream("main", self.log), _Stream("side", self.log)
-        monkeypatch.setattr(base_module, "beside_streams", lambda device: (self.main, self.side))
-        monkeypatch.setattr(base_module, "lora_sms_beside", lambda tokens, device, gemm_weights: sms)
-        monkeypatch.setattr(base_module, "gemm_carveout", self._carveout)
+        monkeypatch.setattr(backend_module, "beside_streams", lambda device: (self.main, self.side))
+        monkeypatch.setattr(backend_module, "lora_sms_beside", lambda tokens, device, gemm_weights: sms)
+        monkeypatch.setattr(backend_module, "gemm_carveout", self._carveout)
         monkeypatch.setattr(torch.cuda, "stream", self._on)
         for name in ("lora_shrink", "lora_expand", "lora_apply"):
-            monkeypatch.setattr(base_module, name, self._logged(name, getattr(base_module, name)))
+            monkeypatch.setattr(backend_module, name, self._logged(name, getattr(backend_module, name)))
 
     @contextlib.contextmanager
     def _on(self, stream):
@@ -169,13 +172,16 @@ class _Stream:
         self.log.append(f"{self.name} waits {other.name}")
 
 
+def in_graphs(layer, route):
+    """``layer`` takes ``route`` in step graphs, whatever its device decided."""
+    layer.route_plan = layer.route_plan._replace(graph=route)
+    return layer
+
+
 def sequential(layer, x):
     """The layer's output with the delta added after the base layer (``loramux::lora_layer``)."""
-    layer.delta_beside = False
-    try:
+    with in_order(layer):
         return layer(x)
-    finally:
-        layer.delta_beside = True
 
 
 # bfloat16 base with float32 slots: the delta is added in the slot dtype, the sum rounded once
@@ -184,7 +190,7 @@ def test_a_projection_forks_its_delta_beside_the_base_gemm_and_joins_before_retu
         base_dtype, beside, monkeypatch):
     layer = linear()
     layer.base_layer.to(base_dtype)
-    assert layer.delta_beside
+    assert layer.route_plan.graph is Route.DELTA_BESIDE
     x = torch.randn(2, 3, 16, dtype=base_dtype)  # [B, S, in]: T = 6 rows
     layer.lora_context.set(SLOTS, static=True)  # a step graph's mapping
     expected = sequential(layer, x)
@@ -203,7 +209,7 @@ def test_a_projection_forks_its_delta_beside_the_base_gemm_and_joins_before_retu
     assert got.dtype == base_dtype and got.shape == (2, 3, 12) and got.is_contiguous()
     # the same kernels, and one rounding of base + delta: exactly the sequential path's sum
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    output, delta = torch.ops.loramux.lora_delta(x, layer.layer_id, (2, 3, 12), base_dtype, torch.float32)
+    output, delta = torch.ops.loramux.lora_delta(x, layer.layer_id, (2, 3, 12), base_dtype, (2, 3, 12), torch.float32)
     assert torch.equal(output, layer.base_layer(x)) and delta.dtype == torch.float32
     assert torch.equal(delta.view(6, 12)[SLOTS < 0], torch.zeros(2, 12))  # base rows: no delta
 
@@ -268,9 +274,8 @@ def test_on_the_cpu_a_layer_never_touches_cuda_streams(monkeypatch):
 
     monkeypatch.setattr(side_stream_module, "side_stream", no_streams)
     monkeypatch.setattr(torch.cuda, "current_stream", no_streams)
-    for delta_beside in (False, True):  # as the CPU decides, and forced
-        layer = linear()
-        layer.delta_beside = delta_beside
+    for route in (Route.BASE_THEN_DELTA, Route.DELTA_BESIDE):  # as the CPU decides, and forced
+        layer = in_graphs(linear(), route)
         layer.lora_context.set(SLOTS, static=True)
         x = torch.randn(6, 16)
         assert not torch.equal(layer(x), layer.base_layer(x))
@@ -279,10 +284,9 @@ def test_on_the_cpu_a_layer_never_touches_cuda_streams(monkeypatch):
 # -- the op's contract ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("delta_beside", [False, True], ids=["lora_layer", "lora_delta"])
-def test_the_op_under_autocast_returns_autocasts_dtype(delta_beside):
-    layer = linear()
-    layer.delta_beside = delta_beside
+@pytest.mark.parametrize("route", [Route.BASE_THEN_DELTA, Route.DELTA_BESIDE], ids=["lora_layer", "lora_delta"])
+def test_the_op_under_autocast_returns_autocasts_dtype(route):
+    layer = in_graphs(linear(), route)
     layer.lora_context.set(SLOTS, static=True)
     x = torch.randn(6, 16)
     expected = layer(x)
@@ -302,10 +306,10 @@ class _Float64Out(nn.Module):
         return self.inner(x).double()
 
 
-@pytest.mark.parametrize("delta_beside", [False, True], ids=["lora_layer", "lora_delta"])
-def test_a_base_layer_returning_other_than_its_spec_names_the_fix(delta_beside):
+@pytest.mark.parametrize("route", [Route.BASE_THEN_DELTA, Route.DELTA_BESIDE], ids=["lora_layer", "lora_delta"])
+def test_a_base_layer_returning_other_than_its_spec_names_the_fix(route):
     wrapper = with_adapters(BaseLayerWithLoRA(_Float64Out(), "odd", CONFIG, in_features=16, output_sizes=(12,)))
-    wrapper.delta_beside = delta_beside
+    in_graphs(wrapper, route)
     wrapper.lora_context.set(SLOTS, static=True)
     with pytest.raises(ValueError, match=r"'odd'.*returned torch.float64 \[6, 12\].*said torch.float32 \[6, 12\]"
                                          r".*override base_output_spec"):
@@ -348,9 +352,10 @@ def test_compiled_layers_do_not_recompile_as_adapters_come_and_go(delta_beside, 
     other (none, or an eager step's; the context's ``beside`` flag picks the op), each compiled
     once whatever the adapters."""
     torch._dynamo.reset()
-    monkeypatch.setattr(base_module, "delta_beside_base", lambda device: delta_beside)
+    monkeypatch.setattr(side_stream_module, "delta_beside_base", lambda device: delta_beside)
     model = TwoProjections()
-    assert model.up.delta_beside is delta_beside and not model.embed.delta_beside
+    assert (model.up.route_plan.graph is Route.DELTA_BESIDE) is delta_beside
+    assert model.embed.route_plan.graph is Route.BASE_THEN_DELTA
     counter = CompileCounterWithBackend("aot_eager")  # functionalizes the op, as inductor does
     compiled = torch.compile(model, backend=counter, fullgraph=True)
     ids = torch.tensor([3, 7, 7, 0, 49, 12])
@@ -361,9 +366,9 @@ def test_compiled_layers_do_not_recompile_as_adapters_come_and_go(delta_beside, 
         lambda: context.set(SLOTS),  # two adapters and base rows
         lambda: context.set(SLOTS, static=True),  # the same, as a step graph maps them
         lambda: context.set(torch.tensor([1, 1, 1, 1, 1, 1], dtype=torch.int32)),  # one adapter
-        lambda: model.up.set_lora(2, [weights]),  # an adapter arrives in a new slot ...
+        lambda: set_lora(model.up, 2, [weights]),  # an adapter arrives in a new slot ...
         lambda: context.set(torch.tensor([2, -1, 2, 0, -1, -1], dtype=torch.int32), static=True),
-        lambda: model.up.reset_lora(0),  # ... and one leaves
+        lambda: reset_lora(model.up, 0),  # ... and one leaves
         lambda: context.set(torch.tensor([-1, -1, -1, -1, -1, -1], dtype=torch.int32)),  # base rows only
         lambda: context.set(torch.tensor([1, -1, 1, 1, -1, 1], dtype=torch.int32), static=True),
     ]

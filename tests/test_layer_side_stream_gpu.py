@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import tiny_llama
+from layer_helpers import in_order as delta_after_base
 
 import loramux.engine.layers.side_stream as side_stream_module
+from loramux.engine.layers import Route
 from loramux.engine.lora_model import LoRAModelManager
 from loramux.registry import LoRAConfig, load_adapter
 
@@ -40,7 +42,8 @@ def test_a_captured_step_with_the_delta_beside_the_base_gemm_equals_eager_and_se
     assert side_stream_module.lora_sms_beside(B * S, device) > 0  # the GEMM leaves SMs at this size
     model = tiny_llama().to(device, torch.bfloat16)
     manager = LoRAModelManager(model, LoRAConfig(max_loras=2, max_lora_rank=8))
-    assert all(layer.delta_beside for layer in manager.layers.values() if not layer.is_embedding)
+    projections = [layer for layer in manager.layers.values() if not layer.is_embedding and not layer.computes_logits]
+    assert all(layer.route_plan.graph is Route.DELTA_BESIDE for layer in projections)
     for name in ("attn", "all"):
         manager.activate(load_adapter(engine_adapters[name], name=name))
     ids = torch.randint(3, 128, (B, S), generator=torch.Generator().manual_seed(3)).to(device)
@@ -68,14 +71,8 @@ def test_a_captured_step_with_the_delta_beside_the_base_gemm_equals_eager_and_se
         return forward()
 
     def sequential() -> torch.Tensor:
-        beside = [layer for layer in manager.layers.values() if layer.delta_beside]
-        for layer in beside:
-            layer.delta_beside = False
-        try:
+        with delta_after_base(*manager.layers.values()):
             return step()
-        finally:
-            for layer in beside:
-                layer.delta_beside = True
 
     manager.set_mapping(None)
     base_out = forward()

@@ -14,6 +14,7 @@ from typing import Callable
 import pytest
 import torch
 from conftest import INTERPRET, save_peft_adapter, tiny_model
+from layer_helpers import pool_of, reset_lora, set_lora
 from torch import nn
 
 from loramux.engine.layers import (
@@ -23,7 +24,10 @@ from loramux.engine.layers import (
     LinearWithLoRA,
     LoRAContext,
 )
+from loramux.engine.layers import backend
+from loramux.engine.layers.contract import Route
 from loramux.engine.lora_model import LoRAModelManager, create_lora_layer
+from loramux.engine.lora_validation import describe_mismatch
 from loramux.kernels.pool import pool_rows
 from loramux.plugins.manager import get_plugin_manager, register_plugin
 from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights, load_adapter
@@ -117,6 +121,7 @@ def build(case: Case) -> BaseLayerWithLoRA:
     layer = create_lora_layer(base, "block.proj", CONFIG)
     assert type(layer) is case.wrapper_type and layer.get_base_layer() is base
     layer.lora_context = LoRAContext(CONFIG.max_loras)
+    pool_of(layer, CONFIG)
     return layer
 
 
@@ -139,7 +144,7 @@ def layer(request):
 def test_matches_per_token_loop(layer, shape):
     weights = {0: random_weights(layer, 8, seed=1), 2: random_weights(layer, 3, seed=2)}
     for slot, by_slice in weights.items():
-        layer.set_lora(slot, by_slice)
+        set_lora(layer, slot, by_slice)
     x = make_input(layer, shape)
     token_slots = torch.tensor([2, -1, 0, 0, 1, 2, -1, 0, 2, 1][: x.shape[:len(shape)].numel()])
     layer.lora_context.set(token_slots)
@@ -147,7 +152,7 @@ def test_matches_per_token_loop(layer, shape):
     with torch.no_grad():
         got = layer(x)
     torch.testing.assert_close(got, expected_output(layer, x, token_slots, weights, multiplier), rtol=1e-5, atol=1e-5)
-    assert layer.lora_ranks.tolist() == [8, 0, 3]
+    assert layer.slots.ranks.tolist() == [8, 0, 3]
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -169,8 +174,8 @@ def test_a_prefill_adds_its_gemm_onto_the_stored_delta(kernels, mapping, monkeyp
     layer.lora_context = LoRAContext(CONFIG.max_loras)
     qv, full = random_weights(layer, 8, seed=1), random_weights(layer, 3, seed=2)
     qv[1] = None  # k untargeted: its scale is 0, and its delta columns must come out zero
-    layer.set_lora(0, qv)
-    layer.set_lora(2, full)  # slot 1 holds nothing here: an adapter that leaves the layer alone
+    set_lora(layer, 0, qv)
+    set_lora(layer, 2, full)  # slot 1 holds nothing here: an adapter that leaves the layer alone
     T = DECODE_MAX_TOKENS + 44
     slots = {"one adapter": torch.zeros(T, dtype=torch.int64),
              "with base rows": torch.tensor([0, -1, 2, 0]).repeat(T // 4),
@@ -191,7 +196,8 @@ def test_a_prefill_adds_its_gemm_onto_the_stored_delta(kernels, mapping, monkeyp
     monkeypatch.setattr(torch, "empty", poisoned)
     for tokens in (T, DECODE_MAX_TOKENS):  # through the GEMM onto the delta, then in line
         layer.lora_context.set(slots[:tokens])
-        assert layer._gemm_onto_delta(x[:tokens], layer.lora_context.meta) is (tokens == T)
+        route = backend._route(layer, x[:tokens], layer.lora_context.meta)
+        assert route is (Route.DELTA_THEN_GEMM if tokens == T else Route.BASE_THEN_DELTA)
         with torch.no_grad():
             got = layer(x[:tokens])
         torch.testing.assert_close(got, expected[:tokens], rtol=1e-5, atol=1e-5)
@@ -200,7 +206,7 @@ def test_a_prefill_adds_its_gemm_onto_the_stored_delta(kernels, mapping, monkeyp
 
 
 def test_without_mapping_is_exactly_the_base_layer(layer):
-    layer.set_lora(0, random_weights(layer, 4, seed=1))
+    set_lora(layer, 0, random_weights(layer, 4, seed=1))
     x = make_input(layer)
     with torch.no_grad():
         expected = layer.base_layer(x)
@@ -212,24 +218,20 @@ def test_without_mapping_is_exactly_the_base_layer(layer):
 
 
 def test_smaller_rank_and_reset_leave_no_residue(layer):
-    layer.set_lora(1, random_weights(layer, 8, seed=1))
+    set_lora(layer, 1, random_weights(layer, 8, seed=1))
     small = random_weights(layer, 2, seed=3)
-    layer.set_lora(1, small)
-    for (a, b), w in zip(layer.slot_weights(1), small):
+    set_lora(layer, 1, small)
+    slots = layer.slots
+    for (a, b), w in zip(slots.slot_weights(1), small):
         assert torch.equal(a, w.lora_a) and torch.equal(b, w.lora_b)
-    if layer.pooled:  # the slot owns pool_rows(2) = 8 rows of the pool now, its first 8 are free again
-        assert layer.rank_pool.free_units == layer.rank_pool.units - pool_rows(2)
-    else:
-        R = layer.max_lora_rank
-        assert not layer.lora_a_stacked[1].view(layer.n_slices, R, -1)[:, 2:].any()
-        assert not layer.lora_b_stacked[1, :, 2:].any()
-    assert layer.lora_ranks[1] == 2
-    layer.reset_lora(1)
-    assert not layer.lora_scales.any() and not layer.lora_ranks.any()
-    if layer.pooled:
-        assert layer.rank_pool.free_units == layer.rank_pool.units and 1 not in layer.rank_pool
-    else:
-        assert not layer.lora_a_stacked.any() and not layer.lora_b_stacked.any()
+    _, block = slots.block(slots.rows.start_of(1), pool_rows(2))
+    assert not block[:, 2:].any()  # the rank-8 adapter's columns past rank 2 are gone
+    # the slot owns its region, pool_rows(2) = 8 rows of it
+    assert slots.rows.free_units == slots.rows.units - pool_rows(2)
+    assert slots.ranks[1] == 2
+    reset_lora(layer, 1)
+    assert not slots.scales.any() and not slots.ranks.any()
+    assert slots.rows.free_units == slots.rows.units and 1 not in slots.rows
 
 
 def test_weights_are_cast_on_copy(layer):
@@ -237,30 +239,32 @@ def test_weights_are_cast_on_copy(layer):
         LoRAModuleWeights(w.lora_a.double(), w.lora_b.double(), w.scaling, w.is_embedding)
         for w in random_weights(layer, 4, seed=1)
     ]
-    layer.set_lora(0, weights)
-    a, b = layer.slot_weights(0)[0]
+    set_lora(layer, 0, weights)
+    a, b = layer.slots.slot_weights(0)[0]
     assert a.dtype == b.dtype == layer.lora_dtype == torch.float32
     assert torch.equal(a, weights[0].lora_a.float()) and torch.equal(b, weights[0].lora_b.float())
 
 
 def test_model_dtype_changes_keep_scales_in_float32(layer):
     layer.to(torch.float64)
-    assert layer.lora_dtype == torch.float64 and layer.lora_scales.dtype == torch.float32
-    assert layer.lora_ranks.dtype == torch.int32
+    assert layer.lora_dtype == torch.float64 and layer.slots.scales.dtype == torch.float32
+    assert layer.slots.ranks.dtype == layer.slots.pool_starts.dtype == torch.int32
 
 
 def test_mismatches_are_described(layer):
     good = random_weights(layer, 4, seed=1)
-    assert layer.describe_mismatch(good) is None
+    assert describe_mismatch(layer, good) is None
     wide = LoRAModuleWeights(torch.zeros(4, layer.in_features + 1), good[0].lora_b, 1.0, layer.is_embedding)
-    problem = layer.describe_mismatch([wide, *good[1:]])
+    problem = describe_mismatch(layer, [wide, *good[1:]])
     assert f"[4, {layer.in_features + 1}]" in problem and f"[4, {layer.in_features}]" in problem
     big = random_weights(layer, 9, seed=1)
-    assert "rank 9, above max_lora_rank=8" in layer.describe_mismatch(big)
+    assert "rank 9, above max_lora_rank=8" in describe_mismatch(layer, big)
     other_kind = [LoRAModuleWeights(w.lora_a, w.lora_b, 1.0, not layer.is_embedding) for w in good]
-    assert "holds a" in layer.describe_mismatch(other_kind)
+    assert "holds a" in describe_mismatch(layer, other_kind)
+    cube = LoRAModuleWeights(good[0].lora_a[..., None], good[0].lora_b[..., None], 1.0, layer.is_embedding)
+    assert "not matrices" in describe_mismatch(layer, [cube, *good[1:]])  # no layout hook: refused
     with pytest.raises(ValueError):
-        layer.set_lora(0, big)
+        set_lora(layer, 0, big)
 
 
 # -- the create_lora_layer hook ---------------------------------------------------------------------
@@ -392,6 +396,7 @@ def test_a_wrapper_without_slots_falls_back_to_the_builtin(caplog):
     name = register_plugin(OpaquePlugin(), name="opaque-example")
     try:
         assert type(create_lora_layer(nn.Linear(4, 4), "a.proj", CONFIG)) is LinearWithLoRA
-        assert "not a loramux.engine.layers.BaseLayerWithLoRA" in caplog.text
+        assert "plugin 'opaque-example'" in caplog.text
+        assert "not a loramux.engine.layers.BaseLayerWithLoRA" in caplog.text and "Subclass BaseLayerWithLoRA" in caplog.text
     finally:
         get_plugin_manager().unregister(name=name)

@@ -321,7 +321,7 @@ def test_mapping_and_deactivation(llama_setup):
     with pytest.raises(ValueError, match="holds no GPU slot"):
         manager.token_slots(["nope"])
     assert manager.deactivate("attn") and not manager.deactivate("attn")
-    assert all(layer.lora_ranks.sum() == 0 and layer.lora_scales.abs().sum() == 0 for layer in manager.layers.values())
+    assert all(layer.slots.ranks.sum() == 0 and layer.slots.scales.abs().sum() == 0 for layer in manager.layers.values())
     with pytest.raises(ValueError, match="already a LoRA layer"):
         LoRAModelManager(model, LoRAConfig())
 

@@ -15,11 +15,13 @@ import threading
 import pytest
 import torch
 from conftest import peft_greedy, save_peft_adapter, step_to_end, tiny_llama, tiny_model
+from layer_helpers import pool_of, set_lora
 from test_engine_scheduler import advance
 from test_lora_model import peft_oracle
 from test_engine_scheduler import scheduler as make_scheduler
 
 from loramux import LoRARequest, SamplingParams
+from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.lora_model import LoRAModelManager
 from loramux.engine.rank_pool import RankPool
@@ -220,9 +222,10 @@ def pool_setup(tmp_path_factory):
 
 
 def row_bytes(base, max_lora_rank: int = 8, **kwargs) -> int:
-    """Bytes of one rank row across every pooled layer the manager wraps in ``base``."""
+    """Bytes of one rank row across every layer the manager wraps in ``base``."""
     manager = LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_lora_rank=max_lora_rank), **kwargs)
-    return sum(layer.pool_row_bytes for layer in manager.layers.values())
+    return sum(LayerSlots.row_bytes(layer.in_features, layer.output_sizes, layer.lora_dtype)
+               for layer in manager.layers.values())
 
 
 def pooled(base, rows: int, *, max_loras: int = 8, max_lora_rank: int = 16, **kwargs):
@@ -250,29 +253,28 @@ def check_outputs(model, manager, oracle, names):
 def check_slots(manager, adapters):
     """Every resident adapter's slot holds its weights in every layer, and nothing elsewhere; in a
     pool it owns its rank rounded up to 8 rows, B's columns past the rank zero in its block."""
-    owned = {layer: 0 for layer in manager.layers.values() if layer.pooled}
+    owned = {layer: 0 for layer in manager.layers.values()}
     for name in manager.resident():
         slot, adapter = manager.slot_of(name), adapters[name]
         for layer in manager.layers.values():
             weights = [adapter.modules.get(module) for module in layer.slice_names]
             if all(w is None for w in weights):
-                assert layer.lora_ranks[slot] == 0 and slot not in getattr(layer, "rank_pool", ()), (name, layer)
+                assert layer.slots.ranks[slot] == 0 and slot not in getattr(layer, "rank_pool", ()), (name, layer)
                 continue
             rank = max(w.rank for w in weights if w is not None)
-            assert layer.lora_ranks[slot] == rank, (name, layer)  # the true rank, not the rows
-            for (a, b), w in zip(layer.slot_weights(slot), weights):
+            assert layer.slots.ranks[slot] == rank, (name, layer)  # the true rank, not the rows
+            for (a, b), w in zip(layer.slots.slot_weights(slot), weights):
                 assert a.shape[0] == b.shape[1] == rank
                 if w is None:
                     assert not a.any() and not b.any(), (name, layer)
                     continue
                 assert torch.equal(a[: w.rank], w.lora_a) and torch.equal(b[:, : w.rank], w.lora_b), (name, layer)
                 assert not a[w.rank :].any() and not b[:, w.rank :].any()
-            if layer.pooled:
-                owned[layer] += pool_rows(rank)
-                _, block = layer._pool_block(layer.rank_pool.start_of(slot), pool_rows(rank))
-                assert not block[:, rank:].any(), (name, layer)  # the expand reads the block's whole width
+            owned[layer] += pool_rows(rank)
+            _, block = layer.slots.block(layer.slots.rows.start_of(slot), pool_rows(rank))
+            assert not block[:, rank:].any(), (name, layer)  # the expand reads the block's whole width
     for layer, rows in owned.items():
-        assert layer.rank_pool.units - layer.rank_pool.free_units == rows, layer
+        assert layer.slots.rows.units - layer.slots.rows.free_units == rows, layer
 
 
 def qv_layers(manager):
@@ -288,9 +290,9 @@ def test_small_adapters_share_the_pool_and_a_large_one_evicts_by_rows(pool_setup
         manager.activate(adapters[f"qv4-{c}"])
     assert manager.resident() == ["qv4-a", "qv4-b", "qv4-c", "qv4-d"] and manager.stats.evictions == 0
     for layer in qv_layers(manager):
-        assert [layer.rank_pool.start_of(manager.slot_of(f"qv4-{c}")) for c in "abcd"] == [0, 8, 16, 24]
-        assert layer.rank_pool.free_units == 0
-    assert manager.layers["model.layers.0.mlp.up_proj"].rank_pool.free_units == 32  # untouched
+        assert [layer.slots.rows.start_of(manager.slot_of(f"qv4-{c}")) for c in "abcd"] == [0, 8, 16, 24]
+        assert layer.slots.rows.free_units == 0
+    assert manager.layers["model.layers.0.mlp.up_proj"].slots.rows.free_units == 32  # untouched
     check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["qv4-a", "qv4-b", None, "qv4-c", "qv4-d"])
 
@@ -299,8 +301,8 @@ def test_small_adapters_share_the_pool_and_a_large_one_evicts_by_rows(pool_setup
     assert manager.resident() == ["qv4-b", "qv4-c", "qv4-d", "qv4-e"] and manager.stats.evictions == 1
     manager.activate(adapters["qv16"])  # the two least recently used, b and c, are adjacent
     assert manager.resident() == ["qv4-d", "qv4-e", "qv16"] and manager.stats.evictions == 3
-    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(manager))
-    assert all(layer.rank_pool.start_of(manager.slot_of("qv16")) == 8 for layer in qv_layers(manager))
+    assert all(layer.slots.rows.free_units == 0 for layer in qv_layers(manager))
+    assert all(layer.slots.rows.start_of(manager.slot_of("qv16")) == 8 for layer in qv_layers(manager))
     check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["qv16", "qv4-d", None, "qv4-e", "qv16"])
 
@@ -317,8 +319,8 @@ def test_eviction_goes_on_in_lru_order_until_a_range_is_free(pool_setup):
     manager.activate(adapters["qv16"])
     assert manager.resident() == ["qv4-c", "qv16"] and manager.stats.evictions == 3
     for layer in qv_layers(manager):
-        assert layer.rank_pool.start_of(manager.slot_of("qv16")) == 0  # in the range b and a left
-        assert layer.rank_pool.free_units == 8  # d's rows
+        assert layer.slots.rows.start_of(manager.slot_of("qv16")) == 0  # in the range b and a left
+        assert layer.slots.rows.free_units == 8  # d's rows
     check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["qv4-c", "qv16", None])
 
@@ -333,32 +335,32 @@ def test_a_slot_owns_its_rank_rounded_up_to_8_rows(pool_setup):
     layers = qv_layers(manager)
     weights = {name: [[adapters[name].modules.get(m) for m in layer.slice_names] for layer in layers]
                for name in ("qv3", "qv9", "qv16")}
-    assert all(layer.units_for(w) == 8 for layer, w in zip(layers, weights["qv3"]))
-    assert all(layer.units_for(w) == 16 for layer, w in zip(layers, weights["qv9"]))
+    assert {units for _, units in manager.pool.footprint(adapters["qv3"].modules)} == {8}
+    assert {units for _, units in manager.pool.footprint(adapters["qv9"].modules)} == {16}
     manager.activate(adapters["qv3"])
     manager.activate(adapters["qv9"])
     for layer in layers:
-        assert layer.rank_pool.free_units == 32 - 8 - 16
-        assert layer.rank_pool.start_of(manager.slot_of("qv3")) == 0
-        assert layer.rank_pool.start_of(manager.slot_of("qv9")) == 8
-        assert layer.lora_ranks[manager.slot_of("qv3")] == 3 and layer.lora_ranks[manager.slot_of("qv9")] == 9
+        assert layer.slots.rows.free_units == 32 - 8 - 16
+        assert layer.slots.rows.start_of(manager.slot_of("qv3")) == 0
+        assert layer.slots.rows.start_of(manager.slot_of("qv9")) == 8
+        assert layer.slots.ranks[manager.slot_of("qv3")] == 3 and layer.slots.ranks[manager.slot_of("qv9")] == 9
     check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["qv9", "qv3", None])
 
     def block(layer, start, rank):
         """A view of the slot's B block [N, pool_rows(rank)] at ``start``."""
-        return layer._pool_block(start, pool_rows(rank))[1]
+        return layer.slots.block(start, pool_rows(rank))[1]
 
     # a freed range reused: rank 16 at rows 0-15, freed, then rank 3 at rows 0-7
     assert manager.deactivate("qv3") and manager.deactivate("qv9")
     manager.activate(adapters["qv16"])
     for layer in layers:
-        assert layer.rank_pool.start_of(manager.slot_of("qv16")) == 0 and layer.rank_pool.free_units == 16
+        assert layer.slots.rows.start_of(manager.slot_of("qv16")) == 0 and layer.slots.rows.free_units == 16
         assert block(layer, 0, 3)[:, 3:].any()  # the rank-16 block read as a rank-3 one: not zero
     assert manager.deactivate("qv16")
     manager.activate(adapters["qv3"])
     for layer, w in zip(layers, weights["qv3"]):
-        assert layer.rank_pool.start_of(manager.slot_of("qv3")) == 0 and layer.rank_pool.free_units == 24
+        assert layer.slots.rows.start_of(manager.slot_of("qv3")) == 0 and layer.slots.rows.free_units == 24
         assert torch.equal(block(layer, 0, 3)[:, :3], w[0].lora_b) and not block(layer, 0, 3)[:, 3:].any()
     check_slots(manager, adapters)
     check_outputs(model, manager, oracle, [None, "qv3"])
@@ -366,18 +368,18 @@ def test_a_slot_owns_its_rank_rounded_up_to_8_rows(pool_setup):
     # the same slot rewritten layer by layer: rank 16, then rank 3
     for layer, w16, w3 in zip(layers, weights["qv16"], weights["qv3"]):
         slot = 7
-        layer.set_lora(slot, w16)
-        start = layer.rank_pool.start_of(slot)
-        assert start == 8 and layer.rank_pool.free_units == 8 and layer.lora_ranks[slot] == 16
+        manager.pool.write(slot, {layer.module_name: w16[0]})
+        start = layer.slots.rows.start_of(slot)
+        assert start == 8 and layer.slots.rows.free_units == 8 and layer.slots.ranks[slot] == 16
         assert block(layer, start, 3)[:, 3:].any()
-        layer.set_lora(slot, w3)
-        assert layer.rank_pool.start_of(slot) == start and layer.rank_pool.free_units == 16
-        assert layer.lora_ranks[slot] == 3 and layer.lora_pool_starts[slot] == start
+        manager.pool.write(slot, {layer.module_name: w3[0]})
+        assert layer.slots.rows.start_of(slot) == start and layer.slots.rows.free_units == 16
+        assert layer.slots.ranks[slot] == 3 and layer.slots.pool_starts[slot] == start
         assert torch.equal(block(layer, start, 3)[:, :3], w3[0].lora_b) and not block(layer, start, 3)[:, 3:].any()
-        (a, b), = layer.slot_weights(slot)
+        (a, b), = layer.slots.slot_weights(slot)
         assert torch.equal(a, w3[0].lora_a) and torch.equal(b, w3[0].lora_b)
-        layer.reset_lora(slot)
-        assert slot not in layer.rank_pool and layer.rank_pool.free_units == 24
+        manager.pool.clear(slot, [layer])
+        assert slot not in layer.slots.rows and layer.slots.rows.free_units == 24
 
 
 def test_mixed_ranks_and_targets_equal_peft_through_churn(pool_setup):
@@ -418,20 +420,20 @@ def test_held_adapters_are_never_evicted_for_rows(pool_setup):
         manager.hold(name)
     rows = [*names, None]
     before_logits = check_outputs(model, manager, oracle, rows)
-    pools = [(layer.rank_pool.free_units, [layer.rank_pool.start_of(s) for s in range(8)])
-             for layer in manager.layers.values() if layer.pooled]
-    buffers = {name: [t.clone() for t in layer.buffers(recurse=False)] for name, layer in manager.layers.items()}
+    pools = [(layer.slots.rows.free_units, [layer.slots.rows.start_of(s) for s in range(8)])
+             for layer in manager.layers.values()]
+    buffers = {name: [t.clone() for t in layer.slots.buffers()] for name, layer in manager.layers.items()}
     before = (manager.resident(), [manager.slot_of(n) for n in names], pools, buffers)
 
-    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(manager))
+    assert all(layer.slots.rows.free_units == 0 for layer in qv_layers(manager))
     assert not manager.can_place(adapters["qv4-e"]) and not manager.can_place(adapters["qv2"])
     with pytest.raises(CacheFullError, match="qv4-e.*no room.*32 rank rows.*max_gpu_lora_bytes") as caught:
         manager.activate(adapters["qv4-e"])
     assert all(name in str(caught.value) for name in names)  # the adapters in use are named
     after = (manager.resident(), [manager.slot_of(n) for n in names],
-             [(layer.rank_pool.free_units, [layer.rank_pool.start_of(s) for s in range(8)])
-              for layer in manager.layers.values() if layer.pooled],
-             {name: list(layer.buffers(recurse=False)) for name, layer in manager.layers.items()})
+             [(layer.slots.rows.free_units, [layer.slots.rows.start_of(s) for s in range(8)])
+              for layer in manager.layers.values()],
+             {name: list(layer.slots.buffers()) for name, layer in manager.layers.items()})
     assert after[:3] == before[:3] and manager.stats.evictions == 0
     for name, tensors in after[3].items():
         assert all(torch.equal(got, was) for got, was in zip(tensors, before[3][name])), name
@@ -469,7 +471,7 @@ def test_rows_in_use_apart_refuse_a_larger_adapter_without_evicting(pool_setup):
     assert manager.can_place(adapters["qv16"])
     manager.activate(adapters["qv16"])  # a, then b (least recently used first): rows 0-15
     assert manager.resident() == ["qv4-c", "qv4-d", "qv16"] and manager.stats.evictions == 2
-    assert all(layer.rank_pool.start_of(manager.slot_of("qv16")) == 0 for layer in qv_layers(manager))
+    assert all(layer.slots.rows.start_of(manager.slot_of("qv16")) == 0 for layer in qv_layers(manager))
     check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["qv16", "qv4-c", "qv4-d", None])
 
@@ -513,9 +515,9 @@ def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
     floor = LoRAModelManager(model, LoRAConfig(max_loras=4, max_lora_rank=8, max_gpu_lora_bytes=9 * per_row - 1))
     assert floor.pool_units == 8  # whole rows only
     for layer in floor.layers.values():  # every layer pooled, the embedding too
-        assert layer.pooled and layer.rank_pool.units == 8
-        assert layer.lora_a_pool.shape == (8, 1, layer.in_features)
-        assert layer.lora_b_pool.shape == (8, layer.out_features)
+        assert layer.slots.rows.units == 8
+        assert layer.slots.lora_a.shape == (8, 1, layer.in_features)
+        assert layer.slots.lora_b.shape == (8, layer.out_features)
     floor.activate(adapters["attn8-head"])
     floor.activate(adapters["embed2"])  # evicts it: q_proj holds 8 rows only
     assert floor.resident() == ["embed2"]
@@ -524,7 +526,7 @@ def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
     narrow = row_bytes(base, target_modules=QV)
     assert narrow == 2 * (256 + 192)
     _, qv_only = pooled(base, 16, target_modules=QV)
-    assert all(layer.rank_pool.units == 16 for layer in qv_only.layers.values())
+    assert all(layer.slots.rows.units == 16 for layer in qv_only.layers.values())
 
     # a max_lora_rank off the alignment: its adapter owns 16 rows, so 12 or 15 rows are too few
     for rows in (12, 15):
@@ -533,15 +535,15 @@ def test_a_budget_below_one_max_rank_adapter_is_refused(pool_setup):
                                                              max_gpu_lora_bytes=rows * per_row))
     _, rank12 = pooled(base, 16, max_loras=4, max_lora_rank=12)
     rank12.activate(adapters["qv9"])  # rank 9: 16 rows, the whole pool
-    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(rank12))
+    assert all(layer.slots.rows.free_units == 0 for layer in qv_layers(rank12))
 
 
 def test_without_a_budget_every_pool_holds_max_loras_adapters_of_max_rank(pool_setup):
     base, adapters, _ = pool_setup
     manager = LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_loras=3, max_lora_rank=8))
     assert manager.pool_units == 24
-    assert all(layer.rank_pool.units == layer.lora_a_pool.shape[0] == layer.lora_b_pool.shape[0] == 24
-               for layer in manager.layers.values() if layer.pooled)
+    assert all(layer.slots.rows.units == layer.slots.lora_a.shape[0] == layer.slots.lora_b.shape[0] == 24
+               for layer in manager.layers.values())
     for name in ["attn8-head", "qv8", "all4"]:
         manager.activate(adapters[name])
     assert manager.stats.evictions == 0 and manager.can_place(adapters["qv2"])
@@ -552,7 +554,7 @@ def test_without_a_budget_every_pool_holds_max_loras_adapters_of_max_rank(pool_s
     for name in ["qv4-a", "qv3", "all4"]:
         small.activate(adapters[name])
     assert small.stats.evictions == 0 and small.resident() == ["qv4-a", "qv3", "all4"]
-    assert all(layer.rank_pool.free_units == 0 for layer in qv_layers(small))
+    assert all(layer.slots.rows.free_units == 0 for layer in qv_layers(small))
     check_slots(small, adapters)
 
 
@@ -723,7 +725,7 @@ def test_requests_pinned_adapters_leave_no_room_for_fail_and_the_queue_moves_on(
 def test_the_default_pool_gives_every_slot_a_max_rank_region_so_nothing_fragments(pool_setup):
     base, adapters, _ = pool_setup
     manager = LoRAModelManager(copy.deepcopy(base), LoRAConfig(max_loras=2, max_lora_rank=16))
-    assert manager.pool_units == 32 and all(layer.rank_pool.region == 16 for layer in manager._pooled)
+    assert manager.pool_units == 32 and all(layer.slots.rows.region == 16 for layer in manager.layers.values())
     manager.activate(adapters["qv4-a"])
     manager.activate(adapters["qv16"])
     manager.deactivate("qv4-a")
@@ -751,16 +753,17 @@ def test_a_layer_write_with_no_room_leaves_the_slot_as_it_was():
     def weights(rank):
         return [LoRAModuleWeights(torch.randn(rank, 8), torch.randn(6, rank), 1.0)]
 
-    layer = LinearWithLoRA(nn.Linear(8, 6, bias=False), "p", LoRAConfig(max_loras=3, max_lora_rank=16,
-                                                                         max_gpu_lora_bytes=1))
-    layer.resize_pool(40)  # shared rows: 0-7, 8-23, 24-39 below
+    config = LoRAConfig(max_loras=3, max_lora_rank=16, max_gpu_lora_bytes=40 * (8 + 6) * 4)
+    layer = LinearWithLoRA(nn.Linear(8, 6, bias=False), "p", config)
+    pool_of(layer, config)  # 40 shared rows: 0-7, 8-23, 24-39 below
+    assert layer.slots.rows.units == 40
     for slot, rank in ((0, 8), (1, 16), (2, 16)):
-        layer.set_lora(slot, weights(rank))
-    before = [t.clone() for t in layer.slot_weights(0)[0]]
+        set_lora(layer, slot, weights(rank))
+    before = [t.clone() for t in layer.slots.slot_weights(0)[0]]
     with pytest.raises(RuntimeError, match="no 16 free rows"):
-        layer.set_lora(0, weights(16))  # its own 8 rows freed would still leave no 16 in a row
-    assert layer.rank_pool.start_of(0) == 0 and layer._host_ranks[0] == 8 and int(layer.lora_ranks[0]) == 8
-    assert all(torch.equal(a, b) for a, b in zip(layer.slot_weights(0)[0], before))
+        set_lora(layer, 0, weights(16))  # its own 8 rows freed would still leave no 16 in a row
+    assert layer.slots.rows.start_of(0) == 0 and layer.slots.host_ranks[0] == 8 and int(layer.slots.ranks[0]) == 8
+    assert all(torch.equal(a, b) for a, b in zip(layer.slots.slot_weights(0)[0], before))
 
 
 def test_room_answers_are_kept_only_while_the_adapters_in_use_stay_the_same(pool_setup):
@@ -806,39 +809,34 @@ def test_a_kept_answer_goes_when_an_adapter_kept_moves(pool_setup):
     manager.activate(named["qv4-e"])  # takes c's rows 16-23
     manager.deactivate("qv4-b")
     manager.activate(named["qv4-c"])  # c again, now at 8-15: a and c leave 16-31 whole
-    assert all(layer.rank_pool.start_of(manager.slot_of("qv4-c")) == 8 for layer in qv_layers(manager))
+    assert all(layer.slots.rows.start_of(manager.slot_of("qv4-c")) == 8 for layer in qv_layers(manager))
     assert manager.can_place(named["qv16"], keep=keep)
 
 
 @pytest.mark.parametrize("rows", [None, 24], ids=["regions", "shared"])
-def test_freeing_a_slot_clears_every_layer_and_a_plugins_own_reset_runs(pool_setup, rows):
-    """The manager clears a slot of every built-in layer in one batch (`reset_cells`): every
-    scale, rank and pool range of the slot goes; a layer whose class overrides `reset_lora` is
-    still asked itself; and the slot, written again, equals PEFT."""
+def test_freeing_a_slot_clears_every_layer(pool_setup, rows):
+    """The pool clears a slot of every layer in one batch (`AdapterWeightPool.clear`): every
+    scale, rank and pool range of the slot goes, in one zeroing call per dtype, and the slot,
+    written again, equals PEFT."""
     base, adapters, oracle = pool_setup
     if rows is None:
         model = copy.deepcopy(base)
         manager = LoRAModelManager(model, LoRAConfig(max_loras=8, max_lora_rank=16))
     else:
         model, manager = pooled(base, rows)
-    custom = manager.layers["model.layers.0.mlp.down_proj"]
-    calls = []
-
-    class OwnReset(type(custom)):
-        def reset_lora(self, slot):
-            calls.append(slot)
-            super().reset_lora(slot)
-
-    custom.__class__ = OwnReset
     slot = manager.activate(adapters["all4"])
-    touched = [layer for layer in manager.layers.values() if layer._host_ranks[slot]]
-    assert len(touched) > 2 and custom in touched
-    assert manager.deactivate("all4")
-    assert calls == [slot]
+    touched = [layer for layer in manager.layers.values() if layer.slots.host_ranks[slot]]
+    assert len(touched) > 2
+    calls = []
+    foreach_zero = torch._foreach_zero_
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch, "_foreach_zero_", lambda group: calls.append(len(group)) or foreach_zero(group))
+        assert manager.deactivate("all4")
+    assert calls == [len(touched), len(touched)]  # the scales (float32), then the ranks (int32)
     for layer in manager.layers.values():
-        assert layer._host_ranks[slot] == 0 and layer.lora_ranks[slot] == 0 and not layer.lora_scales[slot].any()
-        assert slot not in layer.rank_pool
-        layer.rank_pool.check()
+        assert layer.slots.host_ranks[slot] == 0 and layer.slots.ranks[slot] == 0 and not layer.slots.scales[slot].any()
+        assert slot not in layer.slots.rows
+        layer.slots.rows.check()
     manager.activate(adapters["all4"])
     check_slots(manager, adapters)
     check_outputs(model, manager, oracle, ["all4", None])

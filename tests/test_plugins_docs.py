@@ -1,5 +1,6 @@
 """Docs of hooks are contracts: every hook is documented under its exact signature and has a
-``test_hook_<name>``, and the resolver plugin of docs/plugins.md works as written."""
+``test_hook_<name>``, the resolver plugin of docs/plugins.md works as written, and the layer contract's
+examples are the tested example plugins' code."""
 
 from __future__ import annotations
 
@@ -33,6 +34,23 @@ def hook_signatures() -> dict[str, str]:
 
 def headings(markdown: str) -> list[str]:
     return [line.lstrip("#").strip() for line in markdown.splitlines() if line.startswith("#")]
+
+
+def test_the_layer_contracts_examples_are_the_tested_plugins_code():
+    """Each code block of "The LoRA layer contract" past its constructor's signature is code of
+    a plugin under tests/plugins/ (tests/test_layer_plugins.py runs them against PEFT)."""
+    docs = (REPO_ROOT / "docs" / "plugins.md").read_text()
+    section = docs[docs.index("## The LoRA layer contract") :]
+    section = section[: section.index("\n## ", 10)]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)[1:]
+    plugins = {stem: (TESTS / "plugins" / f"{stem}.py").read_text() for stem in ("scaled_linear_lora", "conv1x1_lora")}
+    assert len(blocks) == 2
+    for block, code in zip(blocks, plugins.values()):
+        assert block.strip() in code, block
+    from loramux.engine.layers import BaseLayerWithLoRA
+
+    for hook in re.findall(r"^\| `(\w+)\(", section, re.MULTILINE):  # the hooks table names real methods
+        assert callable(getattr(BaseLayerWithLoRA, hook)), hook
 
 
 def test_there_are_hooks():

@@ -1,4 +1,4 @@
-"""A prefill's delta stored first and the base GEMM added onto it (`BaseLayerWithLoRA._delta_then_gemm`),
+"""A prefill's delta stored first and the base GEMM added onto it (the backend's `Route.DELTA_THEN_GEMM`),
 on the GPU in bfloat16 at Llama-3.1-8B's fused shapes: the float64 reference's output, as close to it
 as the delta added after the GEMM, and rows without an adapter there the base GEMM's output.
 Run on the GPU machine: ``pytest -m gpu tests/test_prefill_gemm_gpu.py``."""
@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import rel_err
+from layer_helpers import pool_of, set_lora
 from torch import nn
 
-from loramux.engine.layers import LoRAContext
+from loramux.engine.layers import LoRAContext, Route, backend
 from loramux.engine.lora_model import create_lora_layer
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
@@ -36,12 +37,13 @@ def test_a_prefill_through_the_gemm_onto_its_delta_matches_the_reference(shape, 
     base.loramux_slices = slices
     layer = create_lora_layer(base.to("cuda", torch.bfloat16), "mlp.fused", LoRAConfig(max_loras=4, max_lora_rank=16))
     layer.lora_context = LoRAContext(4)
+    pool_of(layer)
     weights = {}
     for slot, (rank, skip) in {0: (16, 0), 2: (8, None)}.items():  # slot 0 leaves its first slice alone
         weights[slot] = [None if i == skip else LoRAModuleWeights(
             torch.randn(rank, in_features, generator=gen) * in_features ** -0.5,
             torch.randn(n, rank, generator=gen) * rank ** -0.5, scaling=2.0) for i, (_, n) in enumerate(slices)]
-        layer.set_lora(slot, weights[slot])
+        set_lora(layer, slot, weights[slot])
     T = 1024
     slots = torch.tensor([0, 2, -1, 0]).repeat(T // 4)  # two adapters and base rows; slot 1 holds nothing
     x = torch.randn(T, in_features, generator=gen)
@@ -54,9 +56,9 @@ def test_a_prefill_through_the_gemm_onto_its_delta_matches_the_reference(shape, 
                                                               * w.scaling)
     x = x.to("cuda", torch.bfloat16)
     layer.lora_context.set(slots.to("cuda", torch.int32))
-    assert layer._gemm_onto_delta(x, layer.lora_context.meta)
+    assert backend._route(layer, x, layer.lora_context.meta) is Route.DELTA_THEN_GEMM
     onto_delta = layer(x).double().cpu()
-    layer.plain_linear = False  # the delta added after the GEMM
+    layer.route_plan = layer.route_plan._replace(eager_prefill=Route.BASE_THEN_DELTA)  # the delta added after the GEMM
     after = layer(x).double().cpu()
     assert rel_err(onto_delta, ref) < 8e-3 and rel_err(onto_delta, ref) <= 1.25 * rel_err(after, ref)
     base_rows = slots == -1  # the GEMM's own output (cuBLAS may pick another kernel for C = 0: to rounding)

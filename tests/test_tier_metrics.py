@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.registry import LoRAConfig, LoRARequest, Registry
 from loramux.serving.engine_info import read_tiers
 from loramux.serving.metrics import Metrics, TierStats
@@ -48,7 +49,8 @@ def test_capacity_is_a_gauge_per_tier_the_cpu_budget_and_the_gpu_pools(make_adap
     config = LoRAConfig(max_loras=2, max_cpu_lora_bytes=1 << 20)
     registry = Registry(config, resolvers=[])
     default = LoRAModelManager(tiny_llama(), config)
-    rows = sum(layer.pool_row_bytes for layer in default.layers.values())
+    rows = sum(LayerSlots.row_bytes(layer.in_features, layer.output_sizes, layer.lora_dtype)
+               for layer in default.layers.values())
     assert default.capacity_bytes == rows * 2 * 16  # max_loras x max_lora_rank rows, every layer pooled
     budget = LoRAModelManager(tiny_llama(), LoRAConfig(max_loras=8, max_gpu_lora_bytes=40 * rows + rows // 2))
     assert budget.capacity_bytes == 40 * rows  # whole rows within the budget

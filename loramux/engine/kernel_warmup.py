@@ -291,7 +291,7 @@ def _hold_zero_adapter(manager) -> int:
     adapter = LoRAAdapter(name=WARMUP_ADAPTER, path=Path("."), modules=modules, lora_alpha=1.0,
                           target_modules=sorted(modules))
     # in one page-locked host buffer, as the CPU tier holds adapters: the slot write takes the
-    # path serving does and compiles its kernel now (`loramux.engine.layers.slot_write`)
+    # path serving does and compiles its kernel now (`loramux.engine.layers.slot_copy`)
     return manager.activate(adapter.pack(pin_memory=manager.device.type == "cuda"))
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from tqdm.auto import tqdm
 
@@ -24,6 +25,9 @@ from loramux.engine.llm_engine import LLMEngine, PromptType
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.registry import LoRARequest
+
+if TYPE_CHECKING:
+    from loramux.engine.lora_model import LoRAModelManager
 
 __all__ = ["LLM"]
 
@@ -94,6 +98,14 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    @property
+    def lora_manager(self) -> LoRAModelManager | None:
+        """The engine's LoRA manager, or None when LoRA is off: its ``layers`` (each wrapped
+        layer by module name, as a layer plugin made it), ``pool`` (the adapter weight pool),
+        ``resident()`` (the adapters in GPU slots) and ``stats``. To look at, not to drive:
+        requests name adapters through ``lora_request``."""
+        return self.llm_engine.lora_manager
 
     def generate(
         self,

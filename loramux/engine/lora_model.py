@@ -8,7 +8,9 @@
 
 Patching (`loramux.engine.lora_patch`) replaces each eligible layer in place by the wrapper the
 ``create_lora_layer`` hook returns (plugins first, loramux's built-ins last). Every wrapper reads the same `LoRAContext`,
-so the per-forward kernel metadata is built once.
+so the per-forward kernel metadata is built once. The adapter weight pool
+(`loramux.engine.layers.weight_pool`) owns the layers' adapter memory and writes it; this manager
+decides which adapter sits in which slot, evicts, and orders the copies against the compute stream.
 """
 
 from __future__ import annotations
@@ -20,15 +22,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
-from loramux.engine.layers.pool_writer import PoolWriter
-from loramux.engine.layers.slot_write import apply_slot_writes, launch_table, zero_all
+from loramux.engine.layers import LoRAContext
+from loramux.engine.layers.weight_pool import AdapterWeightPool, Footprint
 from loramux.engine.lora_patch import create_lora_layer, patch_model
 from loramux.engine.lora_validation import AdapterValidator
 from loramux.engine.slots import SlotTable
 from loramux.errors import CacheFullError, LoRAError
-from loramux.kernels.pool import pool_rows
-from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig, LoRAModuleWeights
+from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig
 from loramux.registry.handle import memory_handle
 
 __all__ = ["LoRAModelManager", "create_lora_layer", "patch_model"]  # the latter two: lora_patch.py
@@ -42,7 +42,8 @@ class LoRAModelManager:
 
     :param model: a transformers model (or any ``nn.Module``), already on its device and dtype.
     :param lora_config: ``max_loras`` slots of rank up to ``max_lora_rank``. Slot tensors take
-        each layer's own dtype (adapter weights are cast on copy).
+        each layer's own dtype (adapter weights are cast on copy); ``max_gpu_lora_bytes`` sizes
+        the pools.
     :param target_modules: wrap only these modules (PEFT's rule: a list of names matched as
         dotted suffixes, or one regex matched against the full name); None wraps every
         supported layer. Narrowing saves slot memory.
@@ -65,26 +66,20 @@ class LoRAModelManager:
         self.layers = patch_model(model, lora_config, self.context, target_modules=target_modules)
         self.validator = AdapterValidator(type(model).__name__, module_types, self.layers, target_modules)
         self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
-        self._pooled = [layer for layer in self.layers.values() if layer.pooled]
+        self.pool = AdapterWeightPool(self.layers, lora_config)
         self._touches_big: dict[int, bool] = {}  # slot -> whether its adapter touches a big-GEMM layer
-        self._footprints: dict[int, list[tuple[BaseLayerWithLoRA, int]]] = {}  # handle id -> _footprint
+        self._footprints: dict[int, Footprint] = {}  # handle id -> _footprint
         self._fit_answers: tuple[int, dict] = (-1, {})  # (the slot table's version, its answers)
-        if lora_config.max_gpu_lora_bytes is not None:
-            self._size_pools(lora_config.max_gpu_lora_bytes)
         self._slots = SlotTable(lora_config.max_loras)
         # resident handles by id: not the adapters, so a slot keeps no host memory alive (the CPU
         # tier owns the weights, and an arena piece comes back once the tier lets it go)
         self._handles: dict[int, AdapterHandle] = {}
         self._lock = threading.RLock()
         self.stats = CacheStats()  # the GPU tier's counters, as the CPU tier keeps them
-        first = next(iter(self.layers.values()), None)
-        if first is not None:
-            self.device = first.lora_scales.device
+        if self.layers:
+            self.device = self.pool.device
         else:
             self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        # slot writes into the pooled layers: one numpy computation of their table (CUDA: the
-        # CPU copies block by block)
-        self._pool_writer = PoolWriter(list(self.layers.values())) if self.device.type == "cuda" else None
         # prefetch copies run on a side stream (created here, at engine start, never while a
         # graph is captured); the compute stream waits on a copy's event when its slot is held
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -94,34 +89,15 @@ class LoRAModelManager:
         # `fence`, so no arena piece is reused while a copy may still read it)
         self.on_host_copies: Callable[[torch.cuda.Event], None] | None = None
 
-    def _size_pools(self, budget: int) -> None:
-        """Give every pooled layer the same number of rank rows, as many as ``budget`` bytes hold."""
-        row_bytes = sum(layer.pool_row_bytes for layer in self._pooled)
-        if not row_bytes:
-            return
-        units = budget // row_bytes
-        rank = self.lora_config.max_lora_rank
-        rows = pool_rows(rank)  # what a slot of that rank owns: its rank rounded up to POOL_ROW_ALIGN
-        if units < rows:
-            raise ValueError(
-                f"LoRAConfig.max_gpu_lora_bytes: got {budget}; allowed: at least {rows * row_bytes} "
-                f"(one adapter of max_lora_rank={rank} on every wrapped layer of this model takes "
-                f"{rows * row_bytes} bytes)")
-        for layer in self._pooled:
-            layer.resize_pool(units)
-
     @property
     def capacity_bytes(self) -> int:
-        """Bytes of GPU memory every wrapped layer keeps for adapter weights (pools and any
-        per-slot copies): the GPU tier's budget."""
-        return sum(buffer.nbytes for layer in self.layers.values()
-                   for name, buffer in layer.named_buffers(recurse=False)
-                   if name in ("lora_a_pool", "lora_b_pool", "lora_a_stacked", "lora_b_stacked"))
+        """Bytes of GPU memory the wrapped layers keep for adapter weights: the GPU tier's budget."""
+        return self.pool.capacity_bytes
 
     @property
     def pool_units(self) -> int:
-        """Rank rows in each pooled layer's pool (0 when no layer is pooled)."""
-        return self._pooled[0].rank_pool.units if self._pooled else 0
+        """Rank rows in each wrapped layer's pool (0 without wrapped layers)."""
+        return self.pool.units
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -213,23 +189,20 @@ class LoRAModelManager:
             self.stats.loads += 1
             return slot
 
-    def _footprint(self, adapter: LoRAAdapter) -> list[tuple[BaseLayerWithLoRA, int]]:
-        """The pool rows ``adapter`` takes in each pooled layer it touches. Kept per handle (a
-        handle's weights never change): the scheduler asks `can_place` every step an adapter
-        waits, and an 8B model has 225 layers to walk."""
+    def _footprint(self, adapter: LoRAAdapter) -> Footprint:
+        """The pool rows ``adapter`` takes in each layer it touches. Kept per handle (a handle's
+        weights never change): the scheduler asks `can_place` every step an adapter waits."""
         key = adapter.handle.id if adapter.handle is not None else None
         footprint = self._footprints.get(key) if key is not None else None
         if footprint is None:
-            needs = ((layer, layer.units_for([adapter.modules.get(m) for m in layer.slice_names]))
-                     for layer in self._pooled)
-            footprint = [(layer, units) for layer, units in needs if units]
+            footprint = self.pool.footprint(adapter.modules)
             if key is not None:
                 if len(self._footprints) >= MAX_FOOTPRINTS:
                     self._footprints.clear()  # handles come and go; this only bounds the table
                 self._footprints[key] = footprint
         return footprint
 
-    def _make_room(self, footprint: list[tuple[BaseLayerWithLoRA, int]], label: str,
+    def _make_room(self, footprint: Footprint, label: str,
                    keep: Collection[int] = ()) -> None:
         """Evict the least recently used adapters not in use (nor in ``keep``) until a slot is
         free and every layer of ``footprint`` has its rows free.
@@ -247,19 +220,19 @@ class LoRAModelManager:
                 fix="Retry when a request finishes, or raise max_gpu_lora_bytes (--max-gpu-lora-bytes).",
             )
         while True:
-            short = [layer for layer, units in footprint if not layer.rank_pool.fits(units)]
+            short = [layer for layer, units in footprint if not layer.slots.rows.fits(units)]
             if self._slots.free_slots and not short:
                 return
             # least recently used first; for rows, only an adapter that owns some where they are short
             self._evict(next(i for i in self._slots.ids() if not self._slots.is_held(i) and i not in keep
                              and (not self._slots.free_slots
-                                  or any(self._slots.slot_of(i) in layer.rank_pool for layer in short))))
+                                  or any(self._slots.slot_of(i) in layer.slots.rows for layer in short))))
 
     def _kept(self, keep: Collection[int]) -> set[int]:
         """Resident handle ids that may not be evicted: the held ones and those in ``keep``."""
         return set(self._slots.held()) | {i for i in keep if i in self._slots}
 
-    def _rows_fit_once_evicted(self, footprint: list[tuple[BaseLayerWithLoRA, int]],
+    def _rows_fit_once_evicted(self, footprint: Footprint,
                                keep: Collection[int] = (), handle_id: int | None = None) -> bool:
         """Whether ``footprint`` fits every layer's rows left by the held adapters and ``keep``.
         The answer stands until the slot table changes, so it is kept per handle: the scheduler
@@ -272,7 +245,7 @@ class LoRAModelManager:
         answer = self._fit_answers[1].get(key) if handle_id is not None else None
         if answer is None:
             kept = {self._slots.slot_of(i) for i in kept_ids}
-            answer = all(layer.rank_pool.fits_keeping(units, kept) for layer, units in footprint)
+            answer = self.pool.fits_keeping(footprint, kept)
             if handle_id is not None:
                 self._fit_answers[1][key] = answer
         return answer
@@ -286,7 +259,7 @@ class LoRAModelManager:
             if len(self._kept(keep)) >= self._slots.num_slots:
                 return False
             footprint = self._footprint(adapter)
-            if self._slots.free_slots and all(layer.rank_pool.fits(units) for layer, units in footprint):
+            if self._slots.free_slots and self.pool.fits(footprint):
                 return True  # room now: the common case, without walking what is resident
             return self._rows_fit_once_evicted(footprint, keep, adapter.handle and adapter.handle.id)
 
@@ -298,7 +271,7 @@ class LoRAModelManager:
             if len(kept) >= self._slots.num_slots:
                 return False
             slots = {self._slots.slot_of(i) for i in kept}
-            return all(layer.rank_pool.fits_keeping(units, slots) for layer, units in self._footprint(adapter))
+            return self.pool.fits_keeping(self._footprint(adapter), slots)
 
     def _evict(self, handle_id: int) -> None:
         """Free the slot and pool rows of a resident adapter nobody holds."""
@@ -339,56 +312,21 @@ class LoRAModelManager:
             torch.cuda.current_stream(self.device).wait_event(event)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        # with tensor parallelism this rank writes its part and each worker receives only its own
-        size = self.workers.size if self.workers is not None else 1
-        shards: list[dict[str, list[LoRAModuleWeights | None]]] = [{} for _ in range(size)]
-        writes = []  # every layer's part, checked before anything is written, then run as one batch
-        untouched = []  # the layers it has no weights for: their part of the slot is cleared
-        written: Collection[BaseLayerWithLoRA] = ()
-        # on CUDA without tensor parallelism, the pooled layers' parts in one numpy computation
-        pooled = self._pool_writer.table(slot, adapter) if self._pool_writer is not None and size == 1 else None
-        if pooled is not None:
-            table, untouched = pooled
-            if table is not None:
-                launch_table(table, self.device)
-            written = self._pool_writer.covered
-        for name, layer in self.layers.items():
-            if layer in written:
-                continue
-            weights = [adapter.modules.get(module) for module in layer.slice_names]
-            if any(w is not None for w in weights):
-                if type(layer).set_lora is BaseLayerWithLoRA.set_lora:
-                    # this rank's part; the adapter was validated against this model (by the
-                    # registry's callback or `_activate`): no per-layer shape checks again
-                    writes.append(layer.slot_write(slot, layer.shard_lora(weights), checked=True))
-                else:  # a layer plugin that writes its slots its own way
-                    layer.set_lora(slot, layer.shard_lora(weights))
-                for rank in range(1, size):
-                    shards[rank][name] = layer.shard_lora(weights, rank)
-            else:
-                untouched.append(layer)
-        self._clear_layers(untouched, slot)
-        apply_slot_writes(writes)
+        """Write ``adapter`` into ``slot`` of every layer (`AdapterWeightPool.write`); with tensor
+        parallelism this rank writes its part and each worker receives only its own."""
+        if self.pool.tp_rank is None:
+            self.pool.write(slot, adapter.modules)
+            return
+        self.pool.write(slot, self.pool.shard(adapter.modules, self.pool.tp_rank))
         if self.workers is not None:
-            self.workers.write_slot(slot, shards)
+            parts = [self.pool.shard(adapter.modules, rank) for rank in range(1, self.workers.size)]
+            self.workers.write_slot(slot, parts)
 
     def _clear_slot(self, slot: int) -> None:
         self._touches_big.pop(slot, None)
-        self._clear_layers(self.layers.values(), slot)
+        self.pool.clear(slot)
         if self.workers is not None:
             self.workers.clear_slot(slot)
-
-    @staticmethod
-    def _clear_layers(layers, slot: int) -> None:
-        """Clear ``slot`` in ``layers``: loramux's own in one `zero_all` (a call per dtype over every
-        layer), a layer plugin's its own way."""
-        cells = []
-        for layer in layers:
-            if type(layer).reset_lora is BaseLayerWithLoRA.reset_lora:
-                cells += layer.reset_cells(slot)
-            else:
-                layer.reset_lora(slot)
-        zero_all(cells)
 
     def _resident_named(self, name: str) -> AdapterHandle | None:
         """The handle of the most recently used resident adapter called ``name`` (standalone use by name)."""
@@ -504,7 +442,7 @@ class LoRAModelManager:
     def has_big_gemms(self) -> bool:
         """Whether some layer's GEMM is big (`BaseLayerWithLoRA.big_gemm`): step graphs then have a
         variant for adapters that leave those layers alone (`leaves_big_gemms`)."""
-        return any(layer.big_gemm for layer in self._pooled)
+        return any(layer.big_gemm for layer in self.layers.values())
 
     def leaves_big_gemms(self, slots) -> bool:
         """Whether the adapters in ``slots`` all leave every big-GEMM layer alone (q/v adapters

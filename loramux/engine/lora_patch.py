@@ -23,24 +23,14 @@ def create_lora_layer(
 ) -> BaseLayerWithLoRA | None:
     """The wrapper for one layer, from the ``create_lora_layer`` hook (built-ins answer last).
 
-    A plugin's wrapper that is not a `BaseLayerWithLoRA` cannot hold slots: it is reported as a
-    broken plugin and loramux's own wrapper (if any) is used for that layer instead.
+    A third-party plugin's wrapper is checked before it is used (`check_wrapper`: a
+    `BaseLayerWithLoRA`, and a dry run on a tiny input); one that fails is reported as a broken
+    plugin naming the fix, and the next plugin (loramux's own wrapper, if any) is asked instead.
     """
-    from loramux.engine.layers.plugin import builtin_lora_layer
+    from loramux.engine.layers.wrap_check import check_wrapper
     from loramux.plugins.layers import create_lora_layer as ask_plugins
-    from loramux.plugins.manager import report_plugin_error
 
-    layer = ask_plugins(base_layer, module_name, lora_config)
-    if layer is None or isinstance(layer, BaseLayerWithLoRA):
-        return layer
-    report_plugin_error(
-        PluginError(
-            f"a plugin's create_lora_layer returned {type(layer).__name__} for {module_name!r}, "
-            "which is not a loramux.engine.layers.BaseLayerWithLoRA.",
-            fix="Skipped it for this layer; subclass BaseLayerWithLoRA in the plugin.",
-        )
-    )
-    return builtin_lora_layer(base_layer, module_name, lora_config)
+    return ask_plugins(base_layer, module_name, lora_config, check=check_wrapper)
 
 
 def matches_target(name: str, target_modules: Sequence[str] | str | None) -> bool:

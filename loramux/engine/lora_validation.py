@@ -13,7 +13,7 @@ from loramux.engine.lora_patch import matches_target
 from loramux.errors import IncompatibleAdapterError
 from loramux.registry import LoRAAdapter, LoRAModuleWeights
 
-__all__ = ["AdapterValidator"]
+__all__ = ["AdapterValidator", "describe_mismatch"]
 
 #: Adapter layouts `AdapterValidator` remembers as valid before it starts over.
 MAX_LAYOUTS_KEPT = 256
@@ -88,7 +88,7 @@ class AdapterValidator:
                 )
             by_slice: list[LoRAModuleWeights | None] = [None] * layer.n_slices
             by_slice[index] = weights
-            problem = layer.describe_mismatch(by_slice)
+            problem = describe_mismatch(layer, by_slice)
             if problem is not None:
                 raise IncompatibleAdapterError(
                     f"{problem}.",
@@ -125,3 +125,42 @@ class AdapterValidator:
             "(hook create_lora_layer), or use an adapter that does not target it.",
         )
 
+
+
+def describe_mismatch(layer: BaseLayerWithLoRA, weights_by_slice: Sequence[LoRAModuleWeights | None]) -> str | None:
+    """Why these weights (one entry per output slice, None: left out; a whole adapter's, even for
+    a tensor-parallel shard of the layer) cannot go into a slot of ``layer``, or None when they
+    fit. Weights that are not matrices are read through the layer's ``adapter_matrices``."""
+    in_features, output_sizes = _adapter_sizes(layer)
+    for name, out, weights in zip(layer.slice_names, output_sizes, weights_by_slice):
+        if weights is None:
+            continue
+        kind = "embedding LoRA (lora_embedding_A/B)" if weights.is_embedding else "LoRA (lora_A/B)"
+        if weights.is_embedding != layer.is_embedding:
+            return f"module {name!r} holds a {kind} but the model's layer there is a {type(layer.base_layer).__name__}"
+        if weights.rank > layer.max_lora_rank:
+            return f"module {name!r} has rank {weights.rank}, above max_lora_rank={layer.max_lora_rank}"
+        got_a, got_b = tuple(weights.lora_a.shape), tuple(weights.lora_b.shape)
+        if weights.lora_a.dim() != 2 or weights.lora_b.dim() != 2:
+            try:
+                weights = layer.adapter_matrices(weights)
+            except ValueError as error:
+                return f"module {name!r}: {error}"
+        expected_a, expected_b = (weights.rank, in_features), (out, weights.rank)
+        if tuple(weights.lora_a.shape) != expected_a or tuple(weights.lora_b.shape) != expected_b:
+            return (
+                f"module {name!r}: the adapter's A is {list(got_a)} and B is {list(got_b)}, but "
+                f"the model's {type(layer.base_layer).__name__} needs A {list(expected_a)} and "
+                f"B {list(expected_b)} ([r, in] and [out, r])"
+            )
+    return None
+
+
+def _adapter_sizes(layer: BaseLayerWithLoRA) -> tuple[int, tuple[int, ...]]:
+    """``(in_features, output_sizes)`` of the whole layer, which adapters are trained for."""
+    shard = layer.tp_shard
+    if shard is None:
+        return layer.in_features, layer.output_sizes
+    if shard.style == "row":
+        return layer.in_features * shard.size, layer.output_sizes
+    return layer.in_features, tuple(size * shard.size for size in layer.output_sizes)

@@ -2,7 +2,7 @@
 
 Writing an adapter into a GPU slot touches every wrapped layer: per output slice an A block and
 a B block, the padding past the new rank, a scale, a rank and a pool start, several hundred
-blocks for an 8B adapter (`loramux.engine.layers.slot_write`). Torch issues them as hundreds of
+blocks for an 8B adapter (`loramux.engine.layers.slot_copy`). Torch issues them as hundreds of
 views and calls on the engine's thread, each a point where the GIL can pass to a loader thread;
 this kernel takes them as one table of numbers instead:
 

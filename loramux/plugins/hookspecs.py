@@ -71,13 +71,16 @@ def create_lora_layer(
 
     Called once per targeted module when a model is patched for LoRA. Return a
     ``BaseLayerWithLoRA`` (:mod:`loramux.engine.layers.base`) that wraps ``base_layer`` (its
-    ``get_base_layer()`` returns ``base_layer``) for layer types you support, None for all others.
-    loramux's own implementation, for ``nn.Linear``, ``nn.Embedding``, GPT-2's ``Conv1D`` and
-    packed projections, is ``trylast``, so a plugin's answer wins over it.
+    ``get_base_layer()`` returns ``base_layer``) and declares its sizes, the dtype of its adapter
+    weights and the forward routes it allows (docs/plugins.md, "The LoRA layer contract"), for
+    layer types you support; None for all others. loramux's own implementation, for
+    ``nn.Linear``, ``nn.Embedding``, GPT-2's ``Conv1D`` and packed projections, is ``trylast``,
+    so a plugin's answer wins over it.
 
     Stops at first non-None result. A result that is not a ``torch.nn.Module`` wrapping
-    ``base_layer`` is refused with a warning naming the plugin, and the next implementation is
-    asked instead.
+    ``base_layer``, or a wrapper that fails the checks of the contract (a dry run on a tiny
+    input), is refused with a warning naming the plugin and the fix, and the next implementation
+    is asked instead.
 
     :param base_layer: the module to wrap, as it is in the base model.
     :param module_name: its dotted name in the base model, e.g. ``model.layers.0.self_attn.q_proj``.

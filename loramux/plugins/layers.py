@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from loramux.errors import LoRAError
-from loramux.plugins.manager import each_plugin_hook, plugin_error, report_plugin_error
+from loramux.plugins.manager import DEFAULT_PLUGINS, each_plugin_hook, plugin_error, report_plugin_error
 
 if TYPE_CHECKING:
     import torch
@@ -16,14 +17,17 @@ __all__ = ["create_lora_layer"]
 
 
 def create_lora_layer(
-    base_layer: torch.nn.Module, module_name: str, lora_config: LoRAConfig
+    base_layer: torch.nn.Module, module_name: str, lora_config: LoRAConfig,
+    check: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module | None:
     """The first plugin's LoRA wrapper for ``base_layer``, or None when no plugin supports it.
 
     Implementations are asked in pluggy's order (third-party first, loramux's own ``trylast``).
-    One that raises anything but a :class:`~loramux.errors.LoRAError`, or returns something
-    other than a module wrapping ``base_layer``, is reported as a broken plugin and skipped: the
-    next one is asked. A ``LoRAError`` is a deliberate refusal and reaches the caller.
+    One that raises anything but a :class:`~loramux.errors.LoRAError`, returns something other
+    than a module wrapping ``base_layer``, or whose wrapper fails ``check`` (the engine's checks
+    of the layer contract, run on third-party plugins' wrappers), is reported as a broken plugin
+    and skipped: the next one is asked. A ``LoRAError`` is a deliberate refusal and reaches the
+    caller.
     """
     import torch
 
@@ -45,7 +49,18 @@ def create_lora_layer(
         if layer is None:
             continue
         if isinstance(layer, torch.nn.Module) and _wraps(layer, base_layer):
-            return layer
+            if check is None or plugin_name in DEFAULT_PLUGINS:
+                return layer
+            try:
+                check(layer)
+                return layer
+            except Exception as error:
+                report_plugin_error(plugin_error(
+                    plugin_name, f"returned a {type(layer).__name__} for {module_name!r} "
+                    f"({type(base_layer).__name__}) that breaks the LoRA layer contract: {error}.",
+                    fix=f"{getattr(error, 'fix', None) or 'Fix the plugin'}. The layer is left to the next plugin "
+                    "(loramux's own wrapper, if any); see docs/plugins.md, section 'The LoRA layer contract'."))
+                continue
         report_plugin_error(
             plugin_error(
                 plugin_name,

@@ -301,11 +301,13 @@ def _module_entry(
     lora_a, lora_b = tensors[parts[a_kind]], tensors[parts[b_kind]]
     rank = _pattern_value(config.get("rank_pattern") or {}, module, config["r"])
     alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config["lora_alpha"])
-    if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != rank or lora_b.shape[1] != rank:
+    # a layer's LoRA is [r, in] and [out, r]; a convolution's carries its kernel after those
+    # ([r, in, *kernel], [out, r, 1, ...]), which the layer's wrapper maps (`adapter_matrices`)
+    if lora_a.dim() < 2 or lora_b.dim() < 2 or lora_a.shape[0] != rank or lora_b.shape[1] != rank:
         raise InvalidAdapterError(
             f"module {module!r}: {a_kind} is {tuple(lora_a.shape)} and {b_kind} is "
             f"{tuple(lora_b.shape)}, but the config says rank {rank} "
-            f"(expected [{rank}, in] and [out, {rank}]).",
+            f"(expected [{rank}, in, ...] and [out, {rank}, ...]).",
             adapter=name,
             path=weights_file,
             fix="The weights and adapter_config.json disagree; re-save the adapter.",

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import loramux
-from loramux.engine.layers import BaseLayerWithLoRA
+from loramux.engine.layers import BaseLayerWithLoRA, LayerSupport, Route
 
 PARTS = ("q_proj", "k_proj", "v_proj")
 
@@ -37,6 +37,8 @@ class FusedQKV(nn.Module):
 
 class FusedQKVWithLoRA(BaseLayerWithLoRA):
     """Three slices (q, k, v), each filled from the adapter's ``<parent>.q_proj`` etc."""
+
+    support = LayerSupport({Route.BASE_THEN_DELTA, Route.DELTA_BESIDE, Route.DELTA_THEN_GEMM})
 
     def __init__(self, base_layer: FusedQKV, module_name: str, lora_config) -> None:
         parent = module_name.rpartition(".")[0]

@@ -4,7 +4,7 @@ PEFT's embedding LoRA is ``delta = A.T[token_id] @ B.T * scaling`` with A ``[r, 
 B ``[dim, r]``: the shrink is a gather of one column of A per token (`embedding_shrink`, one
 launch on CUDA), the expand is the usual kernel. An embedding that scales its own output
 (``embed_scale``, Gemma) scales the delta too, as PEFT does. A lookup is no GEMM to hide a
-shrink behind: the delta runs after it, on the main stream (it overrides ``apply_lora``).
+shrink behind: the delta runs after it, on the main stream (its own ``apply_lora``).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from loramux.engine.layers.base import BaseLayerWithLoRA
+from loramux.engine.layers.contract import LayerSupport
 from loramux.kernels import LoRABatchMeta, lora_expand
 from loramux.kernels.embedding import embedding_shrink
 from loramux.registry import LoRAConfig
@@ -23,14 +24,14 @@ __all__ = ["EmbeddingWithLoRA"]
 class EmbeddingWithLoRA(BaseLayerWithLoRA):
     """`nn.Embedding` (weight ``[vocab, dim]``) with one embedding LoRA per slot.
 
-    Pooled as the projections are, with ``in_features = vocab``: ``lora_a_pool [U, 1, vocab]``
-    (a slot's rank row j at its start + j), ``lora_b_pool`` holding a ``[dim, width]`` block per
-    slot; a dense ``[max_loras, R, vocab]`` per slot would take 4 GB at 256 slots of rank 64
+    Pooled as the projections are, with ``in_features = vocab``: ``slots.lora_a [U, 1, vocab]``
+    (a slot's rank row j at its start + j), ``slots.lora_b`` holding a ``[dim, width]`` block
+    per slot; a dense ``[max_loras, R, vocab]`` per slot would take 4 GB at 256 slots of rank 64
     with a 128k vocabulary.
     """
 
     is_embedding = True
-    reads_pool = True
+    support = LayerSupport(own_delta=True)
 
     def __init__(self, base_layer: nn.Embedding, module_name: str, lora_config: LoRAConfig) -> None:
         super().__init__(
@@ -56,9 +57,12 @@ class EmbeddingWithLoRA(BaseLayerWithLoRA):
     def base_output_spec(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
         return (*x.shape, self.out_features), self.base_layer.weight.dtype  # a lookup: no autocast
 
+    def example_input(self, num_tokens: int) -> torch.Tensor:
+        return torch.arange(num_tokens, device=self.lora_device) % self.in_features  # token ids
+
     def apply_lora(self, x: torch.Tensor, y: torch.Tensor, meta: LoRABatchMeta) -> None:
+        s = self.slots
         # buf: [T, R] f32 = A[slot][j, token] * scale[slot] for j < the slot's rank, else 0
-        buf = embedding_shrink(x.reshape(-1), meta.token_slots, self.lora_a_pool, self.lora_pool_starts,
-                               self.lora_ranks, self.lora_scales, self.max_lora_rank)
-        lora_expand(y, buf, self.lora_b_pool, self.output_sizes, meta, self.lora_ranks,
-                    pool_starts=self.lora_pool_starts)
+        buf = embedding_shrink(x.reshape(-1), meta.token_slots, s.lora_a, s.pool_starts, s.ranks, s.scales,
+                               s.max_lora_rank)
+        lora_expand(y, buf, s.lora_b, self.output_sizes, meta, s.ranks, pool_starts=s.pool_starts)

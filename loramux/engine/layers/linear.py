@@ -15,9 +15,14 @@ from __future__ import annotations
 from torch import nn
 
 from loramux.engine.layers.base import BaseLayerWithLoRA
+from loramux.engine.layers.contract import LayerSupport, Route
 from loramux.registry import LoRAConfig
 
 __all__ = ["LinearWithLoRA", "Conv1DWithLoRA"]
+
+#: a projection: the delta added after its GEMM or computed beside it on a side stream, and, when
+#: the layer is a bias-free ``nn.Linear`` (``x @ W.T``), a prefill's GEMM added onto its stored delta
+PROJECTION = LayerSupport({Route.BASE_THEN_DELTA, Route.DELTA_BESIDE, Route.DELTA_THEN_GEMM})
 
 
 class LinearWithLoRA(BaseLayerWithLoRA):
@@ -28,6 +33,8 @@ class LinearWithLoRA(BaseLayerWithLoRA):
     adapters trained on the separate projections fill its slices.
     """
 
+    support = PROJECTION
+
     def __init__(self, base_layer: nn.Linear, module_name: str, lora_config: LoRAConfig) -> None:
         slices = getattr(base_layer, "loramux_slices", None) or ((module_name, base_layer.out_features),)
         super().__init__(
@@ -37,6 +44,9 @@ class LinearWithLoRA(BaseLayerWithLoRA):
             in_features=base_layer.in_features,
             output_sizes=tuple(size for _, size in slices),
             slice_names=tuple(name for name, _ in slices),
+            # a bias, or a subclass of nn.Linear (a quantized or scaled layer), is more than x @ W.T
+            support=None if type(base_layer) is nn.Linear and base_layer.bias is None
+            else self.support.without(Route.DELTA_THEN_GEMM),
         )
 
 
@@ -45,6 +55,8 @@ class Conv1DWithLoRA(BaseLayerWithLoRA):
 
     PEFT still saves A as ``[r, in]`` and B as ``[out, r]``, so only the sizes differ from Linear.
     """
+
+    support = PROJECTION.without(Route.DELTA_THEN_GEMM)  # its weight is [in, out]: x @ W
 
     def __init__(self, base_layer: nn.Module, module_name: str, lora_config: LoRAConfig) -> None:
         in_features, out_features = base_layer.weight.shape

@@ -4,11 +4,11 @@ So it traces none of the per-step Python (the mapping, the kernel metadata, whic
 holds), the compiled forward never recompiles as adapters come and go, and nothing can move the
 base layer's GEMM away from the LoRA work forked beside it on a side stream. Two ops:
 
-- ``loramux::lora_layer(x, ...)``: base output plus delta (`BaseLayerWithLoRA.lora_forward`), in
-  order; the CPU, the torch reference, layers with kernels of their own;
-- ``loramux::lora_delta(x, ...)``: the base output and the delta apart
-  (`BaseLayerWithLoRA.lora_delta_forward`), the delta computed beside the base GEMM on CUDA; the
-  layer adds them in traced code, so the compiled layer folds the sum into its next kernel.
+- ``loramux::lora_layer(x, ...)``: base output plus delta in one tensor (`backend.run_in_order`):
+  the base layer then its delta, or a prefill's delta then its GEMM;
+- ``loramux::lora_delta(x, ...)``: the base output and the delta apart (`backend.run_apart`),
+  the delta computed beside the base GEMM on CUDA; the layer adds them in traced code, so the
+  compiled layer folds the sum into its next kernel.
 
 An op finds its layer by an integer id handed out when the wrapper is built, and the layer reads
 the step's mapping from its `LoRAContext`. The ops run in eager mode too; under a CUDA-graph
@@ -17,7 +17,7 @@ asks for (none, and no stream fork, when the graph is captured without adapters)
 
 The ops return new tensors. Their fakes (what ``torch.compile`` traces with) cannot ask the layer
 for the output's shape, since the layer id is a symbolic int there (one compiled graph serves
-every decoder layer), so the caller passes the shape and dtypes it expects
+every decoder layer), so the caller passes the shapes and dtypes it expects
 (`BaseLayerWithLoRA.base_output_spec`), and the real op checks them.
 """
 
@@ -28,6 +28,8 @@ import weakref
 from collections.abc import Sequence
 
 import torch
+
+from loramux.engine.layers import backend
 
 __all__ = ["register_layer"]
 
@@ -45,29 +47,29 @@ def register_layer(layer: torch.nn.Module) -> int:
 @torch.library.custom_op("loramux::lora_layer", mutates_args=())
 def _lora_layer(x: torch.Tensor, layer_id: int, out_shape: Sequence[int], out_dtype: torch.dtype) -> torch.Tensor:
     layer = _layers[layer_id]
-    output = layer.lora_forward(x)
+    output = backend.run_in_order(layer, x)
     _check_output(layer, x, output, out_shape, out_dtype)
     return output
 
 
 @_lora_layer.register_fake
 def _(x, layer_id, out_shape, out_dtype) -> torch.Tensor:
-    return x.new_empty(out_shape, dtype=out_dtype)  # contiguous, as `lora_forward` returns
+    return x.new_empty(out_shape, dtype=out_dtype)  # contiguous, as `backend.run_in_order` returns
 
 
 @torch.library.custom_op("loramux::lora_delta", mutates_args=())
 def _lora_delta(x: torch.Tensor, layer_id: int, out_shape: Sequence[int], out_dtype: torch.dtype,
-                delta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                delta_shape: Sequence[int], delta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     layer = _layers[layer_id]
-    output, delta = layer.lora_delta_forward(x)
+    output, delta = backend.run_apart(layer, x)
     _check_output(layer, x, output, out_shape, out_dtype)
     return output, delta
 
 
 @_lora_delta.register_fake
-def _(x, layer_id, out_shape, out_dtype, delta_dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    # contiguous, as `lora_delta_forward` returns them
-    return x.new_empty(out_shape, dtype=out_dtype), x.new_empty(out_shape, dtype=delta_dtype)
+def _(x, layer_id, out_shape, out_dtype, delta_shape, delta_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    # contiguous, as `backend.run_apart` returns them
+    return x.new_empty(out_shape, dtype=out_dtype), x.new_empty(delta_shape, dtype=delta_dtype)
 
 
 def _check_output(layer: torch.nn.Module, x: torch.Tensor, output: torch.Tensor, out_shape: Sequence[int],

@@ -33,19 +33,14 @@ class WorkerLoRAManager(LoRAModelManager):
         super().__init__(*args, **kwargs)
         self._written: set[int] = set()
 
-    @torch.no_grad()
-    def write_shards(self, slot: int, shards: dict[str, list]) -> None:
-        """Put this rank's part of an adapter into ``slot``; layers absent from ``shards`` are cleared."""
-        for name, layer in self.layers.items():
-            if name in shards:
-                layer.set_lora(slot, shards[name])
-            else:
-                layer.reset_lora(slot)
+    def write_shards(self, slot: int, part: dict) -> None:
+        """Put this rank's part of an adapter (module name -> weights) into ``slot``; the layers
+        it has no weights for are cleared there."""
+        self.pool.write(slot, part)
         self._written.add(slot)
 
     def clear_shards(self, slot: int) -> None:
-        for layer in self.layers.values():
-            layer.reset_lora(slot)
+        self.pool.clear(slot)
         self._written.discard(slot)
 
     def mark_used(self, slots) -> None:

@@ -124,12 +124,13 @@ class WorkerGroup:
         `wait` must follow (after this rank ran the same call)."""
         self._send([pickle.dumps((method, args, kwargs, reply))] * len(self._conns))
 
-    def write_slot(self, slot: int, shards: list[dict]) -> None:
-        """Each worker its part of an adapter: ``shards[rank]`` maps layer names to the weights
-        of that rank (layers absent from it are cleared in ``slot``)."""
+    def write_slot(self, slot: int, parts: list[dict]) -> None:
+        """Each worker its part of an adapter: ``parts[rank - 1]`` maps module names to rank
+        ``rank``'s weights (`AdapterWeightPool.shard`; layers it has no weights for are cleared
+        in ``slot``)."""
         payloads = []
-        for rank in range(1, self.size):
-            own = {name: [None if w is None else _owned(w) for w in weights] for name, weights in shards[rank].items()}
+        for part in parts:
+            own = {name: _owned(weights) for name, weights in part.items()}
             payloads.append(pickle.dumps(("write_slot", (slot, own), {}, False)))
         self._send(payloads)
 

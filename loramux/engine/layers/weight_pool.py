@@ -1,0 +1,166 @@
+"""`AdapterWeightPool`: the GPU memory of a model's adapters, and the one way adapters get into it.
+
+The pool gives every wrapped layer its `LayerSlots` (rank-pooled rows, one block per output
+slice), sized together: by ``LoRAConfig.max_gpu_lora_bytes``, every layer the same number of
+shared rows; without it, each slot a fixed region of ``max_lora_rank`` rows in every layer (no
+sharing, no fragmentation, as slots were before pooling). It writes an adapter into a slot of
+every layer at once (`write`: `loramux.engine.layers.write_plan` computes the write,
+`loramux.engine.layers.slot_copy` runs it), clears a slot (`clear`), answers whether an
+adapter's rows fit (`footprint`, `fits`, `fits_keeping`), and splits an adapter for the ranks of a
+tensor-parallel model (`shard`). Which adapter sits in which slot, and which to evict, is the
+model manager's (`loramux.engine.lora_model`); the pool holds no adapter, only their weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import replace
+
+import torch
+
+from loramux.engine.layers.base import BaseLayerWithLoRA
+from loramux.engine.layers.layer_slots import LayerSlots
+from loramux.engine.layers.slot_copy import copy_one_by_one, launch_table, zero_all
+from loramux.engine.layers.write_plan import WritePlanner
+from loramux.kernels.pool import pool_rows
+from loramux.registry import LoRAConfig, LoRAModuleWeights
+
+__all__ = ["AdapterWeightPool", "Footprint"]
+
+#: the pool rows an adapter takes in each layer it touches
+Footprint = list[tuple[BaseLayerWithLoRA, int]]
+
+
+class AdapterWeightPool:
+    """The adapter weights of ``layers`` (see the module docstring); not thread-safe on its own
+    (the model manager serialises calls).
+
+    :param layers: the wrapped layers by module name (`patch_model`'s result); each gets its
+        `LayerSlots` as ``layer.slots``.
+    :param lora_config: ``max_loras``, ``max_lora_rank`` and ``max_gpu_lora_bytes``.
+    :param use_table: run writes as one `copy_blocks` table; default: on CUDA.
+    :raises ValueError: ``max_gpu_lora_bytes`` holds no adapter of ``max_lora_rank``.
+    """
+
+    def __init__(self, layers: Mapping[str, BaseLayerWithLoRA], lora_config: LoRAConfig, *,
+                 use_table: bool | None = None) -> None:
+        self.layers = dict(layers)
+        self.lora_config = lora_config
+        S, R = lora_config.max_loras, lora_config.max_lora_rank
+        if lora_config.max_gpu_lora_bytes is None:  # one region of the largest rank per slot
+            units, region = S * pool_rows(R), pool_rows(R)
+        else:  # every layer the same number of rows, shared by rank
+            units, region = self._units_in(lora_config.max_gpu_lora_bytes), None
+        for layer in self.layers.values():
+            layer.slots = LayerSlots(max_loras=S, max_lora_rank=R, in_features=layer.in_features,
+                                     output_sizes=layer.output_sizes, units=units, region=region,
+                                     dtype=layer.lora_dtype, device=layer.lora_device)
+        self._planner = WritePlanner(list(self.layers.values()))
+        #: the tensor-parallel rank of these layers' shards (None: not sharded): `write` takes
+        #: that rank's part of an adapter (`shard`)
+        self.tp_rank = next((layer.tp_shard.rank for layer in self.layers.values() if layer.tp_shard), None)
+        first = next(iter(self.layers.values()), None)
+        self.device = first.lora_device if first is not None else torch.device("cpu")
+        self.use_table = self.device.type == "cuda" if use_table is None else use_table
+
+    def _units_in(self, budget: int) -> int:
+        row_bytes = sum(LayerSlots.row_bytes(layer.in_features, layer.output_sizes, layer.lora_dtype)
+                        for layer in self.layers.values())
+        rank = self.lora_config.max_lora_rank
+        if row_bytes and budget // row_bytes < pool_rows(rank):
+            raise ValueError(
+                f"LoRAConfig.max_gpu_lora_bytes: got {budget}; allowed: at least {pool_rows(rank) * row_bytes} "
+                f"(one adapter of max_lora_rank={rank} on every wrapped layer of this model takes "
+                f"{pool_rows(rank) * row_bytes} bytes)")
+        return budget // row_bytes if row_bytes else 0
+
+    @property
+    def units(self) -> int:
+        """Rank rows in each layer's pool (0 without layers)."""
+        first = next(iter(self.layers.values()), None)
+        return first.slots.rows.units if first is not None else 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Bytes of GPU memory the pools take: the GPU tier's budget."""
+        return sum(layer.slots.nbytes for layer in self.layers.values())
+
+    # -- room ----------------------------------------------------------------------------------
+
+    def footprint(self, modules: Mapping[str, LoRAModuleWeights]) -> Footprint:
+        """The pool rows an adapter with these modules takes in each layer it touches: its
+        largest rank there, rounded up to `POOL_ROW_ALIGN`."""
+        rank: dict[BaseLayerWithLoRA, int] = {}
+        for name, weights in modules.items():
+            found = self._planner.layer_of(name)
+            if found is not None:
+                rank[found[0]] = max(rank.get(found[0], 0), weights.rank)
+        return [(layer, pool_rows(r)) for layer, r in rank.items() if r]
+
+    @staticmethod
+    def fits(footprint: Footprint) -> bool:
+        """Whether every layer of ``footprint`` has its rows free now."""
+        return all(layer.slots.rows.fits(units) for layer, units in footprint)
+
+    @staticmethod
+    def fits_keeping(footprint: Footprint, kept_slots: Collection[int]) -> bool:
+        """Whether ``footprint`` would fit if only the adapters in ``kept_slots`` held rows."""
+        return all(layer.slots.rows.fits_keeping(units, kept_slots) for layer, units in footprint)
+
+    # -- writing and clearing -----------------------------------------------------------------
+
+    @torch.no_grad()
+    def write(self, slot: int, modules: Mapping[str, LoRAModuleWeights]) -> None:
+        """Write an adapter's ``modules`` into ``slot`` of every layer, on the current stream;
+        the layers it has no weights for are cleared there. Nothing blocks the host (copies from
+        page-locked memory are asynchronous). ``modules`` were validated against this model
+        (`AdapterValidator`); on a tensor-parallel rank they are that rank's part (`shard`).
+
+        :raises RuntimeError: a layer's pool has no room (make room first); nothing changed.
+        """
+        plan = self._planner.plan(slot, modules)
+        self.clear(slot, [self._planner.layers[j] for j in plan.untouched])
+        if len(plan.touched):
+            table = self._planner.table(plan) if self.use_table else None
+            if table is not None:
+                launch_table(table, self.device, stage=self.device.type == "cuda")
+            else:
+                copy_one_by_one(plan, [layer.slots for layer in self._planner.layers])
+
+    def clear(self, slot: int, layers: Collection[BaseLayerWithLoRA] | None = None) -> None:
+        """Free ``slot``'s rows in ``layers`` (default: every layer): tokens mapped to it get the
+        base output there. Its scales and ranks are zeroed in one call per dtype; the rows keep
+        their contents, which no kernel reads at rank 0."""
+        cells = []
+        for layer in self.layers.values() if layers is None else layers:
+            slots = layer.slots
+            slots.rows.free(slot)
+            if slots.host_ranks[slot]:  # else zero already: padding is always zero past a slot's rank
+                slots.host_ranks[slot] = 0
+                cells += (slots.scales[slot], slots.ranks[slot : slot + 1])
+        zero_all(cells)
+
+    # -- tensor parallelism ---------------------------------------------------------------------
+
+    def shard(self, modules: Mapping[str, LoRAModuleWeights], rank: int) -> dict[str, LoRAModuleWeights]:
+        """Rank ``rank``'s part of a whole adapter's ``modules`` for these (sharded) layers, as
+        views (S-LoRA's split): a column-parallel layer keeps A whole and its rows of B (per
+        slice), a row-parallel one its columns of A and B whole; a layer that is not sharded
+        keeps its module whole. Modules of no layer are left out."""
+        parts = {}
+        for name, weights in modules.items():
+            found = self._planner.layer_of(name)
+            if found is None:
+                continue
+            layer, index = found
+            if weights.lora_a.dim() != 2 or weights.lora_b.dim() != 2:
+                weights = layer.adapter_matrices(weights)
+            shard = layer.tp_shard
+            if shard is not None and shard.style == "column":
+                size = layer.output_sizes[index]
+                weights = replace(weights, lora_b=weights.lora_b[rank * size : (rank + 1) * size])
+            elif shard is not None:
+                n = layer.in_features
+                weights = replace(weights, lora_a=weights.lora_a[:, rank * n : (rank + 1) * n])
+            parts[name] = weights
+        return parts

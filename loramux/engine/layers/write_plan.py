@@ -1,0 +1,194 @@
+"""`WritePlanner.plan`: the one computation of a slot write, for every wrapped layer at once, with numpy.
+
+Writing an adapter into a slot touches every wrapped layer: per output slice an A block and a B
+block to copy into the rows the slot takes in the layer's pool, the padding past the slice's rank
+to clear (the rows held another adapter's weights; a kernel reads up to the slot's rank in every
+slice, and B's columns up to its rows), and per layer the scales, the rank and the pool start.
+Every number of that follows from a few per layer (its pools' addresses and strides, read once)
+and a few per module of the adapter (its rank, its weights' addresses and row strides, its
+scaling), so the plan is numpy over arrays, never Python per block: the Python left per write is
+one pass over the adapter's modules and each touched layer's rank-pool allocation. An 8B model
+has 128 pooled projections; described layer by layer and block by block, a write for a rank-16
+adapter on all seven took 6.5 ms of the engine's thread on an H100 host, all of it before the
+step that admits the adapter's request could launch.
+
+The plan is run by `loramux.engine.layers.slot_copy`: as one `copy_blocks` table on CUDA
+(`WritePlanner.table`), or block by block where a table cannot say it (the CPU, a cast, weights
+that share no host buffer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from loramux.engine.layers.base import BaseLayerWithLoRA
+from loramux.engine.layers.slot_copy import COPY_FIELDS, Table, WritePlan, shared_buffer
+from loramux.kernels.pool import POOL_ROW_ALIGN
+from loramux.registry import LoRAModuleWeights
+
+__all__ = ["WritePlanner"]
+
+
+class WritePlanner:
+    """Plans slot writes into ``layers`` (their `LayerSlots` given already).
+
+    :param layers: the wrapped layers, in the pool's order.
+    """
+
+    def __init__(self, layers: Sequence[BaseLayerWithLoRA]) -> None:
+        self.layers = list(layers)
+        self._slots = [layer.slots for layer in self.layers]  # read once: a module's lookup is slow
+        self._slice: dict[str, int] = {}  # module name -> its row in the slice arrays
+        slices = []  # (layer index, slice index, output rows, output rows of the slices before it)
+        for j, layer in enumerate(self.layers):
+            before = 0
+            for i, (name, size) in enumerate(zip(layer.slice_names, layer.output_sizes)):
+                self._slice[name] = len(slices)
+                slices.append((j, i, size, before))
+                before += size
+        self._layer, self._index, self._size, self._before = np.array(slices, dtype=np.int64).reshape(-1, 4).T
+        self._sentinel = None  # the tensor `geometry` checks
+        self._geometry: dict[str, np.ndarray] = {}
+        self._dtype: list = []  # each slice's pool dtype (read with the geometry)
+
+    def layer_of(self, module: str) -> tuple[BaseLayerWithLoRA, int] | None:
+        """The layer a module's weights fill, and its slice there."""
+        row = self._slice.get(module)
+        return None if row is None else (self.layers[int(self._layer[row])], int(self._index[row]))
+
+    def plan(self, slot: int, modules: Mapping[str, LoRAModuleWeights]) -> WritePlan:
+        """Give ``modules`` (an adapter's, validated against this model; a tensor-parallel rank's
+        part) rows in ``slot`` of every layer they touch (the slot's last rows freed first) and
+        return the plan that writes them there.
+
+        :raises RuntimeError: a layer's pool has no room (the model manager makes room first);
+            nothing changed.
+        """
+        g, dtypes, slice_of = self.geometry(), self._dtype, self._slice.get
+        found, tensors, scaling = [], [], []
+        first = next(iter(modules.values()), None)
+        # weights on a device already (an adapter bound as it is) are in no host buffer
+        table_ok = first is not None and first.lora_a.device.type == "cpu"
+        for name, w in modules.items():  # the one pass over the adapter's modules
+            row = slice_of(name)
+            if row is None:
+                continue
+            a, b = w.lora_a, w.lora_b
+            try:
+                (a_rows, a_cols), (b_rows, b_cols) = a.stride(), b.stride()
+            except ValueError:  # not matrices: a layout the layer maps (a convolution's)
+                w = self.layers[int(self._layer[row])].adapter_matrices(w)
+                a, b = w.lora_a, w.lora_b
+                (a_rows, a_cols), (b_rows, b_cols) = a.stride(), b.stride()
+            dtype = dtypes[row]
+            if table_ok and (a.dtype != dtype or b.dtype != dtype or a_cols != 1 and a.shape[1] != 1
+                             or b_cols != 1 and b.shape[1] != 1):
+                table_ok = False  # a cast, or columns apart: copied block by block
+            found.append((row, a.shape[0], a.data_ptr(), b.data_ptr(), a_rows, b_rows, 2 * len(scaling)))
+            tensors += (a, b)
+            scaling.append(float(w.scaling))
+        n_layers = len(self.layers)
+        per_slice = np.zeros((len(self._layer), 7), dtype=np.int64)  # (row), rank, A and B addresses, strides, source
+        scalings = np.zeros(len(self._layer))
+        rank = np.zeros(n_layers, dtype=np.int64)
+        if found:
+            rows = np.array([f[0] for f in found], dtype=np.int64)
+            per_slice[rows] = found
+            scalings[rows] = scaling
+            np.maximum.at(rank, self._layer[rows], per_slice[rows, 1])
+        width = -(-rank // POOL_ROW_ALIGN) * POOL_ROW_ALIGN
+        touched = np.flatnonzero(rank)
+        start = np.zeros(n_layers, dtype=np.int64)
+        self._take_rows(slot, touched, width, rank, start)
+        s = np.flatnonzero(np.isin(self._layer, touched))  # the touched layers' slices, in order
+        copies, zeros = self._blocks(g, s, per_slice, rank, width, start)
+        scales = np.where(per_slice[s, 1] > 0, scalings[s] * g["multiplier"][self._layer[s]], 0.0).astype(np.float32)
+        untouched = np.flatnonzero(rank == 0).tolist()
+        return WritePlan(slot, copies, zeros, touched, scales, rank[touched], start[touched], tensors, table_ok,
+                         untouched)
+
+    def _take_rows(self, slot: int, touched: np.ndarray, width: np.ndarray, rank: np.ndarray,
+                   start: np.ndarray) -> None:
+        """Give ``slot`` ``width[j]`` rows of every touched layer's pool, checked first for all."""
+        # the check: a fixed region holds what it is wide enough for, shared rows are asked
+        region = self.geometry()["region"][touched]
+        for j in [*touched[(region > 0) & (width[touched] > region)].tolist(), *touched[region == 0].tolist()]:
+            rows = self._slots[j].rows
+            if not rows.fits_instead(slot, int(width[j])):
+                raise RuntimeError(
+                    f"{self.layers[j].module_name}: no {int(width[j])} free rows in its LoRA pool of "
+                    f"{rows.units} ({rows.free_units} free); the model manager makes room before it writes")
+        for j in touched.tolist():
+            slots = self._slots[j]
+            slots.rows.free(slot)
+            start[j] = slots.rows.allocate(slot, int(width[j])) or 0
+            slots.host_ranks[slot] = int(rank[j])  # until the write completes, a failure's clear zeroes it
+
+    def _blocks(self, g, s, per_slice, rank, width, start) -> tuple[np.ndarray, np.ndarray]:
+        """The blocks to copy and to zero, as `copy_blocks` rows (addresses in bytes, the rest in
+        2-byte units) with each block's layer and pool (and its source, for a copy), over the
+        slices ``s`` of the touched layers (one the adapter leaves out still gets zeros)."""
+        j, i, size, before = self._layer[s], self._index[s], self._size[s], self._before[s]
+        _, r, src_a, src_b, stride_a, stride_b, source = per_slice[s].T
+        itemsize, units = g["itemsize"][j], g["itemsize"][j] // 2
+        a_row, w = g["a_row"][j], width[j]  # elements between a pool's A rows; the slot's rows
+        a_dst = g["a_ptr"][j] + (start[j] * a_row + i * g["a_slice"][j]) * itemsize  # the slice's first A row
+        b_dst = g["b_ptr"][j] + (start[j] * g["out"][j] + w * before) * itemsize  # its [size, width] B block
+        k_units, a_stride = g["in"][j] * units, a_row * units
+        copy = r > 0
+        copies = np.concatenate([
+            _stack(a_dst, src_a, r, k_units, a_stride, stride_a * units, j, 0, source)[copy],
+            _stack(b_dst, src_b, size, r * units, w * units, stride_b * units, j, 1, source + 1)[copy]])
+        zeros = np.concatenate([  # the kernels read A's rows up to the rank, B's columns up to the width
+            _stack(a_dst + r * a_row * itemsize, 0, rank[j] - r, k_units, a_stride, 0, j, 0)[r < rank[j]],
+            _stack(b_dst + r * itemsize, 0, size, (w - r) * units, w * units, 0, j, 1)[r < w]])
+        return copies.reshape(-1, COPY_FIELDS), zeros.reshape(-1, COPY_FIELDS - 1)
+
+    def table(self, plan: WritePlan) -> Table | None:
+        """``plan`` as one `copy_blocks` table, or None where a table cannot say it (a cast,
+        weights in device memory or in several host buffers)."""
+        host = shared_buffer(plan.sources) if plan.table_ok and plan.sources else None
+        if plan.sources and host is None:
+            return None
+        g, t, slot = self.geometry(), plan.touched, plan.slot
+        cells = np.concatenate([  # each touched layer's scales row, rank cell and pool start cell at the slot
+            np.stack([g["scales"][t] + slot * g["scales_row"][t], g["slices"][t]], axis=1),
+            np.stack([g["ranks"][t] + slot * 4, np.ones_like(t)], axis=1),
+            np.stack([g["starts"][t] + slot * 4, np.ones_like(t)], axis=1)])
+        values = np.concatenate([plan.scales.view(np.int32), plan.ranks.astype(np.int32), plan.starts.astype(np.int32)])
+        return Table(plan.copies[:, :6], plan.zeros[:, :6], cells, values, host)
+
+    def geometry(self) -> dict[str, np.ndarray]:
+        """Each layer's pools as numbers (addresses in bytes, strides in elements) and its
+        scale multiplier. Read again when the pools were replaced: ``module.to`` moves them all,
+        so the first layer's A pool tells."""
+        if self._slots and self._slots[0].lora_a is not self._sentinel:
+            self._sentinel = self._slots[0].lora_a
+            self._geometry = self._read_geometry()
+        return self._geometry
+
+    def _read_geometry(self) -> dict[str, np.ndarray]:
+        slots = self._slots
+        for s in slots:
+            assert s.lora_a.stride(2) == 1 and s.lora_b.is_contiguous() and s.ranks.stride(0) == s.pool_starts.stride(0) == 1
+        self._dtype = [slots[j].dtype for j in self._layer.tolist()]  # per slice
+        columns = {
+            "a_ptr": [s.lora_a.data_ptr() for s in slots], "a_row": [s.lora_a.stride(0) for s in slots],
+            "a_slice": [s.lora_a.stride(1) for s in slots], "b_ptr": [s.lora_b.data_ptr() for s in slots],
+            "itemsize": [s.lora_a.element_size() for s in slots],
+            "in": [s.in_features for s in slots], "out": [s.out_features for s in slots],
+            "scales": [s.scales.data_ptr() for s in slots], "scales_row": [4 * s.scales.stride(0) for s in slots],
+            "slices": [s.n_slices for s in slots],
+            "ranks": [s.ranks.data_ptr() for s in slots], "starts": [s.pool_starts.data_ptr() for s in slots],
+            "region": [s.rows.region or 0 for s in slots],
+        }
+        geometry = {name: np.array(values, dtype=np.int64) for name, values in columns.items()}
+        geometry["multiplier"] = np.array([layer.scale_multiplier() for layer in self.layers], dtype=np.float64)
+        return geometry
+
+
+def _stack(*columns) -> np.ndarray:
+    """Rows from columns (arrays of one length, or scalars)."""
+    return np.stack(np.broadcast_arrays(*columns), axis=1).astype(np.int64, copy=False)

@@ -1,0 +1,288 @@
+"""The adapter weight pool (`loramux.engine.layers.weight_pool`): its one write path, planned for
+every layer at once with numpy and run as one `copy_blocks` table or block by block, equals the
+layer-by-layer oracle (tests/slot_write_oracle.py) buffer for buffer; the model manager writing
+through it equals PEFT through churn; the helpers that run a plan."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from conftest import needs_cuda, needs_interpreter
+from slot_write_oracle import assert_same_state, state, write_adapter
+from test_lora_pool import check_outputs, check_slots, pool_setup, pooled, row_bytes  # noqa: F401 (a fixture)
+from torch import nn
+
+import loramux.engine.layers.weight_pool as weight_pool_module
+from loramux.engine.layers import LoRAContext
+from loramux.engine.layers.slot_copy import _dense, shared_buffer, zero_all
+from loramux.engine.layers.weight_pool import AdapterWeightPool
+from loramux.engine.lora_model import LoRAModelManager, create_lora_layer
+from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights
+
+CONFIG = LoRAConfig(max_loras=3, max_lora_rank=8)
+NAMES = ["qv2", "all4", "attn8-head", "mlp6", "embed2", "qv4-a", "qv8", "qv16", "qv3", "qv9"]
+
+
+def fused_layers(n=2, sizes=(12, 4, 4), dtype=torch.float32):
+    """``n`` fused q/k/v-like layers (three slices over one input), as `fuse_siblings` makes them."""
+    torch.manual_seed(0)
+    layers = {}
+    for j in range(n):
+        base = nn.Linear(16, sum(sizes)).to(dtype)
+        base.loramux_slices = tuple((f"l{j}.s{i}", size) for i, size in enumerate(sizes))
+        layers[f"l{j}"] = create_lora_layer(base, f"l{j}", CONFIG)
+    return layers
+
+
+def fused_adapter(ranks, seed, dtype=torch.float32, n=2, sizes=(12, 4, 4), pack=True) -> dict[str, LoRAModuleWeights]:
+    """One adapter's modules for `fused_layers` (rank 0: the slice left out), packed into one
+    host buffer as the CPU tier holds them."""
+    g = torch.Generator().manual_seed(seed)
+    modules = {f"l{j}.s{i}": LoRAModuleWeights(torch.randn(r, 16, generator=g).to(dtype),
+                                               torch.randn(size, r, generator=g).to(dtype), scaling=0.5 + i + j)
+               for j in range(n) for i, (r, size) in enumerate(zip(ranks, sizes)) if r}
+    adapter = LoRAAdapter("a", None, modules, 8, ["s"])
+    return (adapter.pack() if pack else adapter).modules
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The copy rows of every `copy_blocks` table the pools launch (staged from host memory on
+    CUDA; under Triton's interpreter on the CPU, read where they are)."""
+    rows = []
+    launch = weight_pool_module.launch_table
+    monkeypatch.setattr(weight_pool_module, "launch_table",
+                        lambda table, device, stage: rows.append(len(table.copies)) or launch(table, device, stage))
+    return rows
+
+
+WRITES = ((0, (8, 8, 8), 1), (1, (8, 3, 8), 2), (0, (4, 0, 2), 3), (2, (0, 5, 0), 4), (1, (2, 2, 2), 5))
+
+
+@pytest.mark.parametrize("use_table", [False, pytest.param(True, marks=needs_interpreter)], ids=["blocks", "table"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writes_equal_the_layer_by_layer_oracle(use_table, dtype, launches):
+    """Writes and rewrites into the same slots (a slice left out, per-slice ranks, a slot
+    rewritten at a lower rank whose padding must be cleared, a slot's adapter leaving one layer):
+    every pool, scale, rank, start and row owned as the oracle leaves them, through a table when
+    the pool runs one."""
+    by_pool, by_oracle = fused_layers(dtype=dtype), fused_layers(dtype=dtype)
+    pool = AdapterWeightPool(by_pool, CONFIG, use_table=use_table)
+    AdapterWeightPool(by_oracle, CONFIG)
+    for slot, ranks, seed in WRITES:
+        modules = fused_adapter(ranks, seed, dtype)
+        if seed == 4:  # this adapter touches the first layer only
+            modules = {name: w for name, w in modules.items() if name.startswith("l0.")}
+        pool.write(slot, modules)
+        write_adapter(by_oracle, slot, modules)
+        assert_same_state(state(by_pool), state(by_oracle))
+    assert launches == ([] if not use_table else [12, 12, 8, 2, 12])  # an A and a B block per slice written
+    for layer in by_pool.values():
+        layer.slots.rows.check()
+
+
+@needs_interpreter
+def test_weights_a_table_cannot_copy_as_they_are_are_copied_block_by_block(launches):
+    """A cast (float32 weights, bfloat16 pools) or weights in several host buffers: no table,
+    and the block-by-block copies leave what the oracle leaves."""
+    by_pool, by_oracle = fused_layers(dtype=torch.bfloat16), fused_layers(dtype=torch.bfloat16)
+    pool = AdapterWeightPool(by_pool, CONFIG, use_table=True)
+    AdapterWeightPool(by_oracle, CONFIG)
+    cast = fused_adapter((8, 8, 8), 1, torch.float32)
+    apart = fused_adapter((8, 3, 8), 2, torch.bfloat16, pack=False)
+    for slot, modules in ((1, cast), (2, apart)):
+        pool.write(slot, modules)
+        write_adapter(by_oracle, slot, modules)
+    assert launches == []
+    assert_same_state(state(by_pool), state(by_oracle))
+    pool.write(0, fused_adapter((8, 3, 8), 3, torch.bfloat16))
+    assert launches == [12]
+
+
+def test_a_layer_without_room_stops_the_write_before_anything_changes():
+    """Every layer is checked for room before any takes rows: the error names the layer, and
+    no layer's rows, ranks or weights moved."""
+    layers = fused_layers()
+    big = LoRAConfig(max_loras=3, max_lora_rank=16, max_gpu_lora_bytes=24 * sum(
+        (3 * 16 + 20) * 4 for _ in layers))
+    pool = AdapterWeightPool(layers, big)
+    assert pool.units == 24
+    pool.write(0, fused_adapter((8, 8, 8), 1))  # rows 0-7 of both layers
+    modules = fused_adapter((16, 16, 16), 2)
+    del modules["l1.s0"], modules["l1.s1"], modules["l1.s2"]
+    pool.write(1, modules)  # rows 8-23 of the first layer only
+    before = state(layers)
+    with pytest.raises(RuntimeError, match=r"l0: no 16 free rows in its LoRA pool of 24 \(0 free\)"):
+        pool.write(2, fused_adapter((9, 9, 9), 3))  # l1 has room, l0 has none
+    assert_same_state(state(layers), before)
+
+
+def test_shards_are_views_of_the_adapters_buffer():
+    """A tensor-parallel rank's part of a column layer's B and a row layer's A are views of the
+    adapter's one host buffer, so a table still copies them."""
+    from loramux.engine.tensor_parallel.sharding import _column_shard, _row_shard
+
+    full = nn.Linear(16, 12, bias=False)
+    layers = {"col": create_lora_layer(_column_shard(full, 1, 2), "col", CONFIG),
+              "row": create_lora_layer(_row_shard(full, "row", 1, 2).linear, "row", CONFIG)}
+    pool = AdapterWeightPool(layers, CONFIG)
+    g = torch.Generator().manual_seed(0)
+    modules = LoRAAdapter("a", None, {name: LoRAModuleWeights(torch.randn(4, 16, generator=g), torch.randn(12, 4, generator=g), 1.0)
+                                      for name in ("col", "row", "other")}, 8, ["col"]).pack().modules
+    part = pool.shard(modules, 1)
+    assert set(part) == {"col", "row"}  # a module of no layer is left out
+    assert torch.equal(part["col"].lora_b, modules["col"].lora_b[6:]) and part["col"].lora_a is modules["col"].lora_a
+    assert torch.equal(part["row"].lora_a, modules["row"].lora_a[:, 8:]) and part["row"].lora_b is modules["row"].lora_b
+    assert shared_buffer([t for w in part.values() for t in (w.lora_a, w.lora_b)]) is not None
+    pool.write(0, part)
+    (a, b), = layers["row"].slots.slot_weights(0)
+    assert torch.equal(a, modules["row"].lora_a[:, 8:]) and torch.equal(b, modules["row"].lora_b)
+
+
+def test_the_shared_buffer_is_the_one_host_buffer_the_weights_lie_in():
+    modules = fused_adapter((4, 4, 4), 0)
+    weights = [t for w in modules.values() for t in (w.lora_a, w.lora_b)]
+    buffer = shared_buffer(weights)
+    assert buffer is not None and buffer.dtype == torch.uint8
+    start = buffer.data_ptr()
+    assert all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + buffer.numel() for t in weights)
+    assert shared_buffer([w.clone() for w in weights]) is None  # no shared buffer: copied one by one
+    huge = torch.zeros(1 << 22)  # a buffer mostly of something else (a saved base embedding)
+    assert shared_buffer([huge[:64].view(8, 8)]) is None
+
+
+def test_zero_all_zeroes_mixed_dtypes_in_one_call_per_dtype(monkeypatch):
+    """A slot's cells are float32 scales and int32 ranks: one ``_foreach_zero_`` per dtype, so
+    CUDA's foreach fast path (one dtype a list) takes each."""
+    tensors = [torch.ones(3), torch.ones(2, dtype=torch.int32), torch.ones(4), torch.ones(2, dtype=torch.bfloat16)]
+    calls = []
+    foreach_zero = torch._foreach_zero_
+    monkeypatch.setattr(torch, "_foreach_zero_", lambda group: calls.append([t.dtype for t in group]) or foreach_zero(group))
+    zero_all(tensors)
+    assert all(not t.any() for t in tensors)
+    assert sorted(calls, key=str) == sorted([[torch.float32, torch.float32], [torch.int32], [torch.bfloat16]], key=str)
+    zero_all([])
+    assert len(calls) == 3
+
+
+def test_dense_reads_strides_as_aten_does():
+    t = torch.zeros(4, 3, 5)
+    assert _dense(t) and _dense(t.transpose(0, 1)) and _dense(t[:1])
+    assert not _dense(t[:, :1]) and not _dense(t[:, :2]) and not _dense(t[::2]) and not _dense(t.expand(2, 4, 3, 5))
+
+
+def test_a_model_written_by_the_pool_equals_the_oracle_through_churn(pool_setup):
+    """Slots written and rewritten by adapters of ranks 2..16 over different layers (a slice left
+    out, per-module ranks, an embedding, the LM head; a rewrite at a lower rank): the whole
+    model's pools as the oracle leaves them."""
+    base, adapters, _ = pool_setup
+    _, manager = pooled(base, 64)
+    _, oracle = pooled(base, 64)
+    for slot, name in [(0, "all4"), (1, "qv16"), (0, "qv2"), (2, "mlp6"), (1, "embed2"), (3, "attn8-head"),
+                       (2, "qv9"), (3, "qv3")]:
+        manager.pool.write(slot, adapters[name].modules)
+        write_adapter(oracle.layers, slot, adapters[name].modules)
+        assert_same_state(state(manager.layers), state(oracle.layers))
+
+
+def churn(manager, model, adapters, oracle, steps=24):
+    """Activate, evict, free and activate again in a shuffled order; every slot and a mixed batch
+    checked against the adapters and PEFT as it goes."""
+    rng = random.Random(5)
+    for step in range(steps):
+        resident = manager.resident()
+        if resident and rng.random() < 0.25:
+            assert manager.deactivate(rng.choice(resident))
+        else:
+            manager.activate(adapters[rng.choice(NAMES)])
+        check_slots(manager, adapters)
+        if step % 4 == 0 or step == steps - 1:
+            rows = manager.resident() + [None]
+            rng.shuffle(rows)
+            check_outputs(model, manager, oracle, rows)
+    assert manager.stats.evictions >= 3
+
+
+@needs_interpreter
+def test_the_model_manager_writes_through_the_table_and_equals_peft_through_churn(pool_setup, launches):
+    """The manager's pool running tables (on CUDA it always does; here under Triton's
+    interpreter): every write is one table, and every slot holds its adapter's weights and equals
+    PEFT through churn. An adapter the table cannot express (a cast) goes block by block."""
+    base, adapters, oracle = pool_setup
+    model, manager = pooled(base, 24)
+    manager.pool.use_table = True
+    churn(manager, model, adapters, oracle)
+    assert len(launches) >= 10 and all(launches)
+    before = len(launches)
+    manager.deactivate("qv8")
+    manager.activate(adapters["qv8"].map_tensors(torch.Tensor.double))
+    assert len(launches) == before  # cast on the way, block by block
+    check_slots(manager, adapters)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_slot_write_over_many_layers_is_one_kernel():
+    """On CUDA a write over 8 fused layers (48 blocks of one adapter from one pinned host buffer,
+    and the scales, ranks and starts) is the weights' copy, the table's copy and ONE kernel; every
+    block lands where it belongs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    layers = {}
+    for i in range(8):
+        torch.manual_seed(i)
+        base = nn.Linear(64, 48).to(device, torch.bfloat16)
+        base.loramux_slices = tuple((f"fused.{i}.{n}", size) for n, size in (("q", 32), ("k", 8), ("v", 8)))
+        layers[f"fused.{i}"] = create_lora_layer(base, f"fused.{i}", CONFIG)
+        layers[f"fused.{i}"].lora_context = LoRAContext(CONFIG.max_loras)
+    pool = AdapterWeightPool(layers, CONFIG)
+    g = torch.Generator().manual_seed(0)
+    modules = {f"fused.{i}.{name}": LoRAModuleWeights(torch.randn(8, 64, generator=g).to(torch.bfloat16),
+                                                      torch.randn(size, 8, generator=g).to(torch.bfloat16), scaling=0.5)
+               for i in range(8) for name, size in (("q", 32), ("k", 8), ("v", 8))}
+    adapter = LoRAAdapter("a", None, modules, 8, ["q", "k", "v"]).pack(pin_memory=True)  # as the CPU tier holds it
+    pool.write(0, adapter.modules)  # compiles the kernel; slot 1's rows come after
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        pool.write(1, adapter.modules)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" not in e.name]
+    copies = [e.name for e in prof.events() if e.device_type.name == "CUDA" and "emcpy" in e.name]
+    assert len(kernels) == 1 and "copy_blocks" in kernels[0], kernels
+    assert len(copies) == 2, copies  # the weights, the table
+    for i, layer in enumerate(layers.values()):
+        s = layer.slots
+        assert s.scales[1].tolist() == [0.5] * 3 and s.ranks[1] == 8
+        assert s.pool_starts[1] == s.rows.start_of(1) == 8
+        for (a, b), n in zip(s.slot_weights(1), "qkv"):
+            w = adapter.modules[f"fused.{i}.{n}"]
+            assert torch.equal(a.cpu(), w.lora_a) and torch.equal(b.cpu(), w.lora_b)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_the_model_manager_writes_every_layer_through_the_table(pool_setup, launches):
+    """On CUDA the manager writes every layer through one table a write, from page-locked host
+    memory as the CPU tier holds adapters: through churn every slot holds its adapter's weights."""
+    base, adapters, _ = pool_setup
+    device = torch.device("cuda")
+    budget = 24 * row_bytes(base, max_lora_rank=16)
+    manager = LoRAModelManager(copy.deepcopy(base).to(device),
+                               LoRAConfig(max_loras=8, max_lora_rank=16, max_gpu_lora_bytes=budget))
+    assert manager.pool_units == 24 and manager.pool.use_table
+    pinned = {name: adapter.pin_memory() for name, adapter in adapters.items()}
+    on_device = {name: adapter.map_tensors(lambda t: t.to(device)) for name, adapter in adapters.items()}
+    rng = random.Random(5)
+    for _ in range(24):
+        resident = manager.resident()
+        if resident and rng.random() < 0.25:
+            assert manager.deactivate(rng.choice(resident))
+        else:
+            manager.activate(pinned[rng.choice(NAMES)])
+        torch.cuda.synchronize()
+        check_slots(manager, on_device)
+    assert manager.stats.evictions >= 3 and manager.stats.loads == len(launches) and all(launches)
