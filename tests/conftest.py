@@ -268,3 +268,23 @@ def registered():
         for name in names:
             if get_plugin_manager().get_plugin(name) is not None:
                 get_plugin_manager().unregister(name=name)
+
+
+@pytest.fixture(autouse=True)
+def _gpu_share(request, tmp_path_factory):
+    """GPU tests run side by side under pytest-xdist (``pytest -m gpu -n 6``: their Triton compiles
+    take the host's cores); a `whole_gpu` test holds the GPU alone. A lock file shared by the
+    workers: other gpu tests take it shared, a `whole_gpu` test exclusively."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    import fcntl
+
+    lock_path = tmp_path_factory.getbasetemp().parent / "loramux-gpu.lock"  # one for all workers
+    exclusive = request.node.get_closest_marker("whole_gpu") is not None
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -86,6 +86,7 @@ def test_closing_mid_generation_fails_the_caller_and_leaves_no_thread(make_adapt
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_three_8b_engines_in_turn_at_ninety_percent_without_running_out_of_memory():
     """Each engine takes 90% of the GPU (weights, adapter pools, graphs, KV cache); each is only

@@ -280,6 +280,7 @@ two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUD
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu  # its engines take the default share of both GPUs
 @two_gpus
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_gpu_tp2_greedy_equals_tp1(model_dir, engine_adapters, enforce_eager):
@@ -294,6 +295,7 @@ def test_gpu_tp2_greedy_equals_tp1(model_dir, engine_adapters, enforce_eager):
 
 
 @pytest.mark.gpu
+@pytest.mark.whole_gpu
 @two_gpus
 def test_gpu_a_killed_worker_fails_the_step(model_dir):
     engine = build(model_dir, 2, dtype=torch.float32, device="cuda", max_model_len=128)
