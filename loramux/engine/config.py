@@ -57,6 +57,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    max_shared_prefill_tokens: int | None = None  # prompt tokens beside decodes in a step API requests share
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -70,7 +71,8 @@ class EngineConfig:
     seed: int | None = 0
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_shared_prefill_tokens",
+                     "num_gpu_blocks_override"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         _check_positive("max_loading_workers", self.max_loading_workers)

@@ -138,6 +138,7 @@ class LLMEngine:
             max_num_batched_tokens=setup.max_num_batched_tokens,
             max_loras=setup.max_loras,
             max_model_len=setup.max_model_len,
+            max_shared_prefill_tokens=setup.max_shared_prefill_tokens,
             **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
         )
         if self.adapters is not None:
@@ -161,8 +162,12 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
+        api_request_id: str | None = None,
     ) -> None:
         """Queue a request; it joins the batch at the next step (after its adapter loads).
+
+        ``api_request_id`` names the API request it belongs to (the server's prompts and choices
+        of one HTTP request); admission takes API requests in turn (None: a request of its own).
 
         :raises ValueError: a duplicate ``request_id``, an empty or too long prompt, a token id
             outside the vocabulary, a text prompt without a tokenizer, or an adapter with LoRA
@@ -203,6 +208,7 @@ class LLMEngine:
             params=params,
             arrival=next(self._arrivals),
             lora_request=lora_request,
+            api_request_id=api_request_id,
             grammar=grammar,
         )
         if self.tokenizer is not None:
