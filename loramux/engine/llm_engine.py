@@ -143,7 +143,8 @@ class LLMEngine:
         )
         if self.adapters is not None:
             self.adapters.scheduler = self.scheduler
-        self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids)
+        self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids,
+                                                    config.structured_output_limits)
         # tensor parallelism: the workers take each step's inputs from the host, token ids included
         self.async_scheduling = config.async_scheduling and self.workers is None
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read back yet
@@ -452,6 +453,7 @@ class LLMEngine:
         """Stop loading and give the device memory back (graphs, KV cache): the engine is done."""
         if self.adapters is not None:
             self.adapters.loader.shutdown()
+        self.structured_outputs.close()
         self.runner.release_graphs()
         self.runner.kv = self.kv_cache = None
         if self.workers is not None:
