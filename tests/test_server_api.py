@@ -14,8 +14,8 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve extras are not installed: pip install -e .[serve,test]")
 jsonschema = pytest.importorskip("jsonschema", reason="the serve extras are not installed: pip install -e .[serve,test]")
 import httpx  # noqa: E402
-from conftest import char_tokenizer, save_peft_adapter, tiny_llama
-from test_server import Server, metric
+from conftest import save_peft_adapter
+from test_server import Server, metric, save_tiny_model
 
 SCHEMA = {
     "type": "object",
@@ -30,11 +30,7 @@ SCHEMA = {
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving_api")
-    model = tiny_llama()
-    model.config.bos_token_id, model.config.eos_token_id = 1, 2
-    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
-    model.save_pretrained(root / "model")
-    char_tokenizer().save_pretrained(root / "model")
+    model = save_tiny_model(root / "model")
     adapter = save_peft_adapter(model, root / "style", seed=7)
     site = root / "site"
     site.mkdir()
@@ -43,13 +39,9 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(workspace):
-    process = Server("api", ["--max-loras", "1", "--lora-modules", f"style={workspace['adapter']}",
-                             "--served-model-name", "tiny", "--dtype", "float32"], workspace)
-    try:
-        process.wait_until_listening()
+    with Server("api", ["--max-loras", "1", "--lora-modules", f"style={workspace['adapter']}",
+                        "--served-model-name", "tiny", "--dtype", "float32"], workspace) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")

@@ -25,9 +25,8 @@ from loramux.errors import AdapterNotFoundError, InvalidAdapterError, Incompatib
 from loramux.serving.async_engine import RequestGroup, SubRequest
 from loramux.serving.errors import APIError, EngineDeadError, error_response, to_api_error
 from loramux.serving.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
-from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
 
-__all__ = ["Generation", "chat_prompt", "completion_prompts", "run_generation"]
+__all__ = ["Generation", "build_requests", "run_generation"]
 
 # Status for a client that went away before its answer (nginx's convention; nobody reads it).
 _CLIENT_CLOSED = 499
@@ -92,52 +91,6 @@ class Generation:
         return self.requests[0].request_id.rsplit("-", 1)[0]  # build_requests numbers the choices
 
 
-def completion_prompts(request: CompletionRequest, vocab_size: int | None) -> list[Any]:
-    """The prompts of a completions request: strings or ``{"prompt_token_ids": [...]}``.
-
-    :raises APIError: 400 for a token id outside the vocabulary (the model could not embed it).
-    """
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        return [prompt]
-    if all(isinstance(item, int) for item in prompt):
-        prompt = [prompt]
-    prompts = []
-    for item in prompt:
-        if isinstance(item, str):
-            prompts.append(item)
-            continue
-        bad = next((t for t in item if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-        if bad is not None:
-            limit = f"0 to {vocab_size - 1}" if vocab_size is not None else "0 or more"
-            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary ({limit})", param="prompt",
-                           code="invalid_parameter")
-        prompts.append({"prompt_token_ids": list(item)})
-    return prompts
-
-
-def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None) -> Any:
-    """Render ``request.messages`` with the model's chat template into the prompt the engine takes."""
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions "
-                       "with token ids", param="messages", code="no_tokenizer")
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise APIError(400, "this model has no chat template; start the server with --chat-template "
-                       "FILE, or use /v1/completions", param="messages", code="no_chat_template")
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    except ValueError as error:
-        raise APIError(400, f"messages: {error}", param="messages", code="invalid_parameter") from error
-    try:  # as LLM.chat does: the template holds any BOS token, so none is added again
-        text = tokenizer.apply_chat_template(messages, chat_template=template,
-                                             add_generation_prompt=request.add_generation_prompt, tokenize=False)
-    except Exception as error:  # a template that raises on these messages (e.g. role order)
-        raise APIError(400, f"messages: the chat template refused them: {error}", param="messages",
-                       code="invalid_parameter") from error
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
-
-
 def build_requests(prompts: list[Any], n: int, make_params: Callable[[int], Any],
                    lora_request: Any, prefix: str) -> tuple[list[SubRequest], list[int]]:
     """One engine request per (prompt, choice), ids ``<response id>-<choice>``; and each choice's prompt."""
@@ -145,7 +98,8 @@ def build_requests(prompts: list[Any], n: int, make_params: Callable[[int], Any]
     requests, prompt_of_choice = [], []
     for prompt_index, prompt in enumerate(prompts):
         for sample in range(n):
-            requests.append(SubRequest(f"{response_id}-{len(requests)}", prompt, make_params(sample), lora_request))
+            requests.append(SubRequest(f"{response_id}-{len(requests)}", prompt, make_params(sample), lora_request,
+                                       api_request_id=response_id))
             prompt_of_choice.append(prompt_index)
     return requests, prompt_of_choice
 

@@ -4,6 +4,8 @@ Requests accept the fields OpenAI's clients send (and vLLM's extras: ``top_k``, 
 ``stop_token_ids``, ``repetition_penalty``, ``min_tokens``, ``min_p``, ``prompt_logprobs``,
 ``guided_json`` / ``guided_regex`` / ``guided_choice`` / ``guided_grammar``); unknown fields are ignored, as OpenAI's server does. Fields whose feature
 loramux does not implement are refused by name rather than silently dropped (``unsupported``).
+Each field has the type OpenAI's spec gives it, strictly: a string is not an integer, a boolean not
+a number (pydantic's strict mode).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ __all__ = [
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Types as OpenAI's spec gives them: no "10" for an integer, no true for a number, no NaN.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -58,7 +61,7 @@ class _SamplingFields(_Request):
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # a signed 64-bit integer
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
