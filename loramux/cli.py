@@ -37,6 +37,13 @@ def add_resolver_arguments(parser: argparse.ArgumentParser) -> None:
         help="the resolvers to ask by name, in order (env LORAMUX_LORA_RESOLVERS; default: all, "
         "in registration order)",
     )
+    group.add_argument(
+        "--lora-fetch-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="seconds a resolver may take to find or fetch one adapter; past it the load fails "
+        "(env LORAMUX_LORA_FETCH_TIMEOUT; default 60)",
+    )
 
 
 def resolver_settings(args: argparse.Namespace):
@@ -46,7 +53,8 @@ def resolver_settings(args: argparse.Namespace):
     from loramux.resolvers.settings import ResolverSettings
 
     order = getattr(args, "lora_resolvers", None) or getattr(args, "lora_resolver", None) or None
-    return ResolverSettings.from_env(order=order, directory=getattr(args, "lora_resolver_dir", None))
+    return ResolverSettings.from_env(order=order, directory=getattr(args, "lora_resolver_dir", None),
+                                     fetch_timeout=getattr(args, "lora_fetch_timeout", None))
 
 
 # -------------------------------------------------------------------------------------------------

@@ -48,3 +48,18 @@ def test_serving_docs_examples_run_against_the_embedded_model(tmp_path):
     demo = [name for name, _, _ in demo_adapters()]
     assert sorted(demo) == ["capitals", "json", "pirate"]
     assert f'max_lora="{len(demo)}"' in metrics
+
+
+def test_the_error_table_lists_every_code_the_server_sends():
+    """docs/serving.md's error table and the server agree: every `code` a route can answer with is
+    in the table, and every code in the table is one the server sends."""
+    from loramux.serving.errors import _HTTP_CODES, _LORA_ERRORS
+
+    text = (REPO / "docs" / "serving.md").read_text()
+    table = text.split("## Errors\n", 1)[1].split("\n\n", 3)[2]
+    documented = {code for row in table.splitlines()[2:] for code in re.findall(r"`(\w+)`", row.split("|")[2])}
+    sent = {code for _, _, code in _LORA_ERRORS} | set(_HTTP_CODES.values())
+    for source in (REPO / "loramux" / "serving").glob("*.py"):
+        for expression in re.findall(r'code=("\w+"(?:\s+if\s+\w+\s+else\s+"\w+")?)', source.read_text()):
+            sent |= set(re.findall(r'"(\w+)"', expression))
+    assert documented == sent

@@ -195,3 +195,69 @@ def test_pinned_adapters_hold_slots_and_skip_the_queue():
     assert blocked.finish_reason == "error" and isinstance(blocked.error, CacheFullError)
     s.unpin(handle("other"))
     assert handle("other").id not in s.adapters and s.references(handle("pinned").id) >= 1
+
+
+def test_api_requests_are_admitted_in_turns():
+    """A request of many prompts does not hold up one that arrives after it: each round admits one
+    sequence of every API request, and each request's own sequences keep their order."""
+    s = scheduler(rows=4, budget=64, blocks=64)
+    big = [seq(max_tokens=1) for _ in range(10)]
+    for q in big:
+        q.api_request_id = "big"
+        s.add(q)
+    small = seq(max_tokens=1)
+    small.api_request_id = "small"
+    s.add(small)
+    assert list(s.in_turn()) == [big[0], small, *big[1:]]
+    assert advance(s) == [big[0], small, big[1], big[2]]  # the small one runs in the first step
+    # a request arriving while the big one runs comes first in the next step: it was never admitted
+    late = seq(max_tokens=1)
+    late.api_request_id = "late"
+    s.add(late)
+    assert advance(s) == [late, big[3], big[4], big[5]]
+    admitted = [q for _ in range(2) for q in advance(s)]
+    assert admitted == big[6:]  # nothing was lost, and the big request's order held
+    assert not s.has_work()
+
+
+def test_turns_carry_over_steps_when_one_row_frees_at_a_time():
+    """One row frees per step: the request admitted least recently takes it, so a small request
+    is not passed over every time by the big one's next sequence."""
+    s = scheduler(rows=2, budget=64)
+    big = [seq(max_tokens=10 if i == 1 else 2) for i in range(6)]
+    for q in big:
+        q.api_request_id = "big"
+        s.add(q)
+    assert advance(s) == big[:2]
+    small = seq(max_tokens=1)
+    small.api_request_id = "small"
+    s.add(small)
+    assert advance(s) == big[:2]  # both decode; big[0] ends, one row frees
+    assert advance(s) == [big[1], small]  # the small request takes it, not big[2]
+
+
+def test_sequences_without_an_api_request_are_first_come_first_served():
+    s = scheduler(rows=2, budget=64)
+    queued = [seq(max_tokens=1) for _ in range(5)]
+    for q in queued:
+        s.add(q)
+    assert list(s.in_turn()) == queued
+
+
+def test_a_step_shared_by_api_requests_carries_few_prompt_tokens_beside_the_decodes():
+    s = scheduler(rows=4, budget=64, max_shared_prefill_tokens=6)
+    talker = seq(prompt_len=4, max_tokens=5)
+    talker.api_request_id = "talker"
+    s.add(talker)
+    advance(s)  # its prompt, alone: no bound
+    bulk = [seq(prompt_len=10, max_tokens=1) for _ in range(3)]
+    for q in bulk:
+        q.api_request_id = "bulk"
+        s.add(q)
+    chunks = s.schedule().chunks
+    assert chunks[0] == (talker, 1) and sum(n for q, n in chunks[1:]) == 6  # its decode, and 6 prompt tokens
+    alone = scheduler(rows=4, budget=64, max_shared_prefill_tokens=6)
+    for q in [seq(prompt_len=10) for _ in range(3)]:  # one API request (or none): the whole budget
+        q.api_request_id = "bulk"
+        alone.add(q)
+    assert alone.schedule().num_tokens == 30

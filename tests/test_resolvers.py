@@ -6,11 +6,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from loramux.errors import InvalidAdapterError, PluginError
+from loramux.errors import AdapterDownloadError, InvalidAdapterError, PluginError
 from loramux.plugins import plugin_errors
 from loramux.registry import Registry, load_adapter
 from loramux.resolvers import (
@@ -221,6 +224,44 @@ def test_resolver_order_decides_who_answers_a_name(tree, tmp_path, adapter_dir):
     swapped = Registry(resolvers=[first, second], resolver_order="other,filesystem")
     assert swapped.locate("plain").path == other_root / "plain"
     assert swapped.locate("plain").resolver == "other"
+
+
+def test_a_resolver_that_does_not_answer_in_time_fails_only_its_own_load(tree, tmp_path):
+    """A hung source fails its load at the fetch timeout, naming the resolver and the setting,
+    while another adapter loads meanwhile; the registry is as it was (the name loads later)."""
+    release = threading.Event()
+
+    class Silent(FilesystemResolver):
+        name = "silent"
+        schemes = ("silent",)
+
+        def fetch(self, uri):
+            release.wait(30)
+            return self.root / uri.split("://", 1)[1]
+
+    settings = ResolverSettings(fetch_timeout=0.5)
+    registry = Registry(resolvers=[FilesystemResolver(tree), Silent(tree)], resolver_settings=settings)
+    registry.register("hung", "silent://plain")
+    with ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        hung = pool.submit(registry.get, "hung")
+        assert registry.get("plain").rank == 8  # not behind the silent source
+        assert time.monotonic() - started < 0.5
+        with pytest.raises(AdapterDownloadError, match=r"resolver 'silent' did not answer within 0.5 s") as caught:
+            hung.result()
+    assert "--lora-fetch-timeout" in str(caught.value) and time.monotonic() - started < 3
+    release.set()
+    assert registry.get("hung").rank == 8  # a source that answers again loads it
+
+
+def test_the_fetch_timeout_comes_from_the_flag_or_the_environment(monkeypatch):
+    assert ResolverSettings.from_env({}).fetch_timeout == 60
+    assert ResolverSettings.from_env({"LORAMUX_LORA_FETCH_TIMEOUT": "2.5"}).fetch_timeout == 2.5
+    assert ResolverSettings.from_env({"LORAMUX_LORA_FETCH_TIMEOUT": "2.5"}, fetch_timeout=9).fetch_timeout == 9
+    for bad_value in ({"LORAMUX_LORA_FETCH_TIMEOUT": "soon"}, {"LORAMUX_LORA_FETCH_TIMEOUT": "0"}):
+        with pytest.raises(ValueError, match="LORAMUX_LORA_FETCH_TIMEOUT|fetch_timeout"):
+            ResolverSettings.from_env(bad_value)
+    assert HuggingFaceResolver(timeout=3).timeout == 3
 
 
 def test_two_plugins_registering_the_same_resolver_name_is_an_error_naming_both(

@@ -57,14 +57,21 @@ def register_resolvers(register):
 '''
 
 
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serving")
+def save_tiny_model(directory: Path, tokenizer=None):
+    """Save the tiny Llama (bos 1, eos 2) with ``tokenizer`` (default: the character tokenizer) to
+    ``directory``; returns it."""
     model = tiny_llama()
     model.config.bos_token_id, model.config.eos_token_id = 1, 2
     model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
-    model.save_pretrained(root / "model")
-    char_tokenizer().save_pretrained(root / "model")
+    model.save_pretrained(directory)
+    (tokenizer or char_tokenizer()).save_pretrained(directory)
+    return model
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serving")
+    model = save_tiny_model(root / "model")
 
     def adapter(directory: Path, seed: int, **kwargs) -> Path:
         return save_peft_adapter(model, directory, seed=seed, **kwargs)
@@ -89,10 +96,11 @@ def workspace(tmp_path_factory):
 
 
 class Server:
-    def __init__(self, name: str, args: list[str], workspace: dict) -> None:
+    def __init__(self, name: str, args: list[str], workspace: dict, env: dict[str, str] | None = None) -> None:
         self.log_path = workspace["root"] / f"{name}.log"
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(workspace["site"])]),
-                   FLAKY_RELEASE=str(workspace["release"]), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(workspace["site"])]),
+               "FLAKY_RELEASE": str(workspace["release"]), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               **(env or {})}
         env.pop("LORAMUX_PLUGINS", None)
         model_args = []  # no model: the embedded one (converted once into the real cache dir)
         if workspace.get("model") is not None:
@@ -119,6 +127,17 @@ class Server:
                 pytest.fail(f"the server exited with {self.process.returncode}:\n{self.log}")
             time.sleep(0.1)
         pytest.fail(f"the server did not start in {timeout} s:\n{self.log}")
+
+    def __enter__(self) -> "Server":
+        try:
+            self.wait_until_listening()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
 
     def stop(self) -> None:
         self.process.terminate()

@@ -14,8 +14,8 @@ import pytest
 openai = pytest.importorskip("openai", reason="the serve extras are not installed: pip install -e .[serve,test]")
 jsonschema = pytest.importorskip("jsonschema", reason="the serve extras are not installed: pip install -e .[serve,test]")
 import httpx  # noqa: E402
-from conftest import char_tokenizer, save_peft_adapter, tiny_llama
-from test_server import Server, metric
+from conftest import save_peft_adapter
+from test_server import Server, metric, save_tiny_model
 
 SCHEMA = {
     "type": "object",
@@ -30,11 +30,7 @@ SCHEMA = {
 def tiny_workspace(root, tokenizer=None) -> dict:
     """The tiny Llama and ``tokenizer`` (default: the character tokenizer) saved under ``root``,
     with a PEFT adapter "style" for it."""
-    model = tiny_llama()
-    model.config.bos_token_id, model.config.eos_token_id = 1, 2
-    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
-    model.save_pretrained(root / "model")
-    (tokenizer or char_tokenizer()).save_pretrained(root / "model")
+    model = save_tiny_model(root / "model", tokenizer)
     adapter = save_peft_adapter(model, root / "style", seed=7)
     site = root / "site"
     site.mkdir()
@@ -48,13 +44,9 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(workspace):
-    process = Server("api", ["--max-loras", "1", "--lora-modules", f"style={workspace['adapter']}",
-                             "--served-model-name", "tiny", "--dtype", "float32"], workspace)
-    try:
-        process.wait_until_listening()
+    with Server("api", ["--max-loras", "1", "--lora-modules", f"style={workspace['adapter']}",
+                        "--served-model-name", "tiny", "--dtype", "float32"], workspace) as process:
         yield process
-    finally:
-        process.stop()
 
 
 @pytest.fixture(scope="module")
@@ -193,8 +185,10 @@ def test_penalties_and_logit_bias_equal_the_engine(client, offline):
     biased = client.completions.create(model="tiny", prompt="hi", max_tokens=4, temperature=0,
                                        logit_bias={str(token): 100})
     assert biased.choices[0].text == "ZZZZ"
-    with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="hi", max_tokens=4, logit_bias={"100000": 1})
+    for field, value in (("logit_bias", {"100000": 1}), ("allowed_token_ids", [100000])):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=4, extra_body={field: value})
+        assert caught.value.body["param"] == field and "token id 100000" in caught.value.body["message"]
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt="hi", max_tokens=0)
     assert caught.value.body["param"] == "max_tokens"

@@ -201,6 +201,11 @@ def _check_continue_final_message(ask: Ask) -> None:
 def _check_documents(ask: Ask) -> None:
     text = ask(return_prompt_text=True, documents=[{"title": "t", "text": "Doc body"}])["prompt_text"]
     assert text.startswith("<s>doc: Doc body\n<s>user: Hi")
+    # rendered into the prompt, they count against the context: by their bytes, before tokenizing
+    response = ask.http.post(ROUTES["chat"], json={**BASE["chat"], "documents": [{"title": "t", "text": "d" * 10**5}]})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages") and "bytes" in error["message"]
 
 
 def _check_template_variables(ask: Ask) -> None:

@@ -7,6 +7,7 @@ server process with the real engine.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import threading
@@ -26,6 +27,7 @@ from loramux.engine.outputs import CompletionOutput, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.errors import AdapterNotFoundError, InvalidAdapterError
 from loramux.serving import ServerConfig, build_app
+from loramux.serving.async_engine import ADD_TURN, AsyncEngine, SubRequest
 
 
 class FakeTokenizer:
@@ -35,6 +37,8 @@ class FakeTokenizer:
         return "".join(f"{m['role']}: {m['content']}\n" for m in messages)
 
     def __call__(self, text, add_special_tokens=True):
+        if isinstance(text, list):
+            return SimpleNamespace(input_ids=[[ord(c) for c in item] for item in text])
         return SimpleNamespace(input_ids=[ord(c) for c in text])
 
 
@@ -62,7 +66,7 @@ class FakeEngine:
     def _mark(self):
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt, params, lora_request=None):
+    def add_request(self, request_id, prompt, params, lora_request=None, api_request_id=None):
         self._mark()
         if isinstance(prompt, dict):
             prompt_ids = prompt["prompt_token_ids"]
@@ -435,6 +439,68 @@ def test_a_client_that_disconnects_mid_stream_aborts_its_request():
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_the_intake_adds_the_requests_of_several_http_requests_in_turns():
+    """A request of many prompts delays another's start by one turn of adds, not by all of its own;
+    one released while it is being added gets no more of its requests added, and those added are
+    aborted."""
+    engine = FakeEngine()
+    added: list[str] = []
+    add = engine.add_request
+
+    def slow_add(request_id, *args, **kwargs):
+        time.sleep(0.002)
+        added.append(request_id)
+        add(request_id, *args, **kwargs)
+
+    engine.add_request = slow_add
+    params = SamplingParams(max_tokens=1)
+
+    async def scenario():
+        bridge = AsyncEngine(engine)
+        bridge.start()
+        try:
+            big = bridge.submit([SubRequest(f"big-{i}", "x", params, api_request_id="big") for i in range(200)])
+            small = bridge.submit([SubRequest("small-0", "y", params, api_request_id="small")])
+            while not small.finished:
+                await small.changes()
+            assert added.index("small-0") <= ADD_TURN  # at most one turn of the big one before it
+            bridge.release(big)  # its client went away while it was being added
+            count = len(added)
+            await asyncio.sleep(0.3)
+            assert len(added) <= count + ADD_TURN and len(added) < 201
+            assert wait_for(lambda: not engine.requests)  # those added were aborted or finished
+        finally:
+            bridge.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_adapter_name_with_lora_off_is_404_and_remembers_nothing():
+    engine, client = make_client()
+    engine.lora_manager = None  # an engine built with enable_lora=False
+    with client:
+        response = complete(client, model="fake-a")
+        assert response.status_code == 404, response.text
+        assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("model_not_found", "model")
+        assert "--no-enable-lora" in response.json()["error"]["message"]
+        assert not engine.requests and [m["id"] for m in client.get("/v1/models").json()["data"]] == ["fake-base"]
+        assert complete(client).status_code == 200
+
+
+def test_a_text_prompt_to_a_model_without_a_tokenizer_is_a_400_and_token_ids_still_work():
+    engine = FakeEngine()
+    engine.tokenizer = None
+    engine, client = make_client(engine)
+    with client:
+        for add_special_tokens in (True, False):
+            response = complete(client, add_special_tokens=add_special_tokens)
+            assert response.status_code == 400, response.text
+            assert (response.json()["error"]["code"], response.json()["error"]["param"]) == ("no_tokenizer", "prompt")
+        assert not engine.requests
+        response = complete(client, prompt=[104, 105])
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == "base|hi"
 
 
 def test_dead_engine_fails_requests_and_health():

@@ -59,3 +59,24 @@ def test_kv_cache_and_compilation_flags_reach_the_engine(tmp_path):
     assert not engine.block_manager.enable_prefix_caching and engine.setup.gpu_memory_utilization == 0.5
     assert not engine.runner.compiled and not engine.runner.use_graphs
     assert parse().enable_prefix_caching and parse().compilation and parse().block_size == 16
+
+
+def test_request_bounds_flags():
+    from loramux.engine.structured_output import StructuredOutputLimits
+
+    defaults = parse()
+    assert defaults.max_prompts_per_request == 2048 and defaults.structured_outputs_limits is None
+    assert defaults.lora_fetch_timeout is None  # the environment's, else 60 s
+    args = parse("--max-prompts-per-request", "64", "--lora-fetch-timeout", "2.5", "--structured-outputs-limits",
+                 '{"compile_timeout": 10, "cache_bytes": "512MiB", "max_depth": 20}')
+    assert args.max_prompts_per_request == 64 and args.lora_fetch_timeout == 2.5
+    assert args.structured_outputs_limits == StructuredOutputLimits(compile_timeout=10, cache_bytes=512 * 2**20,
+                                                                    max_depth=20)
+
+
+@pytest.mark.parametrize("spec, problem", [('{"max_deep": 3}', "unknown max_deep"), ("[1]", "not an object"),
+                                           ('{"compile_timeout": 0}', "compile_timeout"), ("{oops", "not valid JSON")])
+def test_bad_structured_outputs_limits_are_refused_naming_the_problem(spec, problem, capsys):
+    with pytest.raises(SystemExit):
+        parse("--structured-outputs-limits", spec)
+    assert problem in capsys.readouterr().err

@@ -163,7 +163,7 @@ class EngineAdapters:
         room = self.scheduler.max_loras - len(in_slots)
         copies = 0
         seen: set[int] = set()
-        for seq in list(self.scheduler.waiting):
+        for seq in self.scheduler.in_turn():
             if room <= 0 or copies >= PREFETCH_PER_STEP or (copies and busy is not None and not busy()):
                 return
             handle = seq.handle

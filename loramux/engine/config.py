@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from loramux.engine.structured_output import StructuredOutputLimits
 from loramux.registry import LoRAConfig, LoRARequest
 
 __all__ = ["EngineConfig"]
@@ -57,6 +58,7 @@ class EngineConfig:
     max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_num_batched_tokens: int | None = None
+    max_shared_prefill_tokens: int | None = None  # prompt tokens beside decodes in a step API requests share
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_gpu_blocks_override: int | None = None
@@ -68,9 +70,12 @@ class EngineConfig:
     cuda_graph_sizes: list[int] | None = None  # None: graph_token_sizes(max_num_seqs, max_graph_tokens)
     async_scheduling: bool = True  # launch a step before reading the last one's tokens back
     seed: int | None = 0
+    # what one structured-output format may cost (None: StructuredOutputLimits()'s defaults)
+    structured_output_limits: StructuredOutputLimits | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "num_gpu_blocks_override"):
+        for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_shared_prefill_tokens",
+                     "num_gpu_blocks_override"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         _check_positive("max_loading_workers", self.max_loading_workers)
@@ -104,6 +109,10 @@ class EngineConfig:
             )
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed: got {self.seed!r}; allowed: an int or None")
+        if self.structured_output_limits is not None and not isinstance(
+                self.structured_output_limits, StructuredOutputLimits):
+            raise ValueError(f"structured_output_limits: got {self.structured_output_limits!r}; allowed: None "
+                             "or a loramux.engine.structured_output.StructuredOutputLimits")
         if not self.enable_lora and self.lora_modules:
             raise ValueError("lora_modules were given but enable_lora=False; enable LoRA or drop them")
         if self.enable_lora:

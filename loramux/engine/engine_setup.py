@@ -8,6 +8,7 @@ argument                      CUDA                        CPU
 ``max_num_seqs``              64                          16
 ``max_model_len``             min(model's, 4096)          min(model's, 2048)
 ``max_num_batched_tokens``    4096                        1024
+``max_shared_prefill_tokens`` no bound                    16
 KV blocks                     ``gpu_memory_utilization``  ``CPU_KV_CACHE_BYTES``
 ============================  ==========================  ======================
 
@@ -49,6 +50,7 @@ class EngineSetup:
     max_num_seqs: int
     max_model_len: int
     max_num_batched_tokens: int
+    max_shared_prefill_tokens: int | None
     max_loras: int
     block_size: int
     gpu_memory_utilization: float
@@ -140,6 +142,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
         max_num_batched_tokens=max_num_batched_tokens,
+        max_shared_prefill_tokens=config.max_shared_prefill_tokens or (None if cuda else 16),
         max_loras=config.max_loras if config.enable_lora else 0,
         block_size=config.block_size,
         gpu_memory_utilization=float(config.gpu_memory_utilization),

@@ -77,7 +77,11 @@ class LLM:
         ``max_loras`` adapters of rank ``max_lora_rank``), ``max_pinned_lora_bytes`` (page-locked
         host memory reserved at start on CUDA for the CPU tier: default ``max_cpu_lora_bytes``, at
         most 8 GiB), ``registry``, ``resolver_settings``,
-        ``tokenizer``, ``lora_target_modules``, ``seed``.
+        ``tokenizer``, ``lora_target_modules``, ``seed``,
+        ``max_shared_prefill_tokens`` (prompt tokens a step carries beside its decodes while the
+        server's API requests share it: 16 on CPU, no bound on CUDA),
+        ``structured_output_limits`` (a ``StructuredOutputLimits``: what one structured-output
+        format may cost).
     """
 
     def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:

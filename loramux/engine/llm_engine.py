@@ -146,11 +146,13 @@ class LLMEngine:
             max_num_batched_tokens=setup.max_num_batched_tokens,
             max_loras=setup.max_loras,
             max_model_len=setup.max_model_len,
+            max_shared_prefill_tokens=setup.max_shared_prefill_tokens,
             **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
         )
         if self.adapters is not None:
             self.adapters.scheduler = self.scheduler
-        self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids)
+        self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids,
+                                                    config.structured_output_limits)
         # tensor parallelism: the workers take each step's inputs from the host, token ids included
         self.async_scheduling = config.async_scheduling and self.workers is None
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read back yet
@@ -159,7 +161,8 @@ class LLMEngine:
         self._arrivals = itertools.count()
         # close() and garbage collection alike stop the loads and the workers and give the device
         # memory back; the finalizer holds the parts, not the engine, so `del engine` runs it
-        self._closer = weakref.finalize(self, _close_parts, self.runner, self.adapters, self.workers)
+        self._closer = weakref.finalize(self, _close_parts, self.runner, self.adapters, self.structured_outputs,
+                                       self.workers)
         for request in setup.lora_modules:
             self.add_lora(request)
         prepare_process_for_serving(freeze_gc=setup.device.type == "cuda")  # the engine serves from now on
@@ -189,8 +192,12 @@ class LLMEngine:
         prompt: PromptType,
         params: SamplingParams | None = None,
         lora_request: LoRARequest | None = None,
+        api_request_id: str | None = None,
     ) -> None:
         """Queue a request; it joins the batch at the next step (after its adapter loads).
+
+        ``api_request_id`` names the API request it belongs to (the server's prompts and choices
+        of one HTTP request); admission takes API requests in turn (None: a request of its own).
 
         :raises ValueError: a duplicate ``request_id``, an empty or too long prompt, a token id
             outside the vocabulary, a text prompt without a tokenizer, an adapter with LoRA
@@ -236,6 +243,7 @@ class LLMEngine:
             params=params,
             arrival=next(self._arrivals),
             lora_request=lora_request,
+            api_request_id=api_request_id,
             grammar=grammar,
             request_salt=self._cache_salt(request_id, prompt),
         )
@@ -513,18 +521,21 @@ class LLMEngine:
         return self.registry.list()
 
     def close(self) -> None:
-        """Stop loading, stop the tensor-parallel workers and give the device memory back: the
-        engine is done (``add_request`` and ``step`` raise `EngineClosedError` after). Idempotent;
-        ``del`` of the last reference, or leaving a ``with`` block, does the same."""
+        """Stop loading, stop the tensor-parallel workers and the grammar compilers, and give the
+        device memory back: the engine is done (``add_request`` and ``step`` raise
+        `EngineClosedError` after). Idempotent; ``del`` of the last reference, or leaving a
+        ``with`` block, does the same."""
         with self._step_lock:
             self._closer()
             self.kv_cache = None
 
 
-def _close_parts(runner: ModelRunner, adapters: EngineAdapters | None, workers) -> None:
+def _close_parts(runner: ModelRunner, adapters: EngineAdapters | None, structured: StructuredOutputs,
+                 workers) -> None:
     """Close an engine's parts (its finalizer: it must not hold the engine itself)."""
     if adapters is not None:
         adapters.close()
+    structured.close()
     runner.close()
     if workers is not None:
         workers.shutdown()

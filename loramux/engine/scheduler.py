@@ -2,9 +2,24 @@
 
 Every step mixes decodes and prefill chunks in one forward, within ``max_num_batched_tokens``:
 first one token for each running sequence that is decoding, then the next chunk of each running
-sequence still prefilling, then new sequences from the queue, first come first served, each
-taking the KV blocks of its whole prompt (less what the prefix cache already holds) and the rest
-of the token budget (a long prompt is prefilled over several steps).
+sequence still prefilling, then new sequences from the queue, each taking the KV blocks of its
+whole prompt (less what the prefix cache already holds) and the rest of the token budget (a long
+prompt is prefilled over several steps).
+
+The queue is taken in turns by API request (``Sequence.api_request_id``; the prompts and ``n``
+choices of one HTTP request share it), round robin across steps: one sequence of each request in
+turn, the request admitted least recently first (one never admitted before all others, oldest
+first), each request's own sequences first come first served (`Scheduler.in_turn`). So a request
+of 2,000 prompts holds up a request arriving after it by at most one sequence, not by its whole
+queue, even when a single row frees at a time. Sequences without an API request are each their
+own (first come first served, as ``LLM.generate`` adds them).
+
+A step that several API requests share carries at most ``max_shared_prefill_tokens`` prompt
+tokens beside its decodes. On a CPU a step's time grows with its tokens from the first (the
+embedded model on the project's busy 2-core machine: a decode step takes 0.125 s alone, 0.2 s
+beside 16 prompt tokens, 0.4 s beside 56), so a request decoding beside another's prompts would
+take their time too; the CPU's default is 16. On a GPU a step carries thousands of tokens for
+about the time of one, and the default is no bound.
 
 KV blocks: admission is by free blocks, not by rows. When a decoding sequence needs a new block
 and none is free, the newest running sequence is preempted: its blocks are freed and it goes back
@@ -29,8 +44,8 @@ until the copy beside the step has put it there, so no step waits on the host wo
 adapters (placements at admission made the slowest steps of a many-adapter trace). What
 admission below guarantees, with that:
 
-- FIFO among blocked adapters: the oldest request whose adapter needs a slot is admitted first,
-  and nothing behind it takes a slot before it (base-model and pinned-adapter requests aside).
+- FIFO among blocked adapters: the first request in turn whose adapter needs a slot is admitted
+  first, and nothing behind it takes a slot before it (base-model and pinned-adapter requests aside).
 - Bounded wait: a blocked request waits at most until some slots' current requests end (each
   has ``max_tokens``). The scheduler counts the slots that will free by themselves (adapters
   with no queued request); for every blocked adapter beyond those it marks one in-slot adapter
@@ -56,8 +71,9 @@ preempted sequence is readmitted only once its pending token has arrived.
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from loramux.engine.block_manager import BlockManager
@@ -123,6 +139,8 @@ class Scheduler:
         always placed, so ``on_adapter_start`` places it).
     :param max_model_len: the longest sequence (None: no limit); a sequence whose pending tokens
         reach it is not scheduled again.
+    :param max_shared_prefill_tokens: prompt tokens a step carries beside its decodes while the
+        running and queued sequences belong to more than one API request (None: no bound).
     """
 
     def __init__(
@@ -140,6 +158,7 @@ class Scheduler:
         fits_beside_pinned: Callable[[AdapterHandle, set[int]], bool] = lambda handle, pinned: True,
         is_placed: Callable[[AdapterHandle], bool] = lambda handle: True,
         max_model_len: int | None = None,
+        max_shared_prefill_tokens: int | None = None,
     ) -> None:
         assert max_num_batched_tokens >= max_num_seqs, "every running sequence must fit one decode token"
         self.blocks = block_manager
@@ -154,11 +173,14 @@ class Scheduler:
         self.fits_beside_pinned = fits_beside_pinned
         self.is_placed = is_placed
         self.max_model_len = max_model_len if max_model_len is not None else float("inf")
+        self.max_shared_prefill_tokens = max_shared_prefill_tokens
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
         self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
         self.failed: list[Sequence] = []  # failed at admission; the engine reports them
         self.draining: set[int] = set()  # in-slot handle ids whose new requests wait for the slot to free
+        self._last_admitted: dict[str, int] = {}  # API request -> when it last had a sequence admitted
+        self._admissions = itertools.count()
         self.num_preemptions = 0
 
     # -- queue ---------------------------------------------------------------------------------
@@ -176,6 +198,18 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def in_turn(self) -> Iterator[Sequence]:
+        """The queue in admission order: one sequence of each API request in turn (round robin),
+        the request admitted least recently first, each one's sequences by arrival."""
+        by_request: dict[str, list[Sequence]] = {}
+        for seq in self.waiting:  # by arrival
+            by_request.setdefault(_api_request(seq), []).append(seq)
+        # forget the requests with nothing queued: a turn is kept only while one waits for it
+        self._last_admitted = {key: self._last_admitted[key] for key in by_request if key in self._last_admitted}
+        order = sorted(by_request, key=lambda key: self._last_admitted.get(key, -1))  # stable: by arrival
+        return (seq for round_ in itertools.zip_longest(*(by_request[key] for key in order)) for seq in round_
+                if seq is not None)
 
     def handles_in_slots(self) -> set[int]:
         """Handle ids that hold a GPU slot now (running sequences or user pins)."""
@@ -232,6 +266,8 @@ class Scheduler:
                 self.blocks.may_append(seq)
                 decodes.append((seq, 1))
                 budget -= 1
+        if self.max_shared_prefill_tokens is not None and self._shared():
+            budget = min(budget, self.max_shared_prefill_tokens)
         for seq in self.running:
             if seq.num_uncomputed > 1 and budget > 0:
                 n = min(seq.num_uncomputed, budget)
@@ -245,15 +281,21 @@ class Scheduler:
             self.blocks.cache_full_blocks(seq, seq.num_computed + n)
         return ScheduledBatch(decodes + prefills)
 
+    def _shared(self) -> bool:
+        """Whether the running and queued sequences belong to more than one API request (those
+        without one, as ``LLM.generate`` adds them, count as none)."""
+        requests = {seq.api_request_id for seq in self.running} | {seq.api_request_id for seq in self.waiting}
+        return len(requests - {None}) > 1
+
     def _admit(self, budget: int) -> list[Sequence]:
         admitted, blocked = [], False
         in_slots = self.handles_in_slots()
         pinned = self.user_pinned()
         self._mark_draining(in_slots, pinned)
-        for seq in list(self.waiting):
+        for seq in self.in_turn():
             if (budget <= 0 or len(self.running) >= self.max_num_seqs or seq.num_pending
                     or not self.blocks.can_allocate(seq)):
-                break  # capacity is first come first served; a preempted sequence needs its last token
+                break  # capacity goes in turn; a preempted sequence needs its last token
             handle = seq.handle
             if handle is not None:
                 if handle.id not in pinned:  # a pinned adapter's requests never wait for a slot
@@ -288,6 +330,7 @@ class Scheduler:
                     continue
                 in_slots.add(handle.id)
             self.waiting.remove(seq)
+            self._last_admitted[_api_request(seq)] = next(self._admissions)
             self.blocks.allocate(seq)
             seq.num_computed = seq.num_cached_tokens  # the prefix cache holds these tokens' K/V
             seq.status = SequenceStatus.RUNNING
@@ -399,3 +442,8 @@ class Scheduler:
         if use.references == 0:
             del self.adapters[use.handle.id]
             self.on_adapter_released(use.handle)
+
+
+def _api_request(seq: Sequence) -> str:
+    """The API request ``seq`` takes turns as: its own request id when it has none."""
+    return seq.request_id if seq.api_request_id is None else seq.api_request_id

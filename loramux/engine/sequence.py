@@ -51,6 +51,8 @@ class Sequence:
     params: SamplingParams
     arrival: int
     lora_request: LoRARequest | None = None
+    # the API request it came with (None: its own); admission takes API requests in turn
+    api_request_id: str | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0

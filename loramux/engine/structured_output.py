@@ -2,10 +2,14 @@
 
 ``StructuredOutputs(tokenizer, vocab_size, eos_token_ids)`` compiles a request's format (a JSON
 schema, any JSON object, a regex, a choice of strings, an EBNF grammar or a structural tag) once
-per distinct format (an LRU of compiled grammars) and hands each request its own
+per distinct format (an LRU of compiled grammars, bounded by bytes) and hands each request its own
 ``GrammarState``. Each step the sampler asks every row that has one for its next-token bitmask,
 fills them into one batched bitmask and applies it to the logits in place; after sampling, the
 state accepts the token.
+
+What one format may cost is bounded (`StructuredOutputLimits`): its size, a schema's depth and
+enum values, a choice's strings, and its compile time (see :mod:`loramux.engine.grammar_trials`);
+a format over a limit is refused with a `StructuredOutputLimitError` naming the limit.
 
 xgrammar was chosen over llguidance by measurement: its masks take a steady, short time, where a
 few of llguidance's took seconds and would stall the whole batch (docs/benchmarks/structured_output.md). Its JSON-schema converter accepts some keywords it does not enforce
@@ -15,18 +19,22 @@ rather than silently ignored.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from loramux.engine.grammar_trials import TrialCompiler, TrialTimeout, compile_format, new_compiler
 from loramux.engine.sampling_params import StructuredOutputsParams
 
-__all__ = ["GrammarState", "StructuredOutputs", "UnsupportedStructuredOutput", "apply_grammar_masks",
-           "check_json_schema"]
+__all__ = ["GrammarState", "StructuredOutputLimitError", "StructuredOutputLimits", "StructuredOutputs",
+           "UnsupportedStructuredOutput", "apply_grammar_masks", "check_json_schema"]
 
 # JSON-schema keywords xgrammar accepts but does not enforce (checked against xgrammar 0.2.8).
 UNENFORCED_KEYWORDS = {
@@ -37,17 +45,101 @@ UNENFORCED_KEYWORDS = {
     "dependentSchemas": "'dependentSchemas'",
     "unevaluatedItems": "'unevaluatedItems'",
 }
-_CACHE_SIZE = 256
-# JSON is laid out as json.dumps(indent=2) writes it: instruction-tuned models write indented JSON
-# (forcing the compact form pushes them off their distribution), and a fixed layout, unlike free
-# whitespace, leaves no room to loop on blank lines.
-_JSON_LAYOUT = dict(any_whitespace=False, indent=2)
-# disable_any_whitespace (vLLM's): one line, with xgrammar's default separators ", " and ": "
-_ONE_LINE_JSON = dict(any_whitespace=False)
+# xgrammar's messages may start with the C++ source location: "/project/cpp/regex_converter.cc:83: "
+_SOURCE_LOCATION = re.compile(r"\S*\.(?:cc|cpp|cu|h|hpp):\d+:\s*|^\[[\d:.]+\]\s*")
+_TIMED_OUT_KEPT = 4096  # formats remembered as past the time limit (their digests)
+_FORMAT_NAMES = {"json": "JSON schema", "json_object": "JSON object format", "regex": "regex",
+                 "choice": "choice", "grammar": "grammar",
+                 "structural_tag": "structural tag"}  # as the limits' messages name them
 
 
 class UnsupportedStructuredOutput(ValueError):
     """A format the grammar engine cannot enforce: names the feature (the server answers 400)."""
+
+
+class StructuredOutputLimitError(UnsupportedStructuredOutput):
+    """A format over one of the `StructuredOutputLimits`: names the limit (the server answers 400)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutputLimits:
+    """What one structured-output format may cost (``loramux serve --structured-outputs-limits``).
+
+    :param compile_timeout: seconds a format may take to compile.
+    :param cache_bytes: bytes of compiled grammars kept for reuse (least recently used first out);
+        a grammar larger than this alone is refused.
+    :param max_bytes: bytes of a format's text: the schema's JSON, the regex, the grammar, the choices.
+    :param max_depth: how deep a JSON schema (or a structural tag, with its schemas) nests (its
+        objects and arrays).
+    :param max_enum_values: ``enum`` and ``const`` values in one JSON schema (or structural tag),
+        together.
+    :param max_choices: strings in a choice.
+    """
+
+    compile_timeout: float = 5.0
+    cache_bytes: int = 256 * 2**20
+    max_bytes: int = 64 * 2**10
+    max_depth: int = 64
+    max_enum_values: int = 1000
+    max_choices: int = 1000
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"StructuredOutputLimits.{name}: got {value!r}; allowed: a number > 0")
+
+    def check(self, kind: str, text: str, value: Any) -> None:
+        """Refuse a format over a size limit before any work on it; ``value`` is the parsed
+        schema (``json``) or tag (``structural_tag``: its schemas nest inside it), or the list of
+        strings (``choice``).
+
+        :raises StructuredOutputLimitError: names the limit.
+        """
+        what = _FORMAT_NAMES[kind]
+        size = len(text.encode())
+        if size > self.max_bytes:
+            raise self.over(f"the {what} is {size} bytes", "max_bytes", self.max_bytes)
+        if kind == "choice" and len(value) > self.max_choices:
+            raise self.over(f"the choice has {len(value)} strings", "max_choices", self.max_choices)
+        if kind in ("json", "structural_tag"):
+            depth, enum_values = _depth_and_enum_values(value, self.max_depth)
+            if depth > self.max_depth:
+                raise self.over(f"the {what} nests too deeply (objects and arrays)", "max_depth", self.max_depth)
+            if enum_values > self.max_enum_values:
+                raise self.over(f"the {what} has {enum_values} enum and const values", "max_enum_values",
+                                 self.max_enum_values)
+
+    def timeout_error(self) -> StructuredOutputLimitError:
+        return self.over("the format did not compile in time", "compile_timeout", self.compile_timeout, " s")
+
+    @staticmethod
+    def over(what: str, limit: str, value: float, unit: str = "") -> StructuredOutputLimitError:
+        shown = f"{value:g}" if isinstance(value, float) else str(value)
+        return StructuredOutputLimitError(
+            f"{what}: over the limit {limit}={shown}{unit}; simplify the format (the limits are "
+            "loramux serve --structured-outputs-limits, LLM(structured_output_limits=...))")
+
+
+def _depth_and_enum_values(schema: Any, max_depth: int) -> tuple[int, int]:
+    """How deep ``schema`` nests (objects and arrays; measured up to ``max_depth`` + 1) and how many
+    enum and const values it has."""
+    depth, enum_values = 0, 0
+    stack = [(schema, 1)]
+    while stack:
+        value, level = stack.pop()
+        if not isinstance(value, (dict, list)):
+            continue
+        depth = max(depth, level)
+        if level > max_depth:
+            continue
+        if isinstance(value, dict):
+            if isinstance(value.get("enum"), list):
+                enum_values += len(value["enum"])
+            enum_values += "const" in value
+            stack.extend((item, level + 1) for item in value.values())
+        else:
+            stack.extend((item, level + 1) for item in value)
+    return depth, enum_values
 
 
 def check_json_schema(schema: Any, path: str = "$") -> None:
@@ -85,27 +177,31 @@ def check_json_schema(schema: Any, path: str = "$") -> None:
             check_json_schema(value, where)
 
 
-def _compile_structural_tag(compiler: Any, text: str) -> Any:
-    """A structural tag in either of vLLM's forms: ``{"structures": [{"begin", "schema", "end"}],
-    "triggers": [...]}``, or xgrammar's ``{"type": "structural_tag", "format": {...}}``. Every
-    JSON schema inside is checked like a ``json`` format's."""
-    import xgrammar as xgr
-
+def _parse_structural_tag(text: str) -> dict:
     try:
         tag = json.loads(text)
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, RecursionError) as error:
         raise UnsupportedStructuredOutput(f"the structural tag is not valid JSON: {error}") from None
     if not isinstance(tag, dict):
         raise UnsupportedStructuredOutput(f"a structural tag is a JSON object, got {type(tag).__name__}")
+    return tag
+
+
+def _check_structural_tag(tag: dict) -> None:
+    """A structural tag in either of vLLM's forms: ``{"structures": [{"begin", "schema", "end"}],
+    "triggers": [...]}``, or xgrammar's ``{"type": "structural_tag", "format": {...}}``; every JSON
+    schema inside is checked like a ``json`` format's (`grammar_trials.compile_format` compiles it)."""
     if "structures" in tag:
-        items = []
-        for i, item in enumerate(tag["structures"]):
+        structures = tag["structures"]
+        if not isinstance(structures, list) or not all(
+                isinstance(item, dict) and isinstance(item.get("begin"), str) and isinstance(item.get("end"), str)
+                for item in structures):
+            raise UnsupportedStructuredOutput('a structural tag\'s "structures" is a list of objects '
+                                              '{"begin": text, "schema": {...}, "end": text}')
+        for i, item in enumerate(structures):
             check_json_schema(item.get("schema", {}), f"$.structures[{i}].schema")
-            items.append(xgr.StructuralTagItem(begin=item["begin"], schema=json.dumps(item.get("schema", {})),
-                                               end=item["end"]))
-        return compiler.compile_structural_tag(items, tag.get("triggers", []))
-    _check_tag_schemas(tag, "$")
-    return compiler.compile_structural_tag(text)
+    else:
+        _check_tag_schemas(tag, "$")
 
 
 def _check_tag_schemas(node: Any, path: str) -> None:
@@ -158,20 +254,30 @@ def apply_grammar_masks(logits: torch.Tensor, rows: Seq[int], states: Seq[Gramma
 
 
 class StructuredOutputs:
-    """Compiles formats into grammars (cached) for one tokenizer; thread-safe.
+    """Compiles formats into grammars for one tokenizer, within `StructuredOutputLimits`; thread-safe.
+
+    A format is checked against the size limits here, then compiled in a child process killed at
+    the time limit (`TrialCompiler`, which says why), then compiled here and kept in an LRU bounded
+    by the grammars' bytes. A format that ran out of time is remembered and refused at once.
 
     :param tokenizer: the model's Hugging Face tokenizer.
     :param vocab_size: the model's logits width (may exceed the tokenizer's length).
     :param eos_token_ids: the tokens that end a request; the grammar allows them once it is complete.
+    :param limits: the bounds on each format's work; default `StructuredOutputLimits()`.
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int],
+                 limits: StructuredOutputLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
+        self.limits = limits or StructuredOutputLimits()
         self._compiler = None
+        self._trials: TrialCompiler | None = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str, bool], Any] = OrderedDict()
+        self.cache_bytes = 0  # of the grammars in the cache (``memory_size_bytes``)
+        self._timed_out: OrderedDict[str, None] = OrderedDict()  # digests of formats past the time limit
 
     def _get_compiler(self):
         try:
@@ -186,12 +292,14 @@ class StructuredOutputs:
                     raise UnsupportedStructuredOutput("structured outputs need a tokenizer, and this model has none")
                 info = xgr.TokenizerInfo.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids or None)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                self._compiler = new_compiler(info)
+                self._trials = TrialCompiler(info.serialize_json(), timeout=self.limits.compile_timeout)
             return self._compiler
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec`` (from the cache when seen before).
 
+        :raises StructuredOutputLimitError: the format is over a limit; the message names it.
         :raises UnsupportedStructuredOutput: the format is invalid or uses a feature that cannot be
             enforced; the message names it.
         """
@@ -200,51 +308,67 @@ class StructuredOutputs:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
-        compiled = self._compile(spec)
+        compiled = self._compile(*key)
+        size = compiled.memory_size_bytes
         with self._lock:
-            self._cache[key] = compiled
-            while len(self._cache) > _CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self.cache_bytes += size
+            while self.cache_bytes > self.limits.cache_bytes and len(self._cache) > 1:
+                self.cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
         return compiled
 
-    def _compile(self, spec: StructuredOutputsParams) -> Any:
+    def _compile(self, kind: str, text: str, one_line: bool) -> Any:
         compiler = self._get_compiler()
-        kind, text, one_line = spec.key()
-        layout = _ONE_LINE_JSON if one_line else _JSON_LAYOUT
+        if kind == "json":
+            try:
+                schema = json.loads(text)
+            except (json.JSONDecodeError, RecursionError) as error:
+                raise UnsupportedStructuredOutput(f"the JSON schema is not valid JSON: {error}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise UnsupportedStructuredOutput(f"a JSON schema is an object, got {type(schema).__name__}")
+            self.limits.check(kind, text, schema)
+            check_json_schema(schema)
+        elif kind == "structural_tag":
+            tag = _parse_structural_tag(text)
+            self.limits.check(kind, text, tag)
+            _check_structural_tag(tag)
+        else:
+            self.limits.check(kind, text, json.loads(text) if kind == "choice" else None)
+        digest = hashlib.sha256(f"{kind}:{one_line}:{text}".encode()).hexdigest()
+        if digest in self._timed_out:
+            raise self.limits.timeout_error()
         try:
-            if kind == "json":
-                try:
-                    schema = json.loads(text)
-                except json.JSONDecodeError as error:
-                    raise UnsupportedStructuredOutput(f"the JSON schema is not valid JSON: {error}") from None
-                if not isinstance(schema, (dict, bool)):
-                    raise UnsupportedStructuredOutput(
-                        f"a JSON schema is an object, got {type(schema).__name__}")
-                check_json_schema(schema)
-                return compiler.compile_json_schema(text, **layout)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', **layout)
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "choice":
-                import xgrammar as xgr
-
-                choices = json.loads(text)
-                ebnf = "root ::= " + " | ".join(json.dumps(c) for c in choices)
-                return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
-            if kind == "structural_tag":
-                return _compile_structural_tag(compiler, text)
-            return compiler.compile_grammar(text)
-        except UnsupportedStructuredOutput:
-            raise
-        except Exception as error:  # xgrammar's converter names the construct it could not handle
-            message = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-            message = message.split("] ", 1)[-1]  # drop the C++ source location prefix
-            raise UnsupportedStructuredOutput(f"the {kind.replace('_', ' ')} format cannot be compiled: "
-                                              f"{message}") from error
+            size = self._trials.trial(kind, text, one_line)
+        except TrialTimeout:
+            with self._lock:
+                self._timed_out[digest] = None
+                while len(self._timed_out) > _TIMED_OUT_KEPT:
+                    self._timed_out.popitem(last=False)
+            raise self.limits.timeout_error() from None
+        except ValueError as error:
+            raise _cannot_compile(kind, error) from None
+        if size > self.limits.cache_bytes:
+            raise self.limits.over(f"the compiled grammar takes {size} bytes", "cache_bytes", self.limits.cache_bytes)
+        try:
+            return compile_format(compiler, kind, text, one_line)
+        except Exception as error:  # the trial compiled it: this would be the grammar engine's own bug
+            raise _cannot_compile(kind, error) from error
 
     def new_state(self, spec: StructuredOutputsParams) -> GrammarState:
         """A fresh matcher for one request."""
         import xgrammar as xgr
 
         return GrammarState(xgr.GrammarMatcher(self.compile(spec)), self.vocab_size)
+
+    def close(self) -> None:
+        """Stop the trial compilers' child processes."""
+        if self._trials is not None:
+            self._trials.close()
+
+
+def _cannot_compile(kind: str, error: BaseException) -> UnsupportedStructuredOutput:
+    """The grammar engine's refusal, without its C++ source locations."""
+    lines = str(error).strip().splitlines()
+    message = _SOURCE_LOCATION.sub("", lines[-1]).strip() if lines else type(error).__name__
+    return UnsupportedStructuredOutput(f"the {kind.replace('_', ' ')} format cannot be compiled: {message}")

@@ -113,6 +113,7 @@ class Registry:
             collect_resolvers(settings) if resolvers is None else resolvers,
             settings.order,
             base_model_name=base_model_name,
+            fetch_timeout=settings.fetch_timeout,
         )
         self.cache = cache or CPUAdapterCache(
             self.lora_config.max_cpu_loras, self.lora_config.max_cpu_lora_bytes

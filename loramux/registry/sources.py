@@ -2,19 +2,25 @@
 
 A local path is read as it is; a URI is fetched by the resolver that claims its scheme; a name
 with neither goes to the resolvers in the user's order. Every resolver call is held to the
-resolver contract here, so a plugin's bug fails only the request that reached it.
+resolver contract here, so a plugin's bug fails only the request that reached it, and to a
+deadline (``fetch_timeout``), so a slow or dead source fails only the loads that asked it, in
+bounded time: the call runs in a thread of its own, which the load stops waiting for at the
+deadline (a resolver cannot be interrupted; the thread ends when its own client gives up, and
+what it downloads meanwhile lands in the cache for the next try).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loramux.errors import AdapterNotFoundError, InvalidAdapterError, LoRAError, PluginError
+from loramux.errors import AdapterDownloadError, AdapterNotFoundError, InvalidAdapterError, LoRAError, PluginError
 from loramux.registry.request import validate_adapter_name
 
 if TYPE_CHECKING:
@@ -94,12 +100,14 @@ class AdapterSources:
         order: Sequence[str] | str | None = None,
         *,
         base_model_name: str | None = None,
+        fetch_timeout: float | None = None,
     ) -> None:
         from loramux.resolvers.collect import order_resolvers
 
         self.resolvers = list(resolvers)
         self.name_resolvers = order_resolvers(self.resolvers, order)
         self.base_model_name = base_model_name
+        self.fetch_timeout = fetch_timeout
 
     def check(self, name: str, source: AdapterSource) -> None:
         """Refuse at registration what can never load: a missing local directory, or a URI
@@ -158,9 +166,26 @@ class AdapterSources:
 
     def _call(self, resolver: Resolver, method: str, name: str, *args) -> Path | None:
         """Run a resolver's method, holding it to its contract: a LoRAError is the answer; any
-        other exception, or a result that is not a path, is the resolver's fault."""
+        other exception, or a result that is not a path, is the resolver's fault; no answer
+        within ``fetch_timeout`` seconds is an `AdapterDownloadError`."""
+        call = Future()
+
+        def run() -> None:
+            try:
+                call.set_result(getattr(resolver, method)(*args))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller below
+                call.set_exception(error)
+
+        threading.Thread(target=run, name=f"loramux-resolve-{name}", daemon=True).start()
         try:
-            result = getattr(resolver, method)(*args)
+            result = call.result(timeout=self.fetch_timeout)
+        except FutureTimeoutError:
+            raise AdapterDownloadError(
+                f"resolver {resolver.name!r} did not answer within {self.fetch_timeout:g} s.",
+                adapter=name,
+                fix="Check the source (its network, endpoint and credentials) and retry; raise "
+                "--lora-fetch-timeout (LORAMUX_LORA_FETCH_TIMEOUT) for large downloads.",
+            ) from None
         except LoRAError as error:
             if error.adapter == name:
                 raise

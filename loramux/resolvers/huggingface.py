@@ -9,6 +9,10 @@ both from the same commit, into huggingface_hub's cache layout under
 ``<cache>/adapters/hf``: each file lands in a temp file renamed into place, and the adapter
 directory is handed out only when both are there. ``HF_ENDPOINT``, ``HF_TOKEN`` and
 ``HF_HUB_OFFLINE`` (served from the cache only) are read at each download.
+
+A Hub that cannot be reached at all (no such host, connection refused) is found out with one
+request, no retries: huggingface_hub's client retries such a failure for 23 s before it falls
+back to the cache, so the adapter is then taken from the cache alone, or refused at once.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from loramux.registry.loader import ADAPTER_CONFIG_FILE, SAFETENSORS_FILE
 from loramux.registry.request import validate_adapter_name
 from loramux.resolvers.base import Resolver
 from loramux.resolvers.cache import adapters_cache_dir
-from loramux.resolvers.settings import REPO_LIST_ENV, ResolverSettings
+from loramux.resolvers.settings import DEFAULT_FETCH_TIMEOUT, REPO_LIST_ENV, ResolverSettings
 
 __all__ = ["REPO_LIST_ENV", "HuggingFaceResolver"]
 _TRUE = ("1", "true", "yes", "on")
@@ -42,14 +46,18 @@ class HuggingFaceResolver(Resolver):
 
     :param repos: repos that may be resolved by name (``org/repo``); URIs are not limited.
     :param cache_dir: where downloads go; default ``<cache>/adapters/hf``.
+    :param timeout: seconds huggingface_hub waits for the Hub's answer to each metadata request
+        (its ``etag_timeout``; the registry bounds the whole fetch, retries included).
     """
 
     name = "huggingface"
     schemes = ("hf",)
 
-    def __init__(self, repos: Sequence[str] = (), *, cache_dir: str | os.PathLike | None = None):
+    def __init__(self, repos: Sequence[str] = (), *, cache_dir: str | os.PathLike | None = None,
+                 timeout: float = DEFAULT_FETCH_TIMEOUT):
         self.repos = tuple(dict.fromkeys(repo.strip().strip("/") for repo in repos if repo.strip()))
         self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.timeout = timeout
 
     def describe(self) -> str:
         if not self.repos:
@@ -105,6 +113,8 @@ class HuggingFaceResolver(Resolver):
         )
 
         offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
+        endpoint = os.environ.get("HF_ENDPOINT") or None
+        unreachable = None if offline else self._unreachable(endpoint)
         where = (
             f"hf://{repo_id}"
             + (f"@{revision}" if revision else "")
@@ -114,8 +124,9 @@ class HuggingFaceResolver(Resolver):
         options = dict(
             repo_id=repo_id,
             cache_dir=str(self.cache_dir or adapters_cache_dir("hf")),
-            endpoint=os.environ.get("HF_ENDPOINT") or None,
-            local_files_only=offline,
+            endpoint=endpoint,
+            local_files_only=offline or unreachable is not None,
+            etag_timeout=self.timeout,
         )
         try:
             config = Path(
@@ -164,7 +175,8 @@ class HuggingFaceResolver(Resolver):
                 fix="Check the sub-folder: an adapter is a folder holding adapter_config.json.",
             ) from None
         except LocalEntryNotFoundError as error:
-            reason = "HF_HUB_OFFLINE is set" if offline else "the Hub could not be reached"
+            reason = "HF_HUB_OFFLINE is set" if offline else (
+                f"the Hub could not be reached ({unreachable})" if unreachable else "the Hub could not be reached")
             raise AdapterDownloadError(
                 f"{reason} and the adapter is not in the cache.",
                 adapter=name,
@@ -188,7 +200,21 @@ class HuggingFaceResolver(Resolver):
         return config.parent
 
 
+    def _unreachable(self, endpoint: str | None) -> str | None:
+        """Why the Hub at ``endpoint`` cannot be reached at all (one try, within half the
+        timeout: the rest is the download's), or None if it answers (any status)."""
+        from huggingface_hub import constants
+        from huggingface_hub.utils import get_session
+
+        url = endpoint or constants.ENDPOINT
+        try:
+            get_session().head(url, timeout=self.timeout / 2)
+        except Exception as error:  # no such host, refused, no answer in time
+            return f"{url}: {type(error).__name__}: {error}"
+        return None
+
+
 @hookimpl(trylast=True)
 def register_resolvers(register, settings: ResolverSettings):
     """The Hub goes last: it is remote, and only allow-listed repos are looked at by name."""
-    register(HuggingFaceResolver(settings.hf_repos))
+    register(HuggingFaceResolver(settings.hf_repos, timeout=settings.fetch_timeout))

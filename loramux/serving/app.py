@@ -17,10 +17,10 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from loramux.engine.structured_output import UnsupportedStructuredOutput
+from loramux.engine.structured_output import StructuredOutputLimitError, UnsupportedStructuredOutput
 from loramux.serving import lora_admin
 from loramux.serving.errors import APIError, install_error_handlers
-from loramux.serving.generation import build_requests, chat_echo, chat_prompt, completion_prompts, run_generation
+from loramux.serving.generation import build_requests, chat_echo, run_generation
 from loramux.serving.metrics import CONTENT_TYPE
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from loramux.serving.request_params import structured_outputs_of
@@ -49,8 +49,9 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
 
 
 async def _structured_outputs(state: ServerState, body: Any) -> Any:
-    """The request's format, compiled once here (in a worker thread, so a slow schema holds up
-    neither the event loop nor the engine thread, whose compile then finds it cached)."""
+    """The request's format, compiled once here (in the compile threads, so a slow schema holds up
+    neither the event loop, nor the engine's threads, whose compile then finds it cached, nor
+    other requests' tokenizing), within the engine's limits."""
     asked = structured_outputs_of(body)
     if asked is None:
         return None
@@ -58,14 +59,20 @@ async def _structured_outputs(state: ServerState, body: Any) -> Any:
     compiler = getattr(state.engine.engine, "structured_outputs", None)
     if compiler is not None:
         try:
-            await asyncio.to_thread(compiler.compile, spec)
+            await asyncio.get_running_loop().run_in_executor(state.compile_threads, compiler.compile, spec)
         except UnsupportedStructuredOutput as error:
-            raise APIError(400, f"{field}: {error}", param=field, code="unsupported_schema") from error
+            over_limit = isinstance(error, StructuredOutputLimitError)
+            raise APIError(400, f"{field}: {error}", param=field,
+                           code="structured_output_limit" if over_limit else "unsupported_schema") from error
     return spec
 
 
-async def _generation(state: ServerState, endpoint: str, body: Any, prompts: list[Any],
+async def _generation(state: ServerState, endpoint: str, body: Any, prompts: list[dict],
                       max_tokens: int) -> Generation:
+    if body.model not in state.book.served_names and getattr(state.engine.engine, "lora_manager", True) is None:
+        raise APIError(404, f"the model {body.model!r} is not served here (this server serves "
+                       f"{', '.join(state.book.served_names)}; LoRA adapters are off: --no-enable-lora)",
+                       param="model", code="model_not_found")
     structured = await _structured_outputs(state, body)
     lora_request = state.book.lookup(body.model)
     prefix = "chatcmpl" if endpoint == "chat" else "cmpl"
@@ -138,12 +145,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.max_tokens == 0 and not body.echo:
         raise APIError(400, "max_tokens: 0 is allowed only with echo: true (to score the prompt); give "
                        "max_tokens >= 1", param="max_tokens", code="invalid_parameter")
-    max_tokens = state.default_max_tokens(None) if body.max_tokens is None else body.max_tokens
-    tokenizer = getattr(state.engine.engine, "tokenizer", None)
-    if body.add_special_tokens:
-        prompts = completion_prompts(body, state.vocab_size)
-    else:  # tokenized here: in a worker thread, off the event loop
-        prompts = await asyncio.to_thread(completion_prompts, body, state.vocab_size, tokenizer)
+    prompts = await state.prompts.completion(body)
+    if body.max_tokens is None:
+        max_tokens = state.prompts.default_max_tokens(prompts)
+    else:
+        max_tokens = body.max_tokens
+        if max_tokens:  # 0: score the prompt only
+            state.prompts.check_max_tokens("max_tokens", max_tokens, prompts)
     gen = await _generation(state, "completions", body, prompts, max_tokens)
     return await run_generation(state, request, gen)
 
@@ -152,11 +160,13 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     _check_supported(body)
-    tokenizer = getattr(state.engine.engine, "tokenizer", None)
-    prompt = chat_prompt(tokenizer, body, state.config.chat_template)
+    prompt = await state.prompts.chat(body)
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:  # OpenAI's default: as long as the context allows
-        max_tokens = state.default_max_tokens(len(prompt["prompt_token_ids"]))
+        max_tokens = state.prompts.default_max_tokens([prompt])
+    else:
+        state.prompts.check_max_tokens(param, max_tokens, [prompt])
     gen = await _generation(state, "chat", body, [prompt], max_tokens)
     return await run_generation(state, request, gen)
 
@@ -188,6 +198,7 @@ def build_app(engine: Any, config: ServerConfig, *, sampling_params_cls: Any = N
             for task in list(state.background):
                 task.cancel()
             await asyncio.to_thread(state.engine.stop)
+            state.compile_threads.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="loramux", summary="OpenAI-compatible server for many LoRA adapters on one model",
                   lifespan=lifespan)

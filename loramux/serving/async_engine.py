@@ -2,9 +2,11 @@
 
 The ``LLMEngine``'s step loop runs in one thread, the engine thread: it alone calls ``step``.
 Handlers hand requests and aborts to a second thread, the intake thread, through a command queue
-(so they reach the engine in order, and tokenizing stays off the event loop) and never wait on
-the engine themselves; ``add_request`` is thread-safe and starts an adapter's resolution at
-once, so a request for a missing adapter is answered even while a long step runs; the engine thread hands each step's outputs
+(so they reach the engine in order) and never wait on the engine themselves; ``add_request`` is
+thread-safe and starts an adapter's resolution at once, so a request for a missing adapter is
+answered even while a long step runs. The intake thread adds the engine requests of several HTTP
+requests in turns of `ADD_TURN` (aborts and other commands first), so one request of 2,000
+prompts delays another's start by one turn, not by 2,000 adds. The engine thread hands each step's outputs
 back to the event loop, coalesced so that at most one delivery waits on the loop. (Adapter operations such as
 ``add_lora``, which block while an adapter loads and which the engine allows from any thread, run
 in worker threads instead, so they never hold up the step loop.)
@@ -26,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +44,8 @@ logger = logging.getLogger(__name__)
 _IDLE_STEP_WAIT_S = 0.005
 # With no unfinished request, the loop sleeps until a command wakes it (this bounds a missed wake).
 _IDLE_WAIT_S = 0.05
+# Engine requests of one HTTP request added before the next HTTP request's turn.
+ADD_TURN = 16
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class SubRequest:
     prompt: Any  # a string or {"prompt_token_ids": [...]}
     params: Any  # SamplingParams
     lora_request: Any = None  # LoRARequest | None
+    api_request_id: str | None = None  # the HTTP request it belongs to (the engine takes them in turn)
 
 
 class RequestGroup:
@@ -73,6 +79,7 @@ class RequestGroup:
         self._changed: set[int] = set()
         self._error: BaseException | None = None
         self._event = asyncio.Event()
+        self.released = False  # its handler let go: requests not added yet never will be
 
     @property
     def finished(self) -> bool:
@@ -138,6 +145,7 @@ class AsyncEngine:
         self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None  # the step loop
         self._intake_thread: threading.Thread | None = None  # runs commands in order
+        self._adding: deque[tuple[RequestGroup, int]] = deque()  # submitted, and how many are added; intake only
         self._wake = threading.Event()  # a command ran: the step loop may have work
         self._stopping = False
         self._retirements: dict[int, asyncio.Future] = {}  # handle id -> resolved when it retires; loop only
@@ -199,11 +207,12 @@ class AsyncEngine:
         group = RequestGroup(requests)
         for index, request in enumerate(group.requests):
             self._groups[request.request_id] = (group, index)
-        self._commands.put(lambda: self._add(group.requests))
+        self._commands.put(lambda: self._adding.append((group, 0)))
         return group
 
     def release(self, group: RequestGroup) -> None:
         """Forget ``group``, aborting its unfinished requests in the engine."""
+        group.released = True  # before the abort is queued: the intake thread adds no more of it
         unfinished = []
         for index, request in enumerate(group.requests):
             if self._groups.pop(request.request_id, None) is None:
@@ -234,15 +243,23 @@ class AsyncEngine:
         """An adapter event, in the engine's (or a loading) thread: hand it to the loop."""
         self._to_loop(self._deliver_event, event)
 
-    def _add(self, requests: list[SubRequest]) -> None:
-        for request in requests:
+    def _add_turn(self) -> None:
+        """Add the next `ADD_TURN` engine requests of the first HTTP request in line, which then
+        goes to the back of the line if it has more (intake thread)."""
+        group, start = self._adding.popleft()
+        if group.released:  # its client went away (or it failed): the rest is never added
+            return
+        end = start + ADD_TURN
+        for request in group.requests[start:end]:
             try:
                 self.engine.add_request(request.request_id, request.prompt, request.params,
-                                        lora_request=request.lora_request)
+                                        lora_request=request.lora_request, api_request_id=request.api_request_id)
             except Exception as error:  # a bad prompt or parameter fails only this HTTP request
                 self._to_loop(self._fail_request, request.request_id, error)
-                self._abort([r.request_id for r in requests if r is not request])
+                self._abort([r.request_id for r in group.requests[:end] if r is not request])
                 return
+        if end < len(group.requests):
+            self._adding.append((group, end))
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -279,10 +296,14 @@ class AsyncEngine:
             return False
 
     def _intake(self) -> None:
-        """Run commands (adds, aborts) in order, beside the step loop: ``add_request`` is
-        thread-safe and starts an adapter's resolution at once, even while a step runs."""
+        """Run commands (submits, aborts) in order, and between them add the submitted requests
+        in turns, beside the step loop: ``add_request`` is thread-safe and starts an adapter's
+        resolution at once, even while a step runs."""
         while True:
-            command = self._commands.get()
+            try:  # a command first; with none waiting, the next turn of adds
+                command = self._commands.get(block=not self._adding)
+            except queue.Empty:
+                command = self._add_turn
             if command is None or self._stopping:
                 self._shutdown()
                 return

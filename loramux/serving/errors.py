@@ -8,6 +8,7 @@ which already names the adapter, the file and the fix.
 from __future__ import annotations
 
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -93,12 +94,22 @@ def to_api_error(error: BaseException) -> APIError:
         return APIError(503, str(error), code="engine_dead")
     if isinstance(error, ValueError):  # the engine refusing a prompt or a sampling parameter
         return APIError(400, str(error), code="invalid_request")
-    logger.error("Unexpected error while serving a request", exc_info=error)
-    return APIError(500, f"internal error: {type(error).__name__}: {error}", code="internal_error")
+    logger.error("Unexpected error while serving a request", exc_info=error)  # the details stay in the log
+    return APIError(500, f"internal error ({type(error).__name__}); the server's log has the details",
+                    code="internal_error")
+
+
+# FastAPI's own errors: an unknown route or method
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}
 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+# The member of a union pydantic tried, in an error's location ("str", "list[int]", "ChatMessage"):
+# not a field, so not part of the field's name.
+_UNION_MEMBER = re.compile(r"^(?:str|int|float|bool|none|[A-Z]\w*)$|\[")
 
 
 def _field_name(location: tuple) -> str:
@@ -106,6 +117,8 @@ def _field_name(location: tuple) -> str:
     parts = [str(part) for part in location[1:]] if location and location[0] in ("body", "query") else []
     name = ""
     for part in parts or [str(p) for p in location]:
+        if _UNION_MEMBER.search(part):
+            continue
         name += f"[{part}]" if part.isdigit() else (f".{part}" if name else part)
     return name
 
@@ -145,4 +158,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(APIError(exc.status_code, str(exc.detail), code=None), exc.headers)
+        if exc.status_code == 400:  # FastAPI could not read the body: json.loads raised (a body nested
+            # deeper than Python's recursion limit), or it is not UTF-8
+            error = APIError(400, "the request body could not be parsed as JSON (is it nested too deeply, or "
+                             "not UTF-8?)", code="invalid_json")
+        else:  # a route that does not exist (404), a method it does not take (405)
+            error = APIError(exc.status_code, str(exc.detail), code=_HTTP_CODES.get(exc.status_code))
+        return error_response(error, exc.headers)

@@ -1,11 +1,13 @@
 """Completions and chat completions: API request -> engine requests -> JSON or server-sent events.
 
-One HTTP request becomes one engine request per choice (``n`` per prompt). Before anything is
-sent the handler waits for the first output (or the engine's "adapter failed" event, which comes
-the moment the load fails), so a request whose adapter cannot be found or loaded gets a plain
-HTTP error (404/400/...) even with ``stream: true``; after that, a failure arrives as
-an SSE ``error`` event, which the ``openai`` client raises. A client that goes away aborts its
-engine requests (``AsyncEngine.release``), both while waiting and mid-stream.
+One HTTP request becomes one engine request per choice (``n`` per prompt of those `prompts`
+made), each naming its HTTP request (``api_request_id``) so that the engine admits the choices of
+several HTTP requests in turns. Before anything is sent the handler waits for the first output
+(or the engine's "adapter failed" event, which comes the moment the load fails), so a request
+whose adapter cannot be found or loaded gets a plain HTTP error (404/400/...) even with
+``stream: true``; after that, a failure arrives as an SSE ``error`` event, which the ``openai``
+client raises. A client that goes away aborts its engine requests (``AsyncEngine.release``), both
+while waiting and mid-stream.
 """
 
 from __future__ import annotations
@@ -19,75 +21,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from loramux.errors import AdapterNotFoundError, InvalidAdapterError, IncompatibleAdapterError
 from loramux.serving.async_engine import RequestGroup, SubRequest
-from loramux.serving.errors import APIError, EngineDeadError, error_response, to_api_error
-from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
+from loramux.serving.errors import EngineDeadError, error_response, to_api_error
+from loramux.serving.protocol import ChatCompletionRequest
 from loramux.serving.responses import Generation, full_response, raise_output_error
 from loramux.serving.streaming import stream_events
 
-__all__ = ["build_requests", "chat_echo", "chat_prompt", "completion_prompts", "run_generation"]
+__all__ = ["build_requests", "chat_echo", "run_generation"]
 
 # Status for a client that went away before its answer (nginx's convention; nobody reads it).
 _CLIENT_CLOSED = 499
-
-
-def completion_prompts(request: CompletionRequest, vocab_size: int | None, tokenizer: Any = None) -> list[Any]:
-    """The prompts of a completions request: strings or ``{"prompt_token_ids": [...]}``; with
-    ``add_special_tokens: false``, texts tokenized here without the tokenizer's BOS (run it in a
-    worker thread then).
-
-    :raises APIError: 400 for a token id outside the vocabulary (the model could not embed it).
-    """
-    prompt = request.prompt
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if all(isinstance(item, int) for item in prompt):
-        prompt = [prompt]
-    prompts = []
-    for item in prompt:
-        if isinstance(item, str):
-            prompts.append(item if request.add_special_tokens else _without_special_tokens(tokenizer, item))
-            continue
-        bad = next((t for t in item if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
-        if bad is not None:
-            limit = f"0 to {vocab_size - 1}" if vocab_size is not None else "0 or more"
-            raise APIError(400, f"prompt: token id {bad} is outside the vocabulary ({limit})", param="prompt",
-                           code="invalid_parameter")
-        prompts.append({"prompt_token_ids": list(item)})
-    return prompts
-
-
-def _without_special_tokens(tokenizer: Any, text: str) -> dict:
-    if tokenizer is None:
-        raise APIError(400, "prompt: this model has no tokenizer; give token ids", param="prompt",
-                       code="no_tokenizer")
-    return {"prompt": text, "prompt_token_ids": tokenizer(text, add_special_tokens=False).input_ids}
-
-
-def chat_prompt(tokenizer: Any, request: ChatCompletionRequest, chat_template: str | None) -> dict:
-    """Render ``request.messages`` with the model's chat template into the prompt the engine takes:
-    ``{"prompt": text, "prompt_token_ids": [...]}``."""
-    if tokenizer is None:
-        raise APIError(400, "this model has no tokenizer, so it cannot chat; use /v1/completions "
-                       "with token ids", param="messages", code="no_tokenizer")
-    template = chat_template or getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise APIError(400, "this model has no chat template; start the server with --chat-template "
-                       "FILE, or use /v1/completions", param="messages", code="no_chat_template")
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
-    except ValueError as error:
-        raise APIError(400, f"messages: {error}", param="messages", code="invalid_parameter") from error
-    options = {**(request.chat_template_kwargs or {}), "chat_template": template, "tokenize": False,
-               "add_generation_prompt": request.add_generation_prompt,
-               "continue_final_message": request.continue_final_message, "documents": request.documents}
-    try:
-        text = tokenizer.apply_chat_template(messages, **options)
-    except Exception as error:  # a template that raises on these messages (e.g. role order)
-        raise APIError(400, f"messages: the chat template refused them: {error}", param="messages",
-                       code="invalid_parameter") from error
-    # as LLM.chat does: the template holds any BOS token, so none is added again unless asked
-    ids = tokenizer(text, add_special_tokens=request.add_special_tokens).input_ids
-    return {"prompt": text, "prompt_token_ids": ids}
 
 
 def chat_echo(request: ChatCompletionRequest) -> str:
@@ -98,18 +40,19 @@ def chat_echo(request: ChatCompletionRequest) -> str:
     return last.text() if request.echo and last.role == role else ""
 
 
-def build_requests(prompts: list[Any], params: Any, lora_request: Any, base_id: str,
+def build_requests(prompts: list[dict], params: Any, lora_request: Any, base_id: str,
                    cache_salt: str | None = None) -> tuple[list[SubRequest], list[int]]:
-    """One engine request per (prompt, sample of ``params.n``), ids ``<base_id>-<choice>``; and each
-    choice's prompt. ``cache_salt`` (vLLM's) joins every prompt: its blocks are shared only with
-    prompts salted alike."""
+    """One engine request per (prompt, sample of ``params.n``), ids ``<base_id>-<choice>``, all of
+    API request ``base_id``; and each choice's prompt. ``cache_salt`` (vLLM's) joins every prompt:
+    its blocks are shared only with prompts salted alike."""
     samples = [params.for_sample(i) for i in range(params.n)]
     requests, prompt_of_choice = [], []
     for prompt_index, prompt in enumerate(prompts):
         if cache_salt is not None:
-            prompt = {**(prompt if isinstance(prompt, dict) else {"prompt": prompt}), "cache_salt": cache_salt}
+            prompt = {**prompt, "cache_salt": cache_salt}
         for sample in samples:
-            requests.append(SubRequest(f"{base_id}-{len(requests)}", prompt, sample, lora_request))
+            requests.append(SubRequest(f"{base_id}-{len(requests)}", prompt, sample, lora_request,
+                                       api_request_id=base_id))
             prompt_of_choice.append(prompt_index)
     return requests, prompt_of_choice
 

@@ -5,6 +5,11 @@ adapter before answering (400 invalid or incompatible, 404 path not found); ``lo
 replaces a loaded adapter's weights. ``POST /v1/unload_lora_adapter {lora_name}`` stops serving a
 name at once. Both need ``--allow-runtime-lora-updating`` (else 403).
 
+Loads and unloads of one name run one at a time; loads of different names run together, at
+most as many as the engine's loading workers, so a slow source holds up only its own name's
+(the engine's fetch timeout bounds how long a fetch holds its place, `RUNTIME_LOAD_WAIT_S` a wait
+for room in a full CPU tier).
+
 Requests already running keep the weights they started with. A reload rebinds the name to new
 weights (a new handle) in the engine's registry and an unload unbinds it; both answer at once.
 The old handle leaves the engine when its last request ends: the engine says so with a
@@ -59,7 +64,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
     state = get_state(request)
     _check_runtime_updating(state)
     name = body.lora_name
-    async with state.lora_lock:
+    async with state.adapter_lock(name), state.adapter_loads:
         existing = state.book.get(name)
         replacing = existing is not None and existing.confirmed
         if replacing and not body.load_inplace:
@@ -96,7 +101,7 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
     state = get_state(request)
     _check_runtime_updating(state)
     name = body.lora_name
-    async with state.lora_lock:
+    async with state.adapter_lock(name):
         entry = state.book.get(name)
         if entry is None or not entry.confirmed:
             raise APIError(404, f"no adapter named {name!r} is loaded; GET /v1/models lists the loaded "

@@ -10,9 +10,13 @@ import json
 import os
 import re
 
-__all__ = ["add_serve_arguments", "parse_byte_size", "parse_byte_size_or_zero", "parse_lora_module"]
+__all__ = ["add_serve_arguments", "parse_byte_size", "parse_byte_size_or_zero", "parse_lora_module",
+           "parse_structured_output_limits"]
 
 API_KEY_ENV = "LORAMUX_API_KEY"
+# OpenAI's own bound on a list input (embeddings' 2,048 inputs); the engine takes the requests of
+# one API request in turns with others', so a long list slows only itself.
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 2048
 RUNTIME_UPDATING_ENV = "LORAMUX_ALLOW_RUNTIME_LORA_UPDATING"
 
 
@@ -63,6 +67,31 @@ def parse_lora_module(text: str) -> tuple[str, str, str | None]:
     return name, path, None
 
 
+def parse_structured_output_limits(text: str):
+    """``{"compile_timeout": 10, "cache_bytes": "512MiB", ...}`` -> ``StructuredOutputLimits``:
+    the limits given, the defaults for the rest (sizes as numbers or as ``512MiB``)."""
+    from dataclasses import fields
+
+    from loramux.engine.structured_output import StructuredOutputLimits
+
+    try:
+        given = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"--structured-outputs-limits {text!r}: not valid JSON ({error})") from None
+    names = [f.name for f in fields(StructuredOutputLimits)]
+    unknown = sorted(set(given) - set(names)) if isinstance(given, dict) else ["(not an object)"]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"--structured-outputs-limits {text!r}: unknown {', '.join(unknown)}; the limits are {', '.join(names)}")
+    for name in ("cache_bytes", "max_bytes"):
+        if isinstance(given.get(name), str):
+            given[name] = parse_byte_size(given[name])
+    try:
+        return StructuredOutputLimits(**given)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--structured-outputs-limits: {error}") from None
+
+
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` flags to ``parser`` (the resolver flags are the CLI's shared ones)."""
     parser.add_argument(
@@ -87,6 +116,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         f"403 (env {RUNTIME_UPDATING_ENV}=1)")
     http.add_argument("--chat-template", metavar="FILE_OR_TEMPLATE",
                       help="a Jinja chat template (or a file holding one) replacing the tokenizer's")
+    http.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST, metavar="N",
+                      help="the most prompts one /v1/completions request may give; more is a 400 "
+                      "(default: %(default)s)")
+    http.add_argument("--structured-outputs-limits", type=parse_structured_output_limits, default=None,
+                      metavar="JSON",
+                      help="what one structured-output format may cost, e.g. '{\"compile_timeout\": 10, "
+                      "\"cache_bytes\": \"512MiB\"}'; keys: compile_timeout (seconds, default 5), cache_bytes "
+                      "(compiled grammars kept, default 256MiB), max_bytes (a format's text, default 64KiB), "
+                      "max_depth (a schema's nesting, default 64), max_enum_values (default 1000), "
+                      "max_choices (default 1000); a format over one is a 400 naming it")
     http.add_argument("--uvicorn-log-level", default="info",
                       choices=["critical", "error", "warning", "info", "debug", "trace"])
     http.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every request")

@@ -3,7 +3,8 @@
 Requests accept the fields OpenAI's clients send and vLLM's extras (docs/sampling.md lists every
 one of vLLM's with what loramux does with it). A field whose feature loramux does not implement is
 refused by name (``unsupported``: a 400) unless its value asks for nothing; unknown fields are
-ignored, as OpenAI's server does.
+ignored, as OpenAI's server does. Each field has the type OpenAI's spec gives it, strictly: a
+string is not an integer, a boolean not a number (pydantic's strict mode).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ __all__ = [
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Types as OpenAI's spec gives them: no "10" for an integer, no true for a number, no NaN.
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import prometheus_client
 import uvicorn
 
+from loramux.serving.options import DEFAULT_MAX_PROMPTS_PER_REQUEST
 from loramux.serving.state import ServerConfig
 
 if TYPE_CHECKING:
@@ -114,7 +115,8 @@ def build_engine(
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, compilation=args.compilation, max_graph_tokens=args.max_graph_tokens,
         cuda_graph_sizes=args.cuda_graph_sizes, async_scheduling=args.async_scheduling,
-        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1))
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+        structured_output_limits=getattr(args, "structured_outputs_limits", None))
     engine = LLMEngine(config=engine_config)
     config = ServerConfig(
         served_model_names=args.served_model_name or [args.model or engine.model_name],
@@ -122,6 +124,7 @@ def build_engine(
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         lora_modules=modules,
         chat_template=_chat_template(args.chat_template),
+        max_prompts_per_request=getattr(args, "max_prompts_per_request", DEFAULT_MAX_PROMPTS_PER_REQUEST),
     )
     return engine, config
 

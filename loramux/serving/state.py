@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +17,8 @@ from loramux.serving.async_engine import AsyncEngine, RequestGroup
 from loramux.serving.engine_info import engine_requests, read_tiers, router_stats, vocab_size
 from loramux.serving.errors import APIError
 from loramux.serving.metrics import UNKNOWN_MODEL, Metrics
+from loramux.serving.options import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from loramux.serving.prompts import Prompts
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
 from loramux.serving.request_params import extra_sampling_kwargs
 from loramux.serving.responses import Generation
@@ -22,7 +27,8 @@ __all__ = ["ServerConfig", "ServerState", "get_state"]
 
 logger = logging.getLogger("loramux.serving")
 
-_FALLBACK_MAX_TOKENS = 256  # when the engine does not say how long its context is
+_COMPILE_THREADS = 2  # as many as the engine compiles at once (its trial processes)
+_SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+):")
 
 
 @dataclass
@@ -35,8 +41,9 @@ class ServerConfig:
         (403 otherwise).
     :param lora_modules: ``(name, path, base_model_name)`` adapters registered at start-up.
     :param chat_template: a Jinja template overriding the tokenizer's.
-    :param max_model_len: shown in /v1/models, and bounds ``max_tokens`` when a request gives none
-        (default: the engine's ``max_model_len``).
+    :param max_model_len: shown in /v1/models, and bounds prompts and ``max_tokens`` (default: the
+        engine's ``max_model_len``).
+    :param max_prompts_per_request: the most prompts one completions request may give.
     """
 
     served_model_names: list[str]
@@ -45,6 +52,7 @@ class ServerConfig:
     lora_modules: list[tuple[str, str, str | None]] = field(default_factory=list)
     chat_template: str | None = None
     max_model_len: int | None = None
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 
 class ServerState:
@@ -55,15 +63,28 @@ class ServerState:
         if config.max_model_len is None:
             config.max_model_len = getattr(engine, "max_model_len", None)
         self.engine = AsyncEngine(engine)
-        self.vocab_size = vocab_size(engine)  # token-id prompts are checked against it
+        self.prompts = Prompts(getattr(engine, "tokenizer", None), max_model_len=config.max_model_len,
+                               vocab_size=vocab_size(engine), max_prompts_per_request=config.max_prompts_per_request,
+                               chat_template=config.chat_template)
+        # structured-output compiles wait here, not in the threads that tokenize prompts
+        self.compile_threads = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="loramux-compile")
         self.book = AdapterBook(config.served_model_names)
         self.sampling_params_cls = sampling_params_cls
         self.metrics = Metrics(lambda: read_tiers(engine), lambda: self.engine.waiting,
                                lambda: self.engine.in_flight - self.engine.waiting,
                                lambda: engine_requests(engine), lambda: router_stats(engine),
                                config.served_model_names[0] if config.served_model_names else "")
-        self.lora_lock = asyncio.Lock()  # one load or unload at a time
+        # one load or unload of a name at a time (weak: a lock lives while someone waits on it)
+        self._adapter_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        self.adapter_loads = asyncio.Semaphore(getattr(getattr(engine, "config", None), "max_loading_workers", 4))
         self.background: set[asyncio.Task] = set()  # adapters waiting to leave the engine
+
+    def adapter_lock(self, name: str) -> asyncio.Lock:
+        """The lock that orders the loads and unloads of adapter ``name``."""
+        lock = self._adapter_locks.get(name)
+        if lock is None:
+            lock = self._adapter_locks[name] = asyncio.Lock()
+        return lock
 
     def count_request(self, gen: Generation, status: str, group: RequestGroup, *,
                       seconds: float | None = None) -> None:
@@ -94,24 +115,26 @@ class ServerState:
         for gap in group.inter_token_gaps:
             histogram.observe(gap)
 
-    def default_max_tokens(self, prompt_len: int | None) -> int:
-        """``max_tokens`` for a request that gives none: the rest of the context, if known."""
-        limit = self.config.max_model_len
-        if not limit:
-            return _FALLBACK_MAX_TOKENS
-        return max(1, limit - (prompt_len or 0))
-
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
                         structured: Any = None) -> Any:
         """The engine's ``SamplingParams`` for ``body``, its ``n`` samples included (each choice's
         engine request takes ``for_sample(i)``)."""
         try:
-            return self.sampling_params_cls(
+            params = self.sampling_params_cls(
                 n=body.n, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, max_tokens=max_tokens,
                 stop=body.stop_list(), stop_token_ids=body.stop_token_ids, seed=body.seed,
                 ignore_eos=body.ignore_eos, **extra_sampling_kwargs(body, structured))
-        except (TypeError, ValueError) as error:
-            raise APIError(400, f"invalid sampling parameters: {error}", code="invalid_parameter") from error
+        except (TypeError, ValueError) as error:  # "SamplingParams.top_p: got 0; allowed: ..."
+            field = _SAMPLING_FIELD.match(str(error))
+            raise APIError(400, f"invalid sampling parameters: {error}", param=field[1] if field else None,
+                           code="invalid_parameter") from error
+        vocab = self.prompts.vocab_size
+        for name in ("logit_bias", "allowed_token_ids"):
+            bad = next((t for t in getattr(params, name, None) or () if vocab is not None and t >= vocab), None)
+            if bad is not None:
+                raise APIError(400, f"{name}: token id {bad} is outside the vocabulary (0 to {vocab - 1})",
+                               param=name, code="invalid_parameter")
+        return params
 
 
 def get_state(request: Request) -> ServerState:

@@ -11,11 +11,12 @@ __all__ = ["S3Resolver", "register_resolvers"]
 
 
 @loramux.hookimpl
-def register_resolvers(register):
+def register_resolvers(register, settings):
     max_bytes = os.environ.get(MAX_BYTES_ENV)
     register(
         S3Resolver(
             os.environ.get(URI_ENV) or None,
             max_bytes=int(max_bytes) if max_bytes else DEFAULT_MAX_BYTES,
+            timeout=settings.fetch_timeout,
         )
     )

@@ -51,6 +51,8 @@ class S3Resolver(Resolver):
     :param cache_dir: where downloads go; default ``<cache>/adapters/s3``.
     :param storage_options: extra ``s3fs.S3FileSystem`` arguments; credentials, region and
         endpoint otherwise come from the standard AWS settings (``AWS_ENDPOINT_URL`` included).
+    :param timeout: seconds botocore waits to connect and for each read (loramux's registry
+        bounds the whole fetch); None: botocore's defaults.
     """
 
     name = "s3"
@@ -63,6 +65,7 @@ class S3Resolver(Resolver):
         max_bytes: int = DEFAULT_MAX_BYTES,
         cache_dir: str | os.PathLike | None = None,
         storage_options: dict | None = None,
+        timeout: float | None = None,
     ) -> None:
         if base_uri is not None:
             _split_uri(base_uri.rstrip("/") + "/x")  # raises ValueError for a malformed URI
@@ -71,7 +74,10 @@ class S3Resolver(Resolver):
         self.base_uri = base_uri.rstrip("/") if base_uri else None
         self.max_bytes = max_bytes
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.storage_options = storage_options or {}
+        self.storage_options = dict(storage_options or {})
+        if timeout is not None:
+            config = {"connect_timeout": timeout, "read_timeout": timeout}
+            self.storage_options["config_kwargs"] = {**config, **self.storage_options.get("config_kwargs", {})}
         self._fs = None
         self._lock = threading.Lock()
         self._target_locks: dict[Path, threading.Lock] = {}
