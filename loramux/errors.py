@@ -17,6 +17,7 @@ __all__ = [
     "CacheFullError",
     "CacheBusyError",
     "PluginError",
+    "QuantizationError",
 ]
 
 
@@ -86,3 +87,8 @@ class CacheBusyError(CacheFullError):
 
 class PluginError(LoRAError):
     """A plugin failed to import or broke a hook's contract; loramux carries on without it."""
+
+
+class QuantizationError(LoRAError, ValueError):
+    """The base model's quantization (the ``quantization`` option, or a checkpoint's
+    ``quantization_config``) is one loramux cannot run, or not on this device."""
