@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from loramux.engine.layers.base import BaseLayerWithLoRA
+from loramux.engine.quantization.fp8 import Fp8Linear
 from loramux.registry import LoRAConfig
 
 __all__ = ["LinearWithLoRA", "Conv1DWithLoRA"]
@@ -26,9 +27,14 @@ class LinearWithLoRA(BaseLayerWithLoRA):
     A fused layer that declares ``loramux_slices`` (``((module_name, width), ...)``, as
     :func:`loramux.engine.siblings.fuse_siblings` does) gets one slice per original module, so
     adapters trained on the separate projections fill its slices.
+
+    The base layer may be an FP8 `Fp8Linear`: it takes and returns activations in its
+    ``activation_dtype``, which the slots take too, and its weight is no float matrix, so the
+    layer is not a `plain_linear` (the prefill GEMM onto the delta stays with ``nn.Linear``); the
+    delta's shrink reads the activations the FP8 GEMM quantizes, before they are quantized.
     """
 
-    def __init__(self, base_layer: nn.Linear, module_name: str, lora_config: LoRAConfig) -> None:
+    def __init__(self, base_layer: nn.Linear | Fp8Linear, module_name: str, lora_config: LoRAConfig) -> None:
         slices = getattr(base_layer, "loramux_slices", None) or ((module_name, base_layer.out_features),)
         super().__init__(
             base_layer,
@@ -37,6 +43,7 @@ class LinearWithLoRA(BaseLayerWithLoRA):
             in_features=base_layer.in_features,
             output_sizes=tuple(size for _, size in slices),
             slice_names=tuple(name for name, _ in slices),
+            dtype=getattr(base_layer, "activation_dtype", None),
         )
 
 
