@@ -59,3 +59,21 @@ def test_kv_cache_and_compilation_flags_reach_the_engine(tmp_path):
     assert not engine.block_manager.enable_prefix_caching and engine.setup.gpu_memory_utilization == 0.5
     assert not engine.runner.compiled and not engine.runner.use_graphs
     assert parse().enable_prefix_caching and parse().compilation and parse().block_size == 16
+
+
+def test_quantization_fp8_reaches_the_engine_and_other_methods_are_refused(tmp_path, capsys):
+    from conftest import char_tokenizer, tiny_llama
+
+    from loramux.engine.quantization import Fp8Linear
+    from loramux.serving.server import build_engine
+
+    tiny_llama().save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    args = parse(str(tmp_path), "--quantization", "fp8", "--device", "cpu", "--max-model-len", "64")
+    assert args.quantization == "fp8" and parse(str(tmp_path), "-q", "fp8").quantization == "fp8"
+    assert parse().quantization is None
+    engine, _ = build_engine(args)
+    assert sum(isinstance(m, Fp8Linear) for m in engine.setup.model.modules()) == 8  # fused q/k/v, gate/up; o, down
+    with pytest.raises(SystemExit) as caught:
+        parse("-q", "int8")
+    assert caught.value.code == 2 and "--quantization: invalid choice: 'int8'" in capsys.readouterr().err
