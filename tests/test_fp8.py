@@ -105,8 +105,8 @@ def test_casting_a_quantized_model_casts_its_activations_not_its_fp8_weights():
 def test_a_gpu_without_fp8_is_refused_naming_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    with pytest.raises(QuantizationError, match=r"compute capability 8\.9 or newer.*cuda:1 is an NVIDIA A100"
-                       r"-SXM4-80GB \(compute capability 8\.0\).*without quantization='fp8'"):
+    with pytest.raises(QuantizationError, match=r"compute capability 8\.9 or newer.*cuda:1 \(NVIDIA A100"
+                       r"-SXM4-80GB\) has compute capability 8\.0\..*without quantization='fp8'"):
         check_fp8_device("cuda:1")
     with pytest.raises(QuantizationError, match="NVIDIA A100"):
         quantize_model(tiny_llama(), "cuda:0")  # refused before any layer moves
@@ -119,6 +119,14 @@ def test_a_gpu_without_fp8_is_refused_naming_it(monkeypatch):
 def test_the_quantization_option_takes_fp8_or_none():
     with pytest.raises(ValueError, match=r"quantization: got 'int8'; allowed: None .* or 'fp8'"):
         LLM(tiny_llama(), quantization="int8")
+
+
+def test_a_model_without_linear_projections_is_refused_rather_than_run_unquantized():
+    from conftest import tiny_model
+
+    with pytest.raises(QuantizationError, match=r"GPT2LMHeadModel has no projection to run in FP8: FP8 takes "
+                                                r"plain torch\.nn\.Linear layers.*without quantization='fp8'"):
+        LLM(tiny_model("gpt2"), quantization="fp8")  # transformers' Conv1D projections
 
 
 # -- LoRA on the FP8 base ---------------------------------------------------------------------------

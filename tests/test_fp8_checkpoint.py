@@ -200,3 +200,12 @@ def test_a_tensor_outside_the_format_is_refused_and_the_next_load_works(case, tm
     assert not nn.Linear(4, 4).weight.is_meta  # the meta-device loading is over
     model, _ = load_model(checkpoints["compressed-tensors-channel"][0])
     assert len(fp8_layers(model)) == 14
+
+
+def test_a_config_that_says_fp8_over_unquantized_weights_is_refused(tmp_path):
+    tiny_llama().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": compressed_tensors()}))
+    with pytest.raises(QuantizationError, match="quantization_config says 'compressed-tensors', but none of its "
+                                                "weights is float8_e4m3fn. Remove quantization_config"):
+        load_model(tmp_path)

@@ -340,7 +340,7 @@ def _build_dummy(config: PretrainedConfig, dtype: torch.dtype, device: torch.dev
     # quantize, the parameters start on the meta device and each projection is made, then
     # quantized, in turn: the unquantized model never exists whole. The seeded values are the
     # same either way (the same tensors, in the same order).
-    from loramux.engine.quantization import Fp8Linear, check_fp8_device, quantizable
+    from loramux.engine.quantization import Fp8Linear, check_fp8_device, quantizable, require_fp8_layers
     from loramux.engine.quantization.checkpoint import parameters_on_meta
 
     if quantize:
@@ -370,4 +370,6 @@ def _build_dummy(config: PretrainedConfig, dtype: torch.dtype, device: torch.dev
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent), child, Fp8Linear.from_linear(module))
     model.tie_weights()  # a tied output layer made on the meta device takes its made embeddings
+    if quantize:
+        require_fp8_layers(model)
     return model.eval()

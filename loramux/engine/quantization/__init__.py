@@ -2,7 +2,8 @@
 loads (``quantization="fp8"``) or read from a checkpoint saved in FP8."""
 
 from loramux.engine.quantization.checkpoint import SUPPORTED_CHECKPOINTS, checkpoint_format, load_fp8_checkpoint
-from loramux.engine.quantization.fp8 import Fp8Linear, check_fp8_device, quantizable, quantize_model
+from loramux.engine.quantization.fp8 import (Fp8Linear, check_fp8_device, quantizable, quantize_model,
+                                             require_fp8_layers)
 
 #: the values of the ``quantization`` option (None: the checkpoint's own)
 QUANTIZATION_METHODS = ("fp8",)
@@ -16,4 +17,5 @@ __all__ = [
     "load_fp8_checkpoint",
     "quantizable",
     "quantize_model",
+    "require_fp8_layers",
 ]

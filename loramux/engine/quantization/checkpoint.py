@@ -148,7 +148,7 @@ def load_fp8_checkpoint(source, checkpoint: Fp8Checkpoint, dtype: torch.dtype,
     `Fp8Linear`, everything else in ``dtype``, on ``device``, in eval mode.
 
     :raises QuantizationError: ``device`` has no FP8, or a tensor does not fit the format (a
-        missing or block-wise scale, a static activation scale).
+        missing or block-wise scale, a static activation scale), or no weight is in FP8.
     :raises ValueError: the checkpoint's tensors do not match the model its config describes.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -176,6 +176,11 @@ def load_fp8_checkpoint(source, checkpoint: Fp8Checkpoint, dtype: torch.dtype,
         problems += [f"weights missing from it: {', '.join(missing[:6])}"] if missing else []
         raise ValueError(f"{source}: the checkpoint does not match the model its config.json describes ("
                          f"{'; '.join(problems)}).")
+    if not any(isinstance(module, Fp8Linear) for module in model.modules()):
+        raise QuantizationError(
+            f"its config.json's quantization_config says {checkpoint.method!r}, but none of its weights is "
+            "float8_e4m3fn.", path=source,
+            fix="Remove quantization_config from config.json to load the weights as they are, or save FP8 weights.")
     return model.eval()
 
 

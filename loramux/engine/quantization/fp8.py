@@ -27,7 +27,7 @@ from loramux.errors import QuantizationError
 from loramux.kernels.dispatch import fp8_linear
 from loramux.kernels.fp8_reference import FP8_DTYPE, quantize_per_token_ref
 
-__all__ = ["Fp8Linear", "check_fp8_device", "quantizable", "quantize_model"]
+__all__ = ["Fp8Linear", "check_fp8_device", "quantizable", "quantize_model", "require_fp8_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -136,8 +136,8 @@ def check_fp8_device(device: torch.device | str) -> None:
     if (major, minor) < MIN_CAPABILITY:
         raise QuantizationError(
             f"FP8 weights need a GPU of compute capability 8.9 or newer (Ada, Hopper, Blackwell) for "
-            f"their FP8 GEMMs; {device} is an {torch.cuda.get_device_name(device)} "
-            f"(compute capability {major}.{minor}).",
+            f"their FP8 GEMMs; {device} ({torch.cuda.get_device_name(device)}) has compute capability "
+            f"{major}.{minor}.",
             fix="Serve the unquantized (bf16/fp16) checkpoint without quantization='fp8' "
                 "(--quantization fp8), or use a GPU that has FP8.",
         )
@@ -176,4 +176,18 @@ def quantize_model(model: nn.Module, device: torch.device | str | None = None) -
     if kept:
         logger.info("FP8: %d projections keep the model's dtype (a width not a multiple of %d): %s",
                     len(kept), FP8_ALIGNMENT, ", ".join(kept[:8]) + (" ..." if len(kept) > 8 else ""))
+    require_fp8_layers(model)
     return quantized
+
+
+def require_fp8_layers(model: nn.Module) -> None:
+    """Refuse a model asked to run in FP8 that has no FP8 layer (it would run unquantized).
+
+    :raises QuantizationError: naming the model and the layers FP8 takes.
+    """
+    if not any(isinstance(module, Fp8Linear) for module in model.modules()):
+        raise QuantizationError(
+            f"{type(model).__name__} has no projection to run in FP8: FP8 takes plain torch.nn.Linear layers "
+            f"(not the output embeddings) whose widths are multiples of {FP8_ALIGNMENT}.",
+            fix="Serve it without quantization='fp8' (--quantization fp8).",
+        )
