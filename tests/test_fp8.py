@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from conftest import TINY_LLAMA, char_tokenizer, rel_err, save_peft_adapter, tiny_llama
+from conftest import char_tokenizer, rel_err, save_peft_adapter, tiny_llama
 from torch import nn
 
 from loramux import LoRARequest, SamplingParams
@@ -34,6 +34,22 @@ def quantized_tiny_llama(dtype=torch.float32) -> nn.Module:
     model = tiny_llama().to(dtype)
     quantize_model(model)
     return model
+
+
+def prompt_logprobs(llm: LLM, prompts: list[list[int]], requests: list) -> torch.Tensor:
+    """``[len(prompts), len(prompt) - 1]``: each prompt token's log-prob after the ones before it
+    (the prompts of one length; no prefix cache hit, whose positions get none)."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                           lora_request=requests, use_tqdm=False)
+    return torch.tensor([[entry[t].logprob for t, entry in zip(p[1:], out.prompt_logprobs[1:])]
+                         for p, out in zip(prompts, outputs)])
+
+
+def peft_logprobs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """`prompt_logprobs` computed by a transformers (PEFT) model on ``ids [B, S]``."""
+    with torch.no_grad():
+        logprobs = model(ids).logits.float().log_softmax(-1)
+    return logprobs[:, :-1].gather(-1, ids[:, 1:, None])[..., 0].cpu()
 
 
 # -- the FP8 projection ----------------------------------------------------------------------------
@@ -174,20 +190,14 @@ def test_an_adapters_delta_on_the_fp8_base_is_close_to_peft_delta_on_the_unquant
     from peft import PeftModel
 
     llm = LLM(tiny_llama(), quantization="fp8", max_loras=1, max_lora_rank=8, max_model_len=64)
-    request = LoRARequest("all", 1, str(all_projections))
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    prompts = [{"prompt_token_ids": row} for row in INPUT.tolist()]
-    outputs = llm.generate(prompts * 2, params, lora_request=[None] * len(prompts) + [request] * len(prompts),
-                           use_tqdm=False)
-    got = torch.tensor([[entry[token].logprob for token, entry in zip(row[1:], out.prompt_logprobs[1:])]
-                        for row, out in zip(INPUT.tolist() * 2, outputs)]).view(2, *INPUT[:, 1:].shape)
-    with torch.no_grad():
-        base = tiny_llama()(INPUT).logits.log_softmax(-1)
-        adapted = PeftModel.from_pretrained(tiny_llama(), all_projections)(INPUT).logits.log_softmax(-1)
-    expected = torch.stack([lp[:, :-1].gather(-1, INPUT[:, 1:, None])[..., 0] for lp in (base, adapted)])
-    delta, expected_delta = got[1] - got[0], expected[1] - expected[0]  # [B, S-1] log-prob deltas
+    prompts = INPUT.tolist()
+    base, adapted = (prompt_logprobs(llm, prompts, [lora] * len(prompts))
+                     for lora in (None, LoRARequest("all", 1, str(all_projections))))
+    expected_base = peft_logprobs(tiny_llama(), INPUT)
+    expected_adapted = peft_logprobs(PeftModel.from_pretrained(tiny_llama(), all_projections), INPUT)
+    expected_delta = expected_adapted - expected_base  # [B, S-1] log-prob deltas
     assert expected_delta.abs().mean() > 0.05  # the adapter moves the log-probs
-    assert rel_err(delta, expected_delta) < LOGITS_TOLERANCE  # about 2.5%: the layers' inputs are FP8's
+    assert rel_err(adapted - base, expected_delta) < LOGITS_TOLERANCE  # about 2.5%: the layers' inputs are FP8's
 
 
 def peft_on_fp8_base(adapter_dir) -> nn.Module:
@@ -260,32 +270,18 @@ def test_tensor_parallel_shards_of_fp8_layers_hold_the_whole_layers_rows_and_col
 def test_tensor_parallel_fp8_serves_adapters_as_one_rank_does(tmp_path, engine_adapters):
     """Two CPU ranks (gloo) against one. A row-parallel layer's rank quantizes its own columns
     of each token (as vLLM's do), so the log-probs agree to FP8's precision, not exactly."""
-    from conftest import step_to_end
-
-    from loramux.engine.llm_engine import LLMEngine
-
     tiny_llama().save_pretrained(tmp_path)
     char_tokenizer().save_pretrained(tmp_path)
-    prompts = INPUT.tolist()
-    names = [None, "all", "attn"]
-    ids = {"all": 1, "attn": 2}
+    requests = [None, LoRARequest("all", 1, str(engine_adapters["all"])),
+                LoRARequest("attn", 2, str(engine_adapters["attn"]))]
     logprobs = []
     for tp in (1, 2):
-        engine = LLMEngine(str(tmp_path), quantization="fp8", tensor_parallel_size=tp, dtype=torch.float64,
-                           max_loras=2, max_lora_rank=8, max_model_len=64)
+        llm = LLM(str(tmp_path), quantization="fp8", tensor_parallel_size=tp, dtype=torch.float64, max_loras=2,
+                  max_lora_rank=8, max_model_len=64)
         try:
-            assert len(fp8_layers(engine.setup.model)) == 8
-            for i, (name, prompt) in enumerate(zip(names, prompts)):
-                lora = None if name is None else LoRARequest(name, ids[name], str(engine_adapters[name]))
-                engine.add_request(str(i), {"prompt_token_ids": prompt},
-                                   SamplingParams(max_tokens=1, prompt_logprobs=0), lora)
-            outputs = {}
-            while engine.has_unfinished_requests():
-                outputs.update({out.request_id: out for out in engine.step() if out.finished})
+            assert len(fp8_layers(llm.llm_engine.setup.model)) == 8
+            logprobs.append(prompt_logprobs(llm, INPUT.tolist(), requests))
         finally:
-            engine.close()
-        logprobs.append(torch.tensor([[entry[token].logprob for token, entry in
-                                       zip(prompt[1:], outputs[str(i)].prompt_logprobs[1:])]
-                                      for i, prompt in enumerate(prompts)]))
+            llm.llm_engine.close()
     one, two = logprobs
     assert (one - two).abs().max() < 0.05 and not torch.equal(one, two)

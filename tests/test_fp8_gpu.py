@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 from conftest import rel_err, tiny_llama
-from test_fp8 import INPUT, LOGITS_TOLERANCE, fp8_layers, peft_on_fp8_base
+from test_fp8 import INPUT, LOGITS_TOLERANCE, fp8_layers, peft_logprobs, peft_on_fp8_base, prompt_logprobs
 from test_fp8_checkpoint import compressed_tensors, write_fp8_checkpoint
 from torch import nn
 
@@ -101,30 +101,19 @@ def test_a_tiny_model_on_cuda_is_close_to_the_unquantized_and_to_the_cpu_referen
         assert rel_err(got, cpu(INPUT).logits) < 4 * BF16_ROUNDING
 
 
-def _prompt_logprobs(llm, prompts, requests) -> torch.Tensor:
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=requests, use_tqdm=False)
-    return torch.tensor([[entry[t].logprob for t, entry in zip(p[1:], out.prompt_logprobs[1:])]
-                         for p, out in zip(prompts, outputs)])
-
-
 def test_an_adapters_delta_on_the_fp8_base_is_close_to_peft_delta_on_the_unquantized_model(engine_adapters):
     from peft import PeftModel
 
     adapter = engine_adapters["all"]
     prompts = INPUT.tolist()
     llm = LLM(tiny_llama().cuda(), quantization="fp8", max_loras=1, max_lora_rank=8, max_model_len=64)
-    request = LoRARequest("all", 1, str(adapter))
-    got = [_prompt_logprobs(llm, prompts, [lora] * len(prompts)) for lora in (None, request)]
-    with torch.no_grad():
-        logprobs = [m(INPUT).logits.log_softmax(-1)[:, :-1].gather(-1, INPUT[:, 1:, None])[..., 0]
-                    for m in (tiny_llama(), PeftModel.from_pretrained(tiny_llama(), adapter))]
-    assert rel_err(got[1] - got[0], logprobs[1] - logprobs[0]) < LOGITS_TOLERANCE
-    # and the engine's FP8 logprobs are PEFT's on the same FP8 base, to the GEMM's bfloat16 rounding
-    with torch.no_grad():
-        oracle = peft_on_fp8_base(adapter).cuda()(INPUT.cuda()).logits.log_softmax(-1)
-    expected = oracle[:, :-1].gather(-1, INPUT[:, 1:, None].cuda())[..., 0].cpu()
-    assert (got[1] - expected).abs().max() < 0.02
+    base, adapted = (prompt_logprobs(llm, prompts, [lora] * len(prompts))
+                     for lora in (None, LoRARequest("all", 1, str(adapter))))
+    expected_delta = (peft_logprobs(PeftModel.from_pretrained(tiny_llama(), adapter), INPUT)
+                      - peft_logprobs(tiny_llama(), INPUT))
+    assert rel_err(adapted - base, expected_delta) < LOGITS_TOLERANCE
+    # and the engine's log-probs are PEFT's on the same FP8 base, to the GEMMs' bfloat16 rounding
+    assert (adapted - peft_logprobs(peft_on_fp8_base(adapter).cuda(), INPUT.cuda())).abs().max() < 0.02
 
 
 def test_greedy_with_adapters_on_an_fp8_base_replays_graphs_as_eager_steps_run(engine_adapters):
@@ -233,6 +222,6 @@ def test_tensor_parallel_fp8_on_two_gpus_serves_adapters_as_one_gpu_does(tmp_pat
     for tp in (1, 2):
         llm = _LLM(str(tmp_path), device="cuda", dtype="float32", quantization="fp8", tensor_parallel_size=tp,
                    max_loras=2, max_lora_rank=8, max_model_len=64, num_gpu_blocks_override=256)
-        logprobs.append(_prompt_logprobs(llm, prompts, requests))
+        logprobs.append(prompt_logprobs(llm, prompts, requests))
         llm.llm_engine.close()
     assert (logprobs[0] - logprobs[1]).abs().max() < 0.05
