@@ -14,6 +14,7 @@ from loramux.errors import (
     InvalidAdapterError,
     LoRAError,
     PluginError,
+    QuantizationError,
 )
 from loramux.registry import LoRAConfig, LoRARequest
 
@@ -33,6 +34,7 @@ __all__ = [
     "AdapterDownloadError",
     "CacheFullError",
     "PluginError",
+    "QuantizationError",
 ]
 
 _LAZY = {

@@ -209,3 +209,12 @@ def test_a_config_that_says_fp8_over_unquantized_weights_is_refused(tmp_path):
     with pytest.raises(QuantizationError, match="quantization_config says 'compressed-tensors', but none of its "
                                                 "weights is float8_e4m3fn. Remove quantization_config"):
         load_model(tmp_path)
+
+
+def test_serve_stops_at_start_with_the_reason(tmp_path, capsys):
+    from loramux.cli import main
+
+    write_fp8_checkpoint(tmp_path, REFUSED_CONFIGS["block-wise transformers"][0])
+    assert main(["serve", str(tmp_path), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err
+    assert f"loramux: error: ({tmp_path}): its config.json's quantization_config has block-wise FP8 scales" in err

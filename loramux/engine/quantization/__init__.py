@@ -5,11 +5,7 @@ from loramux.engine.quantization.checkpoint import SUPPORTED_CHECKPOINTS, checkp
 from loramux.engine.quantization.fp8 import (Fp8Linear, check_fp8_device, quantizable, quantize_model,
                                              require_fp8_layers)
 
-#: the values of the ``quantization`` option (None: the checkpoint's own)
-QUANTIZATION_METHODS = ("fp8",)
-
 __all__ = [
-    "QUANTIZATION_METHODS",
     "SUPPORTED_CHECKPOINTS",
     "Fp8Linear",
     "check_fp8_device",
