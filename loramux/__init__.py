@@ -15,6 +15,7 @@ from loramux.errors import (
     InvalidAdapterError,
     LoRAError,
     PluginError,
+    QuantizationError,
 )
 from loramux.registry import LoRAConfig, LoRARequest
 
@@ -35,6 +36,7 @@ __all__ = [
     "CacheFullError",
     "EngineClosedError",
     "PluginError",
+    "QuantizationError",
 ]
 
 _LAZY = {

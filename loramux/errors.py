@@ -18,6 +18,7 @@ __all__ = [
     "CacheBusyError",
     "PluginError",
     "EngineClosedError",
+    "QuantizationError",
 ]
 
 
@@ -91,3 +92,8 @@ class PluginError(LoRAError):
 
 class EngineClosedError(LoRAError, RuntimeError):
     """The engine was closed (``close()``, a ``with`` block's end, or garbage collection)."""
+
+
+class QuantizationError(LoRAError, ValueError):
+    """The base model's quantization (the ``quantization`` option, or a checkpoint's
+    ``quantization_config``) is one loramux cannot run, or not on this device."""

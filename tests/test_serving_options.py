@@ -80,3 +80,21 @@ def test_bad_structured_outputs_limits_are_refused_naming_the_problem(spec, prob
     with pytest.raises(SystemExit):
         parse("--structured-outputs-limits", spec)
     assert problem in capsys.readouterr().err
+
+
+def test_quantization_fp8_reaches_the_engine_and_other_methods_are_refused(tmp_path, capsys):
+    from conftest import char_tokenizer, tiny_llama
+
+    from loramux.engine.quantization import Fp8Linear
+    from loramux.serving.server import build_engine
+
+    tiny_llama().save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    args = parse(str(tmp_path), "--quantization", "fp8", "--device", "cpu", "--max-model-len", "64")
+    assert args.quantization == "fp8" and parse(str(tmp_path), "-q", "fp8").quantization == "fp8"
+    assert parse().quantization is None
+    engine, _ = build_engine(args)
+    assert sum(isinstance(m, Fp8Linear) for m in engine.setup.model.modules()) == 8  # fused q/k/v, gate/up; o, down
+    with pytest.raises(SystemExit) as caught:
+        parse("-q", "int8")
+    assert caught.value.code == 2 and "--quantization: invalid choice: 'int8'" in capsys.readouterr().err

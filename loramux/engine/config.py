@@ -25,6 +25,7 @@ from loramux.registry import LoRAConfig, LoRARequest
 __all__ = ["EngineConfig"]
 
 _LOAD_FORMATS = ("auto", "dummy")
+_QUANTIZATIONS = ("fp8",)
 
 
 @dataclass
@@ -51,6 +52,7 @@ class EngineConfig:
     dtype: str | torch.dtype = "auto"
     device: str | torch.device | None = None  # None: CUDA when available
     load_format: str = "auto"
+    quantization: str | None = None  # "fp8"; None: as the checkpoint is saved (unquantized, or FP8)
     tokenizer: Any = None
     fuse_projections: bool = True
     tensor_parallel_size: int = 1
@@ -106,6 +108,11 @@ class EngineConfig:
             raise ValueError(
                 f"load_format: got {self.load_format!r}; allowed: 'auto' (real weights) or 'dummy' "
                 "(random weights from a config)"
+            )
+        if self.quantization is not None and self.quantization not in _QUANTIZATIONS:
+            raise ValueError(
+                f"quantization: got {self.quantization!r}; allowed: None (the checkpoint as saved: unquantized, "
+                "or FP8) or 'fp8' (the projections' weights quantized to FP8 as they load)"
             )
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
             raise ValueError(f"seed: got {self.seed!r}; allowed: an int or None")

@@ -68,8 +68,9 @@ class EngineSetup:
 
 
 def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup:
-    """Load (or take) the model, shard it for ``tp_rank`` when ``config.tensor_parallel_size > 1``,
-    fuse its sibling projections, wrap it for LoRA and resolve the device's default sizes.
+    """Load (or take) the model, quantized as ``config.quantization`` or its checkpoint says, shard
+    it for ``tp_rank`` when ``config.tensor_parallel_size > 1``, fuse its sibling projections, wrap
+    it for LoRA and resolve the device's default sizes.
 
     A tensor-parallel worker (``tp_rank > 0``) builds the same model and LoRA layers but no
     registry: adapters reach it as weight shards from the driver.
@@ -80,6 +81,10 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
         hf_model = config.model.eval()
         device = next(hf_model.parameters()).device
         name = getattr(hf_model.config, "_name_or_path", "") or type(hf_model).__name__
+        if config.quantization == "fp8":  # in place, layer by layer
+            from loramux.engine.quantization import quantize_model
+
+            quantize_model(hf_model)
     else:
         from loramux.engine.model_loader import DEFAULT_MODEL_NAME, load_model
 
@@ -94,7 +99,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
                 prepare_config = functools.partial(shard_config, size=tp_size)
         hf_model, loaded_tokenizer = load_model(
             config.model, dtype=config.dtype, device=device, load_format=config.load_format,
-            prepare_config=prepare_config,
+            prepare_config=prepare_config, quantization=config.quantization,
         )
         tokenizer = tokenizer or loaded_tokenizer
         name = DEFAULT_MODEL_NAME if config.model is None else str(config.model)

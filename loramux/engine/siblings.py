@@ -10,8 +10,8 @@ group costs one shrink and one expand launch whatever its size.
 
 Which groups exist is a small declared mapping (:data:`SIBLING_GROUPS`: attribute names inside one
 parent module, in the order the modeling code calls them). A group is fused only when every member
-is a plain ``nn.Linear`` with the same input width, dtype, device and bias presence; anything else
-is left as it is.
+is a plain ``nn.Linear`` (or every member an FP8 `Fp8Linear`, whose per-channel scales fuse as
+they are) with the same input width, dtype, device and bias presence; anything else is left as it is.
 
 The fused layer carries ``loramux_slices`` (the original module names and widths), which the
 built-in LoRA hook reads to wrap it with one slice per sibling; a layer plugin can declare its own
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from loramux.engine.quantization.fp8 import Fp8Linear
 
 __all__ = ["SIBLING_GROUPS", "FusedSiblings", "SiblingSlice", "fuse_siblings"]
 
@@ -80,13 +82,14 @@ class SiblingSlice(nn.Module):
 
 
 def _fusable(members: list[nn.Module]) -> bool:
-    if not all(type(m) is nn.Linear for m in members):
-        return False
     first = members[0]
+    if type(first) not in (nn.Linear, Fp8Linear) or any(type(m) is not type(first) for m in members):
+        return False
     return all(
         m.in_features == first.in_features
         and getattr(m, "loramux_tp", None) == getattr(first, "loramux_tp", None)
         and m.weight.dtype == first.weight.dtype
+        and getattr(m, "activation_dtype", None) == getattr(first, "activation_dtype", None)
         and m.weight.device == first.weight.device
         and (m.bias is None) == (first.bias is None)
         for m in members
@@ -107,11 +110,14 @@ def fuse_siblings(model: nn.Module, groups: tuple[tuple[str, ...], ...] = SIBLIN
                 continue
             first = members[0]
             sizes = tuple(m.out_features for m in members)
-            linear = nn.Linear(first.in_features, sum(sizes), bias=first.bias is not None,
-                               device="meta", dtype=first.weight.dtype)
-            linear.weight = nn.Parameter(torch.cat([m.weight for m in members]), requires_grad=False)
-            if first.bias is not None:
-                linear.bias = nn.Parameter(torch.cat([m.bias for m in members]), requires_grad=False)
+            if isinstance(first, Fp8Linear):
+                linear = Fp8Linear.concat(members)
+            else:
+                linear = nn.Linear(first.in_features, sum(sizes), bias=first.bias is not None,
+                                   device="meta", dtype=first.weight.dtype)
+                linear.weight = nn.Parameter(torch.cat([m.weight for m in members]), requires_grad=False)
+                if first.bias is not None:
+                    linear.bias = nn.Parameter(torch.cat([m.bias for m in members]), requires_grad=False)
             prefix = f"{parent_name}." if parent_name else ""
             linear.loramux_slices = tuple((prefix + n, size) for n, size in zip(names, sizes))
             if hasattr(first, "loramux_tp"):  # tensor-parallel shards: each slice holds this rank's rows

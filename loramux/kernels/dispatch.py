@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from . import attention_reference, reference
+from . import attention_reference, fp8_reference, reference
 from .metadata import LoRABatchMeta
 
 ENV_VAR = "LORAMUX_KERNELS"
@@ -206,3 +206,30 @@ def lora_apply(
     """
     buf = lora_shrink(x, lora_a, scales, meta, ranks, pool_starts=pool_starts, max_rank=max_rank)
     lora_expand(y, buf, lora_b, slice_sizes, meta, ranks, pdl=pdl, pool_starts=pool_starts, scales=scales)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> ``(q [M, K] float8_e4m3fn, scale [M, 1] float32)``: one scale per row
+    (`loramux.kernels.fp8_reference`). One Triton launch on CUDA, no host sync."""
+    if x.is_cuda and _use_triton(x):
+        from .fp8_quant import quantize_per_token_triton
+
+        return quantize_per_token_triton(x)
+    return fp8_reference.quantize_per_token_ref(x)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] @ W.T`` for the FP8 weight ``W = weight [N, K] * weight_scale [N, None]``, x
+    quantized per token first (`quantize_per_token`); out ``[M, N]`` in x's dtype.
+
+    On CUDA one FP8 GEMM through cuBLASLt (``torch._scaled_mm``, row-wise scales: x's [M, 1] and
+    the weight's [1, N], both float32; weight.t() is the column-major operand it takes), written in
+    bfloat16 (the one output dtype every device's row-wise kernel takes) and cast to x's dtype.
+    K and N must be multiples of 16. Elsewhere the torch reference (`fp8_matmul_ref`).
+    """
+    xq, x_scale = quantize_per_token(x)
+    if not (x.is_cuda and _use_triton(x)):
+        return fp8_reference.fp8_matmul_ref(xq, x_scale, weight, weight_scale, x.dtype)
+    out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
+                           out_dtype=torch.bfloat16)
+    return out if out.dtype == x.dtype else out.to(x.dtype)

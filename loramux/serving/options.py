@@ -176,6 +176,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-model-len", type=int, default=None, help="prompt plus output tokens")
     engine.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                         help="'dummy': random weights from the model's config (benchmarks)")
+    engine.add_argument("-q", "--quantization", default=None, choices=["fp8"],
+                        help="'fp8': the projections' weights quantized to FP8 as they load (per output "
+                        "channel; activations per token), half the weight bytes, FP8 GEMMs on GPUs of compute "
+                        "capability 8.9+; adapters run on top in the model's dtype. A checkpoint saved in FP8 "
+                        "loads as FP8 without it (default: the checkpoint as saved)")
     engine.add_argument("--seed", type=int, default=0, help="seed for sampling (default: %(default)s)")
     engine.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default: %(default)s)")
     engine.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="FRACTION",

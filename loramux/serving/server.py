@@ -111,6 +111,7 @@ def build_engine(
         max_gpu_lora_bytes=args.max_gpu_lora_bytes, max_pinned_lora_bytes=args.max_pinned_lora_bytes,
         resolver_settings=resolver_settings, lora_dtype=args.lora_dtype, dtype=args.dtype, device=args.device,
         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, load_format=args.load_format,
+        quantization=getattr(args, "quantization", None),
         seed=args.seed, block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
         num_gpu_blocks_override=args.num_gpu_blocks_override, enable_prefix_caching=args.enable_prefix_caching,
         enforce_eager=args.enforce_eager, compilation=args.compilation, max_graph_tokens=args.max_graph_tokens,

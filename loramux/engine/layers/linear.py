@@ -16,6 +16,7 @@ from torch import nn
 
 from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.engine.layers.contract import LayerSupport, Route
+from loramux.engine.quantization.fp8 import Fp8Linear
 from loramux.registry import LoRAConfig
 
 __all__ = ["LinearWithLoRA", "Conv1DWithLoRA"]
@@ -31,11 +32,16 @@ class LinearWithLoRA(BaseLayerWithLoRA):
     A fused layer that declares ``loramux_slices`` (``((module_name, width), ...)``, as
     :func:`loramux.engine.siblings.fuse_siblings` does) gets one slice per original module, so
     adapters trained on the separate projections fill its slices.
+
+    The base layer may be an FP8 `Fp8Linear`: it takes and returns activations in its
+    ``activation_dtype``, which the slots take too, and its product is no plain ``x @ weight.T``,
+    so it allows every route but the GEMM onto the delta; the delta's shrink reads the
+    activations the FP8 GEMM quantizes, before they are quantized.
     """
 
     support = PROJECTION
 
-    def __init__(self, base_layer: nn.Linear, module_name: str, lora_config: LoRAConfig) -> None:
+    def __init__(self, base_layer: nn.Linear | Fp8Linear, module_name: str, lora_config: LoRAConfig) -> None:
         slices = getattr(base_layer, "loramux_slices", None) or ((module_name, base_layer.out_features),)
         super().__init__(
             base_layer,
@@ -47,6 +53,7 @@ class LinearWithLoRA(BaseLayerWithLoRA):
             # a bias, or a subclass of nn.Linear (a quantized or scaled layer), is more than x @ W.T
             support=None if type(base_layer) is nn.Linear and base_layer.bias is None
             else self.support.without(Route.DELTA_THEN_GEMM),
+            dtype=getattr(base_layer, "activation_dtype", None),
         )
 
 

@@ -11,6 +11,7 @@ from torch import nn
 from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.engine.layers.embedding import EmbeddingWithLoRA
 from loramux.engine.layers.linear import Conv1DWithLoRA, LinearWithLoRA
+from loramux.engine.quantization.fp8 import Fp8Linear
 from loramux.plugins.hookspecs import hookimpl
 from loramux.registry import LoRAConfig
 
@@ -21,6 +22,7 @@ SUPPORTED_LAYER_TYPES = (
     "torch.nn.Linear",
     "torch.nn.Embedding",
     "transformers.pytorch_utils.Conv1D",
+    "loramux.engine.quantization.Fp8Linear",
 )
 
 
@@ -36,8 +38,10 @@ def builtin_lora_layer(
     base_layer: nn.Module, module_name: str, lora_config: LoRAConfig
 ) -> BaseLayerWithLoRA | None:
     """The built-in wrapper for ``base_layer``, or None when its type is not one of ours."""
+    if isinstance(base_layer, Fp8Linear):  # takes and returns activations in the model's dtype
+        return LinearWithLoRA(base_layer, module_name, lora_config)
     weight = getattr(base_layer, "weight", None)
-    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+    if not isinstance(weight, torch.Tensor) or not weight.is_floating_point() or weight.element_size() < 2:
         return None  # quantized or weightless layers need a plugin that knows their layout
     if isinstance(base_layer, nn.Linear):
         return LinearWithLoRA(base_layer, module_name, lora_config)

@@ -27,7 +27,10 @@ from typing import Literal
 import torch
 from torch import nn
 
+from loramux.engine.quantization.fp8 import Fp8Linear
 from loramux.engine.tensor_parallel.group import all_reduce
+
+Linear = nn.Linear | Fp8Linear  # what the mapping's layers may be
 
 __all__ = ["COLUMN_PARALLEL", "ROW_PARALLEL", "SHARDED_BLOCKS", "RowParallelLinear", "ShardSpec", "shard_config",
            "shard_model"]
@@ -58,7 +61,7 @@ class RowParallelLinear(nn.Module):
     outputs (LoRA's included: LoRA wraps ``linear``) are summed over the ranks, then the bias
     is added once."""
 
-    def __init__(self, linear: nn.Linear, bias: torch.Tensor | None) -> None:
+    def __init__(self, linear: Linear, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.linear = linear
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -105,7 +108,7 @@ def shard_model(model: nn.Module, rank: int, size: int, *, prebuilt: bool = Fals
             if all(layer is None for layer in layers.values()):
                 continue
             odd = [f"{prefix}{attr} ({'missing' if layer is None else type(layer).__name__})"
-                   for attr, layer in layers.items() if type(layer) is not nn.Linear]
+                   for attr, layer in layers.items() if type(layer) not in (nn.Linear, Fp8Linear)]
             if odd:  # e.g. a fused qkv_proj beside o_proj: this mapping cannot split its heads
                 problems.extend(odd)
                 continue
@@ -114,7 +117,7 @@ def shard_model(model: nn.Module, rank: int, size: int, *, prebuilt: bool = Fals
             setattr(parent, row, _row_shard(layers[row], prefix + row, rank, size, prebuilt))
             sharded.extend(prefix + attr for attr in (*columns, row))
     if not sharded or problems:
-        found = f"; not plain nn.Linear layers of that mapping: {', '.join(problems[:4])}" if problems else ""
+        found = f"; not plain nn.Linear (or FP8) layers of that mapping: {', '.join(problems[:4])}" if problems else ""
         raise ValueError(
             f"tensor parallelism shards the layers named {', '.join(COLUMN_PARALLEL + ROW_PARALLEL)} "
             f"(Llama, Qwen2, Mistral, Gemma and kin); {type(model).__name__} has {len(sharded)} of them"
@@ -147,29 +150,33 @@ def _divide(config, size: int) -> None:
     config.num_key_value_heads = kv_heads // size
 
 
-def _column_shard(layer: nn.Linear, rank: int, size: int, prebuilt: bool = False) -> nn.Linear:
+def _column_shard(layer: Linear, rank: int, size: int, prebuilt: bool = False) -> Linear:
     if prebuilt:
         shard = layer
     else:
         rows = layer.out_features // size
-        part = slice(rank * rows, (rank + 1) * rows)
-        shard = _linear(layer.weight[part], None if layer.bias is None else layer.bias[part])
+        shard = _part(layer, rows=slice(rank * rows, (rank + 1) * rows))
     shard.loramux_tp = ShardSpec("column", rank, size)
     return shard
 
 
-def _row_shard(layer: nn.Linear, name: str, rank: int, size: int, prebuilt: bool = False) -> RowParallelLinear:
+def _row_shard(layer: Linear, name: str, rank: int, size: int, prebuilt: bool = False) -> RowParallelLinear:
     columns = layer.in_features if prebuilt else layer.in_features // size
     start = 0 if prebuilt else rank * columns
-    shard = _linear(layer.weight[:, start : start + columns], None)
+    shard = _part(layer, columns=slice(start, start + columns), keep_bias=False)
     shard.loramux_tp = ShardSpec("row", rank, size)
     # LoRA wraps the inner layer, which stands for the module adapters name (PEFT's o_proj)
     shard.loramux_slices = ((name, layer.out_features),)
     return RowParallelLinear(shard, None if layer.bias is None else layer.bias.clone())
 
 
-def _linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
-    """An ``nn.Linear`` owning a copy of ``weight`` (so the full layer's memory is freed)."""
+def _part(layer: Linear, rows: slice = slice(None), columns: slice = slice(None), *, keep_bias: bool = True) -> Linear:
+    """A layer of the same kind owning a copy of ``layer``'s ``rows`` and ``columns`` (so the full
+    layer's memory is freed); an FP8 layer keeps its rows' scales (`Fp8Linear.part`)."""
+    if isinstance(layer, Fp8Linear):
+        return layer.part(rows, columns, keep_bias=keep_bias)
+    weight = layer.weight[rows, columns]
+    bias = None if layer.bias is None or not keep_bias else layer.bias[rows]
     out_features, in_features = weight.shape
     linear = nn.Linear(in_features, out_features, bias=bias is not None, device="meta", dtype=weight.dtype)
     linear.weight = nn.Parameter(weight.contiguous().clone(), requires_grad=False)
