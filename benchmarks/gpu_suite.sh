@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 stage() {  # stage NAME SECONDS COMMAND...: run it under its limit, log it, record its exit code
     local name=$1 limit=$2
     shift 2
-    case " ${STAGES:-tests throughput throughput_tp many_adapters cold_load kernels report} " in
+    case " ${STAGES:-tests throughput throughput_fp8 throughput_tp many_adapters cold_load kernels report} " in
         *" $name "*) ;;
         *) return ;;  # STAGES="tests kernels" runs those alone (one device call each, say)
     esac
@@ -31,6 +31,7 @@ stage tests "${TESTS_S:-600}" python -m pytest -m gpu -n "${TEST_WORKERS:-6}" -q
     --durations=25 tests
 stage throughput "${THROUGHPUT_S:-420}" python benchmarks/throughput.py --ranks 16 --adapters 1,32 \
     --peft-adapters 0 --output-len 64 --out "$OUT"
+stage throughput_fp8 "${FP8_S:-420}" python benchmarks/throughput.py -q fp8 --ranks 16 --output-len 64 --out "$OUT"
 if [ "$GPUS" -ge 2 ]; then
     stage throughput_tp "${TP_S:-540}" python benchmarks/throughput.py -tp 2 --ranks 16 --output-len 64 --out "$OUT"
 fi

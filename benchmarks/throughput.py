@@ -1,10 +1,11 @@
 """The engine against its floor: decode step, tokens/s, prefill and time to first token, with and
 without adapters (q/v and all seven projections, 1 to 32 adapters), base requests on a LoRA engine
 before and after adapter traffic, many requests flowing through continuous batching, PEFT's own
-mixed batch, and tensor parallelism (``-tp N``).
+mixed batch, tensor parallelism (``-tp N``) and an FP8 base model (``-q fp8``).
 
     PYTHONPATH=. python benchmarks/throughput.py                     # CUDA: Llama-3.1-8B shapes, dummy weights
     PYTHONPATH=. python benchmarks/throughput.py -tp 2               # TP=1 against TP=2 (2 GPUs)
+    PYTHONPATH=. python benchmarks/throughput.py -q fp8              # bf16 against FP8 (sm_89 and newer)
     PYTHONPATH=. python benchmarks/throughput.py --model tiny --num-requests 4 --prompt-len 8 \\
         --output-len 4 --prefill-len 16 --adapters 1,2 --ranks 8 --flow-requests 8 --out /tmp  # CPU smoke
 
@@ -62,7 +63,7 @@ from loramux.engine.llm_engine import LLMEngine  # noqa: E402
 from loramux.engine.model_loader import dummy_config  # noqa: E402
 
 TITLE = "Throughput"
-TP_ADAPTER_COUNTS = (0, 1, 32)
+COMPARED_ADAPTER_COUNTS = (0, 1, 32)
 
 
 class StepTimer:
@@ -164,6 +165,11 @@ def bind_adapters(engine: LLMEngine, adapters) -> list[LoRARequest]:
 
 def close(engine: LLMEngine) -> None:
     engine.close()
+    release_device_memory()
+
+
+def release_device_memory() -> None:
+    """Give the device what the engines closed and no longer referenced held."""
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
@@ -331,27 +337,27 @@ def peft_run(args, model, prompts, rank: int, n: int, device) -> dict:
 # -- tensor parallelism ---------------------------------------------------------------------------
 
 
-def per_rank_bytes(config, dtype: torch.dtype, tp: int, adapter_bytes: int) -> int:
-    """Bytes of weights and adapters one rank reads per decode step (the KV is added per run)."""
+def per_rank_bytes(config, dtype: torch.dtype, tp: int, adapter_bytes: int, fp8: bool = False) -> int:
+    """Bytes of weights and adapters one rank reads per decode step (the KV is added per run): its
+    shard of the projections (one byte a weight in FP8), the embeddings and LM head whole."""
     c = config.get_text_config()
     projections = sum(i * o for i, o in projection_shapes(config).values()) * c.num_hidden_layers
     embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-    return (projections // tp + embeddings) * dtype.itemsize + adapter_bytes // tp
+    return projections // tp * (1 if fp8 else dtype.itemsize) + embeddings * dtype.itemsize + adapter_bytes // tp
 
 
-def tensor_parallel_runs(args) -> dict:
-    """TP=1 and TP=``args.tensor_parallel_size``, each one engine (random weights from the config:
-    each rank builds only its share) serving the batch with 0, 1 and 32 adapters (rank
-    ``--ranks``' first, all seven projections). The floor: the bytes one rank reads (its shard of
-    the projections, the replicated embeddings and LM head, its part of the adapters and of the
-    KV) over the copy bandwidth of GPU 0. The targets: TP=N's step over TP=1's, and LoRA's extra
-    step cost in percent at each size (no larger under TP=N than under TP=1)."""
-    sizes = sorted({1, args.tensor_parallel_size})
+def compare_runs(args, variants: dict[str, dict]) -> dict:
+    """Engines side by side in one run, each built from the config with random weights (under
+    tensor parallelism each rank builds only its share) and given its ``variants`` options, each
+    serving the batch with 0, 1 and 32 adapters (rank ``--ranks``' first, all seven projections).
+    The floor: the bytes one rank reads (its shard of the projections, in FP8 one byte each, the
+    embeddings and LM head, its part of the adapters and of the KV) over the copy bandwidth of GPU
+    0. The targets: each variant's step over the first's, LoRA's extra step cost in percent in each,
+    and what each holds in weights and KV blocks (rank 0's)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda:0" if cuda else "cpu")
     bandwidth = copy_bandwidth(device)
-    gc.collect()
-    torch.cuda.empty_cache() if cuda else None
+    release_device_memory()
     config = dummy_config(args.model)
     dtype = getattr(torch, args.dtype)
     rank, vocab = args.ranks[0], config.get_text_config().vocab_size
@@ -359,33 +365,41 @@ def tensor_parallel_runs(args) -> dict:
     layers, kv_heads, head_dim = kv_cache_geometry(config)
     result = {"model": args.model, "dtype": args.dtype, "num_requests": args.num_requests, "prompt_len": args.prompt_len,
               "output_len": args.output_len, "mode": "eager" if args.enforce_eager or not cuda else "compiled + graphs",
-              "copy_bandwidth_GBps": bandwidth and bandwidth / 1e9, "lora_rank": rank, "runs": []}
+              "copy_bandwidth_GBps": bandwidth and bandwidth / 1e9, "lora_rank": rank, "runs": [], "memory": {}}
     adapters = [random_adapter(config, f"tp-{i}", rank, ALL_SEVEN, 1000 + i, "cpu", dtype)
-                for i in range(max(TP_ADAPTER_COUNTS))]
-    for tp in sizes:
-        engine = LLMEngine(args.model, load_format="dummy", dtype=args.dtype, tensor_parallel_size=tp,
-                           enable_lora=True, max_loras=max(TP_ADAPTER_COUNTS), max_lora_rank=rank,
-                           max_cpu_loras=max(TP_ADAPTER_COUNTS) + 1, **engine_options(args))
+                for i in range(max(COMPARED_ADAPTER_COUNTS))]
+    for label, options in variants.items():
+        tp, fp8 = options.get("tensor_parallel_size", 1), options.get("quantization") == "fp8"
+        engine = LLMEngine(args.model, load_format="dummy", dtype=args.dtype, enable_lora=True,
+                           max_loras=max(COMPARED_ADAPTER_COUNTS), max_lora_rank=rank,
+                           max_cpu_loras=max(COMPARED_ADAPTER_COUNTS) + 1, **engine_options(args), **options)
+        result["memory"][label] = {"weight_bytes": sum(p.nbytes for p in engine.runner.model.parameters()),
+                                   "kv_blocks": engine.kv_cache.num_blocks}
         requests = bind_adapters(engine, adapters)
         warm_up(engine, [None])
         run_workload(engine, prompts, [None] * len(prompts), min(args.output_len, 16))  # first-use costs
-        for n in TP_ADAPTER_COUNTS:
+        for n in COMPARED_ADAPTER_COUNTS:
             if n:
                 warm_up(engine, requests[:n])
-            run = {"scenario": f"TP={tp}, {n} adapter{'s' if n != 1 else ''}", "tp": tp, "adapters": n,
+            run = {"scenario": f"{label}, {n} adapter{'s' if n != 1 else ''}", "variant": label, "tp": tp, "adapters": n,
                    **run_workload(engine, prompts, in_turn(requests, n, len(prompts)), args.output_len)}
             if bandwidth and run["decode_step_ms"]:
                 kv = run["decode_kv_tokens"] * 2 * layers * (kv_heads // tp) * head_dim * dtype.itemsize
-                run["floor_ms"] = 1e3 * (per_rank_bytes(config, dtype, tp, sum(a.nbytes for a in adapters[:n])) + kv) / bandwidth
+                read = per_rank_bytes(config, dtype, tp, sum(a.nbytes for a in adapters[:n]), fp8) + kv
+                run["floor_ms"] = 1e3 * read / bandwidth
                 run["vs_floor"] = run["decode_step_ms"] / run["floor_ms"]
             result["runs"].append(run)
             print(f"  {run['scenario']}: {run['tokens_per_s']:.1f} tok/s, step {run['decode_step_ms'] or 0:.2f} ms", flush=True)
-        close(engine)
-    step = {(r["tp"], r["adapters"]): r["decode_step_ms"] for r in result["runs"]}
-    top = sizes[-1]
-    extra = {f"TP={tp}, {n} adapters": stats.ratio(step[tp, n], step[tp, 0]) for tp in sizes for n in TP_ADAPTER_COUNTS[1:]}
+        engine.close()
+        del engine  # before the next engine sizes its KV cache from the memory left: these weights go now
+        release_device_memory()
+    step = {(r["variant"], r["adapters"]): r["decode_step_ms"] for r in result["runs"]}
+    first, *others = variants
+    extra = {f"{label}, {n} adapters": stats.ratio(step[label, n], step[label, 0])
+             for label in variants for n in COMPARED_ADAPTER_COUNTS[1:]}
     result["targets"] = {
-        "step_ratio": {f"TP={top}/TP=1, {n} adapters": stats.ratio(step[top, n], step[1, n]) for n in TP_ADAPTER_COUNTS},
+        "step_ratio": {f"{label} / {first}, {n} adapters": stats.ratio(step[label, n], step[first, n])
+                       for label in others for n in COMPARED_ADAPTER_COUNTS},
         "lora_extra_cost_percent": {key: None if r is None else 100 * (r - 1) for key, r in extra.items()}}
     return result
 
@@ -420,6 +434,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="also q/v adapters on an engine that wraps q/v only (lora_target_modules)")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="measure TP=1 and TP=N instead (0, 1 and 32 adapters)")
+    parser.add_argument("-q", "--quantization", choices=["fp8"], default=None,
+                        help="measure the model in --dtype and quantized so instead (0, 1 and 32 adapters)")
     parser.add_argument("--out", type=Path, default=default_out(), help="folder for throughput.json / throughput_tp.json "
                         "(default: docs/benchmarks on CUDA, benchmark-results without)")
     args = parser.parse_args(argv)
@@ -433,11 +449,14 @@ def main(argv=None) -> Path:
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    if args.tensor_parallel_size:
-        result = tensor_parallel_runs(args)
-        name = f"{args.tensor_parallel_size} x {device_name(device)}"
-        path = write_result(args.out / "throughput_tp.json", "throughput", name, result, argv)
-        print(tp_markdown(result))
+    if args.tensor_parallel_size or args.quantization:  # engines side by side, each from the config
+        tp = args.tensor_parallel_size
+        variants = ({f"TP={n}": {"tensor_parallel_size": n} for n in sorted({1, tp})} if tp
+                    else {args.dtype: {}, args.quantization.upper(): {"quantization": args.quantization}})
+        result = compare_runs(args, variants)
+        stem, name = ("throughput_tp", f"{tp} x {device_name(device)}") if tp else ("throughput_fp8", device_name(device))
+        path = write_result(args.out / f"{stem}.json", "throughput", name, result, argv)
+        print(compare_markdown(result))
         return path
     t0 = time.perf_counter()
     model = load_bench_model(args.model, args.dtype, device, args.load_format)
@@ -555,7 +574,8 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def tp_markdown(result: dict) -> str:
+def compare_markdown(result: dict) -> str:
+    """Engines side by side (`compare_runs`): each run against its floor, then the targets and memory."""
     lines = [f"{result['model']} ({result['dtype']}), {result['mode']}; {result['num_requests']} requests x "
              f"({result['prompt_len']} prompt + {result['output_len']} generated) tokens; adapters of rank "
              f"{result['lora_rank']} on all seven projections", "",
@@ -565,7 +585,9 @@ def tp_markdown(result: dict) -> str:
               f"{cell(r.get('vs_floor'), '{:.2f}x')} |" for r in result["runs"]]
     targets = result["targets"]
     lines += ["", *(f"- decode step {k}: {cell(v, '{:.3f}x')}" for k, v in targets["step_ratio"].items()),
-              *(f"- LoRA's extra step cost, {k}: {cell(v, '{:.1f}%')}" for k, v in targets["lora_extra_cost_percent"].items())]
+              *(f"- LoRA's extra step cost, {k}: {cell(v, '{:.1f}%')}" for k, v in targets["lora_extra_cost_percent"].items()),
+              *(f"- {label} (rank 0): weights {m['weight_bytes'] / 2**30:.2f} GiB, {m['kv_blocks']} KV-cache blocks"
+                for label, m in result.get("memory", {}).items())]
     return "\n".join(lines) + "\n"
 
 
@@ -587,7 +609,8 @@ def plot(document: dict, path: Path) -> None:
 
 #: JSON stem -> (heading, renderer, the command that measures it), for benchmarks/report.py
 SECTIONS = {"throughput": ("One GPU", markdown, "PYTHONPATH=. python benchmarks/throughput.py"),
-            "throughput_tp": ("Tensor parallelism", tp_markdown, "PYTHONPATH=. python benchmarks/throughput.py -tp 2")}
+            "throughput_tp": ("Tensor parallelism", compare_markdown, "PYTHONPATH=. python benchmarks/throughput.py -tp 2"),
+            "throughput_fp8": ("FP8 base model", compare_markdown, "PYTHONPATH=. python benchmarks/throughput.py -q fp8")}
 
 if __name__ == "__main__":
     main()

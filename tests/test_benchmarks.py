@@ -55,7 +55,7 @@ def test_the_report_knows_every_maintained_benchmark_and_refuses_others(tmp_path
     assert set(report.BENCHMARKS) == pages
     page = report.render_page("throughput", tmp_path)  # nothing measured in tmp_path
     text = page.read_text()
-    assert text.startswith("# Throughput\n") and text.count("Not yet measured on a GPU") == 2
+    assert text.startswith("# Throughput\n") and text.count("Not yet measured on a GPU") == 3
     assert "`PYTHONPATH=. python benchmarks/throughput.py -tp 2`" in text
     with pytest.raises(SystemExit, match="no maintained benchmark 'latency'; the benchmarks are throughput"):
         report.render_page("latency", tmp_path)
@@ -109,9 +109,27 @@ def test_throughput_tensor_parallel_smoke(tmp_path):
     runs = document["result"]["runs"]
     assert [(r["tp"], r["adapters"]) for r in runs] == [(tp, n) for tp in (1, 2) for n in (0, 1, 32)]
     assert all(r["generated_tokens"] == 2 * 2 for r in runs) and document["device"].startswith("2 x CPU")
-    assert set(document["result"]["targets"]["step_ratio"]) == {f"TP=2/TP=1, {n} adapters" for n in (0, 1, 32)}
+    assert set(document["result"]["targets"]["step_ratio"]) == {f"TP=2 / TP=1, {n} adapters" for n in (0, 1, 32)}
     text = report.render_page("throughput", tmp_path).read_text()
-    assert "| TP=2, 32 adapters |" in text and text.count("Not yet measured on a GPU") == 1  # the one-GPU section
+    assert "| TP=2, 32 adapters |" in text and text.count("Not yet measured on a GPU") == 2  # one GPU, FP8
+
+
+def test_throughput_fp8_smoke(tmp_path):
+    """``-q fp8`` on the CPU (the FP8 reference path): the model in its dtype and in FP8 serve the
+    batch with 0, 1 and 32 adapters; FP8 holds half the projection bytes of bfloat16."""
+    from benchmarks import throughput
+    from benchmarks._common import TINY_CONFIG
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({"model_type": "llama", **TINY_CONFIG}))
+    throughput.main(["-q", "fp8", "--model", str(config), "--dtype", "bfloat16", "--num-requests", "2",
+                     "--prompt-len", "6", "--output-len", "2", "--ranks", "8", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "throughput_fp8.json").read_text())["result"]
+    assert [(r["variant"], r["adapters"]) for r in result["runs"]] == [(v, n) for v in ("bfloat16", "FP8") for n in (0, 1, 32)]
+    assert all(r["generated_tokens"] == 2 * 2 for r in result["runs"])
+    assert result["memory"]["FP8"]["weight_bytes"] < result["memory"]["bfloat16"]["weight_bytes"]
+    text = report.render_page("throughput", tmp_path).read_text()
+    assert "## FP8 base model" in text and "| FP8, 1 adapter |" in text and "- FP8 (rank 0): weights" in text
 
 
 def test_many_adapters_smoke(tmp_path):

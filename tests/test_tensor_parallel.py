@@ -241,6 +241,8 @@ class TestOneSharedEngine:
         expected = generate(reference, mixed(engine_adapters, "m"))
         reference.close()
         assert len(set(map(tuple, expected.values()))) > 3  # the adapters change the output
+        # async steps: each decode's token id is still on the device, on every rank rank 0's
+        assert tp_engine.async_scheduling
         assert generate(tp_engine, mixed(engine_adapters, "m")) == expected
 
     def test_the_kernel_warm_up_runs_each_step_on_every_rank_with_a_whole_zero_adapter(self, tp_engine):

@@ -153,8 +153,7 @@ class LLMEngine:
             self.adapters.scheduler = self.scheduler
         self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids,
                                                     config.structured_output_limits)
-        # tensor parallelism: the workers take each step's inputs from the host, token ids included
-        self.async_scheduling = config.async_scheduling and self.workers is None
+        self.async_scheduling = config.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read back yet
         self._inbox: deque[tuple[str, object]] = deque()
         self._requests: dict[str, Sequence] = {}
@@ -321,7 +320,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one step; return the requests that got a token or finished in it.
 
-        With async scheduling (the default; not under tensor parallelism) a step launches its GPU
+        With async scheduling (the default) a step launches its GPU
         work and then reads back the tokens of the step launched before it, so the host work
         between two steps (these tokens' bookkeeping, copying queued adapters into GPU slots,
         scheduling and building the next inputs) runs while the GPU computes: the tokens a call

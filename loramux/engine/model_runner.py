@@ -20,8 +20,10 @@ runs everything eagerly; ``compilation=False`` keeps the graphs without compilin
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ from loramux.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_l
 from loramux.engine.sampler import Sampler, SamplerOutput
 from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
+from loramux.engine.tensor_parallel.group import share_sampled
 from loramux.kernels.dispatch import uses_triton
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepShape", "graph_batch_sizes", "graph_token_sizes"]
@@ -67,9 +70,14 @@ class LaunchedStep:
     sampled: SamplerOutput | None
     host_tokens: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+    #: tensor parallelism: reads the workers' answers for this step, failing if one died, before
+    #: anything waits on the step (its collectives would never finish without that worker)
+    ranks_ran: Callable[[], None] | None = None
 
     def token_ids(self) -> list[int]:
         """The sampled tokens, row by row, on the host: waits for the step's GPU work."""
+        if self.ranks_ran is not None:
+            self.ranks_ran()
         if not self.seqs:
             return []
         if self.copied is not None:
@@ -168,16 +176,25 @@ class ModelRunner:
         The workers' answers are read before returning, i.e. before anything here synchronises
         with the device: a collective whose peer died would never complete.
         """
+        result, ran = self._launch_on_all_ranks(method, 0, *args, **kwargs)
+        if ran is not None:
+            ran()
+        return result
+
+    def _launch_on_all_ranks(self, method: str, sampled: int, *args, **kwargs) -> tuple[object, Callable[[], None] | None]:
+        """Queue ``self.method(*args, **kwargs)`` here and on every tensor-parallel worker without
+        waiting for the workers: returns ours, and (with workers) what reads their answers, which
+        must run before anything here waits on the device. ``sampled``: the tokens this step
+        samples, which `_sample` shares with the workers."""
         if self.workers is None:
-            return getattr(self, method)(*args, **kwargs)
-        self.workers.call(method, *args, **kwargs)
+            return getattr(self, method)(*args, **kwargs), None
+        call = self.workers.call(method, *args, sampled=sampled, **kwargs)
         try:
             result = getattr(self, method)(*args, **kwargs)
         except Exception:
             self.workers.after_local_failure(method)  # a WorkerError if a worker died: the real cause
             raise
-        self.workers.wait(method)
-        return result
+        return result, functools.partial(self.workers.wait, method, call)
 
     def allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
         return self._on_all_ranks("_allocate_kv_cache", num_blocks)
@@ -284,8 +301,8 @@ class ModelRunner:
             sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
             inputs = self.graphs.step_inputs(batch.chunks)
             self.last_step = StepShape(len(batch), tokens, prompt_tokens, inputs.num_tokens, graph=True)
-            logits = self._on_all_ranks("_replay", inputs)
-            return self._sample(sampled, logits[: len(sampled)])
+            logits, ran = self._launch_on_all_ranks("_replay", len(sampled), inputs)
+            return self._sample(sampled, logits[: len(sampled)], ran)
         self.last_step = StepShape(len(batch), tokens, prompt_tokens, max(tokens, 2), graph=False)
         ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
         lora_slots, logits, logit_slots, sampled, pending = [], [], [], [], ([], [])
@@ -309,22 +326,24 @@ class ModelRunner:
         prompt_plan = plan_prompt_logprobs(batch.chunks)  # None unless a request asks for them
         if prompt_plan is not None:  # their rows come after the sampled ones
             logits, logit_slots = logits + prompt_plan.index, logit_slots + prompt_plan.slots
-        out = self._on_all_ranks(
-            "_forward_packed", ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens,
+        out, ran = self._launch_on_all_ranks(
+            "_forward_packed", len(sampled), ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens,
             query_start=query_start, lora_slots=lora_slots if uses_lora else None, logits=logits,
             logit_slots=logit_slots if uses_lora else None, pending=pending if pending[0] else None,
         )
         if prompt_plan is not None:
             record_prompt_logprobs(out[len(sampled) : len(sampled) + len(prompt_plan.index)], prompt_plan)
-        return self._sample(sampled, out[: len(sampled)])
+        return self._sample(sampled, out[: len(sampled)], ran)
 
     def _replay(self, inputs) -> torch.Tensor:
         return self.graphs.replay(inputs)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> LaunchedStep:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, ranks_ran: Callable[[], None] | None) -> LaunchedStep:
         sampled = self.sampler(logits, seqs) if seqs else None
         self.last_tokens = sampled.token_ids if seqs else None
-        step = LaunchedStep(seqs, sampled)
+        if seqs and self.workers is not None:  # the workers' next step may take pending ids from them
+            share_sampled(sampled.token_ids)
+        step = LaunchedStep(seqs, sampled, ranks_ran=ranks_ran)
         if self.device.type == "cuda":
             if seqs:  # non_blocking to the CPU: into page-locked memory, queued behind the step
                 step.host_tokens = sampled.token_ids.to("cpu", non_blocking=True)

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "destroy_group", "free_port", "init_group", "rank_device"]
+__all__ = ["all_reduce", "destroy_group", "free_port", "init_group", "rank_device", "share_sampled"]
 
 #: how long a collective (and the rendezvous) may wait for a peer before failing; generous, since
 #: the first forward compiles. A dead worker is noticed sooner, by its process sentinel.
@@ -97,3 +97,13 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` summed over the ranks, in place (it must be contiguous); returns it."""
     torch.ops.loramux.all_reduce(tensor)
     return tensor
+
+
+def share_sampled(tokens: torch.Tensor) -> torch.Tensor:
+    """Rank 0's sampled token ids (int64, one per sampled row) on every rank, in place: on rank 0
+    ``tokens`` is sent, elsewhere it is received into (a buffer of the same size). The next step's
+    pending tokens take their ids from it on every rank, as rank 0 alone samples."""
+    assert tokens.dtype == torch.int64, tokens.dtype  # every rank's buffer is int64
+    tokens = tokens.contiguous()
+    dist.broadcast(tokens, src=0)
+    return tokens

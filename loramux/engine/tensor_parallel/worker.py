@@ -11,6 +11,8 @@ end-of-file (the driver is gone) or on an error, which it sends to the driver fi
 from __future__ import annotations
 
 import pickle
+import queue
+import threading
 import traceback
 
 import torch
@@ -23,6 +25,43 @@ __all__ = ["WorkerLoRAManager", "run_worker"]
 #: what the driver may ask of a worker's runner (each runs on every rank, in the same order)
 RUNNER_METHODS = frozenset({"_forward_packed", "_replay", "_allocate_kv_cache", "_profile_peak_bytes",
                             "_capture_graphs"})
+
+
+class Answers:
+    """The worker's messages to the driver, one at a time (the serving loop sends errors, a
+    thread the answers): "done" once the device has run a call, so the loop goes on to the next
+    call while the device works, as rank 0 does."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def send(self, kind: str, detail=None) -> None:
+        with self._lock:
+            self.conn.send_bytes(pickle.dumps((kind, detail)))
+
+    def done(self, device: torch.device) -> None:
+        """Answer the call just queued on ``device`` once the device has run it (a CPU has)."""
+        if device.type != "cuda":
+            return self.send("done")
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._answer_when_run, args=(device,), name="loramux-tp-answers",
+                                            daemon=True)
+            self._thread.start()
+        event = torch.cuda.Event()
+        event.record()
+        self._events.put(event)
+
+    def _answer_when_run(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+        while True:
+            self._events.get().synchronize()
+            try:
+                self.send("done")
+            except OSError:  # the driver is gone; the serving loop sees it at its next read
+                return
 
 
 class WorkerLoRAManager(LoRAModelManager):
@@ -54,6 +93,7 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
     from loramux.engine.model_runner import ModelRunner
     from loramux.engine.tensor_parallel.group import destroy_group, init_group, rank_device
 
+    answers = Answers(conn)
     try:
         device = torch.device(config.device) if config.device is not None else _default_device()
         if device.type == "cpu":  # the ranks share the host's cores: oversubscribed, they spin-wait
@@ -66,11 +106,11 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
             max_model_len=setup.max_model_len, enforce_eager=config.enforce_eager, compilation=config.compilation,
             max_graph_tokens=config.max_graph_tokens, cuda_graph_sizes=config.cuda_graph_sizes,
         )
-        conn.send_bytes(pickle.dumps(("ready", None)))
-        _serve(runner, setup.lora_manager, conn)
+        answers.send("ready")
+        _serve(runner, setup.lora_manager, conn, answers)
     except BaseException:  # noqa: BLE001 -- the driver gets the traceback, then this process exits
         try:
-            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+            answers.send("error", traceback.format_exc())
         except OSError:
             pass
         raise SystemExit(1) from None
@@ -79,10 +119,12 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
 
 
 @torch.inference_mode()  # as the driver's steps: the graphs' static inputs are inference tensors
-def _serve(runner, manager: WorkerLoRAManager | None, conn) -> None:
+def _serve(runner, manager: WorkerLoRAManager | None, conn, answers: Answers) -> None:
+    from loramux.engine.tensor_parallel.group import share_sampled
+
     while True:
         try:
-            method, args, kwargs, reply = pickle.loads(conn.recv_bytes())
+            method, args, kwargs, reply, sampled = pickle.loads(conn.recv_bytes())
         except EOFError:  # the driver is gone
             return
         if method == "shutdown":
@@ -93,12 +135,12 @@ def _serve(runner, manager: WorkerLoRAManager | None, conn) -> None:
             manager.clear_shards(*args)
         elif method in RUNNER_METHODS:
             getattr(runner, method)(*args, **kwargs)
+            if sampled:  # rank 0's tokens, for the next step's pending ones
+                runner.last_tokens = share_sampled(torch.empty(sampled, dtype=torch.int64, device=runner.device))
         else:
             raise ValueError(f"unknown tensor-parallel call {method!r}")
         if reply:
-            if runner.device.type == "cuda":
-                torch.cuda.synchronize(runner.device)  # "done" means this rank's kernels finished
-            conn.send_bytes(pickle.dumps(("done", None)))
+            answers.done(runner.device)
 
 
 def _default_device() -> torch.device:

@@ -4,12 +4,13 @@ Ranks 1..N-1 are processes started here (torch.multiprocessing's spawn context: 
 forked). Each gets one pipe. Per call the driver sends every worker the same pickled
 ``(method, args)``: a step's packed inputs (a few lists of ints, as the driver's own runner
 builds them), a KV-cache allocation, a graph capture; or each worker its own part of an adapter
-for a slot. Calls that run a forward are answered ("done") once the worker's device is idle,
-and the driver reads every answer before anything on its side synchronises with the device: a
-collective with a dead peer would never finish, so the driver must not wait on one. While it
-waits it watches each worker's process sentinel, so a worker that dies fails the call at once
-with a `WorkerError` (its traceback when it had time to send one), never a hang. The first
-failure is kept: every later call raises it, as the group cannot recover.
+for a slot. Calls that run a forward are answered ("done") once the worker's device has run
+them (a thread of the worker's waits for that, so the worker goes on to the next call at once:
+steps queue on every rank as they do on rank 0). The driver reads a step's answers before it
+waits on that step's results: a collective with a dead peer would never finish, so the driver
+must not wait on one. While it reads it watches each worker's process sentinel, so a worker that
+dies fails the call at once with a `WorkerError` (its traceback when it had time to send one),
+never a hang. The first failure is kept: every later call raises it, as the group cannot recover.
 
 Pipes over nano-vllm's shared memory + events: the inputs of a step are a few KB, pickling them
 costs microseconds next to a forward, and a pipe gives both ends end-of-file when the other dies
@@ -73,6 +74,8 @@ class WorkerGroup:
         self._error: WorkerError | None = None
         self._conns: list[multiprocessing.connection.Connection] = []
         self._procs: list = []
+        self._calls = 0  # calls sent that each worker answers, in order
+        self._answered = [0] * (self.size - 1)  # per worker, the answers read
         self._in_group = False
         context = torch.multiprocessing.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -119,10 +122,15 @@ class WorkerGroup:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def call(self, method: str, *args, reply: bool = True, **kwargs) -> None:
-        """Send every worker ``method(*args, **kwargs)`` (a `ModelRunner` method); with ``reply``,
-        `wait` must follow (after this rank ran the same call)."""
-        self._send([pickle.dumps((method, args, kwargs, reply))] * len(self._conns))
+    def call(self, method: str, *args, reply: bool = True, sampled: int = 0, **kwargs) -> int:
+        """Send every worker ``method(*args, **kwargs)`` (a `ModelRunner` method). With ``reply``
+        each worker answers once its device has run the call; returns the call's number, which
+        `wait` takes (after this rank ran the same call). ``sampled``: the step samples that many
+        tokens, which rank 0 then broadcasts (`share_sampled`) for the next step to read."""
+        self._send([pickle.dumps((method, args, kwargs, reply, sampled))] * len(self._conns))
+        if reply:
+            self._calls += 1
+        return self._calls
 
     def write_slot(self, slot: int, parts: list[dict]) -> None:
         """Each worker its part of an adapter: ``parts[rank - 1]`` maps module names to rank
@@ -131,11 +139,11 @@ class WorkerGroup:
         payloads = []
         for part in parts:
             own = {name: _owned(weights) for name, weights in part.items()}
-            payloads.append(pickle.dumps(("write_slot", (slot, own), {}, False)))
+            payloads.append(pickle.dumps(("write_slot", (slot, own), {}, False, 0)))
         self._send(payloads)
 
     def clear_slot(self, slot: int) -> None:
-        self._send([pickle.dumps(("clear_slot", (slot,), {}, False))] * len(self._conns))
+        self._send([pickle.dumps(("clear_slot", (slot,), {}, False, 0))] * len(self._conns))
 
     def _send(self, payloads: list[bytes]) -> None:
         with self._lock:
@@ -149,12 +157,15 @@ class WorkerGroup:
 
     # -- waiting -----------------------------------------------------------------------------
 
-    def wait(self, what: str = "the step") -> None:
-        """Read every worker's answer to the last call, failing at once if one died."""
+    def wait(self, what: str = "the step", through: int | None = None) -> None:
+        """Read every worker's answers up to call number ``through`` (default: the last call
+        sent), failing at once if one died. Answers come in call order, so a step's wait reads
+        none of the steps queued after it."""
         what = _CALLS.get(what, what)
         if self._error is not None:
             raise self._error
-        pending = dict(enumerate(self._conns, start=1))
+        through = self._calls if through is None else through
+        pending = {rank: conn for rank, conn in enumerate(self._conns, start=1) if self._answered[rank - 1] < through}
         deadline = time.monotonic() + REPLY_TIMEOUT_S
         while pending:
             sentinels = {self._procs[rank - 1].sentinel: rank for rank in pending}
@@ -167,7 +178,9 @@ class WorkerGroup:
             for rank, conn in list(pending.items()):
                 if conn in ready or self._procs[rank - 1].sentinel in ready:
                     self._read_reply(rank, conn, what)
-                    del pending[rank]
+                    self._answered[rank - 1] += 1
+                    if self._answered[rank - 1] >= through:
+                        del pending[rank]
 
     def after_local_failure(self, what: str) -> None:
         """Rank 0 failed during ``what`` after the workers were sent it. Raises `WorkerError` if a
@@ -180,7 +193,8 @@ class WorkerGroup:
                    "close the engine and start a new one")
 
     def wait_ready(self) -> None:
-        """Wait until every worker has built its shard of the model."""
+        """Wait until every worker has built its shard of the model (its first answer)."""
+        self._calls += 1
         self.wait("building its shard of the model")
 
     def _read_reply(self, rank: int, conn, what: str) -> None:
@@ -228,7 +242,7 @@ class WorkerGroup:
         failure, when they may be stuck in a collective) and leave the process group. Idempotent."""
         if self._error is not None:
             timeout = 0.0
-        message = pickle.dumps(("shutdown", (), {}, False))
+        message = pickle.dumps(("shutdown", (), {}, False, 0))
         for conn in self._conns:
             try:
                 conn.send_bytes(message)
