@@ -104,7 +104,7 @@ def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"w{time.monotonic_ns()}-{i}", {"prompt_token_ids": prompt}, params, lora)
-    sync(engine.setup.device)
+    sync(engine.config.device)
     t0 = time.perf_counter()
     tokens = 0
     while engine.has_unfinished_requests():

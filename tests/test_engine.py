@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_greedy_matches_peft, peft_greedy, resident_requests, tiny_llama
+from conftest import assert_greedy_matches_peft, peft_greedy, resident_requests, tiny_llama, setenv
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm import LLM
@@ -329,7 +329,7 @@ def test_static_meta_through_the_kernels_matches_the_exact_meta(block, monkeypat
     y0 = torch.randn(T, sum(out), generator=gen).to(device)
     results = []
     for kernels, meta in (("torch", build_lora_meta(slots, S)), ("triton", build_lora_meta(slots, S, static=True))):
-        monkeypatch.setenv("LORAMUX_KERNELS", kernels)
+        setenv(monkeypatch, "LORAMUX_KERNELS", kernels)
         y = y0.clone()
         buf = lora_shrink(x, A, scales, meta, ranks)
         lora_expand(y, buf, B, out, meta, ranks)

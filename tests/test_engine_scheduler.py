@@ -6,6 +6,7 @@ import itertools
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.config import EngineConfig
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
 from loramux.errors import CacheFullError
@@ -34,9 +35,12 @@ def seq(name: str | None = None, prompt_len: int = 4, max_tokens: int = 3) -> Se
     )
 
 
-def scheduler(rows: int = 4, budget: int = 64, max_loras: int = 1, blocks: int = 64, **kwargs) -> Scheduler:
+def scheduler(rows: int = 4, budget: int = 64, max_loras: int = 1, blocks: int = 64,
+              max_shared_prefill_tokens: int | None = None, **kwargs) -> Scheduler:
+    config = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=budget, max_loras=max_loras, max_model_len=4096,
+                          max_shared_prefill_tokens=max_shared_prefill_tokens, block_size=8)
     manager = BlockManager(blocks + 1, 8)  # block 0 is the scratch block
-    return Scheduler(manager, max_num_seqs=rows, max_num_batched_tokens=budget, max_loras=max_loras, **kwargs)
+    return Scheduler(config, manager, **kwargs)
 
 
 def advance(s: Scheduler) -> list[Sequence]:

@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import INTERPRET, save_peft_adapter, tiny_model
+from conftest import INTERPRET, save_peft_adapter, tiny_model, setenv
 from layer_helpers import pool_of, reset_lora, set_lora
 from torch import nn
 
@@ -166,7 +166,7 @@ def test_a_prefill_adds_its_gemm_onto_the_stored_delta(kernels, mapping, monkeyp
 
     if kernels == "triton" and not INTERPRET:
         pytest.skip("the CPU run of the Triton kernels needs the interpreter")
-    monkeypatch.setenv("LORAMUX_KERNELS", kernels)
+    setenv(monkeypatch, "LORAMUX_KERNELS", kernels)
     torch.manual_seed(0)
     base = nn.Linear(16, 12, bias=False)
     base.loramux_slices = (("q_proj", 6), ("k_proj", 4), ("v_proj", 2))

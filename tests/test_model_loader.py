@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import setenv
 import torch
 
 from loramux.engine import model_loader
@@ -115,7 +116,7 @@ def test_load_model_casts_to_the_dtype_asked_for(default_dir):
 @pytest.fixture
 def fake_conversion(tmp_path, monkeypatch):
     """An empty cache dir and a conversion that writes two small files, counting its calls."""
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 
     def convert(gguf_dir: Path, out_dir: Path) -> None:
@@ -151,7 +152,7 @@ def test_partial_and_stale_dirs_are_never_used(tmp_path, fake_conversion):
 
 
 def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
 
     def broken(gguf_dir: Path, out_dir: Path) -> None:
         (out_dir / "model.safetensors").write_bytes(b"half")
@@ -176,7 +177,7 @@ def test_concurrent_callers_convert_once(fake_conversion):
 
 
 def test_missing_package_names_the_pip_command(tmp_path, monkeypatch):
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
     real_find_spec = model_loader.importlib.util.find_spec
     monkeypatch.setattr(
         model_loader.importlib.util,

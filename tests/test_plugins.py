@@ -27,6 +27,7 @@ from loramux.plugins import (
 from loramux.plugins import manager as manager_module
 from loramux.registry import LoRAConfig, Registry
 from loramux.resolvers import collect_resolvers
+from conftest import setenv
 
 PLUGINS_DIR = Path(__file__).parent / "plugins"
 
@@ -153,7 +154,7 @@ def test_allow_list_unset_loads_every_installed_plugin(installed):
 def test_allow_list_loads_only_the_plugins_named(installed, monkeypatch, allowed):
     installed("loramux-toy", "toy_layer")
     installed("loramux-zip", "zip_resolver", entry_point="zip-ep")
-    monkeypatch.setenv("LORAMUX_PLUGINS", allowed)
+    setenv(monkeypatch, "LORAMUX_PLUGINS", allowed)
     reset_plugin_manager()
     names = loaded_names()
     assert "zip-ep" in names
@@ -173,7 +174,7 @@ def test_allow_list_loads_only_the_plugins_named(installed, monkeypatch, allowed
 
 def test_empty_allow_list_loads_no_third_party_plugin_but_keeps_builtins(installed, monkeypatch):
     installed("loramux-toy", "toy_layer")
-    monkeypatch.setenv("LORAMUX_PLUGINS", "")
+    setenv(monkeypatch, "LORAMUX_PLUGINS", "")
     reset_plugin_manager()
     assert loaded_names() == set(DEFAULT_PLUGINS)
     assert [resolver.name for resolver in collect_resolvers()] == ["huggingface"]
@@ -242,7 +243,7 @@ def test_an_optional_hook_from_a_newer_loramux_is_accepted(registered):
 
 
 def test_trace_env_var_prints_every_hook_call(monkeypatch, capsys, registered):
-    monkeypatch.setenv("LORAMUX_TRACE_HOOKS", "1")
+    setenv(monkeypatch, "LORAMUX_TRACE_HOOKS", "1")
     reset_plugin_manager()
     registered(toy, "toy")
     create_lora_layer(toy.ToyScale(2), "model.scale", LoRAConfig())

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import rel_err, setenv
 from layer_helpers import pool_of, set_lora
 from torch import nn
 
@@ -29,7 +29,7 @@ SHAPES = {  # in_features, slices: 8B's fused qkv and gate_up
 @torch.no_grad()
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_a_prefill_through_the_gemm_onto_its_delta_matches_the_reference(shape, monkeypatch):
-    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+    setenv(monkeypatch, "LORAMUX_KERNELS", None)
     in_features, slices = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     base = nn.Linear(in_features, sum(n for _, n in slices), bias=False)

@@ -22,6 +22,7 @@ from loramux.errors import (
 )
 from loramux.registry import LoRAConfig, LoRARequest, Registry, load_adapter
 from loramux.resolvers import FilesystemResolver, Resolver
+from conftest import setenv
 
 _spec = importlib.util.spec_from_file_location(
     "example_bad_plugins", Path(__file__).parent / "plugins" / "bad_plugins.py"
@@ -115,7 +116,7 @@ def test_get_resident_answers_from_the_cpu_tier_only_and_never_reads(root, adapt
 
 
 def test_get_from_the_plugins_resolvers(root, monkeypatch):
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_DIR", str(root))
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_DIR", str(root))
     registry = Registry()
     assert [r.name for r in registry.resolvers][0] == "filesystem"
     assert registry.get("beta").rank == 4

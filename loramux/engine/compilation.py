@@ -30,7 +30,6 @@ compiled graphs and kernels.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +37,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from loramux import envs
 
 __all__ = [
     "CompileCacheDirs",
@@ -83,9 +84,9 @@ def configure_compile_caches(root: Path | None = None) -> CompileCacheDirs:
         from loramux.resolvers.cache import cache_dir
 
         root = cache_dir()
-    inductor = Path(os.environ.setdefault(INDUCTOR_CACHE_ENV, str(Path(root) / "torch-compile")))
+    inductor = Path(envs.export_default(INDUCTOR_CACHE_ENV, str(Path(root) / "torch-compile")))
     # Triton reads the variable whenever it looks up a kernel (its ``knobs.cache.dir``)
-    triton_dir = Path(os.environ.setdefault(TRITON_CACHE_ENV, str(Path(root) / "triton")))
+    triton_dir = Path(envs.export_default(TRITON_CACHE_ENV, str(Path(root) / "triton")))
     return CompileCacheDirs(inductor=inductor, triton=triton_dir)
 
 

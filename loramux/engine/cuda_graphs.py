@@ -109,7 +109,7 @@ class StepGraphs:
         # each size, not views, as in eager steps, so both calls pass the same guards
         # logits rows: one per sequence that samples, at most max_num_seqs (a big graph holds many
         # more tokens, and the LM head on all of them would cost a prefill's worth of work)
-        rows = {T: min(T, max(2, runner.max_num_seqs)) for T in sizes}
+        rows = {T: min(T, max(2, runner.config.max_num_seqs)) for T in sizes}
         self.inputs = {T: (torch.zeros(T, dtype=torch.int32, device=device),
                            torch.zeros(T, dtype=torch.int32, device=device),
                            torch.zeros(rows[T], dtype=torch.int32, device=device)) for T in sizes}
@@ -152,7 +152,7 @@ class StepGraphs:
         flattened, then the sequences' block tables' used columns (the kernels read no column past
         a row's length, and padding rows none). Pending tokens go to ``pending``
         (`Sequence.add_input_ids`)."""
-        bs = self.runner.block_size
+        bs = self.runner.config.block_size
         ids, positions, cache_slots, lora_slots = [], [], [], []
         lens, ends, logits_rows, logits_slots = [], [], [], []
         width = max((len(seq.block_table) for seq, _ in chunks), default=1)

@@ -1,22 +1,12 @@
-"""Everything an engine is built from: the model, tokenizer, LoRA manager, registry and sizes.
+"""Everything an engine is built from besides its config: the model, tokenizer, LoRA manager and registry.
 
-Sizing defaults (each `EngineConfig` field left at None takes its device's default):
-
-============================  ==========================  ======================
-argument                      CUDA                        CPU
-============================  ==========================  ======================
-``max_num_seqs``              64                          16
-``max_model_len``             min(model's, 4096)          min(model's, 2048)
-``max_num_batched_tokens``    4096                        1024
-``max_shared_prefill_tokens`` no bound                    16
-KV blocks                     ``gpu_memory_utilization``  ``CPU_KV_CACHE_BYTES``
-============================  ==========================  ======================
-
-The KV cache is a pool of blocks of ``block_size`` tokens (`PagedKVCache`), so ``max_model_len``
-does not multiply memory: on CUDA the blocks take what ``gpu_memory_utilization`` of the device
-leaves after the weights, the LoRA slots and the largest step's activations (measured by running
-it once); on CPU a fixed budget, capped at four times what ``max_num_seqs`` sequences of
-``max_model_len`` can use at once. ``num_gpu_blocks_override`` sets the number on any device.
+`build_engine_setup` loads (or takes) the model and resolves the config's device defaults in place
+(`EngineConfig.resolve`). The KV cache is a pool of blocks of ``block_size`` tokens
+(`PagedKVCache`), so ``max_model_len`` does not multiply memory: on CUDA the blocks take what
+``gpu_memory_utilization`` of the device leaves after the weights, the LoRA slots and the largest
+step's activations (measured by running it once); on CPU a fixed budget (`CPU_KV_CACHE_BYTES`),
+capped at four times what ``max_num_seqs`` sequences of ``max_model_len`` can use at once.
+``num_gpu_blocks_override`` sets the number on any device.
 """
 
 from __future__ import annotations
@@ -46,24 +36,11 @@ class EngineSetup:
     model: torch.nn.Module
     tokenizer: object | None
     model_name: str
-    device: torch.device
-    max_num_seqs: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_shared_prefill_tokens: int | None
-    max_loras: int
-    block_size: int
-    gpu_memory_utilization: float
-    num_gpu_blocks_override: int | None
-    enable_prefix_caching: bool
     eos_token_ids: frozenset[int]
     lora_manager: object | None
     registry: object | None
     registry_validates: bool  # the registry runs lora_manager.validate itself (one we built)
     lora_modules: list[LoRARequest]
-    seed: int | None
-    max_loading_workers: int
-    tensor_parallel_size: int = 1
     pinning: ArenaPinning | None = None  # the CPU tier's arena, page-locked beside the start
 
 
@@ -104,16 +81,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
         tokenizer = tokenizer or loaded_tokenizer
         name = DEFAULT_MODEL_NAME if config.model is None else str(config.model)
     cuda = device.type == "cuda"
-    text_config = hf_model.config.get_text_config()
-    model_max = getattr(text_config, "max_position_embeddings", None) or 4096
-    max_num_seqs = config.max_num_seqs or (64 if cuda else 16)
-    max_model_len = config.max_model_len or min(model_max, 4096 if cuda else 2048)
-    max_num_batched_tokens = config.max_num_batched_tokens or (4096 if cuda else 1024)
-    if max_num_batched_tokens < max_num_seqs:
-        raise ValueError(
-            f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} "
-            "(every running sequence decodes one token per step)"
-        )
+    config.resolve(device, getattr(hf_model.config.get_text_config(), "max_position_embeddings", None))
     if tp_size > 1:
         from loramux.engine.tensor_parallel.sharding import shard_model
 
@@ -143,24 +111,11 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
         model=hf_model,
         tokenizer=tokenizer,
         model_name=name,
-        device=device,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_shared_prefill_tokens=config.max_shared_prefill_tokens or (None if cuda else 16),
-        max_loras=config.max_loras if config.enable_lora else 0,
-        block_size=config.block_size,
-        gpu_memory_utilization=float(config.gpu_memory_utilization),
-        num_gpu_blocks_override=config.num_gpu_blocks_override,
-        enable_prefix_caching=bool(config.enable_prefix_caching),
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         lora_manager=lora_manager,
         registry=registry_obj,
         registry_validates=config.enable_lora and config.registry is None,
         lora_modules=requests,
-        seed=config.seed,
-        max_loading_workers=config.max_loading_workers,
-        tensor_parallel_size=tp_size,
         pinning=pinning,
     )
 
@@ -280,35 +235,35 @@ def _make_registry(lora_config: LoRAConfig, model_name: str, validate, resolver_
 CPU_KV_CACHE_BYTES = 512 * 2**20
 
 
-def num_kv_blocks(setup: EngineSetup, profile_peak_bytes) -> int:
+def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, profile_peak_bytes) -> int:
     """How many KV blocks to allocate (see the module docstring). ``profile_peak_bytes()`` runs
     the largest step once and returns its activation bytes (CUDA only)."""
     from loramux.engine.block_manager import blocks_needed
     from loramux.engine.kv_cache import PagedKVCache
 
-    config = setup.model.config.get_text_config()
-    dtype = next(setup.model.parameters()).dtype
-    block_bytes = PagedKVCache.block_bytes(config, setup.block_size, dtype)
-    per_seq = blocks_needed(setup.max_model_len, setup.block_size)
-    if setup.num_gpu_blocks_override is not None:
-        num_blocks = setup.num_gpu_blocks_override
-    elif setup.device.type == "cuda":
+    block_bytes = PagedKVCache.block_bytes(model.config.get_text_config(), config.block_size,
+                                           next(model.parameters()).dtype)
+    per_seq = blocks_needed(config.max_model_len, config.block_size)
+    cuda = config.device.type == "cuda"
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    elif cuda:
         torch.cuda.empty_cache()  # blocks this process cached but no longer uses are free, not in use
-        free, total = torch.cuda.mem_get_info(setup.device)
+        free, total = torch.cuda.mem_get_info(config.device)
         peak = profile_peak_bytes()
-        budget = setup.gpu_memory_utilization * total - (total - free) - peak
+        budget = config.gpu_memory_utilization * total - (total - free) - peak
         num_blocks = int(budget // block_bytes)
     else:
         # capped at 4x what max_num_seqs sequences can hold at once: room for the prefix cache
-        num_blocks = min(CPU_KV_CACHE_BYTES // block_bytes, 4 * setup.max_num_seqs * per_seq + 1)
+        num_blocks = min(CPU_KV_CACHE_BYTES // block_bytes, 4 * config.max_num_seqs * per_seq + 1)
     if num_blocks < per_seq + 1:
         used = ""
-        if setup.device.type == "cuda" and setup.num_gpu_blocks_override is None:
+        if cuda and config.num_gpu_blocks_override is None:
             used = (f" ({(total - free) / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB were in use "
                     "before the cache: the weights, and anything else on it, such as another engine)")
         raise ValueError(
-            f"the KV cache has room for {max(num_blocks, 0)} blocks of {setup.block_size} tokens{used}, but one "
-            f"sequence of max_model_len={setup.max_model_len} needs {per_seq} (plus one scratch block); lower "
+            f"the KV cache has room for {max(num_blocks, 0)} blocks of {config.block_size} tokens{used}, but one "
+            f"sequence of max_model_len={config.max_model_len} needs {per_seq} (plus one scratch block); lower "
             "max_model_len, close other engines, or raise gpu_memory_utilization / num_gpu_blocks_override."
         )
     return num_blocks

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -50,6 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
+from loramux import envs
 from loramux.engine.kv_cache import kv_cache_geometry
 from loramux.engine.lora_patch import matches_target
 from loramux.kernels import LoRABatchMeta, build_lora_meta
@@ -66,8 +66,8 @@ __all__ = ["ENV_VAR", "LoRAModuleShape", "WarmupStep", "attention_keys", "lora_k
 
 logger = logging.getLogger(__name__)
 
-ENV_VAR = "LORAMUX_KERNEL_WARMUP"
-THREADS_ENV_VAR = "LORAMUX_KERNEL_WARMUP_THREADS"
+ENV_VAR = envs.env_name("kernel_warmup")
+THREADS_ENV_VAR = envs.env_name("kernel_warmup_threads")
 WARMUP_ADAPTER = "__loramux_kernel_warmup__"
 
 
@@ -206,7 +206,7 @@ def warm_up_kernels(runner: ModelRunner) -> int:
     delta is zero; the kernels run as for any adapter) and leaves it, the slot counters as they
     were. Nothing is written to the KV cache.
     """
-    if os.environ.get(ENV_VAR, "1").strip() in ("0", "false", "no"):
+    if not envs.current().kernel_warmup:
         return 0
     config = runner.model.config.get_text_config()
     layers, kv_heads, head_dim = kv_cache_geometry(config)
@@ -214,9 +214,9 @@ def warm_up_kernels(runner: ModelRunner) -> int:
     shapes = lora_module_shapes(manager) if manager is not None else []
     try:
         plan, _ = plan_warmup(
-            max_num_batched_tokens=runner.max_num_batched_tokens, max_num_seqs=runner.max_num_seqs,
+            max_num_batched_tokens=runner.config.max_num_batched_tokens, max_num_seqs=runner.config.max_num_seqs,
             num_heads=config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
-            block_size=runner.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
+            block_size=runner.config.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
             num_slots=manager.lora_config.max_loras if manager is not None else 1,
             min_tokens=runner.graphs.sizes[-1] + 1 if runner.graphs is not None else 1,
         )
@@ -248,7 +248,7 @@ def _compile_in_parallel(runner: ModelRunner, plan: list[WarmupStep], slot: int 
     """Compile the plan's Triton kernels in a thread pool: run its steps with each launch made
     a compile-only ``warmup`` (no kernel runs; the torch ops between them compute on whatever the
     skipped kernels left, and the results are dropped)."""
-    threads = int(os.environ.get(THREADS_ENV_VAR, "8") or 1)
+    threads = envs.current().kernel_warmup_threads
     try:
         from triton.runtime._async_compile import AsyncCompileMode
         from triton.runtime.jit import JITFunction
@@ -297,7 +297,7 @@ def _hold_zero_adapter(manager) -> int:
 
 def _run_step(runner: ModelRunner, step: WarmupStep, slot: int | None) -> None:
     """One forward of ``step`` over block 0: decodes at position 0, the chunk from position 0."""
-    width = cdiv(step.chunk, runner.block_size)
+    width = cdiv(step.chunk, runner.config.block_size)
     decodes = step.num_seqs - 1
     positions = [0] * decodes + list(range(step.chunk))
     lora_slots = [slot] * step.num_tokens if slot is not None and step.lora else None

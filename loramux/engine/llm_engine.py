@@ -88,7 +88,7 @@ class LLMEngine:
             self.model = setup.model
             self.tokenizer = setup.tokenizer
             self.model_name = setup.model_name
-            self.max_model_len = setup.max_model_len
+            self.max_model_len = config.max_model_len
             self.vocab_size = setup.model.get_input_embeddings().weight.shape[0]  # [V, H], LoRA-wrapped or not
             self.lora_manager = setup.lora_manager
             self.registry = setup.registry
@@ -97,21 +97,9 @@ class LLMEngine:
                 self.workers.wait_ready()
                 if setup.lora_manager is not None:
                     setup.lora_manager.workers = self.workers  # slot writes reach every rank
-            self.runner = ModelRunner(
-                setup.model,
-                sampler=Sampler(setup.device, setup.seed, setup.eos_token_ids),
-                lora_manager=setup.lora_manager,
-                block_size=setup.block_size,
-                max_num_batched_tokens=setup.max_num_batched_tokens,
-                max_num_seqs=setup.max_num_seqs,
-                max_model_len=setup.max_model_len,
-                enforce_eager=config.enforce_eager,
-                compilation=config.compilation,
-                max_graph_tokens=config.max_graph_tokens,
-                cuda_graph_sizes=config.cuda_graph_sizes,
-                workers=self.workers,
-            )
-            num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
+            self.runner = ModelRunner(config, setup.model, sampler=Sampler(config.device, config.seed, setup.eos_token_ids),
+                                      lora_manager=setup.lora_manager, workers=self.workers)
+            num_blocks = num_kv_blocks(config, setup.model, self.runner.profile_peak_bytes)
             self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
             if setup.pinning is not None:
                 setup.pinning.wait()  # before any capture (a page-locking thread would break it)
@@ -121,14 +109,12 @@ class LLMEngine:
             if self.workers is not None:
                 self.workers.shutdown(timeout=0.0)  # they may still be building: nothing to wait for
             raise
-        self.block_manager = BlockManager(
-            num_blocks, setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
-        )
-        tokens = (num_blocks - 1) * setup.block_size
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        tokens = (num_blocks - 1) * config.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); %.1f concurrent requests of "
-            "max_model_len=%d", num_blocks, setup.block_size, tokens, self.kv_cache.nbytes / 2**30,
-            tokens / setup.max_model_len, setup.max_model_len,
+            "max_model_len=%d", num_blocks, config.block_size, tokens, self.kv_cache.nbytes / 2**30,
+            tokens / config.max_model_len, config.max_model_len,
         )
         self._lock = threading.Lock()  # guards the inbox and the request table
         self._step_lock = threading.RLock()  # one step, or one adapter operation, at a time
@@ -137,17 +123,11 @@ class LLMEngine:
         if setup.lora_manager is not None:
             self.adapters = EngineAdapters(
                 setup.registry, setup.lora_manager, lock=self._step_lock,
-                validate=not setup.registry_validates, max_workers=setup.max_loading_workers,
+                validate=not setup.registry_validates, max_workers=config.max_loading_workers,
                 clock=self.clock,
             )
         self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=setup.max_num_seqs,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            max_loras=setup.max_loras,
-            max_model_len=setup.max_model_len,
-            max_shared_prefill_tokens=setup.max_shared_prefill_tokens,
-            **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
+            config, self.block_manager, **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
         )
         if self.adapters is not None:
             self.adapters.scheduler = self.scheduler
@@ -165,7 +145,7 @@ class LLMEngine:
                                        self.workers)
         for request in setup.lora_modules:
             self.add_lora(request)
-        prepare_process_for_serving(freeze_gc=setup.device.type == "cuda")  # the engine serves from now on
+        prepare_process_for_serving(freeze_gc=config.device.type == "cuda")  # the engine serves from now on
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -257,7 +237,7 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
         if params.seed is not None:
-            seq.generator = torch.Generator(device=self.setup.device).manual_seed(params.seed)
+            seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
         with self._lock:
             if seq.request_id in self._requests:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
@@ -386,7 +366,7 @@ class LLMEngine:
         host work, milliseconds an adapter, hides while the GPU computes a step: beyond the first
         copy only while it does; see `EngineAdapters.prefetch`)."""
         if self.adapters is not None:
-            computing = beside_step and self.setup.device.type == "cuda"
+            computing = beside_step and self.config.device.type == "cuda"
             with self.clock["prefetch"]:
                 self.adapters.prefetch(self.runner.computing if computing else None)
 

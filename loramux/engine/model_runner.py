@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from loramux.engine.block_manager import blocks_needed
+from loramux.engine.config import EngineConfig
 from loramux.engine.compilation import (CompiledRegions, compile_repeated_blocks, configure_compile_caches,
                                         restore_eager_blocks)
 from loramux.engine.cuda_graphs import StepGraphs, graph_batch_sizes, graph_token_sizes
@@ -80,62 +81,44 @@ class LaunchedStep:
 class ModelRunner:
     """Owns the model's forward and the KV cache: ``runner.run(batch) -> LaunchedStep``.
 
+    :param config: the engine's resolved config: ``block_size``, ``max_num_batched_tokens`` (sizes
+        the pinned buffer), ``max_num_seqs``, ``max_model_len`` (sizes the block tables),
+        ``enforce_eager`` (no compile, no CUDA graphs), ``compilation`` (compile the forward on
+        CUDA; graphs are captured either way), ``max_graph_tokens`` and ``cuda_graph_sizes``
+        (which steps replay a CUDA graph, see `graph_token_sizes`; a step replays the smallest
+        graph that holds it).
     :param model: a Hugging Face causal LM; its attention is switched to ``"loramux"``.
+    :param sampler: turns the sampled rows' logits into tokens (None on a tensor-parallel worker).
     :param lora_manager: a ``LoRAModelManager`` (``set_mapping``), or None without LoRA.
-    :param block_size: tokens per KV block.
-    :param max_num_batched_tokens: the most tokens one step holds (sizes the pinned buffer).
-    :param max_model_len: the longest sequence (sizes the block tables).
-    :param enforce_eager: no compile, no CUDA graphs.
-    :param compilation: compile the forward on CUDA (graphs are captured either way).
-    :param max_graph_tokens: steps of up to this many tokens (at least ``max_num_seqs``, at most
-        ``max_num_batched_tokens``) replay CUDA graphs; larger ones run eagerly.
-    :param cuda_graph_sizes: the padded token counts to capture graphs for, in place of the
-        default ones (`graph_token_sizes`; ``max_graph_tokens`` is then their largest), each at
-        most ``max_num_batched_tokens``. A step replays the smallest graph that holds it.
     :param workers: with tensor parallelism, the `WorkerGroup` of ranks 1..N-1 (this runner is
         rank 0): every forward, KV-cache allocation and graph capture runs on each rank, in the
         same order, so their collectives pair up; only rank 0 samples.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        sampler: Sampler,
-        lora_manager=None,
-        block_size: int,
-        max_num_batched_tokens: int,
-        max_num_seqs: int,
-        max_model_len: int,
-        enforce_eager: bool = False,
-        compilation: bool = True,
-        max_graph_tokens: int = 4096,
-        cuda_graph_sizes: list[int] | None = None,
-        workers=None,
-    ) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module, *, sampler: Sampler | None,
+                 lora_manager=None, workers=None) -> None:
+        self.config = config
         self.model = model
         self.workers = workers  # a tensor-parallel WorkerGroup: every forward runs on each rank
         self.sampler = sampler
         self.lora_manager = lora_manager
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        if cuda_graph_sizes:
-            self.graph_sizes = sorted({min(T, max_num_batched_tokens) for T in cuda_graph_sizes})
+        T_max = config.max_num_batched_tokens
+        if config.cuda_graph_sizes:
+            self.graph_sizes = sorted({min(T, T_max) for T in config.cuda_graph_sizes})
         else:
-            self.graph_sizes = graph_token_sizes(max_num_seqs, min(max_graph_tokens, max_num_batched_tokens))
+            self.graph_sizes = graph_token_sizes(config.max_num_seqs, min(config.max_graph_tokens, T_max))
         self.max_graph_tokens = self.graph_sizes[-1]
-        self.max_blocks = blocks_needed(max_model_len, block_size)
+        self.max_blocks = blocks_needed(config.max_model_len, config.block_size)
         self.device = next(model.parameters()).device
         self.kv: PagedKVCache | None = None
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         cuda = self.device.type == "cuda"
         # the torch reference LoRA kernels cannot take a static meta, so no graphs with them
-        self.use_graphs = not enforce_eager and cuda and (lora_manager is None or uses_triton(self.device))
-        self.compiled = not enforce_eager and cuda and compilation
+        self.use_graphs = not config.enforce_eager and cuda and (lora_manager is None or uses_triton(self.device))
+        self.compiled = not config.enforce_eager and cuda and config.compilation
         # per token: id, position, slot, adapter slot, and up to two logits rows with their slots
         # (prompt logprobs); per sequence: length, offset, a logits row and its slot; block tables
-        T, S = max_num_batched_tokens + 1, max_num_seqs + 1
+        T, S = T_max + 1, config.max_num_seqs + 1
         # (a graph's step: 8 fields per padded token, StepGraphs)
         capacity = max(6 * T + 4 * S + 4, 8 * self.max_graph_tokens) + S * self.max_blocks + FIELD_ALIGN * 16
         self._host = torch.empty(capacity, dtype=torch.int32, pin_memory=cuda)
@@ -183,9 +166,10 @@ class ModelRunner:
         return self._on_all_ranks("_allocate_kv_cache", num_blocks)
 
     def _allocate_kv_cache(self, num_blocks: int) -> PagedKVCache:
-        config = self.model.config.get_text_config()
+        text_config = self.model.config.get_text_config()
         dtype = next(self.model.parameters()).dtype
-        self.kv = PagedKVCache(config, num_blocks=num_blocks, block_size=self.block_size, dtype=dtype, device=self.device)
+        self.kv = PagedKVCache(text_config, num_blocks=num_blocks, block_size=self.config.block_size, dtype=dtype,
+                               device=self.device)
         return self.kv
 
     def profile_peak_bytes(self) -> int:
@@ -196,15 +180,15 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_peak_bytes(self) -> int:
         assert self.device.type == "cuda"
-        T = self.max_num_batched_tokens
-        self._allocate_kv_cache(blocks_needed(T, self.block_size) + 1)
+        T, bs = self.config.max_num_batched_tokens, self.config.block_size
+        self._allocate_kv_cache(blocks_needed(T, bs) + 1)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        seq_blocks = list(range(1, blocks_needed(T, self.block_size) + 1))
+        seq_blocks = list(range(1, blocks_needed(T, bs) + 1))
         self._forward_packed(
             ids=[0] * T, positions=list(range(T)),
-            slots=[seq_blocks[p // self.block_size] * self.block_size + p % self.block_size for p in range(T)],
+            slots=[seq_blocks[p // bs] * bs + p % bs for p in range(T)],
             tables=[seq_blocks], seq_lens=[T], query_start=[0, T], lora_slots=None, logits=[T - 1], logit_slots=None,
         )
         torch.cuda.synchronize(self.device)
@@ -289,7 +273,7 @@ class ModelRunner:
         self.last_step = StepShape(len(batch), tokens, prompt_tokens, max(tokens, 2), graph=False)
         ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
         lora_slots, logits, logit_slots, sampled, pending = [], [], [], [], ([], [])
-        bs = self.block_size
+        bs = self.config.block_size
         for seq, n in batch.chunks:
             start, end = seq.num_computed, seq.num_computed + n
             slot = seq.lora_slot

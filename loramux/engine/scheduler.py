@@ -77,6 +77,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from loramux.engine.block_manager import BlockManager
+from loramux.engine.config import EngineConfig
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import CacheFullError, LoRAError
 from loramux.registry import AdapterHandle
@@ -137,19 +138,18 @@ class Scheduler:
     :param is_placed: whether a handle's weights are in a GPU slot already; a request whose
         adapter has room but is not placed waits for the engine to copy it there (the default:
         always placed, so ``on_adapter_start`` places it).
-    :param max_model_len: the longest sequence (None: no limit); a sequence whose pending tokens
-        reach it is not scheduled again.
-    :param max_shared_prefill_tokens: prompt tokens a step carries beside its decodes while the
-        running and queued sequences belong to more than one API request (None: no bound).
+    The sizes come from the engine's resolved ``config``: ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``max_loras`` (`EngineConfig.lora_slots`), ``max_model_len`` (a
+    sequence whose pending tokens reach it is not scheduled again) and
+    ``max_shared_prefill_tokens`` (prompt tokens a step carries beside its decodes while the
+    running and queued sequences belong to more than one API request; None: no bound).
     """
 
     def __init__(
         self,
+        config: EngineConfig,
         block_manager: BlockManager,
         *,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        max_loras: int,
         on_adapter_referenced: Callable[[AdapterHandle], None] = lambda handle: None,
         on_adapter_start: Callable[[AdapterHandle], int] = lambda handle: 0,
         on_adapter_end: Callable[[AdapterHandle], None] = lambda handle: None,
@@ -157,14 +157,11 @@ class Scheduler:
         has_room_for: Callable[[AdapterHandle], bool] = lambda handle: True,
         fits_beside_pinned: Callable[[AdapterHandle, set[int]], bool] = lambda handle, pinned: True,
         is_placed: Callable[[AdapterHandle], bool] = lambda handle: True,
-        max_model_len: int | None = None,
-        max_shared_prefill_tokens: int | None = None,
     ) -> None:
-        assert max_num_batched_tokens >= max_num_seqs, "every running sequence must fit one decode token"
         self.blocks = block_manager
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_loras = max_loras
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_loras = config.lora_slots
         self.on_adapter_referenced = on_adapter_referenced
         self.on_adapter_start = on_adapter_start
         self.on_adapter_end = on_adapter_end
@@ -172,8 +169,8 @@ class Scheduler:
         self.has_room_for = has_room_for
         self.fits_beside_pinned = fits_beside_pinned
         self.is_placed = is_placed
-        self.max_model_len = max_model_len if max_model_len is not None else float("inf")
-        self.max_shared_prefill_tokens = max_shared_prefill_tokens
+        self.max_model_len = config.max_model_len
+        self.max_shared_prefill_tokens = config.max_shared_prefill_tokens
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
         self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference

@@ -25,7 +25,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -87,6 +87,33 @@ class StructuredOutputLimits:
         for name, value in vars(self).items():
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"StructuredOutputLimits.{name}: got {value!r}; allowed: a number > 0")
+
+    @classmethod
+    def from_json(cls, text: str) -> StructuredOutputLimits:
+        """``{"compile_timeout": 10, "cache_bytes": "512MiB", ...}`` -> the limits given, the
+        defaults for the rest (sizes as numbers or as ``512MiB``).
+
+        :raises ValueError: not JSON, an unknown limit, or a bad value, named.
+        """
+        from loramux.flags import parse_byte_size
+
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{text!r}: not valid JSON ({error})") from None
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(given) - set(names)) if isinstance(given, dict) else ["(not an object)"]
+        if unknown:
+            raise ValueError(f"{text!r}: unknown {', '.join(unknown)}; the limits are {', '.join(names)}")
+        for name in ("cache_bytes", "max_bytes"):
+            if isinstance(given.get(name), str):
+                given[name] = parse_byte_size(given[name])
+        return cls(**given)
+
+    @classmethod
+    def describe(cls) -> str:
+        """The limits and their defaults, for help texts."""
+        return "Limits (default): " + ", ".join(f"{f.name} ({f.default})" for f in fields(cls)) + "."
 
     def check(self, kind: str, text: str, value: Any) -> None:
         """Refuse a format over a size limit before any work on it; ``value`` is the parsed

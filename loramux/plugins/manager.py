@@ -20,13 +20,13 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import os
 import sys
 import threading
 from dataclasses import dataclass, field
 
 import pluggy
 
+from loramux import envs
 from loramux.errors import PluginError
 from loramux.plugins import hookspecs
 
@@ -49,8 +49,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "loramux"
-PLUGINS_ENV = "LORAMUX_PLUGINS"
-TRACE_ENV = "LORAMUX_TRACE_HOOKS"
+PLUGINS_ENV = envs.env_name("plugins")
+TRACE_ENV = envs.env_name("trace_hooks")
 
 # Built-in plugins by dotted path, each living next to its domain code. A module listed here that
 # cannot be imported is reported like any broken plugin, so adding a line is all it takes.
@@ -190,7 +190,7 @@ def list_plugins(*, include_builtins: bool = False) -> list[PluginInfo]:
 def _build_manager() -> pluggy.PluginManager:
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
-    if os.environ.get(TRACE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
+    if envs.current().trace_hooks:
         _add_tracing(manager)
     for dotted_path in DEFAULT_PLUGINS:
         _load_builtin(manager, dotted_path)
@@ -221,7 +221,7 @@ def _load_builtin(manager: pluggy.PluginManager, dotted_path: str) -> None:
 
 
 def _allowed_plugins() -> set[str] | None:
-    value = os.environ.get(PLUGINS_ENV)
+    value = envs.current().plugins
     if value is None:
         return None
     return {_normalize(name) for name in value.split(",") if name.strip()}

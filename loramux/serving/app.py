@@ -25,7 +25,8 @@ from loramux.serving.metrics import CONTENT_TYPE
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from loramux.serving.request_params import structured_outputs_of
 from loramux.serving.responses import Generation
-from loramux.serving.state import ServerConfig, ServerState, get_state
+from loramux.serving.config import ServerConfig
+from loramux.serving.state import ServerState, get_state
 
 __all__ = ["build_app"]
 

@@ -70,6 +70,6 @@ def router_stats(engine: Any) -> RouterStats | None:
         num_running=len(running), num_waiting=len(waiting),
         running_adapters=sorted({name for name in running if name is not None}),
         waiting_adapters=sorted({name for name in waiting if name is not None}),
-        max_lora=getattr(setup, "max_loras", 0) if getattr(engine, "lora_manager", None) is not None else 0,
+        max_lora=getattr(getattr(engine, "config", None), "lora_slots", 0),
         kv_cache_usage=usage() if usage is not None else None,
         prefix_cache_queries=getattr(prefix, "queries", None), prefix_cache_hits=getattr(prefix, "hits", None))

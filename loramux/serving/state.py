@@ -7,7 +7,6 @@ import logging
 import re
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -17,42 +16,18 @@ from loramux.serving.async_engine import AsyncEngine, RequestGroup
 from loramux.serving.engine_info import engine_requests, read_tiers, router_stats, vocab_size
 from loramux.serving.errors import APIError
 from loramux.serving.metrics import UNKNOWN_MODEL, Metrics
-from loramux.serving.options import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from loramux.serving.config import ServerConfig
 from loramux.serving.prompts import Prompts
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
 from loramux.serving.request_params import extra_sampling_kwargs
 from loramux.serving.responses import Generation
 
-__all__ = ["ServerConfig", "ServerState", "get_state"]
+__all__ = ["ServerState", "get_state"]
 
 logger = logging.getLogger("loramux.serving")
 
 _COMPILE_THREADS = 2  # as many as the engine compiles at once (its trial processes)
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+):")
-
-
-@dataclass
-class ServerConfig:
-    """What the HTTP layer needs to know beyond the engine.
-
-    :param served_model_names: the base model's names; the first is echoed in responses.
-    :param api_key: when set, every /v1 route needs ``Authorization: Bearer <api_key>``.
-    :param allow_runtime_lora_updating: enables /v1/load_lora_adapter and /v1/unload_lora_adapter
-        (403 otherwise).
-    :param lora_modules: ``(name, path, base_model_name)`` adapters registered at start-up.
-    :param chat_template: a Jinja template overriding the tokenizer's.
-    :param max_model_len: shown in /v1/models, and bounds prompts and ``max_tokens`` (default: the
-        engine's ``max_model_len``).
-    :param max_prompts_per_request: the most prompts one completions request may give.
-    """
-
-    served_model_names: list[str]
-    api_key: str | None = None
-    allow_runtime_lora_updating: bool = False
-    lora_modules: list[tuple[str, str, str | None]] = field(default_factory=list)
-    chat_template: str | None = None
-    max_model_len: int | None = None
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
 
 
 class ServerState:

@@ -60,12 +60,7 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
             torch.set_num_threads(max(1, torch.get_num_threads() // size))
         init_group(init_method, rank, size, rank_device(device, rank, size))
         setup = build_engine_setup(config, tp_rank=rank)
-        runner = ModelRunner(
-            setup.model, sampler=None, lora_manager=setup.lora_manager, block_size=setup.block_size,
-            max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
-            max_model_len=setup.max_model_len, enforce_eager=config.enforce_eager, compilation=config.compilation,
-            max_graph_tokens=config.max_graph_tokens, cuda_graph_sizes=config.cuda_graph_sizes,
-        )
+        runner = ModelRunner(config, setup.model, sampler=None, lora_manager=setup.lora_manager)
         conn.send_bytes(pickle.dumps(("ready", None)))
         _serve(runner, setup.lora_manager, conn)
     except BaseException:  # noqa: BLE001 -- the driver gets the traceback, then this process exits
