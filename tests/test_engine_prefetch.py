@@ -117,8 +117,8 @@ def test_the_prefetch_runs_while_a_step_computes(engine_adapters, monkeypatch):
         start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "mlp"))
         events.clear()
         runner, adapters = eng.runner, eng.adapters
-        real_run, real_prefetch = runner.run, adapters.prefetch
-        monkeypatch.setattr(runner, "run", lambda batch, _run=real_run: events.append("run") or _run(batch))
+        real_run, real_prefetch = runner.execute_model, adapters.prefetch
+        monkeypatch.setattr(runner, "execute_model", lambda batch, _run=real_run: events.append("run") or _run(batch))
         monkeypatch.setattr(adapters, "prefetch", lambda *a, _prefetch=real_prefetch: (
             events.append("prefetch") or _prefetch(*a)))
         launched_before = int(eng._in_flight is not None)  # a step launched before the recording

@@ -9,6 +9,7 @@ from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.sequence import Sequence
+from loramux.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from loramux.errors import CacheFullError
 from loramux.registry import AdapterHandle
 
@@ -43,17 +44,19 @@ def scheduler(rows: int = 4, budget: int = 64, max_loras: int = 1, blocks: int =
     return Scheduler(config, manager, **kwargs)
 
 
+def step(s: Scheduler) -> SchedulerOutput:
+    """One step as the engine runs it, each sampled token a 7: schedule, launch, read back."""
+    scheduled = s.schedule()
+    sampled = [q for q, n in scheduled.chunks if q.num_computed + n == q.num_tokens]
+    s.update_from_launch(scheduled, sampled)
+    assert all(q.num_pending == 1 for q in sampled)
+    s.update_from_output(ModelRunnerOutput(sampled, [7] * len(sampled)))
+    return scheduled
+
+
 def advance(s: Scheduler) -> list[Sequence]:
-    """Pretend the step ran: count computed tokens, sample, finish those at max_tokens."""
-    batch = s.schedule()
-    for q, n in batch.chunks:
-        q.num_computed += n
-        if q.num_computed == q.num_tokens:
-            q.output_token_ids.append(7)
-            if len(q.output_token_ids) >= q.params.max_tokens:
-                q.finish("length")
-                s.finish(q)
-    return [q for q, _ in batch.chunks]
+    """`step`; the sequences it ran."""
+    return [q for q, _ in step(s).chunks]
 
 
 def test_decodes_first_then_chunked_prefill_within_the_budget():
@@ -154,8 +157,7 @@ def test_a_failed_activation_fails_only_that_request():
     ok, broken = seq("fine", max_tokens=1), seq("broken")
     s.add(broken)
     s.add(ok)
-    advance(s)
-    assert broken.finish_reason == "error" and s.failed == [broken]
+    assert step(s).failed == [broken] and broken.finish_reason == "error"
     assert ok.is_finished and ended == [handle("fine")] and not s.adapters
     assert released == [handle("broken"), handle("fine")]  # each reference released exactly once
     assert s.blocks.num_free_blocks == 64  # every block came back

@@ -83,6 +83,9 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
+    def has_scheduled_work(self):
+        return bool(self.requests) and not self.hang.is_set()
+
     def abort_request(self, request_id):
         self._mark()
         r = self.requests.pop(request_id, None)
@@ -542,7 +545,7 @@ def test_a_failed_resolution_answers_before_any_other_requests_token():
     engine = LLMEngine(tiny_llama(), max_loras=1, max_lora_rank=8, max_num_seqs=2, max_model_len=64,
                        registry=Registry(LoRAConfig(max_loras=1, max_lora_rank=8), resolvers=[]))
     in_forward, release, resumed = threading.Event(), threading.Event(), threading.Event()
-    run = engine.runner.run
+    run = engine.runner.execute_model
 
     def stuck(batch):
         in_forward.set()
@@ -550,7 +553,7 @@ def test_a_failed_resolution_answers_before_any_other_requests_token():
         resumed.set()
         return run(batch)
 
-    engine.runner.run = stuck
+    engine.runner.execute_model = stuck
     _, client = make_client(engine)
     with client:
         base = ThreadPoolExecutor(1).submit(

@@ -43,7 +43,7 @@ from loramux.engine.prompt_logprobs import plan_prompt_logprobs
 
 if TYPE_CHECKING:
     from loramux.engine.model_runner import ModelRunner
-    from loramux.engine.scheduler import ScheduledBatch
+    from loramux.engine.step_outputs import SchedulerOutput
     from loramux.engine.sequence import Sequence
 
 __all__ = ["BASE", "LORA", "LORA_SMALL_GEMMS", "StepGraphs", "StepInputs", "graph_batch_sizes", "graph_token_sizes"]
@@ -125,7 +125,7 @@ class StepGraphs:
     def num_graphs(self) -> int:
         return len(self._graphs)
 
-    def fits(self, batch: ScheduledBatch) -> bool:
+    def fits(self, batch: SchedulerOutput) -> bool:
         """A step of at most the largest graph's tokens that asks for no prompt logprobs."""
         tokens = sum(n for _, n in batch.chunks)
         return 0 < tokens <= self.sizes[-1] and plan_prompt_logprobs(batch.chunks) is None

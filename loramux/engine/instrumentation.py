@@ -156,7 +156,7 @@ class StepClock:
             self._in_flight.clear()
 
     def launched(self, shape, batch) -> None:
-        """The forward of ``batch`` (a ``ScheduledBatch``, before its sequences count the tokens
+        """The forward of ``batch`` (a ``SchedulerOutput``, before its sequences count the tokens
         as computed) was launched in the ``forward`` block just left; ``shape`` is the runner's
         ``StepShape`` of it."""
         self._launches += 1

@@ -127,7 +127,8 @@ class LLMEngine:
                 clock=self.clock,
             )
         self.scheduler = Scheduler(
-            config, self.block_manager, **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
+            config, self.block_manager, eos_token_ids=setup.eos_token_ids,
+            **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
         )
         if self.adapters is not None:
             self.adapters.scheduler = self.scheduler
@@ -299,7 +300,8 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the requests that got a token or finished in it.
+        """Run one step: schedule -> execute -> update; return the requests that got a token or
+        finished in it.
 
         With async scheduling (the default; not under tensor parallelism) a step launches its GPU
         work and then reads back the tokens of the step launched before it, so the host work
@@ -308,7 +310,9 @@ class LLMEngine:
         returns are those of the previous launch, and a request whose adapter this call copies
         is admitted in it. A running request whose sampling reads its earlier tokens on the host
         (penalties, structured outputs) makes the step read them back before scheduling, as
-        without it; then the adapters are copied beside the step launched.
+        without it; then the adapters are copied beside the step launched. A step that has
+        nothing to launch reads back the step in flight and copies adapters: the next one
+        schedules what that freed.
         """
         clock = self.clock
         with self._step_lock, clock.step:
@@ -327,25 +331,14 @@ class LLMEngine:
             if previous is not None:  # admission below can take what this copies
                 self._prefetch(beside_step=True)  # while the GPU computes the step in flight
             with clock["schedule"]:
-                batch = self.scheduler.schedule()
-            if not len(batch):  # nothing runs until tokens arrive or adapters take slots
-                if previous is not None:
-                    self._receive(previous, touched)
-                    previous = None
-                self._prefetch(beside_step=False)
-                with clock["schedule"]:
-                    batch = self.scheduler.schedule()
-            for seq in self.scheduler.failed:
+                scheduled = self.scheduler.schedule()
+            for seq in scheduled.failed:
                 touched[seq.request_id] = seq
-            self.scheduler.failed.clear()
-            if len(batch):
+            if len(scheduled):
                 with clock["forward"]:
-                    launched = self.runner.run(batch)
-                clock.launched(self.runner.last_step, batch)
-                for seq, n in batch.chunks:
-                    seq.num_computed += n
-                for row, seq in enumerate(launched.seqs):
-                    seq.expect_token(row)
+                    launched = self.runner.execute_model(scheduled)
+                clock.launched(self.runner.last_step, scheduled)
+                self.scheduler.update_from_launch(scheduled, launched.seqs)
                 if previous is None:
                     self._prefetch(beside_step=True)  # beside the step just launched
                 else:
@@ -354,6 +347,10 @@ class LLMEngine:
                     self._in_flight = launched
                 else:
                     self._receive(launched, touched)
+            else:  # nothing runs until tokens arrive or adapters take slots: the next step schedules them
+                if previous is not None:
+                    self._receive(previous, touched)
+                self._prefetch(beside_step=False)
             outputs = []
             for seq in touched.values():
                 if seq.is_finished:
@@ -375,21 +372,21 @@ class LLMEngine:
         return self.async_scheduling and not any(seq.needs_host_tokens for seq in self.scheduler.running)
 
     def _receive(self, step: LaunchedStep, touched: dict[str, Sequence]) -> None:
-        """Read a launched step's tokens back (waiting for its GPU work) and append them; a
-        sequence that finished meanwhile (a stop in the step before, an abort) drops its token."""
+        """Read a launched step's tokens back (waiting for its GPU work) and hand them to the
+        scheduler (`Scheduler.update_from_output`: appended, stops checked, finished ones released)."""
         with self.clock["receive"]:
-            tokens = step.token_ids()  # waits for the step: its logprobs are on the host then too
+            output = step.result()
             self.clock.received()
-            logprobs = step.sampled.row_logprobs() if step.seqs else None
-            for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
-                if seq.is_finished:
-                    continue
-                if logprobs is not None and logprobs[row] is not None:
-                    seq.output_logprobs.append(logprobs[row])
-                seq.append_token(token, self.eos_token_ids, self.max_model_len)
+            for seq in self.scheduler.update_from_output(output):
                 touched[seq.request_id] = seq
-                if seq.is_finished:
-                    self._release(seq)  # now: the next schedule must not count it
+                if seq.is_finished:  # the scheduler released it
+                    with self._lock:
+                        self._requests.pop(seq.request_id, None)
+
+    def has_scheduled_work(self) -> bool:
+        """Whether a request is queued or running in the scheduler, so that the next `step` makes
+        progress (requests whose adapter still loads are not: stepping for them only waits)."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def _release(self, seq: Sequence) -> None:
         """A finished request gives back what it holds (a no-op once done)."""

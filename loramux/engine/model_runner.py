@@ -35,8 +35,8 @@ from loramux.engine.forward_context import AttentionMetadata, forward_context
 from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
 from loramux.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
 from loramux.engine.sampler import Sampler, SamplerOutput
-from loramux.engine.scheduler import ScheduledBatch
 from loramux.engine.sequence import Sequence
+from loramux.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from loramux.kernels.dispatch import uses_triton
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepShape", "graph_batch_sizes", "graph_token_sizes"]
@@ -59,10 +59,11 @@ class StepShape:
 
 @dataclass
 class LaunchedStep:
-    """A step whose GPU work is queued, not awaited: the sequences it samples a token for, in
-    row order, and their tokens (``sampled``, with the logprobs of the rows that asked). On CUDA
-    the tokens are copied to page-locked host memory behind the step (``host_tokens``, there once
-    ``copied`` completes), so reading them waits for this step alone, never for one queued after."""
+    """The runner's output of a step whose GPU work is queued, not awaited: the sequences it
+    samples a token for, in row order, and their tokens (``sampled``, with the logprobs of the rows
+    that asked). On CUDA the tokens are copied to page-locked host memory behind the step
+    (``host_tokens``, there once ``copied`` completes), so reading them (`result`) waits for this
+    step alone, never for one queued after."""
 
     seqs: list[Sequence]
     sampled: SamplerOutput | None
@@ -77,9 +78,14 @@ class LaunchedStep:
             self.copied.synchronize()
         return (self.host_tokens if self.host_tokens is not None else self.sampled.token_ids).tolist()
 
+    def result(self) -> ModelRunnerOutput:
+        """The step's tokens and logprobs on the host (waits for its GPU work)."""
+        tokens = self.token_ids()  # the logprobs are on the host once the tokens are
+        return ModelRunnerOutput(self.seqs, tokens, self.sampled.row_logprobs() if self.seqs else None)
+
 
 class ModelRunner:
-    """Owns the model's forward and the KV cache: ``runner.run(batch) -> LaunchedStep``.
+    """Owns the model's forward and the KV cache: ``runner.execute_model(scheduled) -> LaunchedStep``.
 
     :param config: the engine's resolved config: ``block_size``, ``max_num_batched_tokens`` (sizes
         the pinned buffer), ``max_num_seqs``, ``max_model_len`` (sizes the block tables),
@@ -253,9 +259,9 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> LaunchedStep:
+    def execute_model(self, batch: SchedulerOutput) -> LaunchedStep:
         """Queue the step's GPU work: compute the scheduled tokens and sample for every sequence
-        whose last token is among them. Returns without waiting for it (`LaunchedStep.token_ids`
+        whose last token is among them. Returns without waiting for it (`LaunchedStep.result`
         reads the tokens back), so the host can prepare the next step meanwhile.
 
         Each sequence's GPU slot is ``seq.lora_slot`` (set by the scheduler at admission). A

@@ -79,24 +79,11 @@ from dataclasses import dataclass
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from loramux.errors import CacheFullError, LoRAError
 from loramux.registry import AdapterHandle
 
-__all__ = ["AdapterUse", "Scheduler", "ScheduledBatch"]
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work: ``(sequence, number of its tokens to compute)``, decodes first."""
-
-    chunks: list[tuple[Sequence, int]]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.chunks)
-
-    def __len__(self) -> int:
-        return len(self.chunks)
+__all__ = ["AdapterUse", "Scheduler"]
 
 
 @dataclass
@@ -157,6 +144,7 @@ class Scheduler:
         has_room_for: Callable[[AdapterHandle], bool] = lambda handle: True,
         fits_beside_pinned: Callable[[AdapterHandle, set[int]], bool] = lambda handle, pinned: True,
         is_placed: Callable[[AdapterHandle], bool] = lambda handle: True,
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.blocks = block_manager
         self.max_num_seqs = config.max_num_seqs
@@ -174,7 +162,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
         self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
-        self.failed: list[Sequence] = []  # failed at admission; the engine reports them
+        self.eos_token_ids = eos_token_ids
+        self._failed: list[Sequence] = []  # failed since the last schedule: in its output
         self.draining: set[int] = set()  # in-slot handle ids whose new requests wait for the slot to free
         self._last_admitted: dict[str, int] = {}  # API request -> when it last had a sequence admitted
         self._admissions = itertools.count()
@@ -246,7 +235,9 @@ class Scheduler:
 
     # -- scheduling ----------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self) -> SchedulerOutput:
+        """The next step's chunks (see the module docstring); nothing changes on the sequences'
+        computed tokens until `update_from_launch`."""
         budget = self.max_num_batched_tokens
         decodes, prefills = [], []
         for seq in list(self.running):  # decodes first: every running decode advances each step
@@ -276,7 +267,8 @@ class Scheduler:
             budget -= n
         for seq, n in prefills:  # blocks this step fills become hittable (decodes: in may_append)
             self.blocks.cache_full_blocks(seq, seq.num_computed + n)
-        return ScheduledBatch(decodes + prefills)
+        failed, self._failed = self._failed, []
+        return SchedulerOutput(decodes + prefills, failed)
 
     def _shared(self) -> bool:
         """Whether the running and queued sequences belong to more than one API request (those
@@ -376,7 +368,7 @@ class Scheduler:
 
     def fail_waiting(self, handle: AdapterHandle, error: LoRAError) -> None:
         """Fail every queued sequence of ``handle`` with ``error`` (its adapter could not be placed);
-        they are in `failed` until the engine reports them."""
+        the next `schedule`'s output reports them."""
         for seq in [seq for seq in self.waiting if seq.handle is not None and seq.handle.id == handle.id]:
             self._fail(seq, error)
 
@@ -384,9 +376,34 @@ class Scheduler:
         self.waiting.remove(seq)
         self._unreference(seq)
         seq.fail(error)
-        self.failed.append(seq)
+        self._failed.append(seq)
 
     # -- after a step --------------------------------------------------------------------------
+
+    def update_from_launch(self, scheduled: SchedulerOutput, sampled: list[Sequence]) -> None:
+        """The step of ``scheduled`` was launched: its tokens count as computed, and each sequence
+        in ``sampled`` (row order) has a token pending in that row until `update_from_output`."""
+        for seq, n in scheduled.chunks:
+            seq.num_computed += n
+        for row, seq in enumerate(sampled):
+            seq.expect_token(row)
+
+    def update_from_output(self, output: ModelRunnerOutput) -> list[Sequence]:
+        """A launched step's tokens, read back: append each to its sequence (one that finished
+        meanwhile, by a stop or an abort, drops it) and release those that finish now, so the
+        next schedule does not count them. Returns the sequences that got a token."""
+        updated = []
+        logprobs = output.logprobs
+        for row, (seq, token) in enumerate(zip(output.seqs, output.token_ids)):
+            if seq.is_finished:
+                continue
+            if logprobs is not None and logprobs[row] is not None:
+                seq.output_logprobs.append(logprobs[row])
+            seq.append_token(token, self.eos_token_ids, self.max_model_len)
+            updated.append(seq)
+            if seq.is_finished:
+                self.finish(seq)
+        return updated
 
     def finish(self, seq: Sequence) -> None:
         """Release what ``seq`` holds (its blocks, its adapter reference); it is already finished.

@@ -285,8 +285,8 @@ class AsyncEngine:
                 return
             if outputs:
                 self._publish(outputs)
-            elif time.monotonic() - started < _IDLE_STEP_WAIT_S:
-                self._wake.wait(_IDLE_STEP_WAIT_S)
+            elif time.monotonic() - started < _IDLE_STEP_WAIT_S and not self.engine.has_scheduled_work():
+                self._wake.wait(_IDLE_STEP_WAIT_S)  # every request waits for its adapter: no spinning
 
     def _engine_busy(self) -> bool:
         try:
