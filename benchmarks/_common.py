@@ -134,13 +134,17 @@ def copy_bandwidth(device: torch.device) -> float | None:
 def engine_stages(engine, engine_seconds: float) -> dict:
     """Where an engine's start went: compile, capture, kernel warm-up, waiting for the page-locked
     arena, the rest (profile run, KV cache); and the arena's own page-locking, on its thread."""
-    runner, pinning = engine.runner, engine.setup.pinning
+    from loramux.registry.pinned_arena import PinnedArena
+
+    runner = engine.runner
+    arena = engine.registry.host_memory if engine.registry is not None else None
+    arena = arena if isinstance(arena, PinnedArena) else None
     parts = {"compile_s": runner.regions.compile_seconds if runner.regions else 0.0,
              "capture_s": runner.startup_seconds.get("capture", 0.0),
              "warmup_s": runner.startup_seconds.get("warmup", 0.0),
-             "pinned_arena_wait_s": pinning.waited if pinning else 0.0}
+             "pinned_arena_wait_s": arena.waited_seconds if arena else 0.0}
     return {"engine_s": engine_seconds, **parts, "other_s": engine_seconds - sum(parts.values()),
-            "pinned_arena_s": pinning.seconds if pinning else 0.0}
+            "pinned_arena_s": arena.reserve_seconds if arena else 0.0}
 
 
 @contextlib.contextmanager

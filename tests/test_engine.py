@@ -153,9 +153,9 @@ def test_adapter_loads_beside_the_step_loop(engine_adapters):
     release = threading.Event()
 
     class SlowRegistry(Registry):
-        def get(self, request, *, pin=False):
+        def _load(self, name, **kwargs):  # the read of a load
             release.wait(10)
-            return super().get(request, pin=pin)
+            return super()._load(name, **kwargs)
 
     eng = engine(registry=SlowRegistry(LoRAConfig(max_loras=2, max_lora_rank=8)))
     slow = LoRARequest("attn", 1, str(engine_adapters["attn"]))
@@ -176,7 +176,7 @@ def test_adapter_loads_beside_the_step_loop(engine_adapters):
 
 def test_resolver_exception_fails_only_its_request():
     class BrokenRegistry(Registry):
-        def get(self, request, *, pin=False):
+        def _load(self, name, **kwargs):
             raise RuntimeError("the bucket is on fire")
 
     eng = engine(registry=BrokenRegistry(LoRAConfig(max_loras=2, max_lora_rank=8)))
@@ -361,11 +361,18 @@ def test_a_hanging_adapter_load_does_not_keep_the_process_alive():
 
     script = """
 import threading, types
-from loramux.engine.adapter_loader import AdapterLoader
-from loramux.registry import LoRARequest
-loader = AdapterLoader(lambda request: threading.Event().wait())  # a resolver that never answers
-request = LoRARequest("stuck", 1)
-loader.submit(types.SimpleNamespace(lora_name="stuck", lora_request=request))
+from loramux.engine.adapters.loading import AdapterLoader
+from loramux.registry import LoRAConfig, LoRARequest, Registry
+from loramux.resolvers import Resolver
+
+class Silent(Resolver):  # a resolver that never answers
+    name = "silent"
+    def resolve(self, base_model_name, lora_name):
+        threading.Event().wait()
+
+registry = Registry(LoRAConfig(), resolvers=[Silent()])
+loader = AdapterLoader(registry, check=lambda adapter: None, on_settled=lambda *args: None)
+loader.submit(types.SimpleNamespace(lora_name="stuck", lora_request=LoRARequest("stuck", 1)))
 loader.shutdown()
 print("exiting")
 """

@@ -158,17 +158,17 @@ def test_churn_with_many_more_adapters_than_tiers(make_adapter, monkeypatch):
 
     eng = engine(torch.float64, max_loras=2, max_cpu_loras=3, max_num_seqs=5)
     load_spans, decoding_spans = [], []  # (start, end) of each adapter load and each step that decoded
-    get = eng.registry.get
+    read = eng.registry._load
 
-    def slow_get(*args, **kwargs):  # a disk read's worth of delay: loads overlap decode steps
+    def slow_read(*args, **kwargs):  # a disk read's worth of delay: loads overlap decode steps
         start = time.perf_counter()
         try:
             time.sleep(0.02)
-            return get(*args, **kwargs)
+            return read(*args, **kwargs)
         finally:
             load_spans.append((start, time.perf_counter()))
 
-    monkeypatch.setattr(eng.registry, "get", slow_get)
+    monkeypatch.setattr(eng.registry, "_load", slow_read)
     finished, pending = {}, list(requests)
     batch_sizes = set()
     for _ in range(3000):

@@ -1,7 +1,7 @@
 """GPU LoRA memory pooled by rank: `RankPool`'s bookkeeping, the model manager sizing
 every pool by ``max_gpu_lora_bytes`` and evicting by rows (PEFT the oracle through churn), a
 slot owning its rank rounded up to `POOL_ROW_ALIGN` rows (B's columns past the rank zero), held
-adapters never evicted for rows, the scheduler's ``has_room_for``, and an engine serving more
+adapters never evicted for rows, the scheduler's room question (``AdapterUses.fit``), and an engine serving more
 adapters of mixed ranks than the budget holds at max rank. The kernels reading the pool are
 tested in test_slot_pool_kernels.py."""
 
@@ -559,7 +559,7 @@ def test_without_a_budget_every_pool_holds_max_loras_adapters_of_max_rank(pool_s
 
 
 # --------------------------------------------------------------------------------------------------
-# The scheduler's has_room_for
+# The scheduler's room question
 # --------------------------------------------------------------------------------------------------
 
 _arrivals = itertools.count()
@@ -579,7 +579,7 @@ def request(name: str, max_tokens: int = 3) -> Sequence:
 
 
 def scheduler(max_loras: int, has_room_for) -> Scheduler:
-    return make_scheduler(rows=16, budget=64, max_loras=max_loras, has_room_for=has_room_for)
+    return make_scheduler(rows=16, budget=64, max_loras=max_loras, has_room=has_room_for)
 
 
 def test_no_room_keeps_a_request_waiting_in_order_while_in_slot_adapters_run():
@@ -712,8 +712,8 @@ def test_requests_pinned_adapters_leave_no_room_for_fail_and_the_queue_moves_on(
     pinned_ids = {manager.handle(name).id for name in ("qv4-a", "qv4-c")}
     assert not manager.fits_beside(by_name["big"], pinned_ids) and manager.fits_beside(by_name["small"], pinned_ids)
     s = make_scheduler(rows=16, budget=64, max_loras=8,
-                       has_room_for=lambda h: manager.can_place(by_name[h.name]),
-                       fits_beside_pinned=lambda h, pinned: manager.fits_beside(by_name[h.name], pinned_ids))
+                       has_room=lambda h: manager.can_place(by_name[h.name]),
+                       fits_beside=lambda h, pinned: manager.fits_beside(by_name[h.name], pinned_ids))
     big, small = request("big"), request("small")
     s.add(big)
     s.add(small)

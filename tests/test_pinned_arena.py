@@ -219,67 +219,61 @@ def test_a_failed_load_gives_its_piece_back_while_its_error_lives(make_adapter, 
 
 
 def test_the_engine_keeps_a_registrys_own_arena_and_fences_its_slot_writes_on_it():
-    from types import SimpleNamespace
+    from conftest import tiny_llama
 
-    from loramux.engine.engine_setup import _serve_from_pinned_arena
+    from loramux.engine.llm_engine import LLMEngine
 
     arena = PinnedArena(1 << 20, pinned=False)
-    registry = Registry(LoRAConfig(), resolvers=[], host_memory=arena)
-    manager = SimpleNamespace(on_host_copies=None)
-    assert _serve_from_pinned_arena(registry, manager, 8 << 30) is None  # nothing to page-lock
-    assert registry.host_memory is arena and manager.on_host_copies == arena.fence
+    registry = Registry(LoRAConfig(max_loras=1, max_lora_rank=8), resolvers=[], host_memory=arena)
+    engine = LLMEngine(tiny_llama(), max_loras=1, max_lora_rank=8, max_num_seqs=2, max_model_len=32,
+                       registry=registry)
+    assert engine.registry.host_memory is arena and engine.lora_manager.on_host_copies == arena.fence
+    engine.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="page-locking succeeds where CUDA is present")
-def test_without_page_locked_memory_the_engine_serves_from_pageable_memory_never_pinning_per_load(caplog):
-    from types import SimpleNamespace
+def test_without_page_locked_memory_the_arena_serves_pageable_memory_never_pinning_per_load(caplog):
+    from loramux.engine.engine_setup import _host_memory
+    from loramux.registry.host_memory import PAGEABLE
 
-    from loramux.engine.engine_setup import _serve_from_pinned_arena
-    from loramux.registry.host_memory import PAGEABLE, PINNED_EACH_LOAD
-
-    for nbytes, warned in ((1 << 20, True), (0, False)):
-        registry = Registry(LoRAConfig(), resolvers=[], pin_memory=True)
-        assert registry.host_memory is PINNED_EACH_LOAD
-        manager = SimpleNamespace(on_host_copies=None)
-        caplog.clear()
-        _serve_from_pinned_arena(registry, manager, nbytes).wait()
-        assert registry.host_memory is PAGEABLE and not registry.pin_memory and manager.on_host_copies is None
-        assert ("could not page-lock" in caplog.text) == warned
+    arena = PinnedArena(1 << 20, in_background=True)  # the host refuses: no CUDA here
+    assert arena.wait() is arena and not arena.pinned and arena.stats.capacity_bytes == 0
+    assert "could not page-lock" in caplog.text and "--max-pinned-lora-bytes" in caplog.text
+    piece = arena.allocate(4096)
+    assert not piece.is_pinned() and arena.stats.fallbacks == 1
+    assert _host_memory(LoRAConfig(max_pinned_lora_bytes=0), cuda=True) is PAGEABLE  # none reserved
+    assert _host_memory(LoRAConfig(), cuda=False) is PAGEABLE
 
 
-def test_the_arena_is_page_locked_beside_the_start_and_served_from_once_waited_for(monkeypatch):
-    """Page-locking 8 GiB takes seconds: a thread of its own does it while the engine compiles,
-    and the registry and the slot writes take the arena only in `wait` (which the engine calls
-    before it captures a graph); an error there reaches the engine's thread."""
+def test_an_arena_page_locked_beside_the_start_serves_once_ready_and_its_error_reaches_wait(monkeypatch):
+    """Page-locking 8 GiB takes seconds: a thread of its own does it while the engine compiles;
+    a fence before then is nothing to wait for, an allocation waits for it, and an error there
+    reaches the engine's thread in `wait`."""
     import threading
-    from types import SimpleNamespace
 
-    from loramux.engine import engine_setup
+    from loramux.registry import pinned_arena
 
-    release = threading.Event()
-    made = PinnedArena(1 << 20, pinned=False)
+    release, threads = threading.Event(), []
+    sizes = pinned_arena.segment_sizes
 
-    def slow_pin(nbytes):
-        assert threading.current_thread() is not threading.main_thread()
+    def slow_sizes(nbytes):
+        threads.append(threading.current_thread())
         release.wait(timeout=10)
-        return made
+        return sizes(nbytes)
 
-    monkeypatch.setattr(engine_setup, "_reserve_pinned", slow_pin)
-    registry = Registry(LoRAConfig(), resolvers=[])
-    before = registry.host_memory
-    manager = SimpleNamespace(on_host_copies=None)
-    pinning = engine_setup._serve_from_pinned_arena(registry, manager, 1 << 20)
-    assert registry.host_memory is before and manager.on_host_copies is None  # still page-locking
+    monkeypatch.setattr(pinned_arena, "segment_sizes", slow_sizes)
+    arena = PinnedArena(1 << 20, pinned=False, in_background=True)
+    arena.fence(object())  # nothing allocated yet: nothing a copy could read
     release.set()
-    pinning.wait()
-    assert registry.host_memory is made and manager.on_host_copies == made.fence
-    pinning.wait()  # once is enough: a second wait changes nothing
+    assert arena.wait() is arena and threads[0] is not threading.main_thread()
+    assert arena.waited_seconds >= 0 and arena.reserve_seconds > 0
+    piece = arena.allocate(1000)
+    assert arena.owns(piece) and arena.stats.allocations == 1 and arena.stats.capacity_bytes == 1 << 20
 
-    def failing_pin(nbytes):
+    def failing_sizes(nbytes):
         raise MemoryError("no host memory")
 
-    monkeypatch.setattr(engine_setup, "_reserve_pinned", failing_pin)
-    registry = Registry(LoRAConfig(), resolvers=[])
-    pinning = engine_setup._serve_from_pinned_arena(registry, SimpleNamespace(on_host_copies=None), 1 << 20)
+    monkeypatch.setattr(pinned_arena, "segment_sizes", failing_sizes)
+    broken = PinnedArena(1 << 20, pinned=False, in_background=True)
     with pytest.raises(MemoryError, match="no host memory"):
-        pinning.wait()
+        broken.wait()

@@ -97,7 +97,7 @@ class EngineConfig:
     """A :class:`loramux.registry.Registry` built elsewhere; None: the engine builds one."""
     resolver_settings: Any = None
     """The resolvers' :class:`loramux.resolvers.ResolverSettings` (default: from the environment)."""
-    max_loading_workers: int = flag(4, metavar="N", group="LoRA")
+    max_loading_workers: int = flag(LoRAConfig.max_loading_workers, metavar="N", group="LoRA")
     """Adapter loads that run at once beside the step loop."""
 
     # -- the model -----------------------------------------------------------------------------
@@ -177,7 +177,6 @@ class EngineConfig:
                      "num_gpu_blocks_override"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        _check_positive("max_loading_workers", self.max_loading_workers)
         _check_positive("max_graph_tokens", self.max_graph_tokens)
         if self.cuda_graph_sizes is not None:
             given = self.cuda_graph_sizes
@@ -248,6 +247,7 @@ class EngineConfig:
             max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras,
             max_cpu_lora_bytes=self.max_cpu_lora_bytes, max_gpu_lora_bytes=self.max_gpu_lora_bytes,
             max_pinned_lora_bytes=self.max_pinned_lora_bytes, lora_dtype=self.lora_dtype,
+            max_loading_workers=self.max_loading_workers,
         )
 
     @property

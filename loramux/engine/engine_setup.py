@@ -12,9 +12,6 @@ capped at four times what ``max_num_seqs`` sequences of ``max_model_len`` can us
 from __future__ import annotations
 
 import functools
-import logging
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -25,8 +22,6 @@ from loramux.engine.siblings import fuse_siblings
 from loramux.registry import LoRAConfig, LoRARequest
 from loramux.registry.host_memory import PAGEABLE, HostMemory
 from loramux.registry.pinned_arena import PIECE_ALIGNMENT, PinnedArena
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["EngineSetup", "build_engine_setup"]
 
@@ -41,16 +36,19 @@ class EngineSetup:
     registry: object | None
     registry_validates: bool  # the registry runs lora_manager.validate itself (one we built)
     lora_modules: list[LoRARequest]
-    pinning: ArenaPinning | None = None  # the CPU tier's arena, page-locked beside the start
 
 
-def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup:
+def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None) -> EngineSetup:
     """Load (or take) the model, quantized as ``config.quantization`` or its checkpoint says, shard
     it for ``tp_rank`` when ``config.tensor_parallel_size > 1``, fuse its sibling projections, wrap
     it for LoRA and resolve the device's default sizes.
 
     A tensor-parallel worker (``tp_rank > 0``) builds the same model and LoRA layers but no
-    registry: adapters reach it as weight shards from the driver.
+    registry: adapters reach it as weight shards from the driver (``workers``: the driver's
+    `WorkerGroup`, which its slot writes go through).
+
+    On CUDA the registry the engine builds loads into a `PinnedArena` page-locked beside the rest
+    of the start (`PinnedArena.wait`: the engine waits for it before it captures any graph).
     """
     tp_size = config.tensor_parallel_size
     tokenizer = config.tokenizer
@@ -92,21 +90,27 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
 
     lora_manager = registry_obj = None
     requests: list[LoRARequest] = []
-    pinning = None
     if config.enable_lora:
-        if tp_rank > 0:  # a worker's slots are written from the driver's
-            from loramux.engine.tensor_parallel.worker import WorkerLoRAManager as manager_class
-        else:
-            from loramux.engine.lora_model import LoRAModelManager as manager_class
         lora_config = config.lora_config
-        lora_manager = manager_class(hf_model, lora_config, target_modules=config.lora_target_modules)
-        if tp_rank == 0:
-            registry_obj = config.registry if config.registry is not None else _make_registry(
-                lora_config, name, lora_manager.validate, config.resolver_settings
-            )
+        if tp_rank > 0:  # a worker's slots are written from the driver's
+            from loramux.engine.tensor_parallel.worker import WorkerLoRAManager
+
+            lora_manager = WorkerLoRAManager(hf_model, lora_config, target_modules=config.lora_target_modules)
+        else:
+            from loramux.engine.lora_model import LoRAModelManager
+
+            registry_obj = config.registry
+            memory = registry_obj.host_memory if registry_obj is not None else _host_memory(lora_config, cuda)
+            lora_manager = LoRAModelManager(
+                hf_model, lora_config, target_modules=config.lora_target_modules, workers=workers,
+                on_host_copies=memory.fence if isinstance(memory, PinnedArena) else None)
+            if registry_obj is None:
+                from loramux.registry import Registry
+
+                # validation before caching: an adapter that does not fit never takes a CPU-tier entry
+                registry_obj = Registry(lora_config, base_model_name=name, validate=lora_manager.validate,
+                                        resolver_settings=config.resolver_settings, host_memory=memory)
             requests = _lora_requests(config.lora_modules)
-            if cuda:
-                pinning = _serve_from_pinned_arena(registry_obj, lora_manager, lora_config.max_pinned_lora_bytes)
     return EngineSetup(
         model=hf_model,
         tokenizer=tokenizer,
@@ -116,7 +120,6 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
         registry=registry_obj,
         registry_validates=config.enable_lora and config.registry is None,
         lora_modules=requests,
-        pinning=pinning,
     )
 
 
@@ -155,80 +158,15 @@ def _lora_requests(lora_modules) -> list[LoRARequest]:
     return requests
 
 
-def _serve_from_pinned_arena(registry, lora_manager, nbytes: int) -> ArenaPinning | None:
-    """Serve ``registry``'s loads from a page-locked arena: its own, whose slot writes are fenced
-    from now on (None), or one of ``nbytes`` page-locked beside the engine's start (`ArenaPinning`)."""
-    arena = getattr(registry, "host_memory", None)
-    if isinstance(arena, PinnedArena):
-        lora_manager.on_host_copies = arena.fence
-        return None
-    return ArenaPinning(registry, lora_manager, nbytes)
-
-
-class ArenaPinning:
-    """Page-locks the CPU tier's arena (`PinnedArena`, ``nbytes``) on a thread of its own, beside
-    the rest of the engine's start (compile, profile run: page-locking 8 GiB takes seconds), then
-    gives it to ``registry`` and has the manager's slot writes fence it: loads while serving then
-    carve page-locked buffers instead of allocating them (a ``cudaHostAlloc`` stalls every CUDA
-    call of the engine's thread). The engine calls `wait` before it captures any CUDA graph (a
-    ``cudaHostAlloc`` on another thread breaks a capture) and before it loads an adapter."""
-
-    def __init__(self, registry, lora_manager, nbytes: int) -> None:
-        self.seconds = 0.0  # page-locking took (on its thread)
-        self.waited = 0.0  # the engine's start waited for it
-        self._registry, self._manager, self._nbytes = registry, lora_manager, nbytes
-        self._arena: HostMemory | None = None
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = threading.Thread(target=self._pin, name="loramux-pin-arena",
-                                                                 daemon=True)
-        self._thread.start()
-
-    def _pin(self) -> None:
-        started = time.perf_counter()
-        try:
-            self._arena = _reserve_pinned(self._nbytes)
-        except BaseException as error:  # raised by `wait`, on the engine's thread
-            self._error = error
-        self.seconds = time.perf_counter() - started
-
-    def wait(self) -> None:
-        """Join the page-locking thread and serve from its arena (once; later calls return)."""
-        if self._thread is None:
-            return
-        started = time.perf_counter()
-        self._thread.join()
-        self._thread = None
-        self.waited = time.perf_counter() - started
-        if self._error is not None:
-            raise self._error
-        self._registry.host_memory = self._arena
-        if isinstance(self._arena, PinnedArena):
-            self._manager.on_host_copies = self._arena.fence
-
-
-def _reserve_pinned(nbytes: int) -> HostMemory:
-    """A `PinnedArena` of ``nbytes``, or pageable memory when that is 0 or cannot be page-locked."""
-    if nbytes < PIECE_ALIGNMENT:
+def _host_memory(lora_config: LoRAConfig, cuda: bool) -> HostMemory:
+    """Where the engine's registry puts adapter weights: on CUDA a `PinnedArena` of
+    ``max_pinned_lora_bytes``, page-locked on a thread of its own (loads while serving then carve
+    page-locked buffers instead of allocating them: a ``cudaHostAlloc`` stalls every CUDA call of
+    the engine's thread); elsewhere, or with none reserved, pageable memory."""
+    nbytes = lora_config.max_pinned_lora_bytes
+    if not cuda or nbytes < PIECE_ALIGNMENT:
         return PAGEABLE
-    started = time.perf_counter()
-    try:
-        arena = PinnedArena(nbytes)
-    except RuntimeError as error:  # the host could not lock that much: serve, with slower copies
-        logger.warning("could not page-lock %d bytes for the adapters in host memory (%s); they stay in "
-                       "pageable memory. Lower max_pinned_lora_bytes (--max-pinned-lora-bytes).", nbytes, error)
-        return PAGEABLE
-    logger.info("adapters in host memory: %r, page-locked in %.1f s", arena, time.perf_counter() - started)
-    return arena
-
-
-def _make_registry(lora_config: LoRAConfig, model_name: str, validate, resolver_settings):
-    from loramux.registry import Registry
-
-    # validation before caching: an adapter that does not fit never takes a CPU-tier entry
-    return Registry(
-        lora_config, base_model_name=model_name, validate=validate, resolver_settings=resolver_settings
-    )
-
+    return PinnedArena(nbytes, in_background=True)
 
 
 #: the CPU engine's KV budget (a modest fixed amount; tests and the embedded model need far less)

@@ -13,7 +13,7 @@ overlaps the GPU's), detokenize, check stops. A request naming an adapter that i
 for its load while the others keep decoding; a failed load finishes only that request, with
 ``finish_reason="error"`` and the error. Adapter events ("ready", "failed", "retired") reach
 listeners as they happen (:meth:`LLMEngine.add_event_listener`); the adapter's life from name to
-handle to slot is in :mod:`loramux.engine.adapter_life`. Step listeners get each step's timings
+handle to slot is in :mod:`loramux.engine.adapters.lifecycle`. Step listeners get each step's timings
 by named point (:meth:`LLMEngine.add_step_listener`, :mod:`loramux.engine.instrumentation`).
 """
 
@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from loramux.engine.adapter_life import EngineAdapters
+from loramux.engine.adapters.lifecycle import AdapterLifecycle
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.detokenizer import IncrementalDetokenizer
@@ -45,7 +45,8 @@ from loramux.engine.serving_process import prepare_process_for_serving, release_
 from loramux.engine.structured_output import StructuredOutputs
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import EngineClosedError, LoRAError
-from loramux.registry import AdapterHandle, LoRARequest
+from loramux.registry import AdapterHandle, LoRARequest, Registry
+from loramux.registry.pinned_arena import PinnedArena
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -83,7 +84,7 @@ class LLMEngine:
 
             self.workers = WorkerGroup(config)
         try:
-            setup: EngineSetup = build_engine_setup(config)
+            setup: EngineSetup = build_engine_setup(config, workers=self.workers)
             self.setup = setup
             self.model = setup.model
             self.tokenizer = setup.tokenizer
@@ -95,14 +96,12 @@ class LLMEngine:
             self.eos_token_ids = setup.eos_token_ids
             if self.workers is not None:
                 self.workers.wait_ready()
-                if setup.lora_manager is not None:
-                    setup.lora_manager.workers = self.workers  # slot writes reach every rank
             self.runner = ModelRunner(config, setup.model, sampler=Sampler(config.device, config.seed, setup.eos_token_ids),
                                       lora_manager=setup.lora_manager, workers=self.workers)
             num_blocks = num_kv_blocks(config, setup.model, self.runner.profile_peak_bytes)
             self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
-            if setup.pinning is not None:
-                setup.pinning.wait()  # before any capture (a page-locking thread would break it)
+            if self.registry is not None and isinstance(self.registry.host_memory, PinnedArena):
+                self.registry.host_memory.wait()  # before any capture (a page-locking thread would break it)
             self.runner.capture_graphs()  # every step graph, now: none is captured while serving
             self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
         except BaseException:
@@ -119,19 +118,11 @@ class LLMEngine:
         self._lock = threading.Lock()  # guards the inbox and the request table
         self._step_lock = threading.RLock()  # one step, or one adapter operation, at a time
         self.clock = StepClock()  # the step's named timing points (add_step_listener)
-        self.adapters: EngineAdapters | None = None
+        self.adapters: AdapterLifecycle | None = None
         if setup.lora_manager is not None:
-            self.adapters = EngineAdapters(
-                setup.registry, setup.lora_manager, lock=self._step_lock,
-                validate=not setup.registry_validates, max_workers=config.max_loading_workers,
-                clock=self.clock,
-            )
-        self.scheduler = Scheduler(
-            config, self.block_manager, eos_token_ids=setup.eos_token_ids,
-            **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
-        )
-        if self.adapters is not None:
-            self.adapters.scheduler = self.scheduler
+            self.adapters = AdapterLifecycle(setup.registry, setup.lora_manager, lock=self._step_lock,
+                                             validate=not setup.registry_validates, clock=self.clock)
+        self.scheduler = Scheduler(config, self.block_manager, adapters=self.adapters, eos_token_ids=setup.eos_token_ids)
         self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids,
                                                     config.structured_output_limits)
         # tensor parallelism: the workers take each step's inputs from the host, token ids included
@@ -143,7 +134,7 @@ class LLMEngine:
         # close() and garbage collection alike stop the loads and the workers and give the device
         # memory back; the finalizer holds the parts, not the engine, so `del engine` runs it
         self._closer = weakref.finalize(self, _close_parts, self.runner, self.adapters, self.structured_outputs,
-                                       self.workers)
+                                       self.workers, setup.registry if setup.registry_validates else None)
         for request in setup.lora_modules:
             self.add_lora(request)
         prepare_process_for_serving(freeze_gc=config.device.type == "cuda")  # the engine serves from now on
@@ -247,7 +238,7 @@ class LLMEngine:
                 seq.status = SequenceStatus.LOADING_ADAPTER
             self._inbox.append(("add", seq))
         if lora_request is not None:  # resolving starts now, not at the next step: a failure is
-            self.adapters.loader.submit(seq)  # reported (an event) even while a step runs
+            self.adapters.submit(seq)  # reported (an event) even while a step runs
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests; each finishes with ``finish_reason="abort"`` at the next step."""
@@ -322,7 +313,7 @@ class LLMEngine:
             if self.adapters is not None:
                 idle = not self.scheduler.has_work()
                 with clock["collect"]:
-                    for seq in self.adapters.collect(timeout=0.05 if idle else 0.0):
+                    for seq in self.adapters.collect(0.05 if idle else 0.0, self.scheduler.add):
                         touched[seq.request_id] = seq
             previous, self._in_flight = self._in_flight, None
             if previous is not None and not self._overlaps():
@@ -361,11 +352,13 @@ class LLMEngine:
     def _prefetch(self, *, beside_step: bool) -> None:
         """Copy the adapters of queued requests into free GPU slots ahead of their admission (the
         host work, milliseconds an adapter, hides while the GPU computes a step: beyond the first
-        copy only while it does; see `EngineAdapters.prefetch`)."""
+        copy only while it does; see `AdapterLifecycle.prefetch`)."""
         if self.adapters is not None:
             computing = beside_step and self.config.device.type == "cuda"
             with self.clock["prefetch"]:
-                self.adapters.prefetch(self.runner.computing if computing else None)
+                failed = self.adapters.prefetch(self.scheduler.in_turn(), self.runner.computing if computing else None)
+            for handle, error in failed:  # only its queued requests fail (the next step reports them)
+                self.scheduler.fail_waiting(handle, error)
 
     def _overlaps(self) -> bool:
         """Whether the next step may be launched before this one's tokens are read back."""
@@ -485,7 +478,7 @@ class LLMEngine:
         """Keep an adapter in a GPU slot until ``remove_lora``; it counts against ``max_loras``
         (a reference the engine holds; a reload moves it to the new weights)."""
         self._require_lora()
-        return self.adapters.pin(self._name_of(name_or_id))
+        return self.adapters.pin_name(self._name_of(name_or_id))
 
     def lora_handle(self, name: str) -> AdapterHandle | None:
         """The handle ``name`` is bound to now (None: not loaded, or unknown)."""
@@ -507,11 +500,14 @@ class LLMEngine:
             self.kv_cache = None
 
 
-def _close_parts(runner: ModelRunner, adapters: EngineAdapters | None, structured: StructuredOutputs,
-                 workers) -> None:
-    """Close an engine's parts (its finalizer: it must not hold the engine itself)."""
+def _close_parts(runner: ModelRunner, adapters: AdapterLifecycle | None, structured: StructuredOutputs,
+                 workers, own_registry: Registry | None) -> None:
+    """Close an engine's parts (its finalizer: it must not hold the engine itself), and the
+    registry it built (one it was given carries on)."""
     if adapters is not None:
         adapters.close()
+    if own_registry is not None:
+        own_registry.close()
     structured.close()
     runner.close()
     if workers is not None:

@@ -47,6 +47,11 @@ class LoRAModelManager:
     :param target_modules: wrap only these modules (PEFT's rule: a list of names matched as
         dotted suffixes, or one regex matched against the full name); None wraps every
         supported layer. Narrowing saves slot memory.
+    :param workers: with tensor parallelism, the `WorkerGroup` of the other ranks: each slot
+        write sends every rank its shard.
+    :param on_host_copies: told, after every slot write on CUDA, of an event that completes when
+        the write's asynchronous copies from host memory have run (the engine passes its
+        `PinnedArena`'s ``fence``, so no arena piece is reused while a copy may still read it).
 
     Thread-safe: the step loop and API threads may call it concurrently.
     """
@@ -57,6 +62,8 @@ class LoRAModelManager:
         lora_config: LoRAConfig,
         *,
         target_modules: Sequence[str] | str | None = None,
+        workers=None,
+        on_host_copies: Callable[[torch.cuda.Event], None] | None = None,
     ) -> None:
         self.model = model
         self.lora_config = lora_config
@@ -65,7 +72,7 @@ class LoRAModelManager:
         module_types = {name: type(module) for name, module in model.named_modules() if name}  # before patching
         self.layers = patch_model(model, lora_config, self.context, target_modules=target_modules)
         self.validator = AdapterValidator(type(model).__name__, module_types, self.layers, target_modules)
-        self.workers = None  # the tensor-parallel workers (a WorkerGroup), set by the engine
+        self.workers = workers
         self.pool = AdapterWeightPool(self.layers, lora_config)
         self._touches_big: dict[int, bool] = {}  # slot -> whether its adapter touches a big-GEMM layer
         self._footprints: dict[int, Footprint] = {}  # handle id -> _footprint
@@ -84,10 +91,7 @@ class LoRAModelManager:
         # graph is captured); the compute stream waits on a copy's event when its slot is held
         self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._copies: dict[int, torch.cuda.Event] = {}  # handle id -> its side-stream copy
-        # told, after every slot write on CUDA, of an event that completes when the write's
-        # asynchronous copies from host memory have run (the engine passes its PinnedArena's
-        # `fence`, so no arena piece is reused while a copy may still read it)
-        self.on_host_copies: Callable[[torch.cuda.Event], None] | None = None
+        self.on_host_copies = on_host_copies
 
     @property
     def capacity_bytes(self) -> int:

@@ -27,9 +27,10 @@ to the front of the queue with the tokens it has; on readmission it is prefilled
 (recompute; the prefix cache usually still holds its blocks), so its output is unchanged and
 nothing is lost or sent twice.
 
-Adapters: the scheduler's per-handle reference count is the one owner of "in use". A sequence
+Adapters: the scheduler tells `AdapterUses` (the adapters' owner, `AdapterLifecycle`, in an
+engine) as sequences are queued, run, stop and finish, and asks it what it may admit. A sequence
 holds a reference to its adapter handle from the moment it is queued with it until it finishes
-(the engine keeps the handle pinned in the CPU tier while referenced); a running sequence or a
+(the owner keeps the handle pinned in the CPU tier while referenced); a running sequence or a
 user pin (``pin_lora``) also needs the handle's GPU slot, held from the first such use to the
 last. At zero references the handle is released: its slot stays resident as a cache (evictable),
 its CPU-tier pin goes, and a handle whose name was rebound or unbound retires.
@@ -39,7 +40,7 @@ moment it arrives (bounded by the tier's budget: when the tier is full of adapte
 waits for room, oldest first), and the adapters of the oldest queued requests are copied into
 free GPU slots (a side CUDA stream) while the GPU computes a step, as many as admission could
 start now (``max_loras`` less the slots in use), never into a slot in use. Admission itself
-copies nothing (``is_placed``): a request whose adapter has room but no slot yet is passed over
+copies nothing (`Fit.COPYING`): a request whose adapter has room but no slot yet is passed over
 until the copy beside the step has put it there, so no step waits on the host work of placing
 adapters (placements at admission made the slowest steps of a many-adapter trace). What
 admission below guarantees, with that:
@@ -73,9 +74,9 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 
+from loramux.engine.adapters.uses import AdapterUses, Fit
 from loramux.engine.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
 from loramux.engine.sequence import Sequence, SequenceStatus
@@ -83,86 +84,34 @@ from loramux.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
 from loramux.errors import CacheFullError, LoRAError
 from loramux.registry import AdapterHandle
 
-__all__ = ["AdapterUse", "Scheduler"]
-
-
-@dataclass
-class AdapterUse:
-    """Who uses one adapter handle now: the scheduler's reference count, split by what each use needs."""
-
-    handle: AdapterHandle
-    sequences: int = 0  # queued or running sequences with this handle (each needs its weights)
-    running: int = 0  # of those, running (each needs its GPU slot)
-    user_pins: int = 0  # pin_lora: a reference the engine holds (weights and slot)
-    slot: int | None = None  # its GPU slot while it needs one
-
-    @property
-    def references(self) -> int:
-        return self.sequences + self.user_pins
-
-    @property
-    def needs_slot(self) -> bool:
-        return self.running + self.user_pins > 0
+__all__ = ["Scheduler"]
 
 
 class Scheduler:
     """Queue and running set of sequences whose adapters are loaded (or who need none).
 
-    :param on_adapter_referenced: called with a handle when its first reference appears (the
-        engine pins it in the CPU tier).
-    :param on_adapter_start: called with a handle when it first needs a GPU slot (a sequence is
-        about to be admitted, or a user pin); returns the slot it now holds. If it raises a
-        ``LoRAError`` the sequence fails instead.
-    :param on_adapter_end: called with a handle when it no longer needs its slot (the slot stays
-        resident, evictable).
-    :param on_adapter_released: called with a handle when its last reference goes (the engine
-        unpins it from the CPU tier, and retires it if its name was rebound or unbound).
-    :param has_room_for: whether a handle not in a slot would find room on the GPU now beside
-        the handles in use (their weights are pooled by rank: a free slot is not always enough);
-        the default counts slots only.
-    :param fits_beside_pinned: whether a handle would find room beside the given user-pinned
-        handles alone; if not, its requests can never run and fail (``CacheFullError``).
-    :param is_placed: whether a handle's weights are in a GPU slot already; a request whose
-        adapter has room but is not placed waits for the engine to copy it there (the default:
-        always placed, so ``on_adapter_start`` places it).
-    The sizes come from the engine's resolved ``config``: ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``max_loras`` (`EngineConfig.lora_slots`), ``max_model_len`` (a
-    sequence whose pending tokens reach it is not scheduled again) and
-    ``max_shared_prefill_tokens`` (prompt tokens a step carries beside its decodes while the
-    running and queued sequences belong to more than one API request; None: no bound).
+    :param config: the engine's resolved config: ``max_num_seqs``, ``max_num_batched_tokens``,
+        ``max_model_len`` (a sequence whose pending tokens reach it is not scheduled again) and
+        ``max_shared_prefill_tokens`` (prompt tokens a step carries beside its decodes while the
+        running and queued sequences belong to more than one API request; None: no bound).
+    :param block_manager: the KV blocks.
+    :param adapters: who uses each adapter, and whether a queued one may run (`AdapterUses`,
+        with the engine's tiers behind it: `AdapterLifecycle`); default: counts alone, for
+        ``config.lora_slots`` slots.
+    :param eos_token_ids: the tokens that end a request (unless it ignores them).
     """
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        block_manager: BlockManager,
-        *,
-        on_adapter_referenced: Callable[[AdapterHandle], None] = lambda handle: None,
-        on_adapter_start: Callable[[AdapterHandle], int] = lambda handle: 0,
-        on_adapter_end: Callable[[AdapterHandle], None] = lambda handle: None,
-        on_adapter_released: Callable[[AdapterHandle], None] = lambda handle: None,
-        has_room_for: Callable[[AdapterHandle], bool] = lambda handle: True,
-        fits_beside_pinned: Callable[[AdapterHandle, set[int]], bool] = lambda handle, pinned: True,
-        is_placed: Callable[[AdapterHandle], bool] = lambda handle: True,
-        eos_token_ids: frozenset[int] = frozenset(),
-    ) -> None:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, *, adapters: AdapterUses | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.blocks = block_manager
+        self.adapters = adapters if adapters is not None else AdapterUses(config.lora_slots)
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        self.max_loras = config.lora_slots
-        self.on_adapter_referenced = on_adapter_referenced
-        self.on_adapter_start = on_adapter_start
-        self.on_adapter_end = on_adapter_end
-        self.on_adapter_released = on_adapter_released
-        self.has_room_for = has_room_for
-        self.fits_beside_pinned = fits_beside_pinned
-        self.is_placed = is_placed
         self.max_model_len = config.max_model_len
         self.max_shared_prefill_tokens = config.max_shared_prefill_tokens
+        self.eos_token_ids = eos_token_ids
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []
-        self.adapters: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
-        self.eos_token_ids = eos_token_ids
         self._failed: list[Sequence] = []  # failed since the last schedule: in its output
         self.draining: set[int] = set()  # in-slot handle ids whose new requests wait for the slot to free
         self._last_admitted: dict[str, int] = {}  # API request -> when it last had a sequence admitted
@@ -174,7 +123,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence; it references its adapter handle (if any) until it finishes."""
         if seq.handle is not None:
-            self._reference(seq.handle).sequences += 1
+            self.adapters.reference(seq.handle)
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -196,42 +145,6 @@ class Scheduler:
         order = sorted(by_request, key=lambda key: self._last_admitted.get(key, -1))  # stable: by arrival
         return (seq for round_ in itertools.zip_longest(*(by_request[key] for key in order)) for seq in round_
                 if seq is not None)
-
-    def handles_in_slots(self) -> set[int]:
-        """Handle ids that hold a GPU slot now (running sequences or user pins)."""
-        return {i for i, use in self.adapters.items() if use.needs_slot}
-
-    def user_pinned(self) -> set[int]:
-        return {i for i, use in self.adapters.items() if use.user_pins}
-
-    def references(self, handle_id: int) -> int:
-        """Sequences and user pins that use ``handle_id`` now (0: none, it may retire)."""
-        use = self.adapters.get(handle_id)
-        return 0 if use is None else use.references
-
-    # -- user pins (pin_lora): a reference the engine holds ------------------------------------
-
-    def pin(self, handle: AdapterHandle) -> int:
-        """Hold ``handle`` in a GPU slot until :meth:`unpin`; returns its slot.
-
-        :raises LoRAError: every slot is in use (from ``on_adapter_start``); nothing changed.
-        """
-        use = self._reference(handle)
-        if not use.needs_slot:
-            try:
-                use.slot = self.on_adapter_start(handle)
-            except BaseException:
-                self._maybe_release(use)
-                raise
-        use.user_pins += 1
-        return use.slot
-
-    def unpin(self, handle: AdapterHandle) -> None:
-        use = self.adapters.get(handle.id)
-        assert use is not None and use.user_pins > 0, f"{handle!r} is not pinned"
-        use.user_pins -= 1
-        self._maybe_end(use)
-        self._maybe_release(use)
 
     # -- scheduling ----------------------------------------------------------------------------
 
@@ -278,8 +191,10 @@ class Scheduler:
 
     def _admit(self, budget: int) -> list[Sequence]:
         admitted, blocked = [], False
-        in_slots = self.handles_in_slots()
-        pinned = self.user_pinned()
+        adapters = self.adapters
+        in_slots = adapters.in_slots()
+        pinned = adapters.pinned()
+        self.draining &= in_slots  # an adapter whose slot freed drains no more
         self._mark_draining(in_slots, pinned)
         for seq in self.in_turn():
             if (budget <= 0 or len(self.running) >= self.max_num_seqs or seq.num_pending
@@ -288,10 +203,9 @@ class Scheduler:
             handle = seq.handle
             if handle is not None:
                 if handle.id not in pinned:  # a pinned adapter's requests never wait for a slot
-                    if len(pinned) >= self.max_loras:
-                        names = ", ".join(sorted(self.adapters[i].handle.name for i in pinned))
+                    if len(pinned) >= adapters.max_loras:
                         self._fail(seq, CacheFullError(
-                            f"all {self.max_loras} GPU slots hold pinned adapters ({names}).",
+                            f"all {adapters.max_loras} GPU slots hold pinned adapters ({self._names(pinned)}).",
                             adapter=handle.name,
                             fix="Remove a pinned adapter (remove_lora) or raise max_loras.",
                         ))
@@ -301,20 +215,22 @@ class Scheduler:
                             continue  # its slot frees for the older blocked request first
                     elif blocked:
                         continue  # FIFO among requests that need a slot
-                    elif not self._room_for(handle, in_slots):
-                        if not self.fits_beside_pinned(handle, pinned):  # waiting would never end
-                            names = ", ".join(sorted(self.adapters[i].handle.name for i in pinned))
+                    else:
+                        fit = adapters.fit(handle, in_slots, pinned)
+                        if fit is Fit.NEVER:  # waiting would never end
                             self._fail(seq, CacheFullError(
-                                f"the adapters pinned to the GPU ({names}) leave no room for its weights.",
+                                f"the adapters pinned to the GPU ({self._names(pinned)}) leave no room for its "
+                                "weights.",
                                 adapter=handle.name,
                                 fix="Remove a pinned adapter (remove_lora), or raise max_gpu_lora_bytes "
                                     "(--max-gpu-lora-bytes).",
                             ))
                             continue
-                        blocked = True
-                        continue
-                    elif not self.is_placed(handle):
-                        continue  # room for it: copied into a slot beside this step, admitted next
+                        if fit is Fit.NO_ROOM:
+                            blocked = True
+                            continue
+                        if fit is Fit.COPYING:
+                            continue  # room for it: copied into a slot beside this step, admitted next
                 if not self._start(seq):
                     continue
                 in_slots.add(handle.id)
@@ -328,21 +244,22 @@ class Scheduler:
             budget -= min(seq.num_uncomputed, budget)
         return admitted
 
-    def _room_for(self, handle: AdapterHandle, in_slots: set[int]) -> bool:
-        return len(in_slots) < self.max_loras and self.has_room_for(handle)
+    def _names(self, handle_ids: set[int]) -> str:
+        return ", ".join(sorted(self.adapters.name(i) for i in handle_ids))
 
     def _mark_draining(self, in_slots: set[int], pinned: set[int]) -> None:
         """With no room for the oldest blocked adapter, mark as many in-slot adapters draining as
         queued adapters would find no slot otherwise: a slot frees by itself when its adapter has
         no queued request (or drains already). Room for it marks nothing: it takes it now."""
         queued = Counter(seq.handle.id for seq in self.waiting if seq.handle is not None)
-        waiting = [i for i in queued if i not in in_slots and i not in pinned]  # oldest first
-        if not waiting or self._room_for(self.adapters[waiting[0]].handle, in_slots):
+        waiting = [seq.handle for seq in self.waiting
+                   if seq.handle is not None and seq.handle.id not in in_slots and seq.handle.id not in pinned]
+        if not waiting or self.adapters.has_room(waiting[0], in_slots):  # the oldest first
             return
-        blocked = len(waiting)
+        blocked = len({handle.id for handle in waiting})
         freeing = sum(1 for i in in_slots - pinned if i in self.draining or i not in queued)
         candidates = sorted((i for i in in_slots - pinned - self.draining if i in queued),
-                            key=lambda i: (queued[i], self.adapters[i].running))
+                            key=lambda i: (queued[i], self.adapters.running(i)))
         self.draining.update(candidates[: max(0, blocked - freeing)])
 
     def _preempt(self, seq: Sequence) -> None:
@@ -355,15 +272,11 @@ class Scheduler:
 
     def _start(self, seq: Sequence) -> bool:
         """``seq`` is about to run: its handle needs its GPU slot (the first running use gets it)."""
-        use = self.adapters[seq.handle.id]
-        if not use.needs_slot:
-            try:
-                use.slot = self.on_adapter_start(seq.handle)
-            except LoRAError as error:
-                self._fail(seq, error)
-                return False
-        use.running += 1
-        seq.lora_slot = use.slot
+        try:
+            seq.lora_slot = self.adapters.start(seq.handle)
+        except LoRAError as error:
+            self._fail(seq, error)
+            return False
         return True
 
     def fail_waiting(self, handle: AdapterHandle, error: LoRAError) -> None:
@@ -426,36 +339,11 @@ class Scheduler:
         self.running.remove(seq)
         seq.lora_slot = -1
         if seq.handle is not None:
-            use = self.adapters[seq.handle.id]
-            use.running -= 1
-            self._maybe_end(use)
-
-    # -- reference counts ------------------------------------------------------------------------
-
-    def _reference(self, handle: AdapterHandle) -> AdapterUse:
-        use = self.adapters.get(handle.id)
-        if use is None:
-            use = self.adapters[handle.id] = AdapterUse(handle)
-            self.on_adapter_referenced(handle)
-        return use
+            self.adapters.stop(seq.handle)
 
     def _unreference(self, seq: Sequence) -> None:
         if seq.handle is not None:
-            use = self.adapters[seq.handle.id]
-            use.sequences -= 1
-            self._maybe_release(use)
-
-    def _maybe_end(self, use: AdapterUse) -> None:
-        if use.slot is not None and not use.needs_slot:
-            use.slot = None
-            self.draining.discard(use.handle.id)
-            self.on_adapter_end(use.handle)
-
-    def _maybe_release(self, use: AdapterUse) -> None:
-        assert use.sequences >= 0 and use.running >= 0 and use.user_pins >= 0, use
-        if use.references == 0:
-            del self.adapters[use.handle.id]
-            self.on_adapter_released(use.handle)
+            self.adapters.unreference(seq.handle)
 
 
 def _api_request(seq: Sequence) -> str:

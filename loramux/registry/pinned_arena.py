@@ -21,6 +21,13 @@ without telling which buffers it read, and a piece waits at most for the copies 
 pageable memory (counted in :attr:`ArenaStats.fallbacks`): slower copies, never a page-locked
 allocation while serving.
 
+**Reserved beside the start.** Page-locking 8 GiB takes seconds, so the engine makes its arena
+with ``in_background=True``: a thread of its own page-locks it while the engine compiles and
+captures; `PinnedArena.wait` joins it (the engine calls it before it captures any graph, since a
+``cudaHostAlloc`` on another thread would break a capture), and an allocation before then waits
+for it. If the host cannot lock that much, the arena stays empty and every load takes pageable
+memory (a warning says so).
+
 The arena is split into at most `MAX_SEGMENTS` segments whose sizes are powers of two: PyTorch's
 host allocator rounds every page-locked allocation up to one, so a segment of any other size would
 lock memory nobody can use. ``pinned=False`` makes it of pageable memory: the same bookkeeping,
@@ -31,13 +38,17 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import threading
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["ArenaStats", "Fence", "MAX_SEGMENTS", "PIECE_ALIGNMENT", "PinnedArena", "segment_sizes"]
 
@@ -97,21 +108,47 @@ class _Piece:
 
 
 class PinnedArena:
-    """Page-locked host memory of ``nbytes`` (rounded down to `segment_sizes`), allocated now.
+    """Page-locked host memory of ``nbytes`` (rounded down to `segment_sizes`), allocated now, or
+    on a thread of its own with ``in_background`` (see the module docstring).
 
     Thread-safe: loader threads allocate, the engine's thread fences, any thread releases.
 
     :param nbytes: the arena's size; at least `PIECE_ALIGNMENT`.
     :param pinned: page-locked memory (needs CUDA); False: pageable, for tests.
     :raises ValueError: ``nbytes`` is too small.
-    :raises RuntimeError: the page-locked memory cannot be allocated.
+    :raises RuntimeError: the page-locked memory cannot be allocated (now; in the background the
+        arena stays empty instead).
     """
 
-    def __init__(self, nbytes: int, *, pinned: bool = True) -> None:
+    def __init__(self, nbytes: int, *, pinned: bool = True, in_background: bool = False) -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < PIECE_ALIGNMENT:
             raise ValueError(f"PinnedArena nbytes: got {nbytes!r}; allowed: an int >= {PIECE_ALIGNMENT}")
-        self.pinned = pinned
-        self._segments = [torch.empty(size, dtype=torch.uint8, pin_memory=pinned) for size in segment_sizes(nbytes)]
+        self._pinned = pinned
+        self.reserve_seconds = 0.0  # page-locking took (on its thread, in the background)
+        self.waited_seconds = 0.0  # `wait` waited for it
+        self._segments: list[torch.Tensor] = []
+        self._error: BaseException | None = None
+        self._reserving: threading.Thread | None = None
+        if in_background:
+            self._reserving = threading.Thread(target=self._reserve, args=(nbytes, True), name="loramux-pin-arena",
+                                               daemon=True)
+            self._reserving.start()
+        else:
+            self._reserve(nbytes, False)
+
+    def _reserve(self, nbytes: int, in_background: bool) -> None:
+        started = time.perf_counter()
+        try:
+            self._segments = [torch.empty(size, dtype=torch.uint8, pin_memory=self._pinned)
+                              for size in segment_sizes(nbytes)]
+        except RuntimeError as error:
+            if not in_background:
+                raise
+            self._pinned, self._segments = False, []  # every load takes pageable memory: serve, slower
+            logger.warning("could not page-lock %d bytes for the adapters in host memory (%s); they stay in "
+                           "pageable memory. Lower max_pinned_lora_bytes (--max-pinned-lora-bytes).", nbytes, error)
+        except BaseException as error:  # raised by `wait`, on the engine's thread
+            self._error = error
         self._arrays = [segment.numpy() for segment in self._segments]
         self.capacity = sum(segment.numel() for segment in self._segments)
         # per segment, its free extents: offsets (sorted) and their sizes
@@ -125,6 +162,30 @@ class PinnedArena:
         self._fences: list[Fence] = []  # fences that had not completed when last looked at
         self._free_bytes = self.capacity
         self._allocations = self._fallbacks = self._fallback_bytes = 0
+        self.reserve_seconds = time.perf_counter() - started
+        if in_background and self._segments:
+            logger.info("adapters in host memory: %r, page-locked in %.1f s", self, self.reserve_seconds)
+
+    @property
+    def pinned(self) -> bool:
+        """Whether its pieces are page-locked (False: pageable, or the host refused to lock it)."""
+        self.wait()
+        return self._pinned
+
+    def wait(self) -> PinnedArena:
+        """Wait for the page-locking thread (once; later calls return at once).
+
+        :raises: what page-locking raised (other than the host's refusal, which leaves it empty).
+        """
+        thread = self._reserving
+        if thread is not None:
+            started = time.perf_counter()
+            thread.join()
+            self._reserving = None
+            self.waited_seconds = time.perf_counter() - started
+        if self._error is not None:
+            raise self._error
+        return self
 
     # -- loader threads -------------------------------------------------------------------------
 
@@ -133,6 +194,7 @@ class PinnedArena:
         no free piece is large enough (a fallback: counted, never a page-locked allocation)."""
         if nbytes == 0:
             return torch.empty(0, dtype=torch.uint8)
+        self.wait()
         size = _aligned(nbytes)
         with self._lock:
             self._reclaim()
@@ -177,6 +239,8 @@ class PinnedArena:
         """Asynchronous copies queued so far from arena memory have run once ``fence.query()`` is
         True: no piece released from now on is reused before then. Call it after queueing the
         copies and before dropping the tensors copied from."""
+        if self._reserving is not None:  # nothing allocated yet: nothing to copy from
+            return
         with self._lock:
             if len(self._fences) >= _FENCES_KEPT:
                 self._fences = [f for f in self._fences if not f.query()]
@@ -223,17 +287,19 @@ class PinnedArena:
 
     def owns(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in the arena."""
+        self.wait()
         pointer = tensor.untyped_storage().data_ptr()
         return any(0 <= pointer - segment.data_ptr() < segment.numel() for segment in self._segments)
 
     @property
     def stats(self) -> ArenaStats:
+        self.wait()
         with self._lock:
             self._reclaim()
             return ArenaStats(self.capacity, self.capacity - self._free_bytes, len(self._live) + len(self._waiting),
                               self._allocations, self._fallbacks, self._fallback_bytes)
 
     def __repr__(self) -> str:
-        kind = "page-locked" if self.pinned else "pageable"
+        kind = "page-locked" if self._pinned else "pageable"
         return f"PinnedArena({self.capacity:,} bytes {kind} in {len(self._segments)} segment(s))"
 
