@@ -14,7 +14,8 @@ measures the disk's sequential read bandwidth, so that "cold TTFT <= warm TTFT +
 bytes / disk bandwidth" can be judged on any host. With CUDA the weights are read straight into a
 piece of a page-locked arena made beforehand, as the engine's loads are, and copied to the GPU;
 without it there is no copy. The content digest is hashed chunk by chunk while the file is read;
-"digest_wait" is what is left of it after the checks and validation ran.
+"digest_wait" is what is left of it after the checks ran. The read, check and digest stages are
+the loader's own timings (``load_adapter_with_digest(..., stages=)``).
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class Stages:
         )
 
     def run_once(self, drop: bool) -> dict[str, float]:
-        from loramux.registry import loader
+        from loramux.registry import load_adapter_with_digest
 
         directory = self.root / self.name
         files = [directory / "adapter_config.json", directory / "adapter_model.safetensors"]
@@ -109,22 +110,15 @@ class Stages:
         t0 = time.perf_counter()
         location = registry.locate(self.name)
         t1 = time.perf_counter()
-        peft_config = loader._read_config(location.path, self.name)
+        stages: dict[str, float] = {}  # the loader's own stage timings
         # read straight into the arena's page-locked memory on CUDA: pinning is part of the read
-        weights = loader._read_tensors(location.path, self.name, self.memory.allocate)
+        adapter, _ = load_adapter_with_digest(location.path, self.config, name=self.name, host_memory=self.memory,
+                                              stages=stages)
         t2 = time.perf_counter()
-        loader._check_supported(peft_config, self.name, files[0])
-        settings = loader.config_digest(peft_config, None)
-        adapter = loader._checked_adapter(location.path, None, self.name, peft_config, settings, self.memory,
-                                          weights)
-        t3 = time.perf_counter()
         self.manager.validate(adapter)
         t4 = time.perf_counter()
-        weights.digest()  # the hash's tail, overlapped with the checks above
-        t5 = time.perf_counter()
-        times.update(resolve=t1 - t0, read=t2 - t1, loader_checks=t3 - t2, engine_validate=t4 - t3,
-                     digest_wait=t5 - t4)
-        t4 = t5
+        times.update(resolve=t1 - t0, read=stages["read"], loader_checks=stages["checks"],
+                     digest_wait=stages["digest_wait"], engine_validate=t4 - t2)
         if self.cuda:
             times["pin"] = 0.0  # the read buffer is page-locked already
             adapter.map_tensors(lambda t: t.to("cuda", non_blocking=True))
@@ -132,7 +126,7 @@ class Stages:
             times["copy"] = time.perf_counter() - t4
         # the whole registry path, as the engine's loader thread runs it; the stages' copy is
         # freed first, so both paths meet the allocator in the same state
-        del adapter, weights
+        del adapter
         registry = self.make_registry()
         if drop:
             drop_from_page_cache(*files)

@@ -310,3 +310,15 @@ def test_adapters_of_one_layout_share_its_parsed_header_but_each_keeps_its_own_c
     nan_file.write_bytes(bytes(data))
     with pytest.raises(InvalidAdapterError, match="NaN or infinity"):
         load_adapter(paths[1])
+
+
+def test_a_load_reports_its_stages_and_the_same_adapter_and_digest(make_adapter):
+    """``stages=`` receives the loader's own timings (benchmarks read them); nothing else changes."""
+    from loramux.registry import load_adapter_with_digest
+
+    path = make_adapter("staged")
+    stages: dict[str, float] = {}
+    adapter, digest = load_adapter_with_digest(path, stages=stages)
+    plain, plain_digest = load_adapter_with_digest(path)
+    assert set(stages) == {"read", "checks", "digest_wait"} and all(v >= 0 for v in stages.values())
+    assert stages["read"] > 0 and digest == plain_digest and adapter.modules.keys() == plain.modules.keys()

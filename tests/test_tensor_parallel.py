@@ -243,6 +243,21 @@ class TestOneSharedEngine:
         assert len(set(map(tuple, expected.values()))) > 3  # the adapters change the output
         assert generate(tp_engine, mixed(engine_adapters, "m")) == expected
 
+    def test_the_kernel_warm_up_runs_each_step_on_every_rank_with_a_whole_zero_adapter(self, tp_engine):
+        """The warm-up's zero adapter has the whole layers' shapes, split for each rank as any
+        adapter is, and each of its steps runs on both ranks (their all-reduces pair up)."""
+        import dataclasses
+
+        from loramux.engine.kernel_warmup import WARMUP_ADAPTER, WarmupStep, run_warmup
+
+        manager = tp_engine.lora_manager
+        stats = dataclasses.asdict(manager.stats)
+        plan = [WarmupStep(12, lora=True), WarmupStep(9, num_seqs=3, lora=True), WarmupStep(4, num_seqs=4)]
+        assert run_warmup(tp_engine.runner, plan) == 3
+        assert manager.slot_of(WARMUP_ADAPTER) is None and dataclasses.asdict(manager.stats) == stats
+        out = generate(tp_engine, [("warmed", PROMPTS[0], None)])  # and it serves on, on both ranks
+        assert len(out["warmed"]) == GREEDY.max_tokens
+
     def test_a_second_tensor_parallel_engine_in_the_process_is_refused_before_spawning(self, model_dir, tp_engine):
         with pytest.raises(RuntimeError, match=r"process group is already open in this process.*close\(\) that engine"):
             build(model_dir, 2)

@@ -52,6 +52,7 @@ from tqdm.auto import tqdm
 from loramux import envs
 from loramux.engine.kv_cache import kv_cache_geometry
 from loramux.engine.lora_patch import matches_target
+from loramux.engine.lora_validation import adapter_sizes
 from loramux.kernels import LoRABatchMeta, build_lora_meta
 from loramux.kernels.attention import attention_config
 from loramux.kernels.expand import expand_launch
@@ -62,7 +63,7 @@ if TYPE_CHECKING:
     from loramux.engine.model_runner import ModelRunner
 
 __all__ = ["ENV_VAR", "LoRAModuleShape", "WarmupStep", "attention_keys", "lora_keys", "plan_warmup",
-           "warm_up_kernels"]
+           "run_warmup", "warm_up_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -226,8 +227,16 @@ def warm_up_kernels(runner: ModelRunner) -> int:
             "compile Triton kernels. Report it; %s=0 silences this.", type(exc).__name__, exc, ENV_VAR,
         )
         return 0
+    return run_warmup(runner, plan)
+
+
+@torch.inference_mode()
+def run_warmup(runner: ModelRunner, plan: list[WarmupStep]) -> int:
+    """Run ``plan``'s steps through ``runner`` (on every tensor-parallel rank), a zero adapter in a
+    slot for the steps with LoRA; returns how many ran."""
+    manager = runner.lora_manager
     counters = dataclasses.asdict(manager.stats) if manager is not None else {}
-    slot = _hold_zero_adapter(manager) if shapes else None
+    slot = _hold_zero_adapter(manager) if manager is not None and any(step.lora for step in plan) else None
     try:
         if runner.device.type == "cuda" and runner.workers is None:
             # a sharded step needs every rank; the workers compile their kernels as it runs
@@ -282,11 +291,12 @@ def _hold_zero_adapter(manager) -> int:
     for layer in manager.layers.values():
         if layer.is_embedding:
             continue
-        for name, size in zip(layer.slice_names, layer.output_sizes):
+        in_features, output_sizes = adapter_sizes(layer)  # the whole layer's: a shard's rank splits it
+        for name, size in zip(layer.slice_names, output_sizes):
             if not matches_target(name, manager.target_modules):  # k of a fused qkv served for q/v only
                 continue
             dtype = layer.lora_dtype
-            modules[name] = LoRAModuleWeights(torch.zeros(1, layer.in_features, dtype=dtype),
+            modules[name] = LoRAModuleWeights(torch.zeros(1, in_features, dtype=dtype),
                                               torch.zeros(size, 1, dtype=dtype), 1.0)
     adapter = LoRAAdapter(name=WARMUP_ADAPTER, path=Path("."), modules=modules, lora_alpha=1.0,
                           target_modules=sorted(modules))

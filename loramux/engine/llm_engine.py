@@ -105,8 +105,8 @@ class LLMEngine:
             self.runner.capture_graphs()  # every step graph, now: none is captured while serving
             self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
         except BaseException:
-            if self.workers is not None:
-                self.workers.shutdown(timeout=0.0)  # they may still be building: nothing to wait for
+            if self.workers is not None:  # healthy workers leave the group with us; stuck ones are killed
+                self.workers.shutdown()
             raise
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         tokens = (num_blocks - 1) * config.block_size

@@ -13,7 +13,7 @@ from loramux.engine.lora_patch import matches_target
 from loramux.errors import IncompatibleAdapterError
 from loramux.registry import LoRAAdapter, LoRAModuleWeights
 
-__all__ = ["AdapterValidator", "describe_mismatch"]
+__all__ = ["AdapterValidator", "adapter_sizes", "describe_mismatch"]
 
 #: Adapter layouts `AdapterValidator` remembers as valid before it starts over.
 MAX_LAYOUTS_KEPT = 256
@@ -131,7 +131,7 @@ def describe_mismatch(layer: BaseLayerWithLoRA, weights_by_slice: Sequence[LoRAM
     """Why these weights (one entry per output slice, None: left out; a whole adapter's, even for
     a tensor-parallel shard of the layer) cannot go into a slot of ``layer``, or None when they
     fit. Weights that are not matrices are read through the layer's ``adapter_matrices``."""
-    in_features, output_sizes = _adapter_sizes(layer)
+    in_features, output_sizes = adapter_sizes(layer)
     for name, out, weights in zip(layer.slice_names, output_sizes, weights_by_slice):
         if weights is None:
             continue
@@ -156,7 +156,7 @@ def describe_mismatch(layer: BaseLayerWithLoRA, weights_by_slice: Sequence[LoRAM
     return None
 
 
-def _adapter_sizes(layer: BaseLayerWithLoRA) -> tuple[int, tuple[int, ...]]:
+def adapter_sizes(layer: BaseLayerWithLoRA) -> tuple[int, tuple[int, ...]]:
     """``(in_features, output_sizes)`` of the whole layer, which adapters are trained for."""
     shard = layer.tp_shard
     if shard is None:

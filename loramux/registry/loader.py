@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 import re
 from collections.abc import Callable
 from os import PathLike
@@ -363,19 +364,27 @@ def load_adapter_with_digest(
     base_model_name: str | None = None,
     pin_memory: bool = False,
     host_memory: HostMemory | None = None,
+    stages: dict[str, float] | None = None,
 ) -> tuple[LoRAAdapter, str]:
     """:func:`load_adapter`, and the adapter's content digest (see :mod:`loramux.registry.handle`)
-    computed from the bytes as they were read: the files are read once."""
+    computed from the bytes as they were read: the files are read once.
+
+    :param stages: if given, receives the seconds of each stage of the load (for benchmarks):
+        ``read`` (the config and the weights file, into host memory), ``checks`` (the tensors'
+        layout, names, shapes, ranks and finiteness) and ``digest_wait`` (the content hash's tail,
+        computed beside the checks).
+    """
     memory = host_memory or (PINNED_EACH_LOAD if pin_memory else PAGEABLE)
     try:
-        return _load(Path(path), config, name or Path(path).name, base_model_name, memory)
+        return _load(Path(path), config, name or Path(path).name, base_model_name, memory, stages)
     except BaseException as error:
         release_frames(error)  # the failed load's buffer goes back now, not when the error is dropped
         raise
 
 
 def _load(directory: Path, config: LoRAConfig | None, name: str, base_model_name: str | None,
-          memory: HostMemory) -> tuple[LoRAAdapter, str]:
+          memory: HostMemory, stages: dict[str, float] | None = None) -> tuple[LoRAAdapter, str]:
+    started = time.perf_counter()
     if not directory.is_dir():
         raise AdapterNotFoundError(
             "no adapter directory at this path.",
@@ -391,13 +400,18 @@ def _load(directory: Path, config: LoRAConfig | None, name: str, base_model_name
     cast_to = config.torch_dtype if config is not None else None
     # Read straight into the adapter's host memory unless a cast makes a new copy anyway.
     weights = _read_tensors(directory, name, (memory if cast_to is None else PAGEABLE).allocate)
+    read = time.perf_counter()
     settings = config_digest(peft_config, cast_to)
     try:
         adapter = _checked_adapter(directory, config, name, peft_config, settings, memory, weights)
     except BaseException:
         _settle(weights.digest)
         raise
-    return adapter, combine_digest(settings, weights.digest())
+    checked = time.perf_counter()
+    digest = combine_digest(settings, weights.digest())
+    if stages is not None:
+        stages.update(read=read - started, checks=checked - read, digest_wait=time.perf_counter() - checked)
+    return adapter, digest
 
 
 def _checked_adapter(directory: Path, config: LoRAConfig | None, name: str, peft_config: dict, settings: bytes,

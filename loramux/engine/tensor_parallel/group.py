@@ -69,9 +69,17 @@ def init_group(init_method: str, rank: int, world_size: int, device: torch.devic
     )
 
 
-def destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_group(*, abort: bool = False) -> None:
+    """Leave the group. A clean NCCL shutdown waits for every rank to shut down too, so after a
+    rank died or was killed (``abort``) the communicator is aborted instead, which waits for no one."""
+    if not dist.is_initialized():
+        return
+    abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.5
+    if abort and abort_group is not None and dist.get_backend() == "nccl":
+        abort_group()
+        if not dist.is_initialized():
+            return
+    dist.destroy_process_group()
 
 
 @torch.library.custom_op("loramux::all_reduce", mutates_args=("tensor",))

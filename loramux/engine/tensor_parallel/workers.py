@@ -235,17 +235,20 @@ class WorkerGroup:
             except OSError:
                 pass  # already gone
         deadline = time.monotonic() + timeout
+        lost = self._error is not None  # a rank died: it will never shut its part of the group down
         for process in self._procs:
             process.join(max(0.0, deadline - time.monotonic()))
             if process.is_alive():
                 process.kill()
                 process.join(5.0)
+                lost = True
+            lost = lost or process.exitcode != 0
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
         if self._in_group:  # only ours: a later engine's group must outlive this one's finalizer
             self._in_group = False
-            destroy_group()
+            destroy_group(abort=lost)
 
 
 def _owned(weights):
