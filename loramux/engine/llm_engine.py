@@ -39,9 +39,10 @@ from loramux.engine.instrumentation import StepClock, StepListener
 from loramux.engine.model_runner import LaunchedStep, ModelRunner
 from loramux.engine.outputs import RequestOutput
 from loramux.engine.sampler import Sampler
-from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from loramux.engine.scheduler import Scheduler
 from loramux.engine.serving_process import prepare_process_for_serving, release_frozen_heap
+from loramux.engine.stats import RouterStats, TierStats, read_tiers
 from loramux.engine.structured_output import StructuredOutputs
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import EngineClosedError, LoRAError
@@ -254,18 +255,41 @@ class LLMEngine:
         with self._lock:
             return len(self._requests)
 
-    def adapter_demand(self) -> tuple[list[str | None], list[str | None]]:
-        """The adapter of each running request and of each waiting one (None: the base model);
-        requests whose adapter is still loading count as waiting. For metrics (any thread)."""
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora_manager is not None
+
+    @property
+    def max_loading_workers(self) -> int:
+        """Adapter loads that run at once beside the step loop."""
+        return self.config.max_loading_workers
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each adapter tier's counters and residents (``{"cpu": ..., "gpu": ...}``; none without LoRA)."""
+        return read_tiers(self.registry, self.lora_manager)
+
+    def router_stats(self) -> RouterStats:
+        """Requests running and waiting (an adapter still loading counts as waiting), their
+        adapters, the adapter slots and the KV cache in use: what an adapter-aware router reads."""
         with self._lock:
             seqs = list(self._requests.values())
         running = [s.lora_name for s in seqs if s.status is SequenceStatus.RUNNING]
         waiting = [s.lora_name for s in seqs if s.status in (SequenceStatus.WAITING, SequenceStatus.LOADING_ADAPTER)]
-        return running, waiting
+        prefix = self.block_manager.stats
+        return RouterStats(
+            num_running=len(running), num_waiting=len(waiting),
+            running_adapters=sorted({name for name in running if name is not None}),
+            waiting_adapters=sorted({name for name in waiting if name is not None}),
+            max_lora=self.config.lora_slots, kv_cache_usage=self.block_manager.usage,
+            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
 
-    def kv_cache_usage(self) -> float:
-        """The fraction of the KV cache held by requests, 0 to 1 (blocks in use over blocks)."""
-        return self.block_manager.usage
+    def compile_structured_output(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec`` now, in the caller's thread, within the engine's limits; a request
+        with it then finds it compiled.
+
+        :raises UnsupportedStructuredOutput: the format is not supported or over a limit.
+        """
+        self.structured_outputs.compile(spec)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -7,7 +7,7 @@ import importlib.resources
 import logging
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import prometheus_client
 import uvicorn
@@ -55,7 +55,7 @@ def configure_logging() -> None:
     package_logger.setLevel(logging.INFO)
 
 
-def describe(engine: Any, config: ServerConfig) -> None:
+def describe(engine: LLMEngine, config: ServerConfig) -> None:
     names = ", ".join(config.served_model_names)
     logger.info("Base model %s, served as: %s (max_model_len %s)", engine.model_name, names, engine.max_model_len)
     if engine.lora_manager is None:

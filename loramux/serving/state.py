@@ -7,13 +7,14 @@ import logging
 import re
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from fastapi import Request
 
+from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
 from loramux.serving.adapters import AdapterBook
 from loramux.serving.async_engine import AsyncEngine, RequestGroup
-from loramux.serving.engine_info import engine_requests, read_tiers, router_stats, vocab_size
+from loramux.serving.engine_client import EngineClient
 from loramux.serving.errors import APIError
 from loramux.serving.metrics import UNKNOWN_MODEL, Metrics
 from loramux.serving.config import ServerConfig
@@ -33,25 +34,26 @@ _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+):")
 class ServerState:
     """Everything the routes share (``request.app.state.loramux``)."""
 
-    def __init__(self, engine: Any, config: ServerConfig, sampling_params_cls: Any) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig,
+                 sampling_params_cls: type[SamplingParams] = SamplingParams) -> None:
         self.config = config
         if config.max_model_len is None:
-            config.max_model_len = getattr(engine, "max_model_len", None)
+            config.max_model_len = engine.max_model_len
         self.engine = AsyncEngine(engine)
-        self.prompts = Prompts(getattr(engine, "tokenizer", None), max_model_len=config.max_model_len,
-                               vocab_size=vocab_size(engine), max_prompts_per_request=config.max_prompts_per_request,
+        self.prompts = Prompts(engine.tokenizer, max_model_len=config.max_model_len,
+                               vocab_size=engine.vocab_size, max_prompts_per_request=config.max_prompts_per_request,
                                chat_template=config.chat_template)
         # structured-output compiles wait here, not in the threads that tokenize prompts
         self.compile_threads = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="loramux-compile")
-        self.book = AdapterBook(config.served_model_names)
+        self.book = AdapterBook(config.served_model_names, engine.list_loras if engine.lora_enabled else tuple)
         self.sampling_params_cls = sampling_params_cls
-        self.metrics = Metrics(lambda: read_tiers(engine), lambda: self.engine.waiting,
+        self.metrics = Metrics(engine.tier_stats, lambda: self.engine.waiting,
                                lambda: self.engine.in_flight - self.engine.waiting,
-                               lambda: engine_requests(engine), lambda: router_stats(engine),
+                               engine.get_num_unfinished_requests, engine.router_stats,
                                config.served_model_names[0] if config.served_model_names else "")
         # one load or unload of a name at a time (weak: a lock lives while someone waits on it)
         self._adapter_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-        self.adapter_loads = asyncio.Semaphore(getattr(getattr(engine, "config", None), "max_loading_workers", 4))
+        self.adapter_loads = asyncio.Semaphore(engine.max_loading_workers)
         self.background: set[asyncio.Task] = set()  # adapters waiting to leave the engine
 
     def adapter_lock(self, name: str) -> asyncio.Lock:
@@ -91,7 +93,7 @@ class ServerState:
             histogram.observe(gap)
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                        structured: Any = None) -> Any:
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's ``SamplingParams`` for ``body``, its ``n`` samples included (each choice's
         engine request takes ``for_sample(i)``)."""
         try:
