@@ -18,8 +18,7 @@ from loramux.errors import (
     QuantizationError,
 )
 from loramux.registry import LoRAConfig, LoRARequest
-
-__version__ = "0.1.0"
+from loramux.version import __version__
 
 __all__ = [
     "LLM",

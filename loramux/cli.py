@@ -23,7 +23,7 @@ __all__ = ["build_parser", "main"]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from loramux import __version__
+    from loramux.version import __version__
     from loramux.resolvers.settings import add_resolver_arguments
     from loramux.serving.options import add_serve_arguments
 

@@ -38,14 +38,16 @@ class EngineSetup:
     lora_modules: list[LoRARequest]
 
 
-def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None) -> EngineSetup:
+def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
+                       worker_manager_class: type | None = None) -> EngineSetup:
     """Load (or take) the model, quantized as ``config.quantization`` or its checkpoint says, shard
     it for ``tp_rank`` when ``config.tensor_parallel_size > 1``, fuse its sibling projections, wrap
     it for LoRA and resolve the device's default sizes.
 
     A tensor-parallel worker (``tp_rank > 0``) builds the same model and LoRA layers but no
     registry: adapters reach it as weight shards from the driver (``workers``: the driver's
-    `WorkerGroup`, which its slot writes go through).
+    `WorkerGroup`, which its slot writes go through), into the LoRA manager the worker names
+    (``worker_manager_class``: its `WorkerLoRAManager`).
 
     On CUDA the registry the engine builds loads into a `PinnedArena` page-locked beside the rest
     of the start (`PinnedArena.wait`: the engine waits for it before it captures any graph).
@@ -93,9 +95,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None) 
     if config.enable_lora:
         lora_config = config.lora_config
         if tp_rank > 0:  # a worker's slots are written from the driver's
-            from loramux.engine.tensor_parallel.worker import WorkerLoRAManager
-
-            lora_manager = WorkerLoRAManager(hf_model, lora_config, target_modules=config.lora_target_modules)
+            lora_manager = worker_manager_class(hf_model, lora_config, target_modules=config.lora_target_modules)
         else:
             from loramux.engine.lora_model import LoRAModelManager
 

@@ -12,6 +12,7 @@ Also here: whether a launch may use programmatic dependent launch (`pdl_availabl
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -19,8 +20,10 @@ import triton.language as tl
 
 from loramux import envs
 
-from .metadata import LoRABatchMeta
 from .pool import POOL_ROW_ALIGN
+
+if TYPE_CHECKING:  # metadata builds on these tiles (through static_meta)
+    from .metadata import LoRABatchMeta
 
 
 @triton.jit

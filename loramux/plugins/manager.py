@@ -29,6 +29,7 @@ import pluggy
 from loramux import envs
 from loramux.errors import PluginError
 from loramux.plugins import hookspecs
+from loramux.version import __version__
 
 __all__ = [
     "DEFAULT_PLUGINS",
@@ -171,7 +172,7 @@ def list_plugins(*, include_builtins: bool = False) -> list[PluginInfo]:
         infos.append(
             PluginInfo(
                 name=name,
-                version=dist.version if dist else (_loramux_version() if builtin else None),
+                version=dist.version if dist else (__version__ if builtin else None),
                 distribution=dist.project_name if dist else ("loramux" if builtin else None),
                 hooks=hooks,
                 builtin=builtin,
@@ -344,8 +345,3 @@ def _short(value: object, limit: int = 80) -> str:
     text = repr(value).replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
-
-def _loramux_version() -> str:
-    from loramux import __version__
-
-    return __version__

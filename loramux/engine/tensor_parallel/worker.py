@@ -59,7 +59,7 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
         if device.type == "cpu":  # the ranks share the host's cores: oversubscribed, they spin-wait
             torch.set_num_threads(max(1, torch.get_num_threads() // size))
         init_group(init_method, rank, size, rank_device(device, rank, size))
-        setup = build_engine_setup(config, tp_rank=rank)
+        setup = build_engine_setup(config, tp_rank=rank, worker_manager_class=WorkerLoRAManager)
         runner = ModelRunner(config, setup.model, sampler=None, lora_manager=setup.lora_manager)
         conn.send_bytes(pickle.dumps(("ready", None)))
         _serve(runner, setup.lora_manager, conn)

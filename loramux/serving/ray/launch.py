@@ -20,17 +20,17 @@ APP_NAME = "loramux"
 
 def settings_from_args(args: argparse.Namespace) -> dict:
     """The application settings (``build_application``'s ``args``) the CLI flags give."""
-    from loramux.serving.ray.config import _NOT_SETTINGS
+    from loramux.serving.ray.serve_args import NOT_SETTINGS
     from loramux.serving.ray.options import RAY_SETTINGS
 
     defaults = vars(_default_args())
     settings = {name: value for name, value in vars(args).items()
-                if name not in _NOT_SETTINGS and (name in RAY_SETTINGS or value != defaults.get(name))}
+                if name not in NOT_SETTINGS and (name in RAY_SETTINGS or value != defaults.get(name))}
     return {name: value for name, value in settings.items() if value is not None}
 
 
 def _default_args() -> argparse.Namespace:
-    from loramux.serving.ray.config import parse_serve_args
+    from loramux.serving.ray.serve_args import parse_serve_args
 
     return parse_serve_args({})
 

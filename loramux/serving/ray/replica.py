@@ -34,7 +34,7 @@ COLD_LOAD_HEADER = "x-loramux-cold-load"  # "1": the adapter was not in that rep
 class LoramuxReplica:
     """A Ray Serve deployment class (``serve.deployment(LoramuxReplica)``): one engine, one app.
 
-    :param serve_args: the ``loramux serve`` settings (see :func:`loramux.serving.ray.config.parse_serve_args`).
+    :param serve_args: the ``loramux serve`` settings (see :func:`loramux.serving.ray.serve_args.parse_serve_args`).
     :param directory: a handle to the ``AdapterDirectory`` deployment (runtime loads and unloads),
         or None when runtime loading is off.
     """
@@ -44,7 +44,7 @@ class LoramuxReplica:
         from ray import serve
 
         from loramux.serving.app import build_app
-        from loramux.serving.ray.config import parse_serve_args
+        from loramux.serving.ray.serve_args import parse_serve_args
         from loramux.serving.server import build_engine, configure_logging, describe
 
         configure_logging()
