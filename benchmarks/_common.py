@@ -134,11 +134,11 @@ def copy_bandwidth(device: torch.device) -> float | None:
 def engine_stages(engine, engine_seconds: float) -> dict:
     """Where an engine's start went: compile, capture, kernel warm-up, waiting for the page-locked
     arena, the rest (profile run, KV cache); and the arena's own page-locking, on its thread."""
-    from loramux.registry.pinned_arena import PinnedArena
+    from loramux.registry.page_locked_arena import PageLockedArena
 
     runner = engine.runner
     arena = engine.registry.host_memory if engine.registry is not None else None
-    arena = arena if isinstance(arena, PinnedArena) else None
+    arena = arena if isinstance(arena, PageLockedArena) else None
     parts = {"compile_s": runner.regions.compile_seconds if runner.regions else 0.0,
              "capture_s": runner.startup_seconds.get("capture", 0.0),
              "warmup_s": runner.startup_seconds.get("warmup", 0.0),

@@ -84,12 +84,12 @@ class Stages:
         from loramux.resolvers import FilesystemResolver
 
         from loramux.registry.host_memory import PAGEABLE
-        from loramux.registry.pinned_arena import PinnedArena
+        from loramux.registry.page_locked_arena import PageLockedArena
 
         self.root, self.name, self.manager = root, name, manager
         self.config = LoRAConfig(max_loras=1, max_lora_rank=RANK, max_cpu_loras=1)
         self.cuda = torch.cuda.is_available()
-        self.memory = PinnedArena(256 << 20) if self.cuda else PAGEABLE  # as the engine's loads
+        self.memory = PageLockedArena(256 << 20) if self.cuda else PAGEABLE  # as the engine's loads
         self.make_registry = lambda: Registry(
             self.config, resolvers=[FilesystemResolver(root)], validate=manager.validate, host_memory=self.memory
         )

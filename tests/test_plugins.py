@@ -17,8 +17,8 @@ import loramux
 from loramux.errors import LoRAError, PluginError
 from loramux.plugins import (
     DEFAULT_PLUGINS,
-    create_lora_layer,
     get_plugin_manager,
+    layer_from_plugins,
     list_plugins,
     plugin_errors,
     register_plugin,
@@ -202,7 +202,7 @@ def test_a_plugin_that_fails_to_import_is_named_and_left_out(installed, make_ada
     adapter = Registry(LoRAConfig()).get(loramux.LoRARequest("a", 1, str(make_adapter("a"))))
     assert adapter.rank == 8
     toy_layer = get_plugin_manager().get_plugin("loramux-toy")  # the module the entry point loaded
-    assert isinstance(create_lora_layer(toy_layer.ToyScale(4), "x", LoRAConfig()), torch.nn.Module)
+    assert isinstance(layer_from_plugins(toy_layer.ToyScale(4), "x", LoRAConfig()), torch.nn.Module)
 
 
 def test_an_entry_point_that_breaks_the_contract_is_unregistered(installed):
@@ -246,7 +246,7 @@ def test_trace_env_var_prints_every_hook_call(monkeypatch, capsys, registered):
     setenv(monkeypatch, "LORAMUX_TRACE_HOOKS", "1")
     reset_plugin_manager()
     registered(toy, "toy")
-    create_lora_layer(toy.ToyScale(2), "model.scale", LoRAConfig())
+    layer_from_plugins(toy.ToyScale(2), "model.scale", LoRAConfig())
     err = capsys.readouterr().err
     assert "loramux hook: create_lora_layer(base_layer=ToyScale()" in err
     assert "module_name='model.scale'" in err and "-> [toy]" in err
@@ -255,7 +255,7 @@ def test_trace_env_var_prints_every_hook_call(monkeypatch, capsys, registered):
 
 def test_no_trace_without_the_env_var(capsys, registered):
     registered(toy, "toy")
-    create_lora_layer(toy.ToyScale(2), "model.scale", LoRAConfig())
+    layer_from_plugins(toy.ToyScale(2), "model.scale", LoRAConfig())
     assert "loramux hook" not in capsys.readouterr().err
 
 
@@ -308,19 +308,19 @@ def test_hook_create_lora_layer(registered):
     registered(fallback, "fallback")
     registered(toy, "toy")
     scale = toy.ToyScale(4)
-    wrapper = create_lora_layer(scale, "model.layers.0.scale", config)
+    wrapper = layer_from_plugins(scale, "model.layers.0.scale", config)
     assert isinstance(wrapper, toy.ToyScaleWithLoRA)
     assert wrapper.get_base_layer() is scale
     assert (wrapper.module_name, wrapper.lora_config) == ("model.layers.0.scale", config)
     assert fallback.calls == 0  # first result wins: trylast implementations are not asked
     linear = torch.nn.Linear(4, 4)
-    other = create_lora_layer(linear, "model.layers.0.proj", config)
+    other = layer_from_plugins(linear, "model.layers.0.proj", config)
     assert not isinstance(other, toy.ToyScaleWithLoRA) and other.get_base_layer() is linear
 
 
 def test_create_lora_layer_returns_none_when_no_plugin_supports_the_layer(registered):
     registered(toy, "toy")
-    assert create_lora_layer(torch.nn.ReLU(), "act", LoRAConfig()) is None
+    assert layer_from_plugins(torch.nn.ReLU(), "act", LoRAConfig()) is None
 
 
 def test_builtin_create_lora_layer_is_trylast():
@@ -340,7 +340,7 @@ def test_a_layer_plugin_breaking_the_contract_is_skipped_and_named(registered, o
     registered(fallback, "fallback")
     registered(offender, "offender")
     layer = torch.nn.Linear(2, 2)
-    wrapper = create_lora_layer(layer, "model.proj", LoRAConfig())
+    wrapper = layer_from_plugins(layer, "model.proj", LoRAConfig())
     assert wrapper.get_base_layer() is layer  # the next implementation in line answered
     (error,) = plugin_errors()
     assert (
@@ -356,4 +356,4 @@ def test_a_lora_error_from_a_layer_plugin_reaches_the_caller(registered):
 
     registered(Refuses(), "refuses")
     with pytest.raises(LoRAError, match="rank is too large"):
-        create_lora_layer(torch.nn.Linear(2, 2), "x", LoRAConfig())
+        layer_from_plugins(torch.nn.Linear(2, 2), "x", LoRAConfig())

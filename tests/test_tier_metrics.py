@@ -60,9 +60,9 @@ def test_capacity_is_a_gauge_per_tier_the_cpu_budget_and_the_gpu_pools(make_adap
 
 
 def test_the_cpu_tiers_page_locked_arena_reaches_metrics(make_adapter):
-    from loramux.registry.pinned_arena import PinnedArena
+    from loramux.registry.page_locked_arena import PageLockedArena
 
-    arena = PinnedArena(1 << 20, pinned=False)
+    arena = PageLockedArena(1 << 20, pinned=False)
     registry = Registry(LoRAConfig(max_loras=1), resolvers=[], host_memory=arena)
     adapter = registry.get(LoRARequest("a", 1, str(make_adapter("metric-arena"))))
     arena.allocate(2 << 20)  # more than the arena: a fallback to pageable memory

@@ -21,7 +21,7 @@ from loramux.engine.config import EngineConfig
 from loramux.engine.siblings import fuse_siblings
 from loramux.registry import LoRAConfig, LoRARequest
 from loramux.registry.host_memory import PAGEABLE, HostMemory
-from loramux.registry.pinned_arena import PIECE_ALIGNMENT, PinnedArena
+from loramux.registry.page_locked_arena import PIECE_ALIGNMENT, PageLockedArena
 
 __all__ = ["EngineSetup", "build_engine_setup"]
 
@@ -49,8 +49,8 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
     `WorkerGroup`, which its slot writes go through), into the LoRA manager the worker names
     (``worker_manager_class``: its `WorkerLoRAManager`).
 
-    On CUDA the registry the engine builds loads into a `PinnedArena` page-locked beside the rest
-    of the start (`PinnedArena.wait`: the engine waits for it before it captures any graph).
+    On CUDA the registry the engine builds loads into a `PageLockedArena` page-locked beside the rest
+    of the start (`PageLockedArena.wait`: the engine waits for it before it captures any graph).
     """
     tp_size = config.tensor_parallel_size
     tokenizer = config.tokenizer
@@ -103,7 +103,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
             memory = registry_obj.host_memory if registry_obj is not None else _host_memory(lora_config, cuda)
             lora_manager = LoRAModelManager(
                 hf_model, lora_config, target_modules=config.lora_target_modules, workers=workers,
-                on_host_copies=memory.fence if isinstance(memory, PinnedArena) else None)
+                on_host_copies=memory.fence if isinstance(memory, PageLockedArena) else None)
             if registry_obj is None:
                 from loramux.registry import Registry
 
@@ -159,14 +159,14 @@ def _lora_requests(lora_modules) -> list[LoRARequest]:
 
 
 def _host_memory(lora_config: LoRAConfig, cuda: bool) -> HostMemory:
-    """Where the engine's registry puts adapter weights: on CUDA a `PinnedArena` of
+    """Where the engine's registry puts adapter weights: on CUDA a `PageLockedArena` of
     ``max_pinned_lora_bytes``, page-locked on a thread of its own (loads while serving then carve
     page-locked buffers instead of allocating them: a ``cudaHostAlloc`` stalls every CUDA call of
     the engine's thread); elsewhere, or with none reserved, pageable memory."""
     nbytes = lora_config.max_pinned_lora_bytes
     if not cuda or nbytes < PIECE_ALIGNMENT:
         return PAGEABLE
-    return PinnedArena(nbytes, in_background=True)
+    return PageLockedArena(nbytes, in_background=True)
 
 
 #: the CPU engine's KV budget (a modest fixed amount; tests and the embedded model need far less)

@@ -313,7 +313,7 @@ def _run_step(runner: ModelRunner, step: WarmupStep, slot: int | None) -> None:
     lora_slots = [slot] * step.num_tokens if slot is not None and step.lora else None
     runner._on_all_ranks(  # every tensor-parallel rank runs the step (its collectives need them all)
         "_forward_packed",
-        ids=[0] * step.num_tokens, positions=positions, slots=[-1] * step.num_tokens,
+        ids=[0] * step.num_tokens, positions=positions, kv_slots=[-1] * step.num_tokens,
         tables=[[0]] * decodes + [[0] * width], seq_lens=[1] * decodes + [step.chunk],
         query_start=list(range(decodes + 1)) + [step.num_tokens],
         lora_slots=lora_slots, logits=[step.num_tokens - 1],

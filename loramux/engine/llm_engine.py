@@ -47,7 +47,7 @@ from loramux.engine.structured_output import StructuredOutputs
 from loramux.engine.sequence import Sequence, SequenceStatus
 from loramux.errors import EngineClosedError, LoRAError
 from loramux.registry import AdapterHandle, LoRARequest, Registry
-from loramux.registry.pinned_arena import PinnedArena
+from loramux.registry.page_locked_arena import PageLockedArena
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -101,7 +101,7 @@ class LLMEngine:
                                       lora_manager=setup.lora_manager, workers=self.workers)
             num_blocks = num_kv_blocks(config, setup.model, self.runner.profile_peak_bytes)
             self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
-            if self.registry is not None and isinstance(self.registry.host_memory, PinnedArena):
+            if self.registry is not None and isinstance(self.registry.host_memory, PageLockedArena):
                 self.registry.host_memory.wait()  # before any capture (a page-locking thread would break it)
             self.runner.capture_graphs()  # every step graph, now: none is captured while serving
             self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving

@@ -24,14 +24,14 @@ from torch import nn
 
 from loramux.engine.layers import LoRAContext
 from loramux.engine.layers.weight_pool import AdapterWeightPool, Footprint
-from loramux.engine.lora_patch import create_lora_layer, patch_model
+from loramux.engine.lora_patch import patch_model, wrap_layer
 from loramux.engine.lora_validation import AdapterValidator
 from loramux.engine.slots import SlotTable
 from loramux.errors import CacheFullError, LoRAError
 from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig
 from loramux.registry.handle import memory_handle
 
-__all__ = ["LoRAModelManager", "create_lora_layer", "patch_model"]  # the latter two: lora_patch.py
+__all__ = ["LoRAModelManager", "patch_model", "wrap_layer"]  # the latter two: lora_patch.py
 
 #: Footprints `LoRAModelManager` keeps before it starts over (a few KB each at 8B).
 MAX_FOOTPRINTS = 4096
@@ -51,7 +51,7 @@ class LoRAModelManager:
         write sends every rank its shard.
     :param on_host_copies: told, after every slot write on CUDA, of an event that completes when
         the write's asynchronous copies from host memory have run (the engine passes its
-        `PinnedArena`'s ``fence``, so no arena piece is reused while a copy may still read it).
+        `PageLockedArena`'s ``fence``, so no arena piece is reused while a copy may still read it).
 
     Thread-safe: the step loop and API threads may call it concurrently.
     """

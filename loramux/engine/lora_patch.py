@@ -13,12 +13,12 @@ from loramux.engine.layers import BaseLayerWithLoRA, LoRAContext
 from loramux.errors import PluginError
 from loramux.registry import LoRAConfig
 
-__all__ = ["create_lora_layer", "matches_target", "patch_model"]
+__all__ = ["matches_target", "patch_model", "wrap_layer"]
 
 LayerFactory = Callable[[nn.Module, str, LoRAConfig], "BaseLayerWithLoRA | None"]
 
 
-def create_lora_layer(
+def wrap_layer(
     base_layer: nn.Module, module_name: str, lora_config: LoRAConfig
 ) -> BaseLayerWithLoRA | None:
     """The wrapper for one layer, from the ``create_lora_layer`` hook (built-ins answer last).
@@ -28,7 +28,7 @@ def create_lora_layer(
     plugin naming the fix, and the next plugin (loramux's own wrapper, if any) is asked instead.
     """
     from loramux.engine.layers.wrap_check import check_wrapper
-    from loramux.plugins.layers import create_lora_layer as ask_plugins
+    from loramux.plugins.layers import layer_from_plugins as ask_plugins
 
     return ask_plugins(base_layer, module_name, lora_config, check=check_wrapper)
 
@@ -48,7 +48,7 @@ def patch_model(
     context: LoRAContext,
     *,
     target_modules: Sequence[str] | str | None = None,
-    create: LayerFactory = create_lora_layer,
+    create: LayerFactory = wrap_layer,
 ) -> dict[str, BaseLayerWithLoRA]:
     """Replace, in place, every layer of ``model`` that ``create`` wraps; return them by name.
 

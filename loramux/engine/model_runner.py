@@ -194,7 +194,7 @@ class ModelRunner:
         seq_blocks = list(range(1, blocks_needed(T, bs) + 1))
         self._forward_packed(
             ids=[0] * T, positions=list(range(T)),
-            slots=[seq_blocks[p // bs] * bs + p % bs for p in range(T)],
+            kv_slots=[seq_blocks[p // bs] * bs + p % bs for p in range(T)],
             tables=[seq_blocks], seq_lens=[T], query_start=[0, T], lora_slots=None, logits=[T - 1], logit_slots=None,
         )
         torch.cuda.synchronize(self.device)
@@ -277,30 +277,30 @@ class ModelRunner:
             logits = self._on_all_ranks("_replay", inputs)
             return self._sample(sampled, logits[: len(sampled)])
         self.last_step = StepShape(len(batch), tokens, prompt_tokens, max(tokens, 2), graph=False)
-        ids, positions, slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
+        ids, positions, kv_slots, tables, seq_lens, query_start = [], [], [], [], [], [0]
         lora_slots, logits, logit_slots, sampled, pending = [], [], [], [], ([], [])
         bs = self.config.block_size
         for seq, n in batch.chunks:
             start, end = seq.num_computed, seq.num_computed + n
-            slot = seq.lora_slot
+            lora_slot = seq.lora_slot
             table = seq.block_table
             seq.add_input_ids(ids, pending, start, end)
             positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            kv_slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
             tables.append(table)
             seq_lens.append(end)
             query_start.append(query_start[-1] + n)
-            lora_slots.extend([slot] * n)
+            lora_slots.extend([lora_slot] * n)
             if end == seq.num_tokens:  # the chunk reaches the last token: sample after it
                 logits.append(len(ids) - 1)
-                logit_slots.append(slot)
+                logit_slots.append(lora_slot)
                 sampled.append(seq)
         uses_lora = any(s >= 0 for s in lora_slots)
         prompt_plan = plan_prompt_logprobs(batch.chunks)  # None unless a request asks for them
         if prompt_plan is not None:  # their rows come after the sampled ones
             logits, logit_slots = logits + prompt_plan.index, logit_slots + prompt_plan.slots
         out = self._on_all_ranks(
-            "_forward_packed", ids=ids, positions=positions, slots=slots, tables=tables, seq_lens=seq_lens,
+            "_forward_packed", ids=ids, positions=positions, kv_slots=kv_slots, tables=tables, seq_lens=seq_lens,
             query_start=query_start, lora_slots=lora_slots if uses_lora else None, logits=logits,
             logit_slots=logit_slots if uses_lora else None, pending=pending if pending[0] else None,
         )
@@ -333,7 +333,7 @@ class ModelRunner:
         assert self.last_tokens is not None, "a pending token, but the last step sampled nothing"
         ids.index_copy_(0, at.long(), self.last_tokens.index_select(0, rows).to(ids.dtype))
 
-    def _forward_packed(self, *, ids, positions, slots, tables, seq_lens, query_start, lora_slots, logits,
+    def _forward_packed(self, *, ids, positions, kv_slots, tables, seq_lens, query_start, lora_slots, logits,
                         logit_slots, pending=None) -> torch.Tensor:
         """One eager (or compiled, dynamic-shape) forward over the packed step; logits [N, V].
         ``pending``: the token indices whose ids are still on the device, and their rows in the
@@ -341,7 +341,7 @@ class ModelRunner:
         # at least 2 tokens and 2 logits rows: size-1 dims would get a compiled graph of their own
         # (dynamo specialises them), which would compile while serving; padding costs nothing
         if len(ids) < 2:
-            ids, positions, slots = ids + [0], positions + [0], slots + [-1]  # writes nothing
+            ids, positions, kv_slots = ids + [0], positions + [0], kv_slots + [-1]  # writes nothing
             lora_slots = lora_slots + [-1] if lora_slots is not None else None
         if len(logits) < 2:  # repeat the one row (or take row 0 of a step that samples nothing)
             pad = 2 - len(logits)
@@ -349,7 +349,7 @@ class ModelRunner:
             logit_slots = logit_slots + (logit_slots[-1:] or [-1]) * pad if logit_slots is not None else None
         width = max(len(t) for t in tables)
         flat_tables = [b for t in tables for b in t + [0] * (width - len(t))]
-        fields = [ids, positions, slots, seq_lens, query_start, logits, flat_tables]
+        fields = [ids, positions, kv_slots, seq_lens, query_start, logits, flat_tables]
         if lora_slots is not None:
             fields += [lora_slots, logit_slots]
         if pending is not None:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from loramux.registry import Registry
 from loramux.registry.cpu_cache import CacheStats
-from loramux.registry.pinned_arena import PinnedArena
+from loramux.registry.page_locked_arena import PageLockedArena
 
 __all__ = ["RouterStats", "TierStats", "read_tiers"]
 
@@ -55,7 +55,7 @@ def read_tiers(registry: Registry | None, lora_manager) -> dict[str, TierStats]:
         cache = registry.cache
         cpu = tiers["cpu"] = _tier(cache.stats, cache.names(), cache.nbytes, cache.max_bytes)
         cpu.max_adapters = cache.max_loras
-        if isinstance(registry.host_memory, PinnedArena):
+        if isinstance(registry.host_memory, PageLockedArena):
             arena = registry.host_memory.stats
             cpu.pinned_bytes_capacity = arena.capacity_bytes
             cpu.pinned_bytes_in_use = arena.in_use_bytes

@@ -79,7 +79,7 @@ class LoRAConfig:
     :param max_loading_workers: adapter loads that run at once on the registry's loading
         threads, beside the engine's steps.
     :param max_pinned_lora_bytes: bytes of page-locked host memory the engine reserves at start,
-        on CUDA, for the CPU tier (`loramux.registry.pinned_arena.PinnedArena`): loads carve their
+        on CUDA, for the CPU tier (`loramux.registry.page_locked_arena.PageLockedArena`): loads carve their
         buffers from it, so nothing is page-locked while serving; when it is full, a load takes
         pageable memory (slower copies to the GPU). Default (None): ``max_cpu_lora_bytes``, at
         most `DEFAULT_MAX_PINNED_LORA_BYTES` (8 GiB); 0: none, the CPU tier in pageable memory.

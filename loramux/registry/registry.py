@@ -82,7 +82,7 @@ class Registry:
         into it), so copies into GPU slots run asynchronously; default: when CUDA is available.
         Allocating it while serving stalls the engine's CUDA calls: the engine gives its registry
         an arena instead (``host_memory``).
-    :param host_memory: where loads put weights (a :class:`~loramux.registry.pinned_arena.PinnedArena`,
+    :param host_memory: where loads put weights (a :class:`~loramux.registry.page_locked_arena.PageLockedArena`,
         made once, carved per adapter); overrides ``pin_memory``.
     :param on_unbind: called with a handle when its name is rebound (reload) or unbound
         (unload): nothing new will use it (outside the registry's lock).

@@ -1,8 +1,8 @@
-"""`PinnedArena`: the CPU tier's page-locked memory, allocated once when the engine starts and
+"""`PageLockedArena`: the CPU tier's page-locked memory, allocated once when the engine starts and
 carved into one piece per adapter by the loader threads, so that nothing is page-locked while
 serving (why: `loramux.registry.host_memory`).
 
-    arena = PinnedArena(8 << 30)              # at engine start: page-locked segments (cudaHostAlloc)
+    arena = PageLockedArena(8 << 30)              # at engine start: page-locked segments (cudaHostAlloc)
     buffer = arena.allocate(nbytes)           # a loader thread: a piece, no CUDA call
     ...                                       # the engine copies from it with non_blocking=True
     arena.fence(event)                        # ... then says when those copies will have run
@@ -11,7 +11,7 @@ serving (why: `loramux.registry.host_memory`).
 that view (``torch.from_numpy``), so it is freed only when nothing references it any more: not the
 CPU tier, not a request, not a view, not a storage. A reference proves no *host* code uses it; a
 copy from it may still be queued on a CUDA stream, though. So whoever copies asynchronously from
-arena memory calls :meth:`PinnedArena.fence` with a fence (a ``torch.cuda.Event`` recorded after
+arena memory calls :meth:`PageLockedArena.fence` with a fence (a ``torch.cuda.Event`` recorded after
 the copies) *while still holding the tensors it copied from*; a piece released after that call is
 reused only once every fence outstanding when it was released has completed. Fences are not tied
 to pieces: a fence covers every copy queued before it, so the engine records one per slot write
@@ -23,7 +23,7 @@ allocation while serving.
 
 **Reserved beside the start.** Page-locking 8 GiB takes seconds, so the engine makes its arena
 with ``in_background=True``: a thread of its own page-locks it while the engine compiles and
-captures; `PinnedArena.wait` joins it (the engine calls it before it captures any graph, since a
+captures; `PageLockedArena.wait` joins it (the engine calls it before it captures any graph, since a
 ``cudaHostAlloc`` on another thread would break a capture), and an allocation before then waits
 for it. If the host cannot lock that much, the arena stays empty and every load takes pageable
 memory (a warning says so).
@@ -50,7 +50,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ArenaStats", "Fence", "MAX_SEGMENTS", "PIECE_ALIGNMENT", "PinnedArena", "segment_sizes"]
+__all__ = ["ArenaStats", "Fence", "MAX_SEGMENTS", "PIECE_ALIGNMENT", "PageLockedArena", "segment_sizes"]
 
 #: Pieces start on this boundary (any dtype's alignment, and a DMA-friendly one).
 PIECE_ALIGNMENT = 512
@@ -107,7 +107,7 @@ class _Piece:
     fences: tuple[Fence, ...] = ()  # set when released: the copies that may still read it
 
 
-class PinnedArena:
+class PageLockedArena:
     """Page-locked host memory of ``nbytes`` (rounded down to `segment_sizes`), allocated now, or
     on a thread of its own with ``in_background`` (see the module docstring).
 
@@ -122,7 +122,7 @@ class PinnedArena:
 
     def __init__(self, nbytes: int, *, pinned: bool = True, in_background: bool = False) -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < PIECE_ALIGNMENT:
-            raise ValueError(f"PinnedArena nbytes: got {nbytes!r}; allowed: an int >= {PIECE_ALIGNMENT}")
+            raise ValueError(f"PageLockedArena nbytes: got {nbytes!r}; allowed: an int >= {PIECE_ALIGNMENT}")
         self._pinned = pinned
         self.reserve_seconds = 0.0  # page-locking took (on its thread, in the background)
         self.waited_seconds = 0.0  # `wait` waited for it
@@ -172,7 +172,7 @@ class PinnedArena:
         self.wait()
         return self._pinned
 
-    def wait(self) -> PinnedArena:
+    def wait(self) -> PageLockedArena:
         """Wait for the page-locking thread (once; later calls return at once).
 
         :raises: what page-locking raised (other than the host's refusal, which leaves it empty).
@@ -301,5 +301,5 @@ class PinnedArena:
 
     def __repr__(self) -> str:
         kind = "page-locked" if self._pinned else "pageable"
-        return f"PinnedArena({self.capacity:,} bytes {kind} in {len(self._segments)} segment(s))"
+        return f"PageLockedArena({self.capacity:,} bytes {kind} in {len(self._segments)} segment(s))"
 

@@ -13,7 +13,7 @@ import torch
 
 from loramux.errors import CacheFullError, IncompatibleAdapterError, InvalidAdapterError
 from loramux.registry import LoRAConfig, LoRARequest, Registry, load_adapter
-from loramux.registry.pinned_arena import PIECE_ALIGNMENT, PinnedArena, segment_sizes
+from loramux.registry.page_locked_arena import PIECE_ALIGNMENT, PageLockedArena, segment_sizes
 
 pytestmark = pytest.mark.usefixtures("clean_plugin_env")
 
@@ -40,11 +40,11 @@ def test_segments_are_the_largest_powers_of_two_in_the_size():
     assert segment_sizes(8 << 30) == [8 << 30]
     assert sum(segment_sizes(3 * KIB)) == 3 * KIB
     with pytest.raises(ValueError, match="an int >= 512"):
-        PinnedArena(100, pinned=False)
+        PageLockedArena(100, pinned=False)
 
 
 def test_a_piece_is_a_view_of_the_arena_of_the_size_asked():
-    arena = PinnedArena(64 * KIB, pinned=False)
+    arena = PageLockedArena(64 * KIB, pinned=False)
     piece = arena.allocate(1000)
     assert piece.dtype == torch.uint8 and piece.numel() == 1000 and arena.owns(piece)
     assert piece.untyped_storage().nbytes() == 1000  # its own storage: slot writes stage exactly it
@@ -55,7 +55,7 @@ def test_a_piece_is_a_view_of_the_arena_of_the_size_asked():
 
 
 def test_a_referenced_piece_is_never_handed_out_again():
-    arena = PinnedArena(8 * KIB, pinned=False)
+    arena = PageLockedArena(8 * KIB, pinned=False)
     pieces = [arena.allocate(2 * KIB) for _ in range(4)]  # the whole arena
     kept = pieces[1][100:200].view(torch.int16)  # a view alone keeps the piece
     storage = pieces[2].untyped_storage()  # so does a storage
@@ -74,7 +74,7 @@ def test_a_referenced_piece_is_never_handed_out_again():
 
 def test_random_churn_never_hands_out_memory_that_is_still_referenced():
     rng = random.Random(0)
-    arena = PinnedArena(256 * KIB, pinned=False)
+    arena = PageLockedArena(256 * KIB, pinned=False)
     live: list[torch.Tensor] = []
     for _ in range(2000):
         if live and rng.random() < 0.45:
@@ -91,7 +91,7 @@ def test_random_churn_never_hands_out_memory_that_is_still_referenced():
 
 
 def test_a_released_piece_waits_for_the_copies_fenced_before_it():
-    arena = PinnedArena(4 * KIB, pinned=False)
+    arena = PageLockedArena(4 * KIB, pinned=False)
     piece = arena.allocate(4 * KIB)
     copy = Fence()
     arena.fence(copy)  # a copy from arena memory may still read it
@@ -105,7 +105,7 @@ def test_a_released_piece_waits_for_the_copies_fenced_before_it():
 
 
 def test_a_full_arena_falls_back_to_pageable_memory_and_counts_it():
-    arena = PinnedArena(4 * KIB, pinned=False)
+    arena = PageLockedArena(4 * KIB, pinned=False)
     held = arena.allocate(3 * KIB)
     big = arena.allocate(2 * KIB)  # 1 KiB is free: no room
     assert not arena.owns(big) and big.numel() == 2 * KIB
@@ -115,7 +115,7 @@ def test_a_full_arena_falls_back_to_pageable_memory_and_counts_it():
 
 
 def test_freed_neighbours_merge_so_a_larger_piece_fits_again():
-    arena = PinnedArena(6 * KIB, pinned=False)  # segments of 4 and 2 KiB
+    arena = PageLockedArena(6 * KIB, pinned=False)  # segments of 4 and 2 KiB
     a, b, c = arena.allocate(2 * KIB), arena.allocate(2 * KIB), arena.allocate(2 * KIB)
     del a, c
     assert not arena.owns(arena.allocate(4 * KIB))  # two free 2 KiB pieces, not neighbours
@@ -126,12 +126,12 @@ def test_freed_neighbours_merge_so_a_larger_piece_fits_again():
 # -- the registry and the loader carve their buffers from it --------------------------------------
 
 
-def arena_registry(arena: PinnedArena, **config) -> Registry:
+def arena_registry(arena: PageLockedArena, **config) -> Registry:
     return Registry(LoRAConfig(max_loras=1, **config), resolvers=[], host_memory=arena)
 
 
 def test_loads_read_into_the_arena_and_the_tiers_evictions_give_the_pieces_back(make_adapter):
-    arena = PinnedArena(1 << 20, pinned=False)
+    arena = PageLockedArena(1 << 20, pinned=False)
     registry = arena_registry(arena, max_cpu_loras=1)
     first = registry.get(LoRARequest("a", 1, str(make_adapter("arena-a"))))
     tensors = [t for w in first.modules.values() for t in (w.lora_a, w.lora_b)]
@@ -146,7 +146,7 @@ def test_loads_read_into_the_arena_and_the_tiers_evictions_give_the_pieces_back(
 
 
 def test_a_cast_and_a_pickle_are_packed_into_the_arena(make_adapter, tmp_path):
-    arena = PinnedArena(1 << 20, pinned=False)
+    arena = PageLockedArena(1 << 20, pinned=False)
     path = make_adapter("arena-cast")
     cast = load_adapter(path, LoRAConfig(lora_dtype="float16"), host_memory=arena)
     assert all(arena.owns(w.lora_a) and w.lora_a.dtype == torch.float16 for w in cast.modules.values())
@@ -163,7 +163,7 @@ def test_a_cast_and_a_pickle_are_packed_into_the_arena(make_adapter, tmp_path):
 
 
 def test_a_full_arena_still_loads_the_adapter_in_pageable_memory(make_adapter):
-    arena = PinnedArena(PIECE_ALIGNMENT, pinned=False)
+    arena = PageLockedArena(PIECE_ALIGNMENT, pinned=False)
     adapter = arena_registry(arena).get(LoRARequest("a", 1, str(make_adapter("arena-full"))))
     reference = load_adapter(make_adapter("arena-full"))
     assert not any(arena.owns(w.lora_a) for w in adapter.modules.values()) and arena.stats.fallbacks == 1
@@ -188,7 +188,7 @@ def corrupt_copy(path, tmp_path, how: str):
 
 @pytest.mark.parametrize("failure", ["truncated", "nan", "validate", "too-big", "rank"])
 def test_a_failed_load_gives_its_piece_back_while_its_error_lives(make_adapter, tmp_path, failure):
-    arena = PinnedArena(1 << 20, pinned=False)
+    arena = PageLockedArena(1 << 20, pinned=False)
     path = make_adapter("arena-fail", r=8)
     config: dict = {}
     validate = None
@@ -223,7 +223,7 @@ def test_the_engine_keeps_a_registrys_own_arena_and_fences_its_slot_writes_on_it
 
     from loramux.engine.llm_engine import LLMEngine
 
-    arena = PinnedArena(1 << 20, pinned=False)
+    arena = PageLockedArena(1 << 20, pinned=False)
     registry = Registry(LoRAConfig(max_loras=1, max_lora_rank=8), resolvers=[], host_memory=arena)
     engine = LLMEngine(tiny_llama(), max_loras=1, max_lora_rank=8, max_num_seqs=2, max_model_len=32,
                        registry=registry)
@@ -236,7 +236,7 @@ def test_without_page_locked_memory_the_arena_serves_pageable_memory_never_pinni
     from loramux.engine.engine_setup import _host_memory
     from loramux.registry.host_memory import PAGEABLE
 
-    arena = PinnedArena(1 << 20, in_background=True)  # the host refuses: no CUDA here
+    arena = PageLockedArena(1 << 20, in_background=True)  # the host refuses: no CUDA here
     assert arena.wait() is arena and not arena.pinned and arena.stats.capacity_bytes == 0
     assert "could not page-lock" in caplog.text and "--max-pinned-lora-bytes" in caplog.text
     piece = arena.allocate(4096)
@@ -251,18 +251,18 @@ def test_an_arena_page_locked_beside_the_start_serves_once_ready_and_its_error_r
     reaches the engine's thread in `wait`."""
     import threading
 
-    from loramux.registry import pinned_arena
+    from loramux.registry import page_locked_arena
 
     release, threads = threading.Event(), []
-    sizes = pinned_arena.segment_sizes
+    sizes = page_locked_arena.segment_sizes
 
     def slow_sizes(nbytes):
         threads.append(threading.current_thread())
         release.wait(timeout=10)
         return sizes(nbytes)
 
-    monkeypatch.setattr(pinned_arena, "segment_sizes", slow_sizes)
-    arena = PinnedArena(1 << 20, pinned=False, in_background=True)
+    monkeypatch.setattr(page_locked_arena, "segment_sizes", slow_sizes)
+    arena = PageLockedArena(1 << 20, pinned=False, in_background=True)
     arena.fence(object())  # nothing allocated yet: nothing a copy could read
     release.set()
     assert arena.wait() is arena and threads[0] is not threading.main_thread()
@@ -273,7 +273,7 @@ def test_an_arena_page_locked_beside_the_start_serves_once_ready_and_its_error_r
     def failing_sizes(nbytes):
         raise MemoryError("no host memory")
 
-    monkeypatch.setattr(pinned_arena, "segment_sizes", failing_sizes)
-    broken = PinnedArena(1 << 20, pinned=False, in_background=True)
+    monkeypatch.setattr(page_locked_arena, "segment_sizes", failing_sizes)
+    broken = PageLockedArena(1 << 20, pinned=False, in_background=True)
     with pytest.raises(MemoryError, match="no host memory"):
         broken.wait()

@@ -10,7 +10,7 @@ from conftest import peft_greedy, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.registry import LoRAConfig, Registry
-from loramux.registry.pinned_arena import PinnedArena
+from loramux.registry.page_locked_arena import PageLockedArena
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +32,7 @@ def host_allocations() -> int:
 
 
 def test_pieces_are_page_locked_and_copy_asynchronously():
-    arena = PinnedArena(64 << 20)
+    arena = PageLockedArena(64 << 20)
     piece = arena.allocate(10 << 20)
     assert piece.is_pinned() and piece[4096:].is_pinned() and arena.owns(piece)
     device = torch.empty(piece.numel(), dtype=torch.uint8, device="cuda")
@@ -45,7 +45,7 @@ def test_pieces_are_page_locked_and_copy_asynchronously():
 def test_the_engine_serves_from_its_arena_and_loads_allocate_no_page_locked_memory(engine_adapters):
     eng = engine()
     arena = eng.registry.host_memory
-    assert isinstance(arena, PinnedArena) and eng.lora_manager.on_host_copies == arena.fence
+    assert isinstance(arena, PageLockedArena) and eng.lora_manager.on_host_copies == arena.fence
     before = host_allocations()
     names = ["attn", "all", "mlp"]
     for number, name in enumerate(names * 2, start=1):  # a tier of one: every load is a cold one
@@ -80,7 +80,7 @@ def test_a_piece_still_being_copied_from_is_not_reused(engine_adapters):
 
 
 def test_a_registry_with_its_own_arena_keeps_it_in_the_engine():
-    arena = PinnedArena(32 << 20)
+    arena = PageLockedArena(32 << 20)
     registry = Registry(LoRAConfig(max_loras=1, max_lora_rank=8), resolvers=[], host_memory=arena)
     eng = engine(registry=registry)
     assert eng.registry.host_memory is arena and eng.lora_manager.on_host_copies == arena.fence
