@@ -94,7 +94,7 @@ def load_bench_model(name: str | None, dtype: str, device: torch.device, load_fo
 
         torch.manual_seed(0)
         return LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).to(device, getattr(torch, dtype)).eval()
-    from loramux.engine.model_loader import load_model
+    from loramux.engine.worker.model_loader import load_model
 
     return load_model(name, dtype=dtype, device=device, load_format=load_format)[0]
 
@@ -153,7 +153,7 @@ def compiles_watched():
     disk cache), each a stall of the step that needed it. Yields a dict filled on exit."""
     import triton
 
-    from loramux.engine.compilation import compiled_frames
+    from loramux.engine.worker.compilation import compiled_frames
 
     knobs = getattr(triton, "knobs", None)
     built: list[str] = []

@@ -65,7 +65,7 @@ def meta_llama_8b():
     """Llama-3.1-8B's module tree on the meta device: real shapes, no memory."""
     from transformers import AutoModelForCausalLM
 
-    from loramux.engine.model_loader import dummy_config
+    from loramux.engine.worker.model_loader import dummy_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(dummy_config("llama-3.1-8b")).to(torch.bfloat16)
@@ -154,7 +154,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--disk-probe-mb", type=int, default=256, help="the sequential-read probe file's size")
     parser.add_argument("--out", type=Path, default=default_out(), help="folder for cold_load.json")
     args = parser.parse_args(argv)
-    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.engine.adapters.lora_model import LoRAModelManager
     from loramux.registry import LoRAConfig
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

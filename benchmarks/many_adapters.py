@@ -70,7 +70,7 @@ from benchmarks._common import (  # noqa: E402
     write_peft_config,
     write_result,
 )
-from loramux.engine.instrumentation import StepTimings  # noqa: E402
+from loramux.engine.core.instrumentation import StepTimings  # noqa: E402
 from loramux.flags import parse_byte_size  # noqa: E402
 
 TITLE = "Many adapters"
@@ -390,7 +390,7 @@ def summarize_steps(steps: Sequence[StepTimings]) -> dict:
     """Where a trace's step time went: the steps that launched a forward, their mean time, the share
     that computed prompt tokens, the padding share of the forwards' tokens, the milliseconds at each
     timing point in all, and the steps by the tokens their forward ran (a graph's padded size)."""
-    from loramux.engine.instrumentation import POINTS
+    from loramux.engine.core.instrumentation import POINTS
 
     ran = [t for t in steps if t.launched is not None]
     by_size: dict[int, list[StepTimings]] = {}

@@ -57,9 +57,9 @@ from benchmarks._common import (  # noqa: E402
     write_result,
 )
 from loramux import LoRARequest, SamplingParams  # noqa: E402
-from loramux.engine.kv_cache import kv_cache_geometry  # noqa: E402
+from loramux.engine.worker.kv_cache import kv_cache_geometry  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
-from loramux.engine.model_loader import dummy_config  # noqa: E402
+from loramux.engine.worker.model_loader import dummy_config  # noqa: E402
 
 TITLE = "Throughput"
 TP_ADAPTER_COUNTS = (0, 1, 32)

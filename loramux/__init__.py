@@ -22,6 +22,7 @@ from loramux.version import __version__
 
 __all__ = [
     "LLM",
+    "LLMEngine",
     "SamplingParams",
     "StructuredOutputsParams",
     "LoRARequest",
@@ -40,6 +41,7 @@ __all__ = [
 
 _LAZY = {
     "LLM": "loramux.engine.llm",
+    "LLMEngine": "loramux.engine.llm_engine",
     "SamplingParams": "loramux.engine.sampling_params",
     "StructuredOutputsParams": "loramux.engine.sampling_params",
     "hookimpl": "loramux.plugins.hookspecs",

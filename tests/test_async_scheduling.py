@@ -11,7 +11,7 @@ from conftest import char_tokenizer, peft_greedy, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.model_runner import LaunchedStep
+from loramux.engine.worker.model_runner import LaunchedStep
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 

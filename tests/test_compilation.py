@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY_LLAMA, needs_cuda, setenv
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.compilation import (compile_repeated_blocks, configure_compile_caches, repeated_blocks,
+from loramux.engine.worker.compilation import (compile_repeated_blocks, configure_compile_caches, repeated_blocks,
                                         restore_eager_blocks)
 from loramux.engine.llm_engine import LLMEngine
 
@@ -123,7 +123,7 @@ def test_on_cuda_nothing_compiles_while_serving_and_compiled_equals_eager(engine
     frame and no Triton kernel, and their greedy tokens equal an eager engine's."""
     import triton
 
-    from loramux.engine.compilation import compiled_frames
+    from loramux.engine.worker.compilation import compiled_frames
 
     torch._dynamo.reset()  # an earlier test's compiled layer would serve this one: count from zero
     setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path))

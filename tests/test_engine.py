@@ -348,7 +348,7 @@ def test_enforce_eager_is_accepted_and_the_cpu_runs_eagerly():
 
 
 def test_graph_batch_sizes():
-    from loramux.engine.model_runner import graph_batch_sizes
+    from loramux.engine.worker.model_runner import graph_batch_sizes
 
     assert graph_batch_sizes(64) == [2, 4, 8, 16, 32, 48, 64]
     assert graph_batch_sizes(4) == [2, 4] and graph_batch_sizes(1) == [2]

@@ -8,7 +8,7 @@ import torch
 from conftest import assert_greedy_matches_peft, peft_greedy, resident_requests, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.cuda_graphs import LORA, LORA_SMALL_GEMMS
+from loramux.engine.worker.cuda_graphs import LORA, LORA_SMALL_GEMMS
 from loramux.engine.layers import side_stream
 
 pytestmark = [

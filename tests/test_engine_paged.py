@@ -13,7 +13,7 @@ from conftest import peft_greedy, step_to_end, tiny_llama, tiny_model
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.siblings import SiblingSlice, fuse_siblings
+from loramux.engine.worker.siblings import SiblingSlice, fuse_siblings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

@@ -7,8 +7,8 @@ from conftest import peft_greedy, step_to_end, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.model_runner import LaunchedStep
-from loramux.engine.sequence import SequenceStatus
+from loramux.engine.worker.model_runner import LaunchedStep
+from loramux.engine.core.sequence import SequenceStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [(7 * i) % 120 + 3 for i in range(9)]

@@ -6,11 +6,11 @@ import itertools
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.adapters.uses import AdapterUses
-from loramux.engine.block_manager import BlockManager
+from loramux.engine.core.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
-from loramux.engine.scheduler import Scheduler
-from loramux.engine.sequence import Sequence
-from loramux.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from loramux.engine.core.scheduler import Scheduler
+from loramux.engine.core.sequence import Sequence
+from loramux.engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from loramux.errors import CacheFullError
 from loramux.registry import AdapterHandle
 

@@ -159,8 +159,8 @@ def test_an_adapters_delta_at_a_fused_layer_is_peft_delta_on_the_unquantized_act
     difference of its outputs is the LoRA delta alone, which PEFT computes from them."""
     from peft import PeftModel
 
-    from loramux.engine.lora_model import LoRAModelManager
-    from loramux.engine.siblings import fuse_siblings
+    from loramux.engine.adapters.lora_model import LoRAModelManager
+    from loramux.engine.worker.siblings import fuse_siblings
     from loramux.registry import LoRAConfig, load_adapter
 
     model = quantized_tiny_llama()

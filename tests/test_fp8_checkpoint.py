@@ -21,7 +21,7 @@ from torch import nn
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm import LLM
-from loramux.engine.model_loader import load_model
+from loramux.engine.worker.model_loader import load_model
 from loramux.engine.quantization import Fp8Linear, quantize_model
 from loramux.errors import QuantizationError
 

@@ -142,7 +142,7 @@ def test_greedy_with_adapters_on_an_fp8_base_replays_graphs_as_eager_steps_run(e
 
 
 def test_a_checkpoint_saved_in_fp8_loads_on_cuda_as_the_model_quantized_at_load(tmp_path):
-    from loramux.engine.model_loader import load_model
+    from loramux.engine.worker.model_loader import load_model
 
     write_fp8_checkpoint(tmp_path, compressed_tensors("channel"))
     loaded, _ = load_model(tmp_path, device="cuda", dtype="bfloat16")
@@ -164,7 +164,7 @@ MEDIUM = dict(model_type="llama", vocab_size=1024, hidden_size=2048, intermediat
 
 
 def test_fp8_weights_take_half_the_memory_and_are_made_a_layer_at_a_time(tmp_path):
-    from loramux.engine.model_loader import load_model
+    from loramux.engine.worker.model_loader import load_model
 
     config = tmp_path / "medium.json"
     config.write_text(json.dumps(MEDIUM))
@@ -187,7 +187,7 @@ def test_fp8_weights_take_half_the_memory_and_are_made_a_layer_at_a_time(tmp_pat
 
 
 def test_the_memory_fp8_weights_free_goes_to_the_kv_cache(tmp_path):
-    from loramux.engine.kv_cache import PagedKVCache
+    from loramux.engine.worker.kv_cache import PagedKVCache
     from loramux.engine.llm_engine import LLMEngine
 
     config = tmp_path / "medium.json"

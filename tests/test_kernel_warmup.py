@@ -13,8 +13,8 @@ import torch
 
 from conftest import tiny_llama, setenv
 from loramux import LoRARequest, SamplingParams
-from loramux.engine import kernel_warmup
-from loramux.engine.kernel_warmup import LoRAModuleShape, WarmupStep, plan_warmup, warm_up_kernels
+from loramux.engine.worker import kernel_warmup
+from loramux.engine.worker.kernel_warmup import LoRAModuleShape, WarmupStep, plan_warmup, warm_up_kernels
 from loramux.engine.layers import BaseLayerWithLoRA
 from loramux.engine.llm_engine import LLMEngine
 from loramux.kernels import attention, build_lora_meta, expand, shrink
@@ -204,7 +204,7 @@ def test_a_planning_failure_skips_the_warm_up_with_a_warning(monkeypatch, caplog
 
     monkeypatch.setattr(kernel_warmup, "plan_warmup", broken)
     monkeypatch.setattr(eng.runner, "_model_forward", lambda *a: pytest.fail("no step runs without a plan"))
-    with caplog.at_level("WARNING", logger="loramux.engine.kernel_warmup"):
+    with caplog.at_level("WARNING", logger="loramux.engine.worker.kernel_warmup"):
         assert warm_up_kernels(eng.runner) == 0
     assert "kernel warm-up skipped" in caplog.text and "TypeError" in caplog.text
     assert "LORAMUX_KERNEL_WARMUP=0" in caplog.text

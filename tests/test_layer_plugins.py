@@ -15,7 +15,7 @@ from torch import nn
 import loramux
 from loramux import LLM, LoRARequest, SamplingParams
 from loramux.engine.layers import BaseLayerWithLoRA, LayerSupport, LinearWithLoRA, Route
-from loramux.engine.lora_model import LoRAModelManager, wrap_layer
+from loramux.engine.adapters.lora_model import LoRAModelManager, wrap_layer
 from loramux.errors import IncompatibleAdapterError
 from loramux.plugins import plugin_errors, reset_plugin_manager
 from loramux.registry import LoRAConfig, load_adapter

@@ -12,7 +12,7 @@ from layer_helpers import in_order as delta_after_base
 
 import loramux.engine.layers.side_stream as side_stream_module
 from loramux.engine.layers import Route
-from loramux.engine.lora_model import LoRAModelManager
+from loramux.engine.adapters.lora_model import LoRAModelManager
 from loramux.registry import LoRAConfig, load_adapter
 
 pytestmark = [

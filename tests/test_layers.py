@@ -26,8 +26,8 @@ from loramux.engine.layers import (
 )
 from loramux.engine.layers import backend
 from loramux.engine.layers.contract import Route
-from loramux.engine.lora_model import LoRAModelManager, wrap_layer
-from loramux.engine.lora_validation import describe_mismatch
+from loramux.engine.adapters.lora_model import LoRAModelManager, wrap_layer
+from loramux.engine.adapters.lora_validation import describe_mismatch
 from loramux.kernels.pool import pool_rows
 from loramux.plugins.manager import get_plugin_manager, register_plugin
 from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights, load_adapter

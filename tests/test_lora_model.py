@@ -14,7 +14,7 @@ import torch
 from conftest import TINY_ARCHS, save_peft_adapter, tiny_model, setenv
 from peft import PeftModel
 
-from loramux.engine.lora_model import LoRAModelManager
+from loramux.engine.adapters.lora_model import LoRAModelManager
 from loramux.registry import LoRAConfig, load_adapter
 from loramux.registry.handle import memory_handle
 

@@ -23,10 +23,10 @@ from test_engine_scheduler import scheduler as make_scheduler
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.lora_model import LoRAModelManager
-from loramux.engine.rank_pool import RankPool
-from loramux.engine.scheduler import Scheduler
-from loramux.engine.sequence import Sequence
+from loramux.engine.adapters.lora_model import LoRAModelManager
+from loramux.engine.adapters.rank_pool import RankPool
+from loramux.engine.core.scheduler import Scheduler
+from loramux.engine.core.sequence import Sequence
 from loramux.errors import CacheFullError
 from loramux.kernels.pool import POOL_ROW_ALIGN, pool_rows
 from loramux.registry import AdapterHandle, LoRAConfig, load_adapter

@@ -11,8 +11,8 @@ import pytest
 from conftest import setenv
 import torch
 
-from loramux.engine import model_loader
-from loramux.engine.model_loader import (
+from loramux.engine.worker import model_loader
+from loramux.engine.worker.model_loader import (
     DEFAULT_MODEL_NAME,
     default_model_path,
     dummy_config_names,

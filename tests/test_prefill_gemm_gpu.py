@@ -12,7 +12,7 @@ from layer_helpers import pool_of, set_lora
 from torch import nn
 
 from loramux.engine.layers import LoRAContext, Route, backend
-from loramux.engine.lora_model import wrap_layer
+from loramux.engine.adapters.lora_model import wrap_layer
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
 pytestmark = [

@@ -22,10 +22,10 @@ pytest.importorskip("fastapi", reason="the serve extras are not installed: pip i
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from loramux.engine.events import AdapterEvent
-from loramux.engine.outputs import CompletionOutput, RequestOutput
+from loramux.engine.core.events import AdapterEvent
+from loramux.engine.core.outputs import CompletionOutput, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.stats import RouterStats
+from loramux.engine.core.stats import RouterStats
 from loramux.errors import AdapterNotFoundError, InvalidAdapterError
 from loramux.serving import ServerConfig, build_app
 from loramux.serving.async_engine import ADD_TURN, AsyncEngine, SubRequest

@@ -64,7 +64,7 @@ def test_kv_cache_and_compilation_flags_reach_the_engine(tmp_path):
 
 
 def test_request_bounds_flags():
-    from loramux.engine.structured_output import StructuredOutputLimits
+    from loramux.engine.core.structured_output import StructuredOutputLimits
 
     defaults = parse()
     assert defaults.max_prompts_per_request == 2048 and defaults.structured_outputs_limits is None

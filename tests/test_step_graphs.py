@@ -9,11 +9,11 @@ import torch
 from conftest import step_to_end, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.cuda_graphs import BASE, LORA, LORA_SMALL_GEMMS, StepGraphs, graph_token_sizes
+from loramux.engine.worker.cuda_graphs import BASE, LORA, LORA_SMALL_GEMMS, StepGraphs, graph_token_sizes
 from loramux.engine.layers import side_stream
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.model_runner import StepShape
-from loramux.engine.step_outputs import SchedulerOutput
+from loramux.engine.worker.model_runner import StepShape
+from loramux.engine.core.step_outputs import SchedulerOutput
 
 
 def test_graph_token_sizes_cover_decodes_then_powers_of_two():

@@ -9,7 +9,7 @@ import pytest
 
 from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.registry import LoRAConfig, LoRARequest, Registry
-from loramux.engine.stats import TierStats, read_tiers
+from loramux.engine.core.stats import TierStats, read_tiers
 from loramux.registry.cpu_cache import CacheStats
 from loramux.serving.metrics import Metrics
 
@@ -45,7 +45,7 @@ def test_capacity_is_a_gauge_per_tier_the_cpu_budget_and_the_gpu_pools(make_adap
 
     from conftest import tiny_llama
 
-    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.engine.adapters.lora_model import LoRAModelManager
 
     config = LoRAConfig(max_loras=2, max_cpu_lora_bytes=1 << 20)
     registry = Registry(config, resolvers=[])

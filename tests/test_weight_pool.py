@@ -19,7 +19,7 @@ import loramux.engine.layers.weight_pool as weight_pool_module
 from loramux.engine.layers import LoRAContext
 from loramux.engine.layers.slot_copy import _dense, shared_buffer, zero_all
 from loramux.engine.layers.weight_pool import AdapterWeightPool
-from loramux.engine.lora_model import LoRAModelManager, wrap_layer
+from loramux.engine.adapters.lora_model import LoRAModelManager, wrap_layer
 from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights
 
 CONFIG = LoRAConfig(max_loras=3, max_lora_rank=8)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from loramux.engine.structured_output import StructuredOutputLimits
+from loramux.engine.core.structured_output import StructuredOutputLimits
 from loramux.flags import flag, parse_byte_size, parse_byte_size_or_zero
 from loramux.registry import LoRAConfig, LoRARequest
 
@@ -215,7 +215,7 @@ class EngineConfig:
         if self.structured_output_limits is not None and not isinstance(
                 self.structured_output_limits, StructuredOutputLimits):
             raise ValueError(f"structured_output_limits: got {self.structured_output_limits!r}; allowed: None "
-                             "or a loramux.engine.structured_output.StructuredOutputLimits")
+                             "or a loramux.engine.core.structured_output.StructuredOutputLimits")
         if not self.enable_lora and self.lora_modules:
             raise ValueError("lora_modules were given but enable_lora=False; enable LoRA or drop them")
         if self.enable_lora:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from loramux.engine.config import EngineConfig
-from loramux.engine.siblings import fuse_siblings
+from loramux.engine.worker.siblings import fuse_siblings
 from loramux.registry import LoRAConfig, LoRARequest
 from loramux.registry.host_memory import PAGEABLE, HostMemory
 from loramux.registry.page_locked_arena import PIECE_ALIGNMENT, PageLockedArena
@@ -63,7 +63,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
 
             quantize_model(hf_model)
     else:
-        from loramux.engine.model_loader import DEFAULT_MODEL_NAME, load_model
+        from loramux.engine.worker.model_loader import DEFAULT_MODEL_NAME, load_model
 
         device = torch.device(config.device) if config.device is not None else _default_device()
         prepare_config = None
@@ -97,7 +97,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
         if tp_rank > 0:  # a worker's slots are written from the driver's
             lora_manager = worker_manager_class(hf_model, lora_config, target_modules=config.lora_target_modules)
         else:
-            from loramux.engine.lora_model import LoRAModelManager
+            from loramux.engine.adapters.lora_model import LoRAModelManager
 
             registry_obj = config.registry
             memory = registry_obj.host_memory if registry_obj is not None else _host_memory(lora_config, cuda)
@@ -176,8 +176,8 @@ CPU_KV_CACHE_BYTES = 512 * 2**20
 def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, profile_peak_bytes) -> int:
     """How many KV blocks to allocate (see the module docstring). ``profile_peak_bytes()`` runs
     the largest step once and returns its activation bytes (CUDA only)."""
-    from loramux.engine.block_manager import blocks_needed
-    from loramux.engine.kv_cache import PagedKVCache
+    from loramux.engine.core.block_manager import blocks_needed
+    from loramux.engine.worker.kv_cache import PagedKVCache
 
     block_bytes = PagedKVCache.block_bytes(model.config.get_text_config(), config.block_size,
                                            next(model.parameters()).dtype)

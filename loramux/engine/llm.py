@@ -22,12 +22,12 @@ from tqdm.auto import tqdm
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine, PromptType
-from loramux.engine.outputs import RequestOutput
+from loramux.engine.core.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.registry import LoRARequest
 
 if TYPE_CHECKING:
-    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.engine.adapters.lora_model import LoRAModelManager
 
 __all__ = ["LLM"]
 

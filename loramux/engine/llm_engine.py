@@ -14,7 +14,7 @@ for its load while the others keep decoding; a failed load finishes only that re
 ``finish_reason="error"`` and the error. Adapter events ("ready", "failed", "retired") reach
 listeners as they happen (:meth:`LLMEngine.add_event_listener`); the adapter's life from name to
 handle to slot is in :mod:`loramux.engine.adapters.lifecycle`. Step listeners get each step's timings
-by named point (:meth:`LLMEngine.add_step_listener`, :mod:`loramux.engine.instrumentation`).
+by named point (:meth:`LLMEngine.add_step_listener`, :mod:`loramux.engine.core.instrumentation`).
 """
 
 from __future__ import annotations
@@ -30,21 +30,21 @@ from collections.abc import Callable, Mapping
 import torch
 
 from loramux.engine.adapters.lifecycle import AdapterLifecycle
-from loramux.engine.block_manager import BlockManager
+from loramux.engine.core.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
-from loramux.engine.detokenizer import IncrementalDetokenizer
-from loramux.engine.events import AdapterEvent
+from loramux.engine.core.detokenizer import IncrementalDetokenizer
+from loramux.engine.core.events import AdapterEvent
 from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
-from loramux.engine.instrumentation import StepClock, StepListener
-from loramux.engine.model_runner import LaunchedStep, ModelRunner
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.sampler import Sampler
+from loramux.engine.core.instrumentation import StepClock, StepListener
+from loramux.engine.worker.model_runner import LaunchedStep, ModelRunner
+from loramux.engine.core.outputs import RequestOutput
+from loramux.engine.worker.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from loramux.engine.scheduler import Scheduler
-from loramux.engine.serving_process import prepare_process_for_serving, release_frozen_heap
-from loramux.engine.stats import RouterStats, TierStats, read_tiers
-from loramux.engine.structured_output import StructuredOutputs
-from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.core.scheduler import Scheduler
+from loramux.engine.process_tuning import prepare_process_for_serving, release_frozen_heap
+from loramux.engine.core.stats import RouterStats, TierStats, read_tiers
+from loramux.engine.core.structured_output import StructuredOutputs
+from loramux.engine.core.sequence import Sequence, SequenceStatus
 from loramux.errors import EngineClosedError, LoRAError
 from loramux.registry import AdapterHandle, LoRARequest, Registry
 from loramux.registry.page_locked_arena import PageLockedArena
@@ -439,7 +439,7 @@ class LLMEngine:
     def add_event_listener(self, listener: Callable[[AdapterEvent], None]) -> None:
         """Call ``listener(event)`` for every adapter event: "ready" and "failed" per request as
         its adapter's load ends, "retired" when a handle that lost its name has no request left
-        (see :mod:`loramux.engine.events`). It runs in the thread where the event happens: keep
+        (see :mod:`loramux.engine.core.events`). It runs in the thread where the event happens: keep
         it quick and thread-safe."""
         self._require_lora()
         self.adapters.events.add(listener)
@@ -450,7 +450,7 @@ class LLMEngine:
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Call ``listener(timings)`` after every step with its
-        :class:`~loramux.engine.instrumentation.StepTimings`: wall time, seconds per named point
+        :class:`~loramux.engine.core.instrumentation.StepTimings`: wall time, seconds per named point
         (schedule, forward, receive, GPU-tier placement, ...), the forward launched and those
         read back. It runs on the stepping thread; an exception it raises leaves ``step``."""
         with self._step_lock:

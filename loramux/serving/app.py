@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from loramux.engine.structured_output import StructuredOutputLimitError, UnsupportedStructuredOutput
+from loramux.engine.core.structured_output import StructuredOutputLimitError, UnsupportedStructuredOutput
 from loramux.serving import lora_admin
 from loramux.serving.errors import APIError, install_error_handlers
 from loramux.serving.generation import build_requests, chat_echo, run_generation

@@ -33,8 +33,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loramux.engine.events import AdapterEvent
-from loramux.engine.outputs import RequestOutput
+from loramux.engine.core.events import AdapterEvent
+from loramux.engine.core.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.registry import LoRARequest
 from loramux.serving.engine_client import EngineClient, Prompt

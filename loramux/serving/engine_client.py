@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from loramux.engine.events import AdapterEvent
-from loramux.engine.outputs import RequestOutput
+from loramux.engine.core.events import AdapterEvent
+from loramux.engine.core.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
-from loramux.engine.stats import RouterStats, TierStats
+from loramux.engine.core.stats import RouterStats, TierStats
 from loramux.registry import AdapterHandle, LoRARequest
 
 __all__ = ["EngineClient", "Prompt"]

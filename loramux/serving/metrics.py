@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loramux.engine.stats import RouterStats, TierStats
+from loramux.engine.core.stats import RouterStats, TierStats
 
 __all__ = ["CONTENT_TYPE", "Metrics"]
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from loramux.engine.outputs import RequestOutput
+from loramux.engine.core.outputs import RequestOutput
 from loramux.errors import LoRAError
 from loramux.registry import LoRARequest
 from loramux.serving.async_engine import RequestGroup, SubRequest

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from loramux.engine.outputs import RequestOutput
+from loramux.engine.core.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.serving.async_engine import RequestGroup
 from loramux.serving.errors import to_api_error

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 
 from loramux.engine.adapters.loading import AdapterLoader
 from loramux.engine.adapters.uses import AdapterUses
-from loramux.engine.events import AdapterEvent, EventListeners
-from loramux.engine.instrumentation import StepClock
-from loramux.engine.sequence import Sequence
+from loramux.engine.core.events import AdapterEvent, EventListeners
+from loramux.engine.core.instrumentation import StepClock
+from loramux.engine.core.sequence import Sequence
 from loramux.errors import CacheBusyError, LoRAError
 from loramux.registry import AdapterHandle, LoRAAdapter, LoRARequest, Registry
 

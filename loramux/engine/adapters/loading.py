@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from loramux.engine.sequence import Sequence
+from loramux.engine.core.sequence import Sequence
 from loramux.errors import LoRAError
 from loramux.registry import LoRAAdapter, LoRARequest, Registry
 

@@ -16,7 +16,7 @@ import traceback
 import torch
 
 from loramux.engine.config import EngineConfig
-from loramux.engine.lora_model import LoRAModelManager
+from loramux.engine.adapters.lora_model import LoRAModelManager
 
 __all__ = ["WorkerLoRAManager", "run_worker"]
 
@@ -51,7 +51,7 @@ class WorkerLoRAManager(LoRAModelManager):
 def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, conn) -> None:
     """The worker process's entry point (see the module docstring)."""
     from loramux.engine.engine_setup import build_engine_setup
-    from loramux.engine.model_runner import ModelRunner
+    from loramux.engine.worker.model_runner import ModelRunner
     from loramux.engine.tensor_parallel.group import destroy_group, init_group, rank_device
 
     try:

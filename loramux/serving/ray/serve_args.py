@@ -8,7 +8,6 @@ import json
 from typing import Any
 
 from loramux.serving.config import parse_lora_module
-from loramux.serving.options import add_serve_arguments
 from loramux.serving.ray.options import RAY_SETTINGS
 
 __all__ = ["NOT_SETTINGS", "parse_serve_args"]
@@ -22,6 +21,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _serve_parser() -> argparse.ArgumentParser:
+    # at call time: loramux.serving.options reads RayConfig from loramux.serving.ray, whose package
+    # imports this module
+    from loramux.serving.options import add_serve_arguments
+
     parser = _Parser(prog="loramux serve")
     add_serve_arguments(parser)
     return parser

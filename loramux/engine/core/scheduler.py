@@ -77,10 +77,10 @@ from collections import Counter
 from collections.abc import Iterator
 
 from loramux.engine.adapters.uses import AdapterUses, Fit
-from loramux.engine.block_manager import BlockManager
+from loramux.engine.core.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
-from loramux.engine.sequence import Sequence, SequenceStatus
-from loramux.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from loramux.engine.core.sequence import Sequence, SequenceStatus
+from loramux.engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from loramux.errors import CacheFullError, LoRAError
 from loramux.registry import AdapterHandle
 

@@ -50,9 +50,9 @@ import torch
 from tqdm.auto import tqdm
 
 from loramux import envs
-from loramux.engine.kv_cache import kv_cache_geometry
-from loramux.engine.lora_patch import matches_target
-from loramux.engine.lora_validation import adapter_sizes
+from loramux.engine.worker.kv_cache import kv_cache_geometry
+from loramux.engine.layers.lora_patch import matches_target
+from loramux.engine.adapters.lora_validation import adapter_sizes
 from loramux.kernels import LoRABatchMeta, build_lora_meta
 from loramux.kernels.attention import attention_config
 from loramux.kernels.expand import expand_launch
@@ -60,7 +60,7 @@ from loramux.kernels.shrink import shrink_launch
 from loramux.kernels.tiles import cdiv, next_pow2, slot_lanes
 
 if TYPE_CHECKING:
-    from loramux.engine.model_runner import ModelRunner
+    from loramux.engine.worker.model_runner import ModelRunner
 
 __all__ = ["ENV_VAR", "LoRAModuleShape", "WarmupStep", "attention_keys", "lora_keys", "plan_warmup",
            "run_warmup", "warm_up_kernels"]

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loramux.engine.device_tensors import device_tensor
-from loramux.engine.logprobs import Logprob, TokenLogprobs, token_logprobs
-from loramux.engine.penalties import allow_only, apply_logit_bias, apply_min_p, apply_penalties, block_tokens
-from loramux.engine.structured_output import apply_grammar_masks
+from loramux.engine.worker.device_tensors import device_tensor
+from loramux.engine.worker.logprobs import Logprob, TokenLogprobs, token_logprobs
+from loramux.engine.worker.penalties import allow_only, apply_logit_bias, apply_min_p, apply_penalties, block_tokens
+from loramux.engine.core.structured_output import apply_grammar_masks
 
 __all__ = ["Sampler", "SamplerOutput"]
 

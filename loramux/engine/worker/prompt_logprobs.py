@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loramux.engine.logprobs import token_logprobs
+from loramux.engine.worker.logprobs import token_logprobs
 
 __all__ = ["PromptLogprobPlan", "plan_prompt_logprobs", "record_prompt_logprobs"]
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence as Seq
 
 import torch
 
-from loramux.engine.device_tensors import device_tensor
+from loramux.engine.worker.device_tensors import device_tensor
 
 __all__ = ["allow_only", "apply_logit_bias", "apply_min_p", "apply_penalties", "block_tokens", "token_counts"]
 

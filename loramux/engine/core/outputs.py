@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loramux.engine.logprobs import PromptLogprobs, SampleLogprobs
+from loramux.engine.worker.logprobs import PromptLogprobs, SampleLogprobs
 from loramux.errors import LoRAError
 
 __all__ = ["CompletionOutput", "RequestOutput", "FinishReason"]

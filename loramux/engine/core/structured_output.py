@@ -8,7 +8,7 @@ fills them into one batched bitmask and applies it to the logits in place; after
 state accepts the token.
 
 What one format may cost is bounded (`StructuredOutputLimits`): its size, a schema's depth and
-enum values, a choice's strings, and its compile time (see :mod:`loramux.engine.grammar_trials`);
+enum values, a choice's strings, and its compile time (see :mod:`loramux.engine.core.grammar_trials`);
 a format over a limit is refused with a `StructuredOutputLimitError` naming the limit.
 
 xgrammar was chosen over llguidance by measurement: its masks take a steady, short time, where a
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from loramux.engine.grammar_trials import TrialCompiler, TrialTimeout, compile_format, new_compiler
+from loramux.engine.core.grammar_trials import TrialCompiler, TrialTimeout, compile_format, new_compiler
 from loramux.engine.sampling_params import StructuredOutputsParams
 
 __all__ = ["GrammarState", "StructuredOutputLimitError", "StructuredOutputLimits", "StructuredOutputs",

@@ -12,7 +12,7 @@ Attention is swapped for :func:`loramux_attention` through transformers' ``Atten
 no mask. The layer's work is one custom op, ``loramux::attention``: write the step's K/V into the
 cache (one kernel), then one paged-attention launch for every decode token and prefill chunk of
 the step, reading the block tables (GQA without repeating K/V). The op is opaque to
-``torch.compile`` and reads the step's metadata from :mod:`loramux.engine.forward_context`, so
+``torch.compile`` and reads the step's metadata from :mod:`loramux.engine.worker.forward_context`, so
 the compiled forward and the CUDA graphs around it hold no per-step Python state. Every model
 whose attention calls ``ALL_ATTENTION_FUNCTIONS`` works (Llama, Qwen2, Mistral, Gemma and most
 others in transformers 5).
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface
 
-from loramux.engine.forward_context import current_metadata
+from loramux.engine.worker.forward_context import current_metadata
 from loramux.kernels import paged_attention, write_kv
 
 __all__ = ["ATTN_IMPLEMENTATION", "PagedKVCache", "kv_cache_geometry", "loramux_attention"]

@@ -9,12 +9,12 @@ work between steps overlaps the GPU's). A decode whose input token is that not-y
 takes its id on the device from the last step's sampled tokens (`fill_pending`).
 
 On CUDA the model's decoder layer is compiled with ``torch.compile`` (regional compilation: one
-graph every layer shares, see `loramux.engine.compilation`; elementwise chains of the modeling
+graph every layer shares, see `loramux.engine.worker.compilation`; elementwise chains of the modeling
 code fuse; attention and LoRA are custom ops the compiled graph calls), and every step of up to
 ``max_graph_tokens`` tokens (decodes, short prefills, mixed steps) replays a CUDA graph captured at
 start for its padded token count (`StepGraphs`). After capture,
 `warm_up_kernels` runs one step per distinct Triton launch configuration a step can use, so no
-request pays for a kernel's JIT compile (`loramux.engine.kernel_warmup`). ``enforce_eager=True``
+request pays for a kernel's JIT compile (`loramux.engine.worker.kernel_warmup`). ``enforce_eager=True``
 runs everything eagerly; ``compilation=False`` keeps the graphs without compiling. CPU is eager.
 """
 
@@ -26,17 +26,17 @@ from dataclasses import dataclass
 
 import torch
 
-from loramux.engine.block_manager import blocks_needed
+from loramux.engine.core.block_manager import blocks_needed
 from loramux.engine.config import EngineConfig
-from loramux.engine.compilation import (CompiledRegions, compile_repeated_blocks, configure_compile_caches,
+from loramux.engine.worker.compilation import (CompiledRegions, compile_repeated_blocks, configure_compile_caches,
                                         restore_eager_blocks)
-from loramux.engine.cuda_graphs import StepGraphs, graph_batch_sizes, graph_token_sizes
-from loramux.engine.forward_context import AttentionMetadata, forward_context
-from loramux.engine.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
-from loramux.engine.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
-from loramux.engine.sampler import Sampler, SamplerOutput
-from loramux.engine.sequence import Sequence
-from loramux.engine.step_outputs import ModelRunnerOutput, SchedulerOutput
+from loramux.engine.worker.cuda_graphs import StepGraphs, graph_batch_sizes, graph_token_sizes
+from loramux.engine.worker.forward_context import AttentionMetadata, forward_context
+from loramux.engine.worker.kv_cache import ATTN_IMPLEMENTATION, PagedKVCache
+from loramux.engine.worker.prompt_logprobs import plan_prompt_logprobs, record_prompt_logprobs
+from loramux.engine.worker.sampler import Sampler, SamplerOutput
+from loramux.engine.core.sequence import Sequence
+from loramux.engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from loramux.kernels.dispatch import uses_triton
 
 __all__ = ["LaunchedStep", "ModelRunner", "StepShape", "graph_batch_sizes", "graph_token_sizes"]
@@ -233,7 +233,7 @@ class ModelRunner:
     def warm_up_kernels(self) -> None:
         """Compile, now, every Triton kernel configuration a step can use (CUDA; after the KV
         cache exists): one step per distinct launch configuration, over the scratch KV block."""
-        from loramux.engine.kernel_warmup import warm_up_kernels
+        from loramux.engine.worker.kernel_warmup import warm_up_kernels
 
         if self.device.type != "cuda" or not uses_triton(self.device):
             return

@@ -6,7 +6,7 @@ counts for the blocks running sequences use, ``can_allocate / allocate / dealloc
 can_append / may_append``, and asserts on its invariants. It holds no tensors and is not
 thread-safe: the scheduler owns it.
 
-**The sequence protocol** (duck-typed; `loramux.engine.sequence.Sequence` implements it):
+**The sequence protocol** (duck-typed; `loramux.engine.core.sequence.Sequence` implements it):
 
 - ``seq.block_table: list[int]``: block ids in token order; filled and cleared here.
 - ``seq.num_tokens: int``: prompt plus generated tokens, including the one the next step computes.

@@ -38,13 +38,13 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from loramux.engine.forward_context import AttentionMetadata, forward_context
-from loramux.engine.prompt_logprobs import plan_prompt_logprobs
+from loramux.engine.worker.forward_context import AttentionMetadata, forward_context
+from loramux.engine.worker.prompt_logprobs import plan_prompt_logprobs
 
 if TYPE_CHECKING:
-    from loramux.engine.model_runner import ModelRunner
-    from loramux.engine.step_outputs import SchedulerOutput
-    from loramux.engine.sequence import Sequence
+    from loramux.engine.worker.model_runner import ModelRunner
+    from loramux.engine.core.step_outputs import SchedulerOutput
+    from loramux.engine.core.sequence import Sequence
 
 __all__ = ["BASE", "LORA", "LORA_SMALL_GEMMS", "StepGraphs", "StepInputs", "graph_batch_sizes", "graph_token_sizes"]
 

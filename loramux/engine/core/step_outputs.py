@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loramux.engine.logprobs import Logprob
-    from loramux.engine.sequence import Sequence
+    from loramux.engine.worker.logprobs import Logprob
+    from loramux.engine.core.sequence import Sequence
 
 __all__ = ["ModelRunnerOutput", "SchedulerOutput"]
 

@@ -11,7 +11,7 @@ import weakref
 import pytest
 from conftest import tiny_llama
 
-from loramux.engine.serving_process import SERVING_SWITCH_INTERVAL_S, prepare_process_for_serving
+from loramux.engine.process_tuning import SERVING_SWITCH_INTERVAL_S, prepare_process_for_serving
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@
     manager.set_mapping(token_slots)               # [T] slot per token, -1 = base model; per forward
     logits = model(input_ids).logits
 
-Patching (`loramux.engine.lora_patch`) replaces each eligible layer in place by the wrapper the
+Patching (`loramux.engine.layers.lora_patch`) replaces each eligible layer in place by the wrapper the
 ``create_lora_layer`` hook returns (plugins first, loramux's built-ins last). Every wrapper reads the same `LoRAContext`,
 so the per-forward kernel metadata is built once. The adapter weight pool
 (`loramux.engine.layers.weight_pool`) owns the layers' adapter memory and writes it; this manager
@@ -24,9 +24,9 @@ from torch import nn
 
 from loramux.engine.layers import LoRAContext
 from loramux.engine.layers.weight_pool import AdapterWeightPool, Footprint
-from loramux.engine.lora_patch import patch_model, wrap_layer
-from loramux.engine.lora_validation import AdapterValidator
-from loramux.engine.slots import SlotTable
+from loramux.engine.layers.lora_patch import patch_model, wrap_layer
+from loramux.engine.adapters.lora_validation import AdapterValidator
+from loramux.engine.adapters.slots import SlotTable
 from loramux.errors import CacheFullError, LoRAError
 from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig
 from loramux.registry.handle import memory_handle
@@ -149,7 +149,7 @@ class LoRAModelManager:
         (this manager used on its own) is validated here and given a handle, and an adapter
         without a handle whose name is resident already is a hit on it.
 
-        A slot takes pool rows by rank in every pooled layer (`loramux.engine.rank_pool`): the
+        A slot takes pool rows by rank in every pooled layer (`loramux.engine.adapters.rank_pool`): the
         least recently used adapters not in use are evicted until a slot is free and the new
         adapter's rows fit.
 

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from loramux.engine.layers import BaseLayerWithLoRA
-from loramux.engine.lora_patch import matches_target
+from loramux.engine.layers.lora_patch import matches_target
 from loramux.errors import IncompatibleAdapterError
 from loramux.registry import LoRAAdapter, LoRAModuleWeights
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from loramux.engine.detokenizer import IncrementalDetokenizer
-from loramux.engine.logprobs import PromptLogprobs, SampleLogprobs
-from loramux.engine.outputs import CompletionOutput, FinishReason, RequestOutput
+from loramux.engine.core.detokenizer import IncrementalDetokenizer
+from loramux.engine.worker.logprobs import PromptLogprobs, SampleLogprobs
+from loramux.engine.core.outputs import CompletionOutput, FinishReason, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.structured_output import GrammarState
+from loramux.engine.core.structured_output import GrammarState
 from loramux.errors import LoRAError
 from loramux.registry import AdapterHandle, LoRARequest
 
