@@ -11,6 +11,7 @@ import pytest
 from conftest import setenv
 import torch
 
+import loramux
 from loramux.engine.worker import model_loader
 from loramux.engine.worker.model_loader import (
     DEFAULT_MODEL_NAME,
@@ -19,7 +20,7 @@ from loramux.engine.worker.model_loader import (
     load_model,
 )
 
-ADAPTERS_DIR = Path(model_loader.__file__).resolve().parents[1] / "data" / "adapters"
+ADAPTERS_DIR = Path(loramux.__file__).resolve().parent / "data" / "adapters"
 
 TINY_LLAMA = {
     "model_type": "llama",
