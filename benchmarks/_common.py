@@ -94,7 +94,7 @@ def load_bench_model(name: str | None, dtype: str, device: torch.device, load_fo
 
         torch.manual_seed(0)
         return LlamaForCausalLM(LlamaConfig(**TINY_CONFIG)).to(device, getattr(torch, dtype)).eval()
-    from loramux.engine.model_loader import load_model
+    from loramux.engine.worker.model_loader import load_model
 
     return load_model(name, dtype=dtype, device=device, load_format=load_format)[0]
 
@@ -134,13 +134,17 @@ def copy_bandwidth(device: torch.device) -> float | None:
 def engine_stages(engine, engine_seconds: float) -> dict:
     """Where an engine's start went: compile, capture, kernel warm-up, waiting for the page-locked
     arena, the rest (profile run, KV cache); and the arena's own page-locking, on its thread."""
-    runner, pinning = engine.runner, engine.setup.pinning
+    from loramux.registry.page_locked_arena import PageLockedArena
+
+    runner = engine.runner
+    arena = engine.registry.host_memory if engine.registry is not None else None
+    arena = arena if isinstance(arena, PageLockedArena) else None
     parts = {"compile_s": runner.regions.compile_seconds if runner.regions else 0.0,
              "capture_s": runner.startup_seconds.get("capture", 0.0),
              "warmup_s": runner.startup_seconds.get("warmup", 0.0),
-             "pinned_arena_wait_s": pinning.waited if pinning else 0.0}
+             "pinned_arena_wait_s": arena.waited_seconds if arena else 0.0}
     return {"engine_s": engine_seconds, **parts, "other_s": engine_seconds - sum(parts.values()),
-            "pinned_arena_s": pinning.seconds if pinning else 0.0}
+            "pinned_arena_s": arena.reserve_seconds if arena else 0.0}
 
 
 @contextlib.contextmanager
@@ -149,7 +153,7 @@ def compiles_watched():
     disk cache), each a stall of the step that needed it. Yields a dict filled on exit."""
     import triton
 
-    from loramux.engine.compilation import compiled_frames
+    from loramux.engine.worker.compilation import compiled_frames
 
     knobs = getattr(triton, "knobs", None)
     built: list[str] = []

@@ -65,7 +65,7 @@ def meta_llama_8b():
     """Llama-3.1-8B's module tree on the meta device: real shapes, no memory."""
     from transformers import AutoModelForCausalLM
 
-    from loramux.engine.model_loader import dummy_config
+    from loramux.engine.worker.model_loader import dummy_config
 
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(dummy_config("llama-3.1-8b")).to(torch.bfloat16)
@@ -84,12 +84,12 @@ class Stages:
         from loramux.resolvers import FilesystemResolver
 
         from loramux.registry.host_memory import PAGEABLE
-        from loramux.registry.pinned_arena import PinnedArena
+        from loramux.registry.page_locked_arena import PageLockedArena
 
         self.root, self.name, self.manager = root, name, manager
         self.config = LoRAConfig(max_loras=1, max_lora_rank=RANK, max_cpu_loras=1)
         self.cuda = torch.cuda.is_available()
-        self.memory = PinnedArena(256 << 20) if self.cuda else PAGEABLE  # as the engine's loads
+        self.memory = PageLockedArena(256 << 20) if self.cuda else PAGEABLE  # as the engine's loads
         self.make_registry = lambda: Registry(
             self.config, resolvers=[FilesystemResolver(root)], validate=manager.validate, host_memory=self.memory
         )
@@ -154,7 +154,7 @@ def main(argv=None) -> Path:
     parser.add_argument("--disk-probe-mb", type=int, default=256, help="the sequential-read probe file's size")
     parser.add_argument("--out", type=Path, default=default_out(), help="folder for cold_load.json")
     args = parser.parse_args(argv)
-    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.engine.adapters.lora_model import LoRAModelManager
     from loramux.registry import LoRAConfig
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:

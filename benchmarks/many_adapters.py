@@ -70,8 +70,8 @@ from benchmarks._common import (  # noqa: E402
     write_peft_config,
     write_result,
 )
-from loramux.engine.instrumentation import StepTimings  # noqa: E402
-from loramux.serving.options import parse_byte_size  # noqa: E402
+from loramux.engine.core.instrumentation import StepTimings  # noqa: E402
+from loramux.flags import parse_byte_size  # noqa: E402
 
 TITLE = "Many adapters"
 GB = 1e9
@@ -390,7 +390,7 @@ def summarize_steps(steps: Sequence[StepTimings]) -> dict:
     """Where a trace's step time went: the steps that launched a forward, their mean time, the share
     that computed prompt tokens, the padding share of the forwards' tokens, the milliseconds at each
     timing point in all, and the steps by the tokens their forward ran (a graph's padded size)."""
-    from loramux.engine.instrumentation import POINTS
+    from loramux.engine.core.instrumentation import POINTS
 
     ran = [t for t in steps if t.launched is not None]
     by_size: dict[int, list[StepTimings]] = {}
@@ -493,8 +493,8 @@ def tier_counts(engine) -> dict[str, int]:
     allocations and retries (a retry frees the cache: a device-wide sync the step waits on)."""
     counts = {f"{tier}_{name}": getattr(stats_, name) for tier, stats_ in
               (("cpu", engine.registry.cache.stats), ("gpu", engine.lora_manager.stats)) for name in ("loads", "evictions")}
-    if engine.setup.device.type == "cuda":
-        memory = torch.cuda.memory_stats(engine.setup.device)
+    if engine.config.device.type == "cuda":
+        memory = torch.cuda.memory_stats(engine.config.device)
         counts |= {"cuda_mallocs": memory.get("num_device_alloc", 0), "cuda_alloc_retries": memory.get("num_alloc_retries", 0)}
     return counts
 

@@ -29,7 +29,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from benchmarks import stats  # noqa: E402
 from benchmarks._common import RESULTS_DIR, write_result  # noqa: E402
-from loramux.engine.model_loader import default_model_path  # noqa: E402
+from loramux.engine.worker.model_loader import default_model_path  # noqa: E402
 
 TITLE = "Structured output"
 

@@ -58,9 +58,9 @@ from benchmarks._common import (  # noqa: E402
     write_result,
 )
 from loramux import LoRARequest, SamplingParams  # noqa: E402
-from loramux.engine.kv_cache import kv_cache_geometry  # noqa: E402
+from loramux.engine.worker.kv_cache import kv_cache_geometry  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
-from loramux.engine.model_loader import dummy_config  # noqa: E402
+from loramux.engine.worker.model_loader import dummy_config  # noqa: E402
 
 TITLE = "Throughput"
 COMPARED_ADAPTER_COUNTS = (0, 1, 32)
@@ -105,7 +105,7 @@ def run_workload(engine: LLMEngine, prompts, loras, output_len: int) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
         engine.add_request(f"w{time.monotonic_ns()}-{i}", {"prompt_token_ids": prompt}, params, lora)
-    sync(engine.setup.device)
+    sync(engine.config.device)
     t0 = time.perf_counter()
     tokens = 0
     while engine.has_unfinished_requests():

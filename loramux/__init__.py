@@ -18,11 +18,11 @@ from loramux.errors import (
     QuantizationError,
 )
 from loramux.registry import LoRAConfig, LoRARequest
-
-__version__ = "0.1.0"
+from loramux.version import __version__
 
 __all__ = [
     "LLM",
+    "LLMEngine",
     "SamplingParams",
     "StructuredOutputsParams",
     "LoRARequest",
@@ -41,6 +41,7 @@ __all__ = [
 
 _LAZY = {
     "LLM": "loramux.engine.llm",
+    "LLMEngine": "loramux.engine.llm_engine",
     "SamplingParams": "loramux.engine.sampling_params",
     "StructuredOutputsParams": "loramux.engine.sampling_params",
     "hookimpl": "loramux.plugins.hookspecs",

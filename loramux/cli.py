@@ -14,47 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-__all__ = ["add_resolver_arguments", "build_parser", "main", "resolver_settings"]
-
-
-# -------------------------------------------------------------------------------------------------
-# Options shared by the commands that find adapters
-# -------------------------------------------------------------------------------------------------
-
-
-def add_resolver_arguments(parser: argparse.ArgumentParser) -> None:
-    """The resolver settings, as options (each also has an environment variable)."""
-    group = parser.add_argument_group("adapter sources")
-    group.add_argument(
-        "--lora-resolver-dir",
-        metavar="DIR",
-        help="find adapters by name under DIR: DIR/NAME or DIR/MODEL/NAME "
-        "(env LORAMUX_LORA_RESOLVER_DIR)",
-    )
-    group.add_argument(
-        "--lora-resolvers",
-        metavar="A,B",
-        help="the resolvers to ask by name, in order (env LORAMUX_LORA_RESOLVERS; default: all, "
-        "in registration order)",
-    )
-    group.add_argument(
-        "--lora-fetch-timeout",
-        type=float,
-        metavar="SECONDS",
-        help="seconds a resolver may take to find or fetch one adapter; past it the load fails "
-        "(env LORAMUX_LORA_FETCH_TIMEOUT; default 60)",
-    )
-
-
-def resolver_settings(args: argparse.Namespace):
-    """The resolver options as a :class:`~loramux.resolvers.ResolverSettings`, each option not
-    given defaulting to its environment variable (read here, once; nothing is written back).
-    ``serve``'s vLLM-style ``--lora-resolver A B`` is the same as ``--lora-resolvers A,B``."""
-    from loramux.resolvers.settings import ResolverSettings
-
-    order = getattr(args, "lora_resolvers", None) or getattr(args, "lora_resolver", None) or None
-    return ResolverSettings.from_env(order=order, directory=getattr(args, "lora_resolver_dir", None),
-                                     fetch_timeout=getattr(args, "lora_fetch_timeout", None))
+__all__ = ["build_parser", "main"]
 
 
 # -------------------------------------------------------------------------------------------------
@@ -63,7 +23,9 @@ def resolver_settings(args: argparse.Namespace):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from loramux import __version__
+    from loramux.version import __version__
+    from loramux.resolvers.settings import add_resolver_arguments
+    from loramux.serving.options import add_serve_arguments
 
     parser = argparse.ArgumentParser(
         prog="loramux", description="Serve many LoRA adapters on one shared base model."
@@ -110,8 +72,6 @@ def build_parser() -> argparse.ArgumentParser:
     command.set_defaults(func=cmd_inspect)
 
     # -- loramux serve -----------------------------------------------------------------------------
-    from loramux.serving.options import add_serve_arguments
-
     command = commands.add_parser(
         "serve",
         help="serve the model and its adapters over an OpenAI-compatible HTTP API",
@@ -120,7 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
         "found on demand through the resolvers. See docs/serving.md.",
     )
     add_serve_arguments(command)
-    add_resolver_arguments(command)
     command.set_defaults(func=cmd_serve)
 
     return parser
@@ -128,10 +87,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """The console script ``loramux``."""
+    from loramux import envs
     from loramux.errors import LoRAError
 
-    args = build_parser().parse_args(argv)
     try:
+        envs.current()  # read once, now: a value it does not understand is a one-line error
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (LoRAError, ValueError) as error:
         print(f"loramux: error: {error}", file=sys.stderr)
@@ -194,6 +155,7 @@ def _request_for(text: str):
 def cmd_inspect(args: argparse.Namespace) -> int:
     from loramux.errors import LoRAError
     from loramux.registry import LoRAConfig, Registry, load_adapter
+    from loramux.resolvers.settings import resolver_settings
 
     request = _request_for(args.adapter)
     report: dict = {"name": request.lora_name, "source": request.lora_path or None}
@@ -269,9 +231,16 @@ def _print_report(report: dict, as_json: bool) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from loramux.serving.ray.launch import check_ray_flags
+
+    check_ray_flags(args)
+    if args.ray:
+        from loramux.serving.ray.launch import serve_on_ray  # imports Ray only to use it
+
+        return serve_on_ray(args)
     from loramux.serving.server import serve
 
-    return serve(args, resolver_settings(args))
+    return serve(args)
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from tqdm import tqdm
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing loramux
 
-from loramux.engine.model_loader import load_model  # noqa: E402
+from loramux.engine.worker.model_loader import load_model  # noqa: E402
 
 ADAPTERS_DIR = REPO / "loramux" / "data" / "adapters"
 BASE_MODEL_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # recorded in adapter_config.json

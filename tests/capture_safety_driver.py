@@ -17,7 +17,7 @@ What it does, in order:
    open ``--hold-ms`` before its forward runs, so loads land inside every one (deterministic);
 4. stops the thread, serves the same batch from the new graphs and from an eager engine.
 
-``--without-fix`` removes the fix: ``torch.cuda.graph``, which `loramux.engine.cuda_graphs` calls to
+``--without-fix`` removes the fix: ``torch.cuda.graph``, which `loramux.engine.worker.cuda_graphs` calls to
 capture, is replaced by a wrapper that passes ``capture_error_mode="global"`` (the old code's mode,
 torch's default) whatever the code asks for. Both modes wrap it to count captures and to know when
 one is under way, so the driver can tell how many loads ran inside a capture.
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.setswitchinterval(0.0005)
     real_graph = torch.cuda.graph if cuda else (lambda *args, **kwargs: contextlib.nullcontext())
     tracker = CaptureTracker(real_graph, "global" if args.without_fix else None, hold_seconds=args.hold_ms / 1000)
-    torch.cuda.graph = tracker  # what loramux.engine.cuda_graphs calls (it looks the name up at each capture)
+    torch.cuda.graph = tracker  # what loramux.engine.worker.cuda_graphs calls (it looks the name up at each capture)
     result: dict = {"without_fix": args.without_fix, "dry_run": args.dry_run, "rounds": args.rounds}
     args.workdir.mkdir(parents=True, exist_ok=True)
     adapters = write_adapters(args.workdir)

@@ -86,6 +86,31 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / denom if denom > 0 else diff
 
 
+# --- the environment -----------------------------------------------------------------------------
+# loramux reads its environment variables once (loramux.envs); each test starts from the
+# environment as it is then, and a test that changes a variable reads it again with `setenv`.
+
+
+@pytest.fixture(autouse=True)
+def _fresh_envs():
+    from loramux import envs
+
+    envs.refresh()
+    yield
+    envs.refresh()  # after monkeypatch put the environment back (this fixture was set up first)
+
+
+def setenv(monkeypatch, name: str, value: str | None):
+    """Set (None: unset) environment variable ``name`` for this test and have loramux read it again."""
+    from loramux import envs
+
+    if value is None:
+        monkeypatch.delenv(name, raising=False)
+    else:
+        monkeypatch.setenv(name, value)
+    return envs.refresh()
+
+
 # --- LoRA layers and model patching --------------------------------------------------------------
 TINY_ARCHS = ("llama", "qwen2", "mistral", "gemma", "phi3", "gpt2")
 
@@ -244,7 +269,7 @@ def clean_plugin_env(monkeypatch, tmp_path):
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
     cache = tmp_path / "cache"
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(cache))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(cache))
     reset_plugin_manager()
     yield cache
     reset_plugin_manager()

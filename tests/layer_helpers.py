@@ -9,7 +9,7 @@ from contextlib import contextmanager
 
 from loramux.engine.layers import BaseLayerWithLoRA, Route
 from loramux.engine.layers.weight_pool import AdapterWeightPool
-from loramux.engine.lora_validation import describe_mismatch
+from loramux.engine.adapters.lora_validation import describe_mismatch
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
 _POOLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

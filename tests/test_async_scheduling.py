@@ -11,7 +11,7 @@ from conftest import char_tokenizer, peft_greedy, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.model_runner import LaunchedStep
+from loramux.engine.worker.model_runner import LaunchedStep
 
 GREEDY = dict(temperature=0, ignore_eos=True)
 
@@ -126,8 +126,8 @@ def test_async_equals_sync_under_preemption_and_aborts(engine_adapters):
 def launch_and_read_order(async_scheduling: bool, params: SamplingParams, monkeypatch) -> list[str]:
     eng = engine(async_scheduling)
     events = []
-    run = eng.runner.run
-    monkeypatch.setattr(eng.runner, "run", lambda batch: events.append("launch") or run(batch))
+    run = eng.runner.execute_model
+    monkeypatch.setattr(eng.runner, "execute_model", lambda batch: events.append("launch") or run(batch))
     monkeypatch.setattr(LaunchedStep, "token_ids", lambda step, _read=LaunchedStep.token_ids: (
         events.append("read") or _read(step)))
     serve(eng, [("a", prompts(5)[0], params, None)])
@@ -156,3 +156,31 @@ def test_the_next_turn_hits_every_block_the_last_one_computed(async_scheduling):
     hits = eng.block_manager.stats.hits
     serve(eng, [("turn-2", history + [5, 6, 7], SamplingParams(max_tokens=2, **GREEDY), None)])
     assert eng.block_manager.stats.hits - hits == 24
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_each_step_schedules_once_and_the_scheduler_alone_counts_computed_tokens(async_scheduling, make_adapter,
+                                                                                monkeypatch):
+    """schedule -> execute -> update: one schedule per step, also in the steps that launch nothing
+    (a request waiting for its adapter's copy, the last tokens of a batch); a sequence's computed
+    tokens move only in the scheduler's update, after its step's launch."""
+    eng = engine(async_scheduling)
+    lora = LoRARequest("late", 1, str(make_adapter("late", seed=3)))
+    calls, updates = [], []
+    schedule, update = eng.scheduler.schedule, eng.scheduler.update_from_launch
+    monkeypatch.setattr(eng.scheduler, "schedule", lambda: calls.append("schedule") or schedule())
+
+    def checked_update(scheduled, sampled):
+        computed = [seq.num_computed for seq, _ in scheduled.chunks]
+        update(scheduled, sampled)
+        updates.append([seq.num_computed - before for (seq, _), before in zip(scheduled.chunks, computed)])
+
+    monkeypatch.setattr(eng.scheduler, "update_from_launch", checked_update)
+    steps = []
+    eng.add_step_listener(lambda timings: steps.append(calls.count("schedule")) or calls.clear())
+    last = serve(eng, [("base", prompts(20)[0], SamplingParams(max_tokens=6, **GREEDY), None),
+                       ("lora", prompts(5)[0], SamplingParams(max_tokens=4, **GREEDY), lora)])
+    assert {out.outputs[0].finish_reason for out in last.values()} == {"length"}
+    assert steps and set(steps) == {1}
+    assert [n for step in updates for n in step] and all(n >= 1 for step in updates for n in step)
+    assert sum(n for step in updates for n in step) == 20 + 5 + 5 + 3  # prompts, then one decode a token

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from loramux.engine.block_manager import BlockManager, blocks_needed, hash_block
+from loramux.engine.core.block_manager import BlockManager, blocks_needed, hash_block
 from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.sequence import Sequence
+from loramux.engine.core.sequence import Sequence
 
 BS = 4  # block size
 
@@ -48,7 +48,7 @@ def test_sizes():
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, bf16, 16 tokens: 2 * 30 * 16 * 3 * 64 * 2 bytes
     from transformers import LlamaConfig
 
-    from loramux.engine.kv_cache import PagedKVCache
+    from loramux.engine.worker.kv_cache import PagedKVCache
 
     smollm = LlamaConfig(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
     assert PagedKVCache.block_bytes(smollm, 16, torch.bfloat16) == 368_640

@@ -7,7 +7,7 @@ aborted ("terminate called without an active exception"). Loading pins host memo
 (``torch.empty(..., pin_memory=True)`` is a ``cudaHostAlloc``), and a capture in CUDA's *global*
 error mode (torch's default, which the old code used) is invalidated by such a call on any thread.
 
-The fix, two parts (`loramux.engine.cuda_graphs`, `ModelRunner.capture_graphs`):
+The fix, two parts (`loramux.engine.worker.cuda_graphs`, `ModelRunner.capture_graphs`):
 
 1. every step graph is captured at engine start, before any loader thread exists; none while
    serving (`tests/test_engine_gpu.py::test_churn_with_graphs_loads_running_and_new_shapes_equals_eager`
@@ -201,7 +201,7 @@ def test_tracker_with_the_fix_passes_the_mode_through_and_counts_only_completed_
 def test_the_engine_captures_through_the_call_the_driver_replaces():
     """The driver removes the fix by replacing ``torch.cuda.graph``; if the engine captured some
     other way, ``--without-fix`` would silently test nothing (the GPU test would then see no crash)."""
-    from loramux.engine import cuda_graphs
+    from loramux.engine.worker import cuda_graphs
 
     source = inspect.getsource(cuda_graphs.StepGraphs._capture)
     assert "torch.cuda.graph(" in source, "StepGraphs._capture no longer calls torch.cuda.graph: update the driver"

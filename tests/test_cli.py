@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from loramux.cli import build_parser, main
+from conftest import setenv
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PLUGINS_DIR = Path(__file__).parent / "plugins"
@@ -67,7 +68,7 @@ def test_plugins_json(capsys):
 
 
 def test_plugins_with_an_empty_allow_list(capsys, monkeypatch):
-    monkeypatch.setenv("LORAMUX_PLUGINS", "")
+    setenv(monkeypatch, "LORAMUX_PLUGINS", "")
     code, out, _ = run(capsys, "plugins")
     assert code == 0 and out == "loramux-s3 0.1.0: not loaded (not in LORAMUX_PLUGINS)\n"
     _, out, _ = run(capsys, "plugins", "--json")
@@ -85,7 +86,7 @@ def test_plugins_shows_a_broken_plugin_and_warns_about_unknown_names(capsys, mon
     )
     monkeypatch.syspath_prepend(str(PLUGINS_DIR))
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv("LORAMUX_PLUGINS", "loramux-broken,loramux-typo")
+    setenv(monkeypatch, "LORAMUX_PLUGINS", "loramux-broken,loramux-typo")
     code, out, err = run(capsys, "plugins")
     assert code == 0
     assert (

@@ -3,18 +3,18 @@ engine and the CPU tier, and nothing writes ``os.environ`` on the way."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_llama
+from conftest import tiny_llama, setenv
 
-from loramux.cli import build_parser, main, resolver_settings
+from loramux.cli import build_parser, main
+from loramux.flags import parse_byte_size
 from loramux.registry import Registry, default_cpu_lora_bytes
 from loramux.resolvers import ResolverSettings
-from loramux.serving.options import parse_byte_size
+from loramux.resolvers.settings import resolver_settings
 
 pytestmark = pytest.mark.usefixtures("clean_plugin_env")
 
@@ -46,8 +46,8 @@ def test_a_registry_built_from_serve_flags_uses_them_and_leaves_the_environment_
 
 
 def test_environment_variables_are_only_the_defaults(root, tmp_path, monkeypatch):
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_DIR", str(tmp_path))
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVERS", "huggingface")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_DIR", str(tmp_path))
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVERS", "huggingface")
     parse = build_parser().parse_args
     assert resolver_settings(parse(["serve"])) == ResolverSettings(order=("huggingface",), directory=tmp_path)
     flags = resolver_settings(parse(["inspect", "x", "--lora-resolver-dir", str(root), "--lora-resolvers", "a,b"]))
@@ -113,7 +113,7 @@ def test_byte_sizes(text, size):
 
 @pytest.mark.parametrize("text", ["lots", "0", "-5", "1.5XB", "", "0.1"])
 def test_a_bad_byte_size_is_refused_with_the_forms_to_use(text, capsys):
-    with pytest.raises(argparse.ArgumentTypeError):
+    with pytest.raises(ValueError, match="size in bytes|less than 1 byte"):
         parse_byte_size(text)
     with pytest.raises(SystemExit) as caught:
         build_parser().parse_args(["serve", "--max-cpu-lora-bytes", text])

@@ -14,9 +14,9 @@ from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import TINY_LLAMA, needs_cuda
+from conftest import TINY_LLAMA, needs_cuda, setenv
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.compilation import (compile_repeated_blocks, configure_compile_caches, repeated_blocks,
+from loramux.engine.worker.compilation import (compile_repeated_blocks, configure_compile_caches, repeated_blocks,
                                         restore_eager_blocks)
 from loramux.engine.llm_engine import LLMEngine
 
@@ -98,7 +98,7 @@ def unset(monkeypatch, *names: str) -> None:
 
 def test_compile_caches_default_to_the_loramux_cache_dir(monkeypatch, tmp_path):
     unset(monkeypatch, "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "lmx"))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path / "lmx"))
     dirs = configure_compile_caches()
     assert dirs.inductor == tmp_path / "lmx" / "torch-compile"
     assert dirs.triton == tmp_path / "lmx" / "triton"
@@ -123,10 +123,10 @@ def test_on_cuda_nothing_compiles_while_serving_and_compiled_equals_eager(engine
     frame and no Triton kernel, and their greedy tokens equal an eager engine's."""
     import triton
 
-    from loramux.engine.compilation import compiled_frames
+    from loramux.engine.worker.compilation import compiled_frames
 
     torch._dynamo.reset()  # an earlier test's compiled layer would serve this one: count from zero
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path))
     lora = LoRARequest("all", 1, str(engine_adapters["all"]))
     options = dict(enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8, max_model_len=96,
                    max_num_batched_tokens=64, num_gpu_blocks_override=256)  # earlier tests' memory may be in use

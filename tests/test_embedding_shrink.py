@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import needs_cuda, needs_interpreter
+from conftest import needs_cuda, needs_interpreter, setenv
 from loramux.kernels.embedding import embedding_shrink
 
 
@@ -26,9 +26,9 @@ def inputs(T: int, S: int, R: int, vocab: int, device: str, seed: int):
 def check(device: str, monkeypatch) -> None:
     for T, S, R, seed in ((1, 1, 1, 0), (7, 3, 8, 1), (64, 32, 16, 2), (300, 5, 64, 3)):
         args = inputs(T, S, R, 1000, device, seed)
-        monkeypatch.setenv("LORAMUX_KERNELS", "torch")
+        setenv(monkeypatch, "LORAMUX_KERNELS", "torch")
         by_torch = embedding_shrink(*args, R)
-        monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+        setenv(monkeypatch, "LORAMUX_KERNELS", "triton")
         by_kernel = embedding_shrink(*args, R)
         assert by_kernel.shape == (T, R) and by_kernel.dtype == torch.float32
         assert torch.equal(by_kernel, by_torch), (T, S, R)

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import torch
-from conftest import assert_greedy_matches_peft, peft_greedy, resident_requests, tiny_llama
+from conftest import assert_greedy_matches_peft, peft_greedy, resident_requests, tiny_llama, setenv
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm import LLM
@@ -153,9 +153,9 @@ def test_adapter_loads_beside_the_step_loop(engine_adapters):
     release = threading.Event()
 
     class SlowRegistry(Registry):
-        def get(self, request, *, pin=False):
+        def _load(self, name, **kwargs):  # the read of a load
             release.wait(10)
-            return super().get(request, pin=pin)
+            return super()._load(name, **kwargs)
 
     eng = engine(registry=SlowRegistry(LoRAConfig(max_loras=2, max_lora_rank=8)))
     slow = LoRARequest("attn", 1, str(engine_adapters["attn"]))
@@ -176,7 +176,7 @@ def test_adapter_loads_beside_the_step_loop(engine_adapters):
 
 def test_resolver_exception_fails_only_its_request():
     class BrokenRegistry(Registry):
-        def get(self, request, *, pin=False):
+        def _load(self, name, **kwargs):
             raise RuntimeError("the bucket is on fire")
 
     eng = engine(registry=BrokenRegistry(LoRAConfig(max_loras=2, max_lora_rank=8)))
@@ -329,7 +329,7 @@ def test_static_meta_through_the_kernels_matches_the_exact_meta(block, monkeypat
     y0 = torch.randn(T, sum(out), generator=gen).to(device)
     results = []
     for kernels, meta in (("torch", build_lora_meta(slots, S)), ("triton", build_lora_meta(slots, S, static=True))):
-        monkeypatch.setenv("LORAMUX_KERNELS", kernels)
+        setenv(monkeypatch, "LORAMUX_KERNELS", kernels)
         y = y0.clone()
         buf = lora_shrink(x, A, scales, meta, ranks)
         lora_expand(y, buf, B, out, meta, ranks)
@@ -348,7 +348,7 @@ def test_enforce_eager_is_accepted_and_the_cpu_runs_eagerly():
 
 
 def test_graph_batch_sizes():
-    from loramux.engine.model_runner import graph_batch_sizes
+    from loramux.engine.worker.model_runner import graph_batch_sizes
 
     assert graph_batch_sizes(64) == [2, 4, 8, 16, 32, 48, 64]
     assert graph_batch_sizes(4) == [2, 4] and graph_batch_sizes(1) == [2]
@@ -361,11 +361,18 @@ def test_a_hanging_adapter_load_does_not_keep_the_process_alive():
 
     script = """
 import threading, types
-from loramux.engine.adapter_loader import AdapterLoader
-from loramux.registry import LoRARequest
-loader = AdapterLoader(lambda request: threading.Event().wait())  # a resolver that never answers
-request = LoRARequest("stuck", 1)
-loader.submit(types.SimpleNamespace(lora_name="stuck", lora_request=request))
+from loramux.engine.adapters.loading import AdapterLoader
+from loramux.registry import LoRAConfig, LoRARequest, Registry
+from loramux.resolvers import Resolver
+
+class Silent(Resolver):  # a resolver that never answers
+    name = "silent"
+    def resolve(self, base_model_name, lora_name):
+        threading.Event().wait()
+
+registry = Registry(LoRAConfig(), resolvers=[Silent()])
+loader = AdapterLoader(registry, check=lambda adapter: None, on_settled=lambda *args: None)
+loader.submit(types.SimpleNamespace(lora_name="stuck", lora_request=LoRARequest("stuck", 1)))
 loader.shutdown()
 print("exiting")
 """

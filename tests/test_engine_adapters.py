@@ -103,7 +103,7 @@ def test_unload_while_in_use_completes_when_the_last_request_ends(engine_adapter
     assert retired.handle == handle and retired_at == rec.finished["long"][0] > rec.finished["short"][0]
     assert rec.finished["long"][1] == peft_greedy(path, PROMPT, 10)
     assert eng.lora_manager.resident() == [] and handle.id not in eng.registry.cache
-    assert not eng.scheduler.adapters and eng.registry.cache.num_pinned() == 0
+    assert not eng.adapters and eng.registry.cache.num_pinned() == 0
     ready = [e for _, e in rec.of_kind("ready")]
     assert {r for e in ready for r in e.request_ids} == {"short", "long"} and all(e.handle == handle for e in ready)
 
@@ -114,7 +114,7 @@ def test_unloading_an_unused_adapter_retires_it_at_once_and_remove_by_id(engine_
     eng.add_lora(LoRARequest("idle", 7, str(engine_adapters["mlp"])))
     assert eng.pin_lora(7)  # a user pin is a reference the engine holds...
     handle = eng.lora_handle("idle")
-    assert eng.lora_manager.is_held(handle.id) and eng.scheduler.references(handle.id) == 1
+    assert eng.lora_manager.is_held(handle.id) and eng.adapters.references(handle.id) == 1
     assert eng.remove_lora(7) is True  # ...and goes with the name
     assert [e.handle for _, e in rec.of_kind("retired")] == [handle]
     assert eng.lora_manager.resident() == [] and eng.registry.cache.num_pinned() == 0
@@ -128,7 +128,7 @@ def test_a_pin_moves_to_the_reloaded_weights(make_adapter):
     old = eng.lora_handle("pinned")
     eng.add_lora(LoRARequest("pinned", 1, str(make_adapter("pin-v2", seed=52))))
     new = eng.lora_handle("pinned")
-    assert eng.scheduler.user_pinned() == {new.id} and eng.lora_manager.resident_handles() == [new]
+    assert eng.adapters.pinned() == {new.id} and eng.lora_manager.resident_handles() == [new]
     assert old.id not in eng.registry.cache
 
 
@@ -144,7 +144,7 @@ def test_queued_requests_wait_for_room_in_a_cpu_tier_full_of_adapters_in_use(eng
     rec.until(lambda: not eng.has_unfinished_requests())
     for name in names:
         assert rec.finished[name][1] == peft_greedy(engine_adapters[name], PROMPT, 10), name
-    assert eng.registry.cache.num_pinned() == 0 and not eng.scheduler.adapters
+    assert eng.registry.cache.num_pinned() == 0 and not eng.adapters
     assert eng.registry.cache.stats.load_failures == 0  # a load that waited for room did not fail
 
 
@@ -154,15 +154,15 @@ def test_a_load_that_finds_the_tier_pinned_by_loads_not_collected_yet_waits(engi
     import time
 
     eng = engine(max_loras=2, max_cpu_loras=2, max_num_seqs=2)
-    get, release = eng.registry.get, threading.Event()
+    read, release = eng.registry._load, threading.Event()
 
-    def get_then_hold(request, **kwargs):  # inserted and pinned, then the thread lingers
-        adapter = get(request, **kwargs)
-        if request.lora_name != "mlp":
+    def read_then_hold(name, **kwargs):  # inserted and pinned, then the thread lingers
+        adapter = read(name, **kwargs)
+        if name != "mlp":
             release.wait(5)
         return adapter
 
-    monkeypatch.setattr(eng.registry, "get", get_then_hold)
+    monkeypatch.setattr(eng.registry, "_load", read_then_hold)
     names = ["attn", "all", "mlp"]
     for i, name in enumerate(names[:2]):
         eng.add_request(name, {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest(name, i + 1, str(engine_adapters[name])))
@@ -189,23 +189,23 @@ def test_requests_for_an_adapter_in_the_cpu_tier_settle_in_the_submitting_thread
 
     eng = engine()
     reads, ready_threads = [], []
-    get = eng.registry.get
-    monkeypatch.setattr(eng.registry, "get", lambda request, **kw: reads.append(threading.current_thread().name)
-                        or get(request, **kw))
+    read = eng.registry._load
+    monkeypatch.setattr(eng.registry, "_load", lambda name, **kw: reads.append(threading.current_thread().name)
+                        or read(name, **kw))
     eng.add_event_listener(lambda e: e.kind == "ready" and ready_threads.append(threading.current_thread().name))
     request = LoRARequest("attn", 1, str(engine_adapters["attn"]))
     rec = Recorder(eng)
     eng.add_request("first", {"prompt_token_ids": PROMPT}, GREEDY, request)
     rec.until(lambda: not eng.has_unfinished_requests())
-    assert reads == ["loramux-load-attn"] and ready_threads == ["loramux-load-attn"]
+    assert reads == ready_threads == ["loramux-load-1"]  # a loading thread read it and said so
     for i in range(3):
         eng.add_request(f"again{i}", {"prompt_token_ids": PROMPT}, GREEDY, request)
     assert ready_threads[1:] == [threading.current_thread().name] * 3  # settled before add_request returned
     rec.until(lambda: not eng.has_unfinished_requests())
-    assert reads == ["loramux-load-attn"]  # no second read, no worker
+    assert reads == ["loramux-load-1"]  # no second read, no loading thread
     expected = peft_greedy(engine_adapters["attn"], PROMPT, 10)
     assert all(rec.finished[f"again{i}"][1] == expected for i in range(3)) and rec.finished["first"][1] == expected
-    assert eng.registry.cache.num_pinned() == 0 and not eng.scheduler.adapters
+    assert eng.registry.cache.num_pinned() == 0 and not eng.adapters
 
 
 def test_a_request_naming_another_path_for_a_resident_name_is_refused_and_the_resident_one_still_serves(make_adapter):

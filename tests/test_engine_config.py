@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -80,9 +81,7 @@ def test_worker_config_drops_the_drivers_objects():
 def test_keywords_and_config_build_the_same_engine(engine_adapters):
     from_kwargs = LLMEngine(tiny_llama(), **SMALL)
     from_config = LLMEngine(config=EngineConfig(tiny_llama(), **SMALL))
-    assert from_kwargs.config == EngineConfig(from_kwargs.model, **SMALL)
-    for name in ("max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_loras", "block_size"):
-        assert getattr(from_kwargs.setup, name) == getattr(from_config.setup, name)
+    assert from_kwargs.config == dataclasses.replace(from_config.config, model=from_kwargs.model)
     lora = LoRARequest("attn", 1, str(engine_adapters["attn"]))
     outputs = []
     for engine in (from_kwargs, from_config):
@@ -96,12 +95,21 @@ def test_keywords_and_config_build_the_same_engine(engine_adapters):
     assert outputs[0] == outputs[1] and outputs[0]["base"] != outputs[0]["lora"]
 
 
-def test_device_defaults_stay_unresolved_until_setup():
+def test_device_defaults_are_resolved_once_in_place_at_setup():
     config = EngineConfig(tiny_llama().to(torch.float64), enable_lora=False)
-    assert config.max_num_seqs is None and config.max_model_len is None
+    assert config.max_num_seqs is None and config.max_model_len is None and config.device is None
     engine = LLMEngine(config=config)
-    assert (engine.setup.max_num_seqs, engine.setup.max_num_batched_tokens) == (16, 1024)  # CPU's defaults
+    assert engine.config is config  # the one object the engine's parts read
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_shared_prefill_tokens) == (16, 1024, 16)
+    assert config.max_model_len == 128 and config.device == torch.device("cpu")  # the model's, on the CPU
+    assert engine.runner.config is config and engine.scheduler.max_num_seqs == 16
     engine.close()
+
+
+def test_resolving_checks_the_rules_again_with_the_defaults_filled_in():
+    config = EngineConfig(max_num_batched_tokens=8)  # fine alone: max_num_seqs is not known yet
+    with pytest.raises(ValueError, match="max_num_batched_tokens=8 must be >= max_num_seqs=16"):
+        config.resolve(torch.device("cpu"), 128)
 
 
 def test_serve_builds_an_engine_config_with_the_tensor_parallel_flag(monkeypatch):

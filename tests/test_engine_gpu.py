@@ -8,7 +8,7 @@ import torch
 from conftest import assert_greedy_matches_peft, peft_greedy, resident_requests, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.cuda_graphs import LORA, LORA_SMALL_GEMMS
+from loramux.engine.worker.cuda_graphs import LORA, LORA_SMALL_GEMMS
 from loramux.engine.layers import side_stream
 
 pytestmark = [
@@ -99,8 +99,8 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters, big_gemms, mo
                   max_num_batched_tokens=16, enforce_eager=eager)
         runner = llm.llm_engine.runner
         captured = runner.num_graphs
-        steps, run = [0], runner.run
-        runner.run = lambda batch: steps.__setitem__(0, steps[0] + 1) or run(batch)
+        steps, run = [0], runner.execute_model
+        runner.execute_model = lambda batch: steps.__setitem__(0, steps[0] + 1) or run(batch)
         variants = []
         if not eager:
             replay = runner.graphs.replay

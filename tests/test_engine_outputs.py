@@ -12,7 +12,7 @@ from conftest import char_tokenizer, tiny_llama
 from loramux import LoRARequest, SamplingParams, StructuredOutputsParams
 from loramux.engine.llm import LLM
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.structured_output import UnsupportedStructuredOutput
+from loramux.engine.core.structured_output import UnsupportedStructuredOutput
 
 
 def oracle_logprobs(adapter_path, token_ids: list[int]) -> torch.Tensor:

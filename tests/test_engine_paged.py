@@ -13,7 +13,7 @@ from conftest import peft_greedy, step_to_end, tiny_llama, tiny_model
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.siblings import SiblingSlice, fuse_siblings
+from loramux.engine.worker.siblings import SiblingSlice, fuse_siblings
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -158,17 +158,17 @@ def test_churn_with_many_more_adapters_than_tiers(make_adapter, monkeypatch):
 
     eng = engine(torch.float64, max_loras=2, max_cpu_loras=3, max_num_seqs=5)
     load_spans, decoding_spans = [], []  # (start, end) of each adapter load and each step that decoded
-    get = eng.registry.get
+    read = eng.registry._load
 
-    def slow_get(*args, **kwargs):  # a disk read's worth of delay: loads overlap decode steps
+    def slow_read(*args, **kwargs):  # a disk read's worth of delay: loads overlap decode steps
         start = time.perf_counter()
         try:
             time.sleep(0.02)
-            return get(*args, **kwargs)
+            return read(*args, **kwargs)
         finally:
             load_spans.append((start, time.perf_counter()))
 
-    monkeypatch.setattr(eng.registry, "get", slow_get)
+    monkeypatch.setattr(eng.registry, "_load", slow_read)
     finished, pending = {}, list(requests)
     batch_sizes = set()
     for _ in range(3000):

@@ -7,8 +7,8 @@ from conftest import peft_greedy, step_to_end, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.model_runner import LaunchedStep
-from loramux.engine.sequence import SequenceStatus
+from loramux.engine.worker.model_runner import LaunchedStep
+from loramux.engine.core.sequence import SequenceStatus
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PROMPT = [(7 * i) % 120 + 3 for i in range(9)]
@@ -73,9 +73,9 @@ def test_a_step_copies_at_most_a_few_adapters_ahead(engine_adapters, monkeypatch
     """Many free slots and many queued adapters in host memory: the copies spread over steps
     (one step placing every queued adapter stalled a trace of 1,000 adapters for 1.5 s), and every
     request still gets its adapter's output."""
-    from loramux.engine import adapter_life
+    from loramux.engine.adapters import lifecycle
 
-    monkeypatch.setattr(adapter_life, "PREFETCH_PER_STEP", 2)
+    monkeypatch.setattr(lifecycle, "PREFETCH_PER_STEP", 2)
     eng = engine(max_loras=8, max_cpu_loras=8, max_num_seqs=1)
     names = [f"attn{i}" for i in range(7)]  # one file, seven names: seven handles, seven slots
     start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "attn"))
@@ -117,8 +117,8 @@ def test_the_prefetch_runs_while_a_step_computes(engine_adapters, monkeypatch):
         start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "mlp"))
         events.clear()
         runner, adapters = eng.runner, eng.adapters
-        real_run, real_prefetch = runner.run, adapters.prefetch
-        monkeypatch.setattr(runner, "run", lambda batch, _run=real_run: events.append("run") or _run(batch))
+        real_run, real_prefetch = runner.execute_model, adapters.prefetch
+        monkeypatch.setattr(runner, "execute_model", lambda batch, _run=real_run: events.append("run") or _run(batch))
         monkeypatch.setattr(adapters, "prefetch", lambda *a, _prefetch=real_prefetch: (
             events.append("prefetch") or _prefetch(*a)))
         launched_before = int(eng._in_flight is not None)  # a step launched before the recording
@@ -174,23 +174,24 @@ def test_past_one_copy_a_prefetch_goes_on_only_while_the_gpu_computes(engine_ada
     """Its host work hides behind the step's GPU work until that ends (the runner's `computing`,
     which the engine passes on CUDA): then one copy a step, no more; with nothing to hide behind
     (None: the CPU, a step with nothing to run) the per-step cap alone bounds it."""
-    from loramux.engine.adapter_life import PREFETCH_PER_STEP
+    from loramux.engine.adapters.lifecycle import PREFETCH_PER_STEP
 
     eng = engine(max_loras=20, max_cpu_loras=20, max_num_seqs=1)
     start_one_then_queue_another(eng, engine_adapters, ("first", "attn"), ("second", "attn"))
     queue_mlp_requests(eng, engine_adapters, PREFETCH_PER_STEP + 6)  # more than the three calls place
     for _ in range(100):  # every load collected: the queue holds every adapter
-        eng.adapters.collect(timeout=0.05)
+        eng.adapters.collect(0.05, eng.scheduler.add)
         if len(eng.adapters) == 0:
             break
     placed = lambda: eng.lora_manager.stats.loads  # noqa: E731
     before = placed()
-    eng.adapters.prefetch(busy=lambda: False)  # the GPU finished the step: one copy, then stop
+    queue = eng.scheduler.in_turn
+    eng.adapters.prefetch(queue(), busy=lambda: False)  # the GPU finished the step: one copy, then stop
     assert placed() == before + 1
     polls = []
-    eng.adapters.prefetch(busy=lambda: polls.append(1) or len(polls) < 3)  # busy for two more copies
+    eng.adapters.prefetch(queue(), busy=lambda: polls.append(1) or len(polls) < 3)  # busy for two more copies
     assert placed() == before + 1 + 3
-    eng.adapters.prefetch()  # nothing to hide behind: up to the cap
+    eng.adapters.prefetch(queue())  # nothing to hide behind: up to the cap
     assert placed() == before + 4 + PREFETCH_PER_STEP
     assert not eng.runner.computing()  # the CPU ran its step before anything beside it
     step_to_end(eng, max_steps=300)
@@ -235,4 +236,4 @@ def test_an_adapter_the_prefetch_cannot_place_fails_only_its_requests(engine_ada
     assert outputs["first"].error is None and outputs["first"].outputs[0].token_ids == peft_greedy(
         engine_adapters["attn"], PROMPT, 40)
     assert outputs["second"].outputs[0].token_ids == peft_greedy(engine_adapters["mlp"], PROMPT, 6)
-    assert "bad" not in eng.lora_manager.resident() and eng.scheduler.adapters == {}
+    assert "bad" not in eng.lora_manager.resident() and not eng.adapters

@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.block_manager import BlockManager
-from loramux.engine.scheduler import Scheduler
-from loramux.engine.sequence import Sequence
+from loramux.engine.adapters.uses import AdapterUses
+from loramux.engine.core.block_manager import BlockManager
+from loramux.engine.config import EngineConfig
+from loramux.engine.core.scheduler import Scheduler
+from loramux.engine.core.sequence import Sequence
+from loramux.engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
 from loramux.errors import CacheFullError
 from loramux.registry import AdapterHandle
 
@@ -34,22 +37,37 @@ def seq(name: str | None = None, prompt_len: int = 4, max_tokens: int = 3) -> Se
     )
 
 
-def scheduler(rows: int = 4, budget: int = 64, max_loras: int = 1, blocks: int = 64, **kwargs) -> Scheduler:
+class Tiers(AdapterUses):
+    """The counts, with the tiers' hooks given as functions (none: every adapter fits, in slot 0)."""
+
+    def __init__(self, max_loras: int, **hooks) -> None:
+        super().__init__(max_loras)
+        for name, hook in hooks.items():
+            assert hasattr(AdapterUses, f"_{name}"), name
+            setattr(self, f"_{name}", hook)
+
+
+def scheduler(rows: int = 4, budget: int = 64, max_loras: int = 1, blocks: int = 64,
+              max_shared_prefill_tokens: int | None = None, **hooks) -> Scheduler:
+    config = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=budget, max_loras=max_loras, max_model_len=4096,
+                          max_shared_prefill_tokens=max_shared_prefill_tokens, block_size=8)
     manager = BlockManager(blocks + 1, 8)  # block 0 is the scratch block
-    return Scheduler(manager, max_num_seqs=rows, max_num_batched_tokens=budget, max_loras=max_loras, **kwargs)
+    return Scheduler(config, manager, adapters=Tiers(max_loras, **hooks))
+
+
+def step(s: Scheduler) -> SchedulerOutput:
+    """One step as the engine runs it, each sampled token a 7: schedule, launch, read back."""
+    scheduled = s.schedule()
+    sampled = [q for q, n in scheduled.chunks if q.num_computed + n == q.num_tokens]
+    s.update_from_launch(scheduled, sampled)
+    assert all(q.num_pending == 1 for q in sampled)
+    s.update_from_output(ModelRunnerOutput(sampled, [7] * len(sampled)))
+    return scheduled
 
 
 def advance(s: Scheduler) -> list[Sequence]:
-    """Pretend the step ran: count computed tokens, sample, finish those at max_tokens."""
-    batch = s.schedule()
-    for q, n in batch.chunks:
-        q.num_computed += n
-        if q.num_computed == q.num_tokens:
-            q.output_token_ids.append(7)
-            if len(q.output_token_ids) >= q.params.max_tokens:
-                q.finish("length")
-                s.finish(q)
-    return [q for q, _ in batch.chunks]
+    """`step`; the sequences it ran."""
+    return [q for q, _ in step(s).chunks]
 
 
 def test_decodes_first_then_chunked_prefill_within_the_budget():
@@ -145,13 +163,11 @@ def test_a_failed_activation_fails_only_that_request():
         return 0
 
     ended, released = [], []
-    s = scheduler(rows=4, max_loras=2, on_adapter_start=activate, on_adapter_end=ended.append,
-                  on_adapter_released=released.append)
+    s = scheduler(rows=4, max_loras=2, place=activate, ended=ended.append, released=released.append)
     ok, broken = seq("fine", max_tokens=1), seq("broken")
     s.add(broken)
     s.add(ok)
-    advance(s)
-    assert broken.finish_reason == "error" and s.failed == [broken]
+    assert step(s).failed == [broken] and broken.finish_reason == "error"
     assert ok.is_finished and ended == [handle("fine")] and not s.adapters
     assert released == [handle("broken"), handle("fine")]  # each reference released exactly once
     assert s.blocks.num_free_blocks == 64  # every block came back
@@ -161,18 +177,18 @@ def test_reference_counts_follow_queue_run_preempt_and_finish():
     """The one owner of "in use": a reference per queued or running sequence, a slot while one
     runs; the tier callbacks fire on the transitions only."""
     calls = []
-    s = scheduler(rows=4, max_loras=2, on_adapter_referenced=lambda h: calls.append(("ref", h.name)),
-                  on_adapter_start=lambda h: calls.append(("start", h.name)) or 1,
-                  on_adapter_end=lambda h: calls.append(("end", h.name)),
-                  on_adapter_released=lambda h: calls.append(("release", h.name)))
+    s = scheduler(rows=4, max_loras=2, referenced=lambda h: calls.append(("ref", h.name)),
+                  place=lambda h: calls.append(("start", h.name)) or 1,
+                  ended=lambda h: calls.append(("end", h.name)),
+                  released=lambda h: calls.append(("release", h.name)))
     a1, a2 = seq("a", max_tokens=2), seq("a", max_tokens=4)
     s.add(a1)
     s.add(a2)
-    assert calls == [("ref", "a")] and s.references(handle("a").id) == 2
+    assert calls == [("ref", "a")] and s.adapters.references(handle("a").id) == 2
     advance(s)
     assert calls == [("ref", "a"), ("start", "a")] and a1.lora_slot == a2.lora_slot == 1
     s._preempt(a2)  # back to the queue: keeps its reference, gives up its slot use
-    assert a2.lora_slot == -1 and s.adapters[handle("a").id].running == 1
+    assert a2.lora_slot == -1 and s.adapters.running(handle("a").id) == 1
     while s.has_work():
         advance(s)
     assert calls[-2:] == [("end", "a"), ("release", "a")] and not s.adapters
@@ -180,7 +196,7 @@ def test_reference_counts_follow_queue_run_preempt_and_finish():
 
 def test_pinned_adapters_hold_slots_and_skip_the_queue():
     s = scheduler(rows=8, max_loras=2)
-    s.pin(handle("pinned"))
+    s.adapters.pin(handle("pinned"))
     s.add(seq("a"))
     advance(s)  # 'a' runs: both slots are in use now
     blocked, pinned_request = seq("b"), seq("pinned")
@@ -190,11 +206,11 @@ def test_pinned_adapters_hold_slots_and_skip_the_queue():
     assert pinned_request in ran and blocked not in ran
     while any(q.lora_name == "a" for q in s.running):
         advance(s)
-    s.pin(handle("other"))  # every slot pinned: a request for another adapter fails
+    s.adapters.pin(handle("other"))  # every slot pinned: a request for another adapter fails
     advance(s)
     assert blocked.finish_reason == "error" and isinstance(blocked.error, CacheFullError)
-    s.unpin(handle("other"))
-    assert handle("other").id not in s.adapters and s.references(handle("pinned").id) >= 1
+    s.adapters.unpin(handle("other"))
+    assert s.adapters.references(handle("other").id) == 0 and s.adapters.references(handle("pinned").id) >= 1
 
 
 def test_api_requests_are_admitted_in_turns():

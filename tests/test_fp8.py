@@ -159,8 +159,8 @@ def test_an_adapters_delta_at_a_fused_layer_is_peft_delta_on_the_unquantized_act
     difference of its outputs is the LoRA delta alone, which PEFT computes from them."""
     from peft import PeftModel
 
-    from loramux.engine.lora_model import LoRAModelManager
-    from loramux.engine.siblings import fuse_siblings
+    from loramux.engine.adapters.lora_model import LoRAModelManager
+    from loramux.engine.worker.siblings import fuse_siblings
     from loramux.registry import LoRAConfig, load_adapter
 
     model = quantized_tiny_llama()
@@ -228,7 +228,7 @@ def test_greedy_with_adapters_on_an_fp8_base_equals_peft_on_the_same_fp8_base(al
                            lora_request=[None if n is None else LoRARequest(n, ids[n], str(adapters[n])) for n in names],
                            use_tqdm=False)
     # q/k/v and gate/up fused, every projection wrapped for LoRA over its FP8 layer
-    assert fp8_layers(llm.llm_engine.setup.model) == [
+    assert fp8_layers(llm.llm_engine.model) == [
         f"model.layers.{i}.{name}.base_layer" for i in range(2) for name in
         ("self_attn.q_proj.siblings.fused", "self_attn.o_proj", "mlp.gate_proj.siblings.fused", "mlp.down_proj")]
     oracles = {name: peft_on_fp8_base(None if name is None else adapters[name]) for name in set(names)}
@@ -279,7 +279,7 @@ def test_tensor_parallel_fp8_serves_adapters_as_one_rank_does(tmp_path, engine_a
         llm = LLM(str(tmp_path), quantization="fp8", tensor_parallel_size=tp, dtype=torch.float64, max_loras=2,
                   max_lora_rank=8, max_model_len=64)
         try:
-            assert len(fp8_layers(llm.llm_engine.setup.model)) == 8
+            assert len(fp8_layers(llm.llm_engine.model)) == 8
             logprobs.append(prompt_logprobs(llm, INPUT.tolist(), requests))
         finally:
             llm.llm_engine.close()

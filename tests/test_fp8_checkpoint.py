@@ -21,7 +21,7 @@ from torch import nn
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm import LLM
-from loramux.engine.model_loader import load_model
+from loramux.engine.worker.model_loader import load_model
 from loramux.engine.quantization import Fp8Linear, quantize_model
 from loramux.errors import QuantizationError
 
@@ -121,7 +121,7 @@ def test_an_fp8_checkpoint_serves_adapters_as_the_model_quantized_at_load(checkp
     outputs = []
     for model, quantization in ((checkpoints["compressed-tensors-channel"][0], None), (tmp_path / "bf16", "fp8")):
         llm = LLM(str(model), quantization=quantization, max_loras=1, max_lora_rank=8, max_model_len=64)
-        assert len(fp8_layers(llm.llm_engine.setup.model)) == 8  # fused q/k/v and gate/up, o, down
+        assert len(fp8_layers(llm.llm_engine.model)) == 8  # fused q/k/v and gate/up, o, down
         outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, lora_request=[None, request],
                                                                      use_tqdm=False)])
     assert outputs[0] == outputs[1]

@@ -129,7 +129,7 @@ def test_greedy_with_adapters_on_an_fp8_base_replays_graphs_as_eager_steps_run(e
     for enforce_eager in (True, False):
         llm = LLM(tiny_llama().cuda(), quantization="fp8", max_loras=3, max_lora_rank=8, max_num_seqs=8,
                   max_model_len=64, enforce_eager=enforce_eager)
-        assert len(fp8_layers(llm.llm_engine.setup.model)) == 8
+        assert len(fp8_layers(llm.llm_engine.model)) == 8
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, lora_request=requests,
                                use_tqdm=False)
         tokens.append([o.outputs[0].token_ids for o in outputs])
@@ -142,7 +142,7 @@ def test_greedy_with_adapters_on_an_fp8_base_replays_graphs_as_eager_steps_run(e
 
 
 def test_a_checkpoint_saved_in_fp8_loads_on_cuda_as_the_model_quantized_at_load(tmp_path):
-    from loramux.engine.model_loader import load_model
+    from loramux.engine.worker.model_loader import load_model
 
     write_fp8_checkpoint(tmp_path, compressed_tensors("channel"))
     loaded, _ = load_model(tmp_path, device="cuda", dtype="bfloat16")
@@ -164,7 +164,7 @@ MEDIUM = dict(model_type="llama", vocab_size=1024, hidden_size=2048, intermediat
 
 
 def test_fp8_weights_take_half_the_memory_and_are_made_a_layer_at_a_time(tmp_path):
-    from loramux.engine.model_loader import load_model
+    from loramux.engine.worker.model_loader import load_model
 
     config = tmp_path / "medium.json"
     config.write_text(json.dumps(MEDIUM))
@@ -187,7 +187,7 @@ def test_fp8_weights_take_half_the_memory_and_are_made_a_layer_at_a_time(tmp_pat
 
 
 def test_the_memory_fp8_weights_free_goes_to_the_kv_cache(tmp_path):
-    from loramux.engine.kv_cache import PagedKVCache
+    from loramux.engine.worker.kv_cache import PagedKVCache
     from loramux.engine.llm_engine import LLMEngine
 
     config = tmp_path / "medium.json"
@@ -198,7 +198,7 @@ def test_the_memory_fp8_weights_free_goes_to_the_kv_cache(tmp_path):
         torch.cuda.empty_cache()
         engine = LLMEngine(str(config), load_format="dummy", quantization=quantization, enable_lora=False,
                            enforce_eager=True, max_model_len=256, max_num_seqs=8, gpu_memory_utilization=0.5)
-        model = engine.setup.model
+        model = engine.model
         weights[quantization] = sum(t.nbytes for t in [*model.parameters(), *model.buffers()])
         blocks[quantization] = engine.kv_cache.num_blocks
         block_bytes = PagedKVCache.block_bytes(model.config.get_text_config(), engine.kv_cache.block_size,

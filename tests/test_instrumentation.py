@@ -1,4 +1,4 @@
-"""The engine's named timing points (`loramux.engine.instrumentation`): what a step listener is
+"""The engine's named timing points (`loramux.engine.core.instrumentation`): what a step listener is
 told, that each forward is reported once from launch to read, that an unknown point is an error,
 and that without a listener the points read no clock."""
 
@@ -8,8 +8,8 @@ import pytest
 from conftest import step_to_end, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
-from loramux.engine import instrumentation
-from loramux.engine.instrumentation import POINTS, StepTimings
+from loramux.engine.core import instrumentation
+from loramux.engine.core.instrumentation import POINTS, StepTimings
 from loramux.engine.llm_engine import LLMEngine
 
 TOP_LEVEL = ("collect", "prefetch", "schedule", "forward", "receive")  # not nested in one another

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tiny_llama
+from conftest import tiny_llama, setenv
 from loramux import LoRARequest, SamplingParams
-from loramux.engine import kernel_warmup
-from loramux.engine.kernel_warmup import LoRAModuleShape, WarmupStep, plan_warmup, warm_up_kernels
+from loramux.engine.worker import kernel_warmup
+from loramux.engine.worker.kernel_warmup import LoRAModuleShape, WarmupStep, plan_warmup, warm_up_kernels
 from loramux.engine.layers import BaseLayerWithLoRA
 from loramux.engine.llm_engine import LLMEngine
 from loramux.kernels import attention, build_lora_meta, expand, shrink
@@ -184,7 +184,7 @@ def test_warm_up_on_an_engine_that_wraps_some_projections_only(engine_adapters):
 
 def test_warm_up_can_be_switched_off(monkeypatch):
     eng = engine()
-    monkeypatch.setenv(kernel_warmup.ENV_VAR, "0")
+    setenv(monkeypatch, kernel_warmup.ENV_VAR, "0")
     monkeypatch.setattr(eng.runner, "_model_forward", lambda *a: pytest.fail("no step runs when switched off"))
     assert warm_up_kernels(eng.runner) == 0
 
@@ -204,7 +204,7 @@ def test_a_planning_failure_skips_the_warm_up_with_a_warning(monkeypatch, caplog
 
     monkeypatch.setattr(kernel_warmup, "plan_warmup", broken)
     monkeypatch.setattr(eng.runner, "_model_forward", lambda *a: pytest.fail("no step runs without a plan"))
-    with caplog.at_level("WARNING", logger="loramux.engine.kernel_warmup"):
+    with caplog.at_level("WARNING", logger="loramux.engine.worker.kernel_warmup"):
         assert warm_up_kernels(eng.runner) == 0
     assert "kernel warm-up skipped" in caplog.text and "TypeError" in caplog.text
     assert "LORAMUX_KERNEL_WARMUP=0" in caplog.text
@@ -226,11 +226,11 @@ def test_the_parallel_pass_turns_every_launch_into_a_compile_only_warmup(monkeyp
     monkeypatch.setattr(kernel_warmup, "_run_step", lambda runner, step, slot: runner._forward_packed(
         ids=[0] * step.num_tokens))
     patched = JITFunction.run
-    monkeypatch.setenv(kernel_warmup.THREADS_ENV_VAR, "4")
+    setenv(monkeypatch, kernel_warmup.THREADS_ENV_VAR, "4")
     kernel_warmup._compile_in_parallel(Runner(), plan, None)
     assert steps == [3, 9] and calls == [True, True]  # compile-only: nothing launched
     assert JITFunction.run is patched  # launches launch again afterwards
 
-    monkeypatch.setenv(kernel_warmup.THREADS_ENV_VAR, "1")  # one thread: no separate pass
+    setenv(monkeypatch, kernel_warmup.THREADS_ENV_VAR, "1")  # one thread: no separate pass
     kernel_warmup._compile_in_parallel(Runner(), plan, None)
     assert steps == [3, 9]

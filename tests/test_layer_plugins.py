@@ -15,7 +15,7 @@ from torch import nn
 import loramux
 from loramux import LLM, LoRARequest, SamplingParams
 from loramux.engine.layers import BaseLayerWithLoRA, LayerSupport, LinearWithLoRA, Route
-from loramux.engine.lora_model import LoRAModelManager, create_lora_layer
+from loramux.engine.adapters.lora_model import LoRAModelManager, wrap_layer
 from loramux.errors import IncompatibleAdapterError
 from loramux.plugins import plugin_errors, reset_plugin_manager
 from loramux.registry import LoRAConfig, load_adapter
@@ -236,7 +236,7 @@ def test_a_plugins_mistake_is_caught_when_the_layer_is_wrapped(registered, fresh
     (loramux's own wrapper, if any: a plain linear keeps LoRA), and nothing fails later."""
     registered(plugin, "careless")
     layer = base()
-    wrapper = create_lora_layer(layer, "model.block.proj", CONFIG)
+    wrapper = wrap_layer(layer, "model.block.proj", CONFIG)
     (error,) = plugin_errors()
     assert "plugin 'careless'" in str(error) and "'model.block.proj'" in str(error)
     assert problem in str(error) and fix in str(error), str(error)
@@ -287,5 +287,5 @@ class DefinesSetLora(LinearWithLoRA):
 def test_a_wrapper_with_methods_loramux_no_longer_calls_is_warned_naming_them(registered, fresh_errors):
     registered(answers(DefinesSetLora, nn.Linear), "legacy")
     with pytest.warns(UserWarning, match=r"DefinesSetLora defines set_lora, which loramux no longer calls.*own_delta"):
-        wrapper = create_lora_layer(nn.Linear(16, 8), "model.block.proj", CONFIG)
+        wrapper = wrap_layer(nn.Linear(16, 8), "model.block.proj", CONFIG)
     assert type(wrapper) is DefinesSetLora and not plugin_errors()  # it still serves, on the pool

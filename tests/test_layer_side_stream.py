@@ -21,6 +21,7 @@ from loramux.engine.layers import BaseLayerWithLoRA, EmbeddingWithLoRA, LinearWi
 from loramux.engine.layers.side_stream import delta_beside_base, gemm_carveout, lora_sms_beside
 from loramux.kernels import build_lora_meta, lora_shrink
 from loramux.registry import LoRAConfig, LoRAModuleWeights
+from conftest import setenv
 
 CONFIG = LoRAConfig(max_loras=3, max_lora_rank=8)
 SLOTS = torch.tensor([0, -1, 1, 1, -1, 0], dtype=torch.int32)  # adapters and base rows mixed
@@ -62,9 +63,9 @@ def beside(monkeypatch):
 def test_the_delta_goes_beside_the_base_gemm_only_on_cuda_with_the_triton_kernels(
         device, kernels, expected, monkeypatch):
     if kernels is None:
-        monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+        setenv(monkeypatch, "LORAMUX_KERNELS", None)
     else:
-        monkeypatch.setenv("LORAMUX_KERNELS", kernels)
+        setenv(monkeypatch, "LORAMUX_KERNELS", kernels)
     assert delta_beside_base(device) is expected
     assert delta_beside_base(torch.device(device)) is expected
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import tiny_llama, setenv
 from layer_helpers import in_order as delta_after_base
 
 import loramux.engine.layers.side_stream as side_stream_module
 from loramux.engine.layers import Route
-from loramux.engine.lora_model import LoRAModelManager
+from loramux.engine.adapters.lora_model import LoRAModelManager
 from loramux.registry import LoRAConfig, load_adapter
 
 pytestmark = [
@@ -36,7 +36,7 @@ def test_a_captured_step_with_the_delta_beside_the_base_gemm_equals_eager_and_se
     missing join would let the sum read the delta of the previous replay, which held another
     mapping's adapters. The sequential path sizes its launches for every multiprocessor and runs
     the GEMM without the carveout (other split sums, another GEMM kernel): equal to rounding."""
-    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)  # the Triton kernels: the side stream applies
+    setenv(monkeypatch, "LORAMUX_KERNELS", None)  # the Triton kernels: the side stream applies
     device = torch.device("cuda")
     assert side_stream_module.delta_beside_base(device)
     assert side_stream_module.lora_sms_beside(B * S, device) > 0  # the GEMM leaves SMs at this size

@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 import torch
-from conftest import INTERPRET, save_peft_adapter, tiny_model
+from conftest import INTERPRET, save_peft_adapter, tiny_model, setenv
 from layer_helpers import pool_of, reset_lora, set_lora
 from torch import nn
 
@@ -26,8 +26,8 @@ from loramux.engine.layers import (
 )
 from loramux.engine.layers import backend
 from loramux.engine.layers.contract import Route
-from loramux.engine.lora_model import LoRAModelManager, create_lora_layer
-from loramux.engine.lora_validation import describe_mismatch
+from loramux.engine.adapters.lora_model import LoRAModelManager, wrap_layer
+from loramux.engine.adapters.lora_validation import describe_mismatch
 from loramux.kernels.pool import pool_rows
 from loramux.plugins.manager import get_plugin_manager, register_plugin
 from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights, load_adapter
@@ -118,7 +118,7 @@ def expected_output(layer, x, token_slots, weights_by_slot, multiplier=1.0):
 def build(case: Case) -> BaseLayerWithLoRA:
     torch.manual_seed(0)
     base = case.make_base()
-    layer = create_lora_layer(base, "block.proj", CONFIG)
+    layer = wrap_layer(base, "block.proj", CONFIG)
     assert type(layer) is case.wrapper_type and layer.get_base_layer() is base
     layer.lora_context = LoRAContext(CONFIG.max_loras)
     pool_of(layer, CONFIG)
@@ -166,11 +166,11 @@ def test_a_prefill_adds_its_gemm_onto_the_stored_delta(kernels, mapping, monkeyp
 
     if kernels == "triton" and not INTERPRET:
         pytest.skip("the CPU run of the Triton kernels needs the interpreter")
-    monkeypatch.setenv("LORAMUX_KERNELS", kernels)
+    setenv(monkeypatch, "LORAMUX_KERNELS", kernels)
     torch.manual_seed(0)
     base = nn.Linear(16, 12, bias=False)
     base.loramux_slices = (("q_proj", 6), ("k_proj", 4), ("v_proj", 2))
-    layer = create_lora_layer(base, "self_attn.qkv_proj", CONFIG)
+    layer = wrap_layer(base, "self_attn.qkv_proj", CONFIG)
     layer.lora_context = LoRAContext(CONFIG.max_loras)
     qv, full = random_weights(layer, 8, seed=1), random_weights(layer, 3, seed=2)
     qv[1] = None  # k untargeted: its scale is 0, and its delta columns must come out zero
@@ -271,10 +271,10 @@ def test_mismatches_are_described(layer):
 
 
 def test_builtin_hook_wraps_supported_types_only():
-    assert isinstance(create_lora_layer(nn.Linear(4, 4), "x", CONFIG), LinearWithLoRA)
-    assert create_lora_layer(nn.LayerNorm(4), "x", CONFIG) is None
-    assert create_lora_layer(nn.ReLU(), "x", CONFIG) is None
-    assert create_lora_layer(fused_qkv_lora.FusedQKV(4, (2, 1, 1)), "x", CONFIG) is None
+    assert isinstance(wrap_layer(nn.Linear(4, 4), "x", CONFIG), LinearWithLoRA)
+    assert wrap_layer(nn.LayerNorm(4), "x", CONFIG) is None
+    assert wrap_layer(nn.ReLU(), "x", CONFIG) is None
+    assert wrap_layer(fused_qkv_lora.FusedQKV(4, (2, 1, 1)), "x", CONFIG) is None
 
 
 def test_plugin_answers_before_the_builtin(qkv_plugin):
@@ -293,8 +293,8 @@ def test_plugin_answers_before_the_builtin(qkv_plugin):
 
     name = register_plugin(LinearPlugin(), name="linear-example")
     try:
-        assert type(create_lora_layer(nn.Linear(4, 4), "a.special", CONFIG)) is MyLinearWithLoRA
-        assert type(create_lora_layer(nn.Linear(4, 4), "a.other", CONFIG)) is LinearWithLoRA
+        assert type(wrap_layer(nn.Linear(4, 4), "a.special", CONFIG)) is MyLinearWithLoRA
+        assert type(wrap_layer(nn.Linear(4, 4), "a.other", CONFIG)) is LinearWithLoRA
     finally:
         get_plugin_manager().unregister(name=name)
 
@@ -395,7 +395,7 @@ def test_a_wrapper_without_slots_falls_back_to_the_builtin(caplog):
 
     name = register_plugin(OpaquePlugin(), name="opaque-example")
     try:
-        assert type(create_lora_layer(nn.Linear(4, 4), "a.proj", CONFIG)) is LinearWithLoRA
+        assert type(wrap_layer(nn.Linear(4, 4), "a.proj", CONFIG)) is LinearWithLoRA
         assert "plugin 'opaque-example'" in caplog.text
         assert "not a loramux.engine.layers.BaseLayerWithLoRA" in caplog.text and "Subclass BaseLayerWithLoRA" in caplog.text
     finally:

@@ -10,7 +10,7 @@ import torch
 from conftest import peft_greedy, tiny_llama
 
 from loramux import LLM, LoRARequest, SamplingParams
-from loramux.engine.detokenizer import IncrementalDetokenizer
+from loramux.engine.core.detokenizer import IncrementalDetokenizer
 
 ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "loramux" / "data" / "adapters"
 
@@ -63,7 +63,7 @@ def smol():
 
 @pytest.fixture(scope="module")
 def smol_reference():
-    from loramux.engine.model_loader import load_model
+    from loramux.engine.worker.model_loader import load_model
 
     return load_model(None, dtype=torch.float32)
 

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_ARCHS, save_peft_adapter, tiny_model
+from conftest import TINY_ARCHS, save_peft_adapter, tiny_model, setenv
 from peft import PeftModel
 
-from loramux.engine.lora_model import LoRAModelManager
+from loramux.engine.adapters.lora_model import LoRAModelManager
 from loramux.registry import LoRAConfig, load_adapter
 from loramux.registry.handle import memory_handle
 
@@ -330,7 +330,7 @@ def test_triton_kernels_in_the_model(llama_setup, monkeypatch):
     """The same mixed batch through the Triton kernels (the interpreter on CPU)."""
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs CUDA or TRITON_INTERPRET=1")
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    setenv(monkeypatch, "LORAMUX_KERNELS", "triton")
     base, dirs, oracle = llama_setup
     names = [None, "attn", "mlp-rslora", "embed"]
     input_ids = INPUT[:4, :3]
@@ -350,7 +350,7 @@ def test_triton_kernels_in_the_model(llama_setup, monkeypatch):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_mixed_batch_equals_peft_bf16_gpu(arch, tmp_path, monkeypatch):
-    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)  # CUDA tensors: the Triton kernels
+    setenv(monkeypatch, "LORAMUX_KERNELS", None)  # CUDA tensors: the Triton kernels
     base = tiny_model(arch)
     dirs = make_adapters(arch, base, tmp_path)
     names = [None, "attn", "mlp-rslora", "embed", "attn"]
@@ -375,7 +375,7 @@ def test_mixed_batch_equals_peft_bf16_gpu(arch, tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_slot_reuse_and_reload_bf16_gpu(llama_setup, tmp_path, monkeypatch):
-    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+    setenv(monkeypatch, "LORAMUX_KERNELS", None)
     base, dirs, _ = llama_setup
     oracle = peft_oracle(base, dirs).to("cuda", torch.bfloat16)
     model = copy.deepcopy(base).to("cuda", torch.bfloat16)

@@ -1,7 +1,7 @@
 """GPU LoRA memory pooled by rank: `RankPool`'s bookkeeping, the model manager sizing
 every pool by ``max_gpu_lora_bytes`` and evicting by rows (PEFT the oracle through churn), a
 slot owning its rank rounded up to `POOL_ROW_ALIGN` rows (B's columns past the rank zero), held
-adapters never evicted for rows, the scheduler's ``has_room_for``, and an engine serving more
+adapters never evicted for rows, the scheduler's room question (``AdapterUses.fit``), and an engine serving more
 adapters of mixed ranks than the budget holds at max rank. The kernels reading the pool are
 tested in test_slot_pool_kernels.py."""
 
@@ -16,17 +16,17 @@ import pytest
 import torch
 from conftest import peft_greedy, save_peft_adapter, step_to_end, tiny_llama, tiny_model
 from layer_helpers import pool_of, set_lora
-from test_engine_scheduler import advance
+from test_engine_scheduler import advance, step
 from test_lora_model import peft_oracle
 from test_engine_scheduler import scheduler as make_scheduler
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.lora_model import LoRAModelManager
-from loramux.engine.rank_pool import RankPool
-from loramux.engine.scheduler import Scheduler
-from loramux.engine.sequence import Sequence
+from loramux.engine.adapters.lora_model import LoRAModelManager
+from loramux.engine.adapters.rank_pool import RankPool
+from loramux.engine.core.scheduler import Scheduler
+from loramux.engine.core.sequence import Sequence
 from loramux.errors import CacheFullError
 from loramux.kernels.pool import POOL_ROW_ALIGN, pool_rows
 from loramux.registry import AdapterHandle, LoRAConfig, load_adapter
@@ -559,7 +559,7 @@ def test_without_a_budget_every_pool_holds_max_loras_adapters_of_max_rank(pool_s
 
 
 # --------------------------------------------------------------------------------------------------
-# The scheduler's has_room_for
+# The scheduler's room question
 # --------------------------------------------------------------------------------------------------
 
 _arrivals = itertools.count()
@@ -579,7 +579,7 @@ def request(name: str, max_tokens: int = 3) -> Sequence:
 
 
 def scheduler(max_loras: int, has_room_for) -> Scheduler:
-    return make_scheduler(rows=16, budget=64, max_loras=max_loras, has_room_for=has_room_for)
+    return make_scheduler(rows=16, budget=64, max_loras=max_loras, has_room=has_room_for)
 
 
 def test_no_room_keeps_a_request_waiting_in_order_while_in_slot_adapters_run():
@@ -712,13 +712,14 @@ def test_requests_pinned_adapters_leave_no_room_for_fail_and_the_queue_moves_on(
     pinned_ids = {manager.handle(name).id for name in ("qv4-a", "qv4-c")}
     assert not manager.fits_beside(by_name["big"], pinned_ids) and manager.fits_beside(by_name["small"], pinned_ids)
     s = make_scheduler(rows=16, budget=64, max_loras=8,
-                       has_room_for=lambda h: manager.can_place(by_name[h.name]),
-                       fits_beside_pinned=lambda h, pinned: manager.fits_beside(by_name[h.name], pinned_ids))
+                       has_room=lambda h: manager.can_place(by_name[h.name]),
+                       fits_beside=lambda h, pinned: manager.fits_beside(by_name[h.name], pinned_ids))
     big, small = request("big"), request("small")
     s.add(big)
     s.add(small)
-    assert advance(s) == [small]  # the request that could never run failed; the one behind it runs
-    assert s.failed == [big] and isinstance(big.error, CacheFullError)
+    scheduled = step(s)
+    assert [q for q, _ in scheduled.chunks] == [small]  # the request that could never run failed; the next runs
+    assert scheduled.failed == [big] and isinstance(big.error, CacheFullError)
     assert "pinned to the GPU" in str(big.error) and "max_gpu_lora_bytes" in str(big.error)
 
 

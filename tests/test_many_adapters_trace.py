@@ -29,7 +29,7 @@ from benchmarks.many_adapters import (  # noqa: E402
     summarize_steps,
     write_adapter_files,
 )
-from loramux.engine.instrumentation import BatchTimings, StepTimings  # noqa: E402
+from loramux.engine.core.instrumentation import BatchTimings, StepTimings  # noqa: E402
 from loramux.engine.llm_engine import LLMEngine  # noqa: E402
 
 # ranks that fit the tiny Llama (hidden 32), over the benchmark's three target sets

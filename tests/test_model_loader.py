@@ -8,17 +8,19 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import setenv
 import torch
 
-from loramux.engine import model_loader
-from loramux.engine.model_loader import (
+import loramux
+from loramux.engine.worker import model_loader
+from loramux.engine.worker.model_loader import (
     DEFAULT_MODEL_NAME,
     default_model_path,
     dummy_config_names,
     load_model,
 )
 
-ADAPTERS_DIR = Path(model_loader.__file__).resolve().parents[1] / "data" / "adapters"
+ADAPTERS_DIR = Path(loramux.__file__).resolve().parent / "data" / "adapters"
 
 TINY_LLAMA = {
     "model_type": "llama",
@@ -115,7 +117,7 @@ def test_load_model_casts_to_the_dtype_asked_for(default_dir):
 @pytest.fixture
 def fake_conversion(tmp_path, monkeypatch):
     """An empty cache dir and a conversion that writes two small files, counting its calls."""
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
 
     def convert(gguf_dir: Path, out_dir: Path) -> None:
@@ -151,7 +153,7 @@ def test_partial_and_stale_dirs_are_never_used(tmp_path, fake_conversion):
 
 
 def test_failed_conversion_leaves_nothing_behind(tmp_path, monkeypatch):
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
 
     def broken(gguf_dir: Path, out_dir: Path) -> None:
         (out_dir / "model.safetensors").write_bytes(b"half")
@@ -176,7 +178,7 @@ def test_concurrent_callers_convert_once(fake_conversion):
 
 
 def test_missing_package_names_the_pip_command(tmp_path, monkeypatch):
-    monkeypatch.setenv("LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", str(tmp_path / "cache"))
     real_find_spec = model_loader.importlib.util.find_spec
     monkeypatch.setattr(
         model_loader.importlib.util,

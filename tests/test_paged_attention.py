@@ -15,7 +15,7 @@ import torch
 
 from loramux.kernels import attention_reference, paged_attention, write_kv
 
-from conftest import INTERPRET, needs_cuda, needs_interpreter, rel_err
+from conftest import INTERPRET, needs_cuda, needs_interpreter, rel_err, setenv
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_reference_matches_dense_oracle(case, dtype):
 
 
 def test_reference_is_the_cpu_path_and_zeroes_padding(monkeypatch):
-    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+    setenv(monkeypatch, "LORAMUX_KERNELS", None)
     case = CASES[1]
     batch = make_batch(case, torch.float32, seed=3)
     T = batch.q.shape[0]
@@ -236,7 +236,7 @@ def test_triton_out_argument_and_padding_rows(split):
 def test_triton_dispatch_and_strided_query(monkeypatch):
     """LORAMUX_KERNELS=triton routes the public function to the kernel; q may be a strided view
     (a slice of a fused qkv output)."""
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    setenv(monkeypatch, "LORAMUX_KERNELS", "triton")
     case = Case("strided", ((13, 1), (9, 4)), H=4, Hkv=2, D=32)
     batch = make_batch(case, torch.float16, seed=4)
     T = batch.q.shape[0]
@@ -307,7 +307,7 @@ def test_importing_the_kernel_module_keeps_the_public_functions():
 def test_write_kv_writes_exactly_the_given_slots(impl, dtype, monkeypatch):
     if impl == "triton" and not INTERPRET:
         pytest.skip("needs the interpreter on CPU")
-    monkeypatch.setenv("LORAMUX_KERNELS", impl)
+    setenv(monkeypatch, "LORAMUX_KERNELS", impl)
     gen = torch.Generator().manual_seed(0)
     num_blocks, bs, hkv, D = 5, 8, 3, 24
     k_cache = torch.randn(num_blocks, bs, hkv, D, generator=gen).to(dtype)
@@ -358,7 +358,7 @@ ATTENTION_ERRORS = [
 def test_paged_attention_rejects_bad_arguments(impl, mutate, match, monkeypatch):
     if impl == "triton" and not INTERPRET:
         pytest.skip("needs the interpreter on CPU")
-    monkeypatch.setenv("LORAMUX_KERNELS", impl)
+    setenv(monkeypatch, "LORAMUX_KERNELS", impl)
     args = _good()
     mutate(args)
     with pytest.raises(ValueError, match=match):
@@ -372,7 +372,7 @@ def test_paged_attention_rejects_bad_arguments(impl, mutate, match, monkeypatch)
     (dict(scale=0.25, out=torch.zeros(4, 4, 8)), "out must be"),
 ])
 def test_paged_attention_rejects_bad_options(kwargs, match, monkeypatch):
-    monkeypatch.setenv("LORAMUX_KERNELS", "torch")
+    setenv(monkeypatch, "LORAMUX_KERNELS", "torch")
     with pytest.raises(ValueError, match=match):
         paged_attention(*_good(), **kwargs)
 
@@ -393,7 +393,7 @@ WRITE_ERRORS = [
 def test_write_kv_rejects_bad_arguments(impl, mutate, match, monkeypatch):
     if impl == "triton" and not INTERPRET:
         pytest.skip("needs the interpreter on CPU")
-    monkeypatch.setenv("LORAMUX_KERNELS", impl)
+    setenv(monkeypatch, "LORAMUX_KERNELS", impl)
     kc, vc = torch.zeros(4, 8, 2, 16), torch.zeros(4, 8, 2, 16)
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     with pytest.raises(ValueError, match=match):
@@ -482,7 +482,7 @@ class TestGPU:
 
     @pytest.mark.parametrize("case", _gpu_cases(), ids=str)
     def test_bf16_matches_reference(self, case, monkeypatch):
-        monkeypatch.delenv("LORAMUX_KERNELS", raising=False)  # default dispatch must pick Triton
+        setenv(monkeypatch, "LORAMUX_KERNELS", None)  # default dispatch must pick Triton
         batch = gpu_batch(case, seed=1)
         out = paged_attention(*batch.args(), scale=case.D**-0.5, sliding_window=case.sliding_window,
                               softcap=case.softcap)

@@ -13,7 +13,7 @@ from loramux.kernels import build_lora_meta, lora_apply, lora_expand, reference
 from loramux.kernels import expand as expand_module
 from loramux.kernels import tiles
 
-from conftest import needs_cuda, needs_interpreter, rel_err
+from conftest import needs_cuda, needs_interpreter, rel_err, setenv
 from test_kernels import bits, per_slice_rank_inputs, static_slots
 
 
@@ -92,16 +92,15 @@ def test_pdl_needs_the_launch_pdl_option_in_triton(fake_cuda, monkeypatch):
 @pytest.mark.parametrize("value, on", [(None, False), ("", False), ("0", False), ("1", True), (" 1 ", True)])
 def test_pdl_default_is_off_unless_the_env_var_says_1(value, on, monkeypatch):
     if value is None:
-        monkeypatch.delenv(tiles.PDL_ENV_VAR, raising=False)
+        setenv(monkeypatch, tiles.PDL_ENV_VAR, None)
     else:
-        monkeypatch.setenv(tiles.PDL_ENV_VAR, value)
+        setenv(monkeypatch, tiles.PDL_ENV_VAR, value)
     assert tiles.pdl_default() is on
 
 
 def test_pdl_env_var_rejects_other_values(monkeypatch):
-    monkeypatch.setenv(tiles.PDL_ENV_VAR, "yes")
     with pytest.raises(ValueError, match=r"LORAMUX_PDL='yes'.*use 1"):
-        tiles.pdl_default()
+        setenv(monkeypatch, tiles.PDL_ENV_VAR, "yes")
 
 
 @pytest.mark.parametrize("requested, env, available, on", [
@@ -114,9 +113,9 @@ def test_pdl_env_var_rejects_other_values(monkeypatch):
 ])
 def test_resolve_pdl(requested, env, available, on, monkeypatch):
     if env is None:
-        monkeypatch.delenv(tiles.PDL_ENV_VAR, raising=False)
+        setenv(monkeypatch, tiles.PDL_ENV_VAR, None)
     else:
-        monkeypatch.setenv(tiles.PDL_ENV_VAR, env)
+        setenv(monkeypatch, tiles.PDL_ENV_VAR, env)
     monkeypatch.setattr(tiles, "pdl_available", lambda device: available)
     assert tiles.resolve_pdl(requested, torch.device("cuda", 0)) is on
 
@@ -140,8 +139,8 @@ def test_pdl_requested_on_the_cpu_changes_nothing(monkeypatch):
     from loramux.kernels.expand import lora_expand_triton
     from loramux.kernels.shrink import lora_shrink_triton
 
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
-    monkeypatch.setenv(tiles.PDL_ENV_VAR, "1")
+    setenv(monkeypatch, "LORAMUX_KERNELS", "triton")
+    setenv(monkeypatch, tiles.PDL_ENV_VAR, "1")
     x, A, B, scales, ranks, sizes, slots, y0, S = small_case()
     for static in (False, True):
         meta = build_lora_meta(slots, S, static=static)
@@ -176,7 +175,7 @@ class _RecordingKernel:
 def test_launch_pdl_is_passed_to_triton_only_when_pdl_is_on(on, monkeypatch):
     """`launch_pdl` goes to the launch only with PDL on (a Triton without the option raises on an
     unknown keyword), together with USE_PDL; `lora_expand` and `lora_apply` pass `pdl` through."""
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    setenv(monkeypatch, "LORAMUX_KERNELS", "triton")
     asked = []
     monkeypatch.setattr(expand_module, "resolve_pdl", lambda pdl, device: asked.append(pdl) or on)
     kernel = _RecordingKernel()

@@ -17,8 +17,8 @@ import loramux
 from loramux.errors import LoRAError, PluginError
 from loramux.plugins import (
     DEFAULT_PLUGINS,
-    create_lora_layer,
     get_plugin_manager,
+    layer_from_plugins,
     list_plugins,
     plugin_errors,
     register_plugin,
@@ -27,6 +27,7 @@ from loramux.plugins import (
 from loramux.plugins import manager as manager_module
 from loramux.registry import LoRAConfig, Registry
 from loramux.resolvers import collect_resolvers
+from conftest import setenv
 
 PLUGINS_DIR = Path(__file__).parent / "plugins"
 
@@ -153,7 +154,7 @@ def test_allow_list_unset_loads_every_installed_plugin(installed):
 def test_allow_list_loads_only_the_plugins_named(installed, monkeypatch, allowed):
     installed("loramux-toy", "toy_layer")
     installed("loramux-zip", "zip_resolver", entry_point="zip-ep")
-    monkeypatch.setenv("LORAMUX_PLUGINS", allowed)
+    setenv(monkeypatch, "LORAMUX_PLUGINS", allowed)
     reset_plugin_manager()
     names = loaded_names()
     assert "zip-ep" in names
@@ -173,7 +174,7 @@ def test_allow_list_loads_only_the_plugins_named(installed, monkeypatch, allowed
 
 def test_empty_allow_list_loads_no_third_party_plugin_but_keeps_builtins(installed, monkeypatch):
     installed("loramux-toy", "toy_layer")
-    monkeypatch.setenv("LORAMUX_PLUGINS", "")
+    setenv(monkeypatch, "LORAMUX_PLUGINS", "")
     reset_plugin_manager()
     assert loaded_names() == set(DEFAULT_PLUGINS)
     assert [resolver.name for resolver in collect_resolvers()] == ["huggingface"]
@@ -201,7 +202,7 @@ def test_a_plugin_that_fails_to_import_is_named_and_left_out(installed, make_ada
     adapter = Registry(LoRAConfig()).get(loramux.LoRARequest("a", 1, str(make_adapter("a"))))
     assert adapter.rank == 8
     toy_layer = get_plugin_manager().get_plugin("loramux-toy")  # the module the entry point loaded
-    assert isinstance(create_lora_layer(toy_layer.ToyScale(4), "x", LoRAConfig()), torch.nn.Module)
+    assert isinstance(layer_from_plugins(toy_layer.ToyScale(4), "x", LoRAConfig()), torch.nn.Module)
 
 
 def test_an_entry_point_that_breaks_the_contract_is_unregistered(installed):
@@ -242,10 +243,10 @@ def test_an_optional_hook_from_a_newer_loramux_is_accepted(registered):
 
 
 def test_trace_env_var_prints_every_hook_call(monkeypatch, capsys, registered):
-    monkeypatch.setenv("LORAMUX_TRACE_HOOKS", "1")
+    setenv(monkeypatch, "LORAMUX_TRACE_HOOKS", "1")
     reset_plugin_manager()
     registered(toy, "toy")
-    create_lora_layer(toy.ToyScale(2), "model.scale", LoRAConfig())
+    layer_from_plugins(toy.ToyScale(2), "model.scale", LoRAConfig())
     err = capsys.readouterr().err
     assert "loramux hook: create_lora_layer(base_layer=ToyScale()" in err
     assert "module_name='model.scale'" in err and "-> [toy]" in err
@@ -254,7 +255,7 @@ def test_trace_env_var_prints_every_hook_call(monkeypatch, capsys, registered):
 
 def test_no_trace_without_the_env_var(capsys, registered):
     registered(toy, "toy")
-    create_lora_layer(toy.ToyScale(2), "model.scale", LoRAConfig())
+    layer_from_plugins(toy.ToyScale(2), "model.scale", LoRAConfig())
     assert "loramux hook" not in capsys.readouterr().err
 
 
@@ -307,19 +308,19 @@ def test_hook_create_lora_layer(registered):
     registered(fallback, "fallback")
     registered(toy, "toy")
     scale = toy.ToyScale(4)
-    wrapper = create_lora_layer(scale, "model.layers.0.scale", config)
+    wrapper = layer_from_plugins(scale, "model.layers.0.scale", config)
     assert isinstance(wrapper, toy.ToyScaleWithLoRA)
     assert wrapper.get_base_layer() is scale
     assert (wrapper.module_name, wrapper.lora_config) == ("model.layers.0.scale", config)
     assert fallback.calls == 0  # first result wins: trylast implementations are not asked
     linear = torch.nn.Linear(4, 4)
-    other = create_lora_layer(linear, "model.layers.0.proj", config)
+    other = layer_from_plugins(linear, "model.layers.0.proj", config)
     assert not isinstance(other, toy.ToyScaleWithLoRA) and other.get_base_layer() is linear
 
 
 def test_create_lora_layer_returns_none_when_no_plugin_supports_the_layer(registered):
     registered(toy, "toy")
-    assert create_lora_layer(torch.nn.ReLU(), "act", LoRAConfig()) is None
+    assert layer_from_plugins(torch.nn.ReLU(), "act", LoRAConfig()) is None
 
 
 def test_builtin_create_lora_layer_is_trylast():
@@ -339,7 +340,7 @@ def test_a_layer_plugin_breaking_the_contract_is_skipped_and_named(registered, o
     registered(fallback, "fallback")
     registered(offender, "offender")
     layer = torch.nn.Linear(2, 2)
-    wrapper = create_lora_layer(layer, "model.proj", LoRAConfig())
+    wrapper = layer_from_plugins(layer, "model.proj", LoRAConfig())
     assert wrapper.get_base_layer() is layer  # the next implementation in line answered
     (error,) = plugin_errors()
     assert (
@@ -355,4 +356,4 @@ def test_a_lora_error_from_a_layer_plugin_reaches_the_caller(registered):
 
     registered(Refuses(), "refuses")
     with pytest.raises(LoRAError, match="rank is too large"):
-        create_lora_layer(torch.nn.Linear(2, 2), "x", LoRAConfig())
+        layer_from_plugins(torch.nn.Linear(2, 2), "x", LoRAConfig())

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from conftest import rel_err, setenv
 from layer_helpers import pool_of, set_lora
 from torch import nn
 
 from loramux.engine.layers import LoRAContext, Route, backend
-from loramux.engine.lora_model import create_lora_layer
+from loramux.engine.adapters.lora_model import wrap_layer
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
 pytestmark = [
@@ -29,13 +29,13 @@ SHAPES = {  # in_features, slices: 8B's fused qkv and gate_up
 @torch.no_grad()
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_a_prefill_through_the_gemm_onto_its_delta_matches_the_reference(shape, monkeypatch):
-    monkeypatch.delenv("LORAMUX_KERNELS", raising=False)
+    setenv(monkeypatch, "LORAMUX_KERNELS", None)
     in_features, slices = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     base = nn.Linear(in_features, sum(n for _, n in slices), bias=False)
     nn.init.normal_(base.weight, std=in_features ** -0.5, generator=gen)
     base.loramux_slices = slices
-    layer = create_lora_layer(base.to("cuda", torch.bfloat16), "mlp.fused", LoRAConfig(max_loras=4, max_lora_rank=16))
+    layer = wrap_layer(base.to("cuda", torch.bfloat16), "mlp.fused", LoRAConfig(max_loras=4, max_lora_rank=16))
     layer.lora_context = LoRAContext(4)
     pool_of(layer)
     weights = {}

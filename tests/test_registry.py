@@ -22,6 +22,7 @@ from loramux.errors import (
 )
 from loramux.registry import LoRAConfig, LoRARequest, Registry, load_adapter
 from loramux.resolvers import FilesystemResolver, Resolver
+from conftest import setenv
 
 _spec = importlib.util.spec_from_file_location(
     "example_bad_plugins", Path(__file__).parent / "plugins" / "bad_plugins.py"
@@ -93,29 +94,58 @@ def test_get_resolves_on_demand_then_hits_the_cpu_tier(root):
     assert registry.locate("alpha").resolver == "filesystem"
 
 
-def test_get_resident_answers_from_the_cpu_tier_only_and_never_reads(root, adapters):
-    """`get_resident` finds what is in memory already: None (and no miss counted, no resolver
-    asked) before the first load, after an eviction, and for a path other than the name's."""
-    resolver = CountingResolver(root)
+def test_load_answers_from_the_cpu_tier_at_once_and_merges_every_load_of_a_name(root, adapters):
+    """`load` does not wait: a load of a name in flight is joined (by `load` and `get` alike: one
+    read), an adapter in memory is a future done at once, and a request's own error (an unsafe
+    name) is its future's. Each ``pin=True`` call holds one pin on the result."""
+    resolver = CountingResolver(root, delay=0.2)
     registry = Registry(LoRAConfig(max_loras=1, max_cpu_loras=1), resolvers=[resolver])
-    assert registry.get_resident(LoRARequest("alpha", 1)) is None
-    assert resolver.calls == [] and registry.cache.stats.misses == 0
-    adapter = registry.get("alpha")
-    hits = registry.cache.stats.hits
-    assert registry.get_resident(LoRARequest("alpha", 3), pin=True) is adapter
-    assert registry.cache.stats.hits == hits + 1 and registry.cache.is_pinned(adapter.handle.id)
-    assert registry.name_of_id(3) == "alpha"  # the request's id recorded, as `get` records it
-    registry.cache.unpin(adapter.handle.id)
-    assert registry.get_resident(LoRARequest("alpha", 3, str(adapters["r4"]))) is None  # another path
-    registry.get("beta")  # a tier of one: alpha is evicted
-    assert registry.get_resident(LoRARequest("alpha", 3)) is None and resolver.calls == ["alpha", "beta"]
-    mine = registry.get(LoRARequest("mine", 7, str(adapters["r8"])))  # registered by path
-    assert registry.get_resident(LoRARequest("mine", 7, str(adapters["r8"]))) is mine
-    assert registry.get_resident(LoRARequest("mine", 7, f"{adapters['r8']}/../{adapters['r8'].name}/")) is mine
+    futures = [registry.load(LoRARequest("alpha", 1), pin=True) for _ in range(3)]
+    assert not any(future.done() for future in futures)  # read on a loading thread
+    adapter = registry.get("alpha")  # joins the same load
+    assert all(future.result(timeout=5) is adapter for future in futures) and resolver.calls == ["alpha"]
+    assert registry.cache.pin_count(adapter.handle.id) == 3 and registry.cache.stats.loads == 1
+    for _ in futures:
+        registry.cache.unpin(adapter.handle.id)
+    again = registry.load(LoRARequest("alpha", 3))
+    assert again.done() and again.result() is adapter and registry.name_of_id(3) == "alpha"
+    mine = registry.load(LoRARequest("mine", 7, f"{adapters['r8']}/../{adapters['r8'].name}/")).result(timeout=5)
+    assert registry.load(LoRARequest("mine", 7, str(adapters["r8"]))).result() is mine  # the same path
+    assert isinstance(registry.load("../up").exception(), InvalidAdapterError)
+    assert resolver.calls == ["alpha"]
+
+
+def test_loads_run_on_at_most_max_loading_workers_threads_that_end_when_idle(root):
+    """Four names at once with ``max_loading_workers=2``: never more than two resolvers run at a
+    time, every load completes, and no loading thread is left once the queue is empty."""
+    for name in ("gamma", "delta"):
+        shutil.copytree(root / "alpha", root / name)
+    running, most, lock = [0], [0], threading.Lock()
+
+    class Gauge(CountingResolver):
+        def resolve(self, base_model_name, lora_name):
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            try:
+                return super().resolve(base_model_name, lora_name)
+            finally:
+                with lock:
+                    running[0] -= 1
+
+    resolver = Gauge(root, delay=0.1)
+    registry = Registry(LoRAConfig(max_loras=4, max_loading_workers=2), resolvers=[resolver])
+    futures = [registry.load(name) for name in ("alpha", "beta", "gamma", "delta")]
+    assert [f.result(timeout=10).name for f in futures] == ["alpha", "beta", "gamma", "delta"]
+    assert most[0] == 2 and sorted(resolver.calls) == ["alpha", "beta", "delta", "gamma"]
+    deadline = time.monotonic() + 5
+    while any(t.name.startswith("loramux-load") for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not [t for t in threading.enumerate() if t.name.startswith("loramux-load")]
 
 
 def test_get_from_the_plugins_resolvers(root, monkeypatch):
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_DIR", str(root))
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_DIR", str(root))
     registry = Registry()
     assert [r.name for r in registry.resolvers][0] == "filesystem"
     assert registry.get("beta").rank == 4

@@ -71,7 +71,7 @@ def test_the_cpu_tier_has_a_byte_budget_by_default_from_host_memory():
     assert LoRAConfig(max_cpu_lora_bytes=123).max_cpu_lora_bytes == 123
 
 
-def test_the_pinned_arena_takes_the_cpu_tiers_budget_up_to_8_gib_by_default():
+def test_the_page_locked_arena_takes_the_cpu_tiers_budget_up_to_8_gib_by_default():
     assert LoRAConfig(max_cpu_lora_bytes=123).max_pinned_lora_bytes == 123
     assert LoRAConfig(max_cpu_lora_bytes=100 << 30).max_pinned_lora_bytes == 8 << 30
     assert LoRAConfig(max_cpu_lora_bytes=100 << 30, max_pinned_lora_bytes=0).max_pinned_lora_bytes == 0

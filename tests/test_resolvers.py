@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from conftest import setenv
 
 from loramux.errors import AdapterDownloadError, InvalidAdapterError, PluginError
 from loramux.plugins import plugin_errors
@@ -85,14 +86,14 @@ def test_filesystem_root_must_exist(tmp_path):
 
 
 def test_filesystem_hook_reads_its_root_from_the_environment(tree, monkeypatch):
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_DIR", str(tree))
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_DIR", str(tree))
     (resolver,) = [r for r in collect_resolvers() if r.name == "filesystem"]
     assert resolver.root == tree.resolve()
     assert Registry().get("plain").rank == 8
 
 
 def test_filesystem_hook_with_a_bad_root_is_reported_and_others_carry_on(tmp_path, monkeypatch):
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_DIR", str(tmp_path / "nope"))
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_DIR", str(tmp_path / "nope"))
     names = [resolver.name for resolver in collect_resolvers()]
     assert "filesystem" not in names and "huggingface" in names
     (error,) = plugin_errors()
@@ -187,7 +188,7 @@ def test_filesystem_root_given_through_a_symlink_works(tree, tmp_path):
 
 
 def test_default_order_is_filesystem_then_plugins_then_the_hub(tree, monkeypatch, registered):
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_DIR", str(tree))
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_DIR", str(tree))
     registered(bad.Registers(bad.NamedResolver("third-party")), "third-party")
     names = [resolver.name for resolver in collect_resolvers()]
     assert names[0] == "filesystem" and names[-1] == "huggingface"
@@ -199,7 +200,7 @@ def test_order_resolvers_by_argument_and_the_environment_only_as_default(monkeyp
     assert order_resolvers([a, b, c]) == [a, b, c]
     assert order_resolvers([a, b, c], "c, a") == [c, a]
     assert order_resolvers([a, b, c], ["b"]) == [b]
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVERS", "b,a")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVERS", "b,a")
     assert order_resolvers([a, b, c]) == [a, b, c]  # reads no environment itself
     assert ResolverSettings.from_env().order == ("b", "a")  # the default, read at the border
     assert ResolverSettings.from_env(order="c").order == ("c",)  # an argument wins
@@ -267,7 +268,7 @@ def test_the_fetch_timeout_comes_from_the_flag_or_the_environment(monkeypatch):
 def test_two_plugins_registering_the_same_resolver_name_is_an_error_naming_both(
     tree, monkeypatch, registered
 ):
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_DIR", str(tree))
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_DIR", str(tree))
     registered(bad.Registers(bad.NamedResolver("filesystem")), "impostor")
     with pytest.raises(PluginError) as caught:
         collect_resolvers()
@@ -323,7 +324,7 @@ def test_a_plugin_registering_badly_is_left_out_and_named(registered, plugin, pr
 def test_cache_dir_follows_the_environment(monkeypatch, tmp_path):
     assert cache_dir() == tmp_path / "cache"
     assert adapters_cache_dir("s3", "b") == tmp_path / "cache" / "adapters" / "s3" / "b"
-    monkeypatch.delenv("LORAMUX_CACHE_DIR")
+    setenv(monkeypatch, "LORAMUX_CACHE_DIR", None)
     assert cache_dir() == Path.home() / ".cache" / "loramux"
 
 

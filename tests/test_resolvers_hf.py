@@ -22,6 +22,7 @@ import pytest
 from loramux.errors import AdapterDownloadError, AdapterNotFoundError, InvalidAdapterError
 from loramux.registry import LoRARequest, Registry, load_adapter
 from loramux.resolvers import HuggingFaceResolver, collect_resolvers
+from conftest import setenv
 
 TOKEN = "hf_test_token"
 
@@ -121,7 +122,7 @@ def hub(monkeypatch, clean_plugin_env):
     thread.start()
     for var in ("HF_TOKEN", "HF_HUB_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    setenv(monkeypatch, "HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
     monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "5")
     try:
@@ -162,7 +163,7 @@ def hub_cache(tmp_path) -> Path:
 def test_resolves_an_allow_listed_repo_by_name(hub, adapter_dir, tmp_path, monkeypatch):
     hub.add_adapter_dir("org/adapter", adapter_dir)
     hub.repos["org/adapter"]["files"]["README.md"] = b"docs"
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/adapter,org/other")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/adapter,org/other")
     registry = Registry()
     adapter = registry.get("org/adapter")
     reference = load_adapter(adapter_dir)
@@ -178,7 +179,7 @@ def test_resolves_an_allow_listed_repo_by_name(hub, adapter_dir, tmp_path, monke
 
 def test_resolves_an_adapter_in_a_sub_folder(hub, adapter_dir, monkeypatch):
     hub.add_adapter_dir("org/many", adapter_dir, subfolder="task/one")
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/many")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/many")
     location = Registry().locate("org/many/task/one")
     assert location.path.parts[-2:] == ("task", "one")
     assert load_adapter(location.path).rank == 8
@@ -186,7 +187,7 @@ def test_resolves_an_adapter_in_a_sub_folder(hub, adapter_dir, monkeypatch):
 
 def test_names_outside_the_allow_list_never_reach_the_network(hub, adapter_dir, monkeypatch):
     hub.add_adapter_dir("org/adapter", adapter_dir)
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/other")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/other")
     with pytest.raises(AdapterNotFoundError) as caught:
         Registry().get("org/adapter")
     assert "huggingface (repos org/other)" in str(caught.value)
@@ -195,7 +196,7 @@ def test_names_outside_the_allow_list_never_reach_the_network(hub, adapter_dir, 
 
 def test_allow_listed_repo_without_the_adapter_lets_the_registry_say_not_found(hub, monkeypatch):
     hub.add("org/empty", {"README.md": b"nothing here"})
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/empty,org/missing")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/empty,org/missing")
     registry = Registry()
     for name in ("org/empty", "org/empty/sub", "org/missing"):
         with pytest.raises(AdapterNotFoundError, match="no resolver found it"):
@@ -205,20 +206,20 @@ def test_allow_listed_repo_without_the_adapter_lets_the_registry_say_not_found(h
 
 def test_a_cached_adapter_is_reused_and_served_offline(hub, adapter_dir, monkeypatch, tmp_path):
     hub.add_adapter_dir("org/adapter", adapter_dir)
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/adapter")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/adapter")
     first = Registry().locate("org/adapter").path
     gets = len(hub.paths_requested("GET"))
     assert Registry().locate("org/adapter").path == first
     assert len(hub.paths_requested("GET")) == gets  # nothing downloaded again
     before = len(hub.requests)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    setenv(monkeypatch, "HF_HUB_OFFLINE", "1")
     assert Registry().get("org/adapter").path == first
     assert len(hub.requests) == before  # offline: no request at all
 
 
 def test_offline_without_a_cached_copy_is_a_clear_error(hub, adapter_dir, monkeypatch):
     hub.add_adapter_dir("org/adapter", adapter_dir)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    setenv(monkeypatch, "HF_HUB_OFFLINE", "1")
     registry = Registry()
     with pytest.raises(AdapterDownloadError) as caught:
         registry.get(LoRARequest("a", 1, "hf://org/adapter"))
@@ -245,7 +246,7 @@ def test_malformed_hf_uris_are_refused(hub, uri):
 
 def test_hf_token_is_sent_for_a_private_repo(hub, adapter_dir, monkeypatch):
     hub.add_adapter_dir("org/private", adapter_dir, private=True)
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/private")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/private")
     with pytest.raises(AdapterNotFoundError, match="set HF_TOKEN"):
         HuggingFaceResolver(["org/private"]).fetch("hf://org/private")
     monkeypatch.setenv("HF_TOKEN", TOKEN)
@@ -269,7 +270,7 @@ def test_pickled_weights_are_never_downloaded(hub, adapter_dir, monkeypatch, tmp
         "adapter_model.bin": b"\x80\x04 pretend pickle",
     }
     hub.add("org/pickled", pickled)
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/pickled")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/pickled")
     registry = Registry()
     with pytest.raises(InvalidAdapterError, match="safetensors format only") as caught:
         registry.get("org/pickled")
@@ -283,7 +284,7 @@ def test_a_download_failing_midway_leaves_no_adapter_and_a_retry_works(
 ):
     hub.add_adapter_dir("org/flaky", adapter_dir)
     hub.cut_midway.add("adapter_model.safetensors")
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/flaky")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/flaky")
     registry = Registry()
     with pytest.raises(AdapterDownloadError) as caught:
         registry.get("org/flaky")
@@ -298,7 +299,7 @@ def test_a_download_failing_midway_leaves_no_adapter_and_a_retry_works(
 
 
 def test_an_unreachable_hub_is_a_download_error_at_once(hub, monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
+    setenv(monkeypatch, "HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens on port 9
     started = time.monotonic()
     with pytest.raises(AdapterDownloadError, match=r"could not be reached \(http://127.0.0.1:9: ConnectError"):
         HuggingFaceResolver().fetch("hf://org/adapter")
@@ -308,7 +309,7 @@ def test_an_unreachable_hub_is_a_download_error_at_once(hub, monkeypatch):
 def test_an_unreachable_hub_still_serves_what_is_in_the_cache(hub, adapter_dir, monkeypatch):
     hub.add_adapter_dir("org/adapter", adapter_dir)
     path = HuggingFaceResolver().fetch("hf://org/adapter")
-    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    setenv(monkeypatch, "HF_ENDPOINT", "http://127.0.0.1:9")
     assert HuggingFaceResolver().fetch("hf://org/adapter") == path
 
 
@@ -318,7 +319,7 @@ def test_describe_names_the_allow_list():
 
 
 def test_the_plugin_reads_the_allow_list(hub, monkeypatch):
-    monkeypatch.setenv("LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/a, org/b")
+    setenv(monkeypatch, "LORAMUX_LORA_RESOLVER_HF_REPO_LIST", "org/a, org/b")
     (resolver,) = [r for r in collect_resolvers() if r.name == "huggingface"]
     assert resolver.repos == ("org/a", "org/b")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from loramux import SamplingParams
-from loramux.engine import penalties, sampler as sampler_module
-from loramux.engine.sampler import Sampler
+from loramux.engine.worker import penalties, sampler as sampler_module
+from loramux.engine.worker.sampler import Sampler
 
 V = 50
 EOS = 2

@@ -22,9 +22,10 @@ pytest.importorskip("fastapi", reason="the serve extras are not installed: pip i
 import httpx  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from loramux.engine.events import AdapterEvent
-from loramux.engine.outputs import CompletionOutput, RequestOutput
+from loramux.engine.core.events import AdapterEvent
+from loramux.engine.core.outputs import CompletionOutput, RequestOutput
 from loramux.engine.sampling_params import SamplingParams
+from loramux.engine.core.stats import RouterStats
 from loramux.errors import AdapterNotFoundError, InvalidAdapterError
 from loramux.serving import ServerConfig, build_app
 from loramux.serving.async_engine import ADD_TURN, AsyncEngine, SubRequest
@@ -46,6 +47,11 @@ class FakeEngine:
     """Echoes ``<adapter>|<prompt>`` one character per step; adapters in ``known`` exist (found by
     a resolver "fake-hub" on demand). Keeps the engine's adapter contract: names bound to handles,
     reload and unload rebind, a handle retires (an event) when its last request ends."""
+
+    max_model_len = 1 << 20
+    vocab_size = 0x110000  # every character's code point is a token id
+    lora_enabled = True
+    max_loading_workers = 4
 
     def __init__(self, known=("fake-a", "fake-b")):
         self.tokenizer = FakeTokenizer()
@@ -82,6 +88,22 @@ class FakeEngine:
 
     def has_unfinished_requests(self):
         return bool(self.requests)
+
+    def get_num_unfinished_requests(self):
+        return len(self.requests)
+
+    def compile_structured_output(self, spec):
+        pass
+
+    def tier_stats(self):
+        return {}
+
+    def router_stats(self):
+        names = [r["name"] for r in list(self.requests.values()) if r["name"] is not None]
+        return RouterStats(0, len(self.requests), [], sorted(set(names)), 2, None)
+
+    def has_scheduled_work(self):
+        return bool(self.requests) and not self.hang.is_set()
 
     def abort_request(self, request_id):
         self._mark()
@@ -157,7 +179,7 @@ class FakeEngine:
         return self.handles.get(name)
 
     def list_loras(self):
-        return sorted(self.loaded)
+        return sorted(self.handles)  # registered, and found on demand
 
     def add_event_listener(self, listener):
         self.listeners.append(listener)
@@ -479,7 +501,7 @@ def test_the_intake_adds_the_requests_of_several_http_requests_in_turns():
 
 def test_an_adapter_name_with_lora_off_is_404_and_remembers_nothing():
     engine, client = make_client()
-    engine.lora_manager = None  # an engine built with enable_lora=False
+    engine.lora_enabled = False  # an engine built with enable_lora=False
     with client:
         response = complete(client, model="fake-a")
         assert response.status_code == 404, response.text
@@ -542,7 +564,7 @@ def test_a_failed_resolution_answers_before_any_other_requests_token():
     engine = LLMEngine(tiny_llama(), max_loras=1, max_lora_rank=8, max_num_seqs=2, max_model_len=64,
                        registry=Registry(LoRAConfig(max_loras=1, max_lora_rank=8), resolvers=[]))
     in_forward, release, resumed = threading.Event(), threading.Event(), threading.Event()
-    run = engine.runner.run
+    run = engine.runner.execute_model
 
     def stuck(batch):
         in_forward.set()
@@ -550,7 +572,7 @@ def test_a_failed_resolution_answers_before_any_other_requests_token():
         resumed.set()
         return run(batch)
 
-    engine.runner.run = stuck
+    engine.runner.execute_model = stuck
     _, client = make_client(engine)
     with client:
         base = ThreadPoolExecutor(1).submit(

@@ -6,6 +6,8 @@ import pytest
 
 from loramux.cli import build_parser
 
+from conftest import setenv
+
 
 def parse(*argv):
     return build_parser().parse_args(["serve", *argv])
@@ -33,8 +35,8 @@ def test_vllm_style_flags():
 
 
 def test_environment_defaults(monkeypatch):
-    monkeypatch.setenv("LORAMUX_API_KEY", "from-env")
-    monkeypatch.setenv("LORAMUX_ALLOW_RUNTIME_LORA_UPDATING", "1")
+    setenv(monkeypatch, "LORAMUX_API_KEY", "from-env")
+    setenv(monkeypatch, "LORAMUX_ALLOW_RUNTIME_LORA_UPDATING", "1")
     args = parse()
     assert args.api_key == "from-env" and args.allow_runtime_lora_updating
 
@@ -56,13 +58,13 @@ def test_kv_cache_and_compilation_flags_reach_the_engine(tmp_path):
     assert not args.enable_prefix_caching and args.enforce_eager and not args.compilation
     engine, _ = build_engine(args)
     assert engine.kv_cache.block_size == 32 and engine.kv_cache.num_blocks == 70
-    assert not engine.block_manager.enable_prefix_caching and engine.setup.gpu_memory_utilization == 0.5
+    assert not engine.block_manager.enable_prefix_caching and engine.config.gpu_memory_utilization == 0.5
     assert not engine.runner.compiled and not engine.runner.use_graphs
     assert parse().enable_prefix_caching and parse().compilation and parse().block_size == 16
 
 
 def test_request_bounds_flags():
-    from loramux.engine.structured_output import StructuredOutputLimits
+    from loramux.engine.core.structured_output import StructuredOutputLimits
 
     defaults = parse()
     assert defaults.max_prompts_per_request == 2048 and defaults.structured_outputs_limits is None
@@ -83,7 +85,7 @@ def test_bad_structured_outputs_limits_are_refused_naming_the_problem(spec, prob
 
 
 def test_quantization_fp8_reaches_the_engine_and_other_methods_are_refused(tmp_path, capsys):
-    from conftest import char_tokenizer, tiny_llama
+    from conftest import char_tokenizer, tiny_llama, setenv
 
     from loramux.engine.quantization import Fp8Linear
     from loramux.serving.server import build_engine
@@ -94,7 +96,33 @@ def test_quantization_fp8_reaches_the_engine_and_other_methods_are_refused(tmp_p
     assert args.quantization == "fp8" and parse(str(tmp_path), "-q", "fp8").quantization == "fp8"
     assert parse().quantization is None
     engine, _ = build_engine(args)
-    assert sum(isinstance(m, Fp8Linear) for m in engine.setup.model.modules()) == 8  # fused q/k/v, gate/up; o, down
+    assert sum(isinstance(m, Fp8Linear) for m in engine.model.modules()) == 8  # fused q/k/v, gate/up; o, down
     with pytest.raises(SystemExit) as caught:
         parse("-q", "int8")
     assert caught.value.code == 2 and "--quantization: invalid choice: 'int8'" in capsys.readouterr().err
+
+
+def test_each_flag_comes_from_a_documented_field_with_the_fields_default(capsys):
+    """The serve flags are generated from EngineConfig and ServerConfig: every flagged field has a
+    doc (its help) and the flag's default is the field's (max_loras and the environment's defaults
+    aside), so parsing no flag builds the configs' own defaults."""
+    from dataclasses import MISSING
+
+    from loramux.engine.config import EngineConfig
+    from loramux.flags import field_docs, flag_values, flagged_fields
+    from loramux.serving.config import ServerConfig
+
+    args = parse()
+    with pytest.raises(SystemExit):
+        parse("--help")
+    help_text = " ".join(capsys.readouterr().out.split())
+    for cls in (EngineConfig, ServerConfig):
+        docs = field_docs(cls)
+        for field, spec in flagged_fields(cls):
+            assert docs[field.name].split()[0] in help_text, field.name
+            default = field.default_factory() if field.default is MISSING else field.default
+            if field.name not in ("max_loras", "api_key", "allow_runtime_lora_updating"):
+                assert getattr(args, spec.dest or field.name) == default, field.name
+    assert EngineConfig(**flag_values(EngineConfig, args)) == EngineConfig()
+    assert ServerConfig(**flag_values(ServerConfig, args)) == ServerConfig()
+    assert "--max-num-batched-tokens N" in help_text and "(default: 16)" in help_text

@@ -12,7 +12,7 @@ import torch
 from loramux.kernels import build_lora_meta, lora_expand, lora_shrink, reference
 from loramux.kernels.pool import POOL_ROW_ALIGN, pool_rows
 
-from conftest import INTERPRET, needs_cuda, rel_err
+from conftest import INTERPRET, needs_cuda, rel_err, setenv
 from test_kernels import TOL, Case, bits, make_inputs
 
 
@@ -88,7 +88,7 @@ def run_pool_pipeline(case: Case, dtype: torch.dtype, device: str, *, static: bo
 def test_pool_equals_one_slot_per_adapter(case, kernels, monkeypatch):
     if kernels == "triton" and not INTERPRET:
         pytest.skip("the CPU run of the Triton kernels needs the interpreter")
-    monkeypatch.setenv("LORAMUX_KERNELS", "torch" if kernels == "reference" else "triton")
+    setenv(monkeypatch, "LORAMUX_KERNELS", "torch" if kernels == "reference" else "triton")
     run_pool_pipeline(case, torch.float32, "cpu", static=False)
 
 
@@ -97,7 +97,7 @@ def test_pool_equals_one_slot_per_adapter(case, kernels, monkeypatch):
 def test_pool_with_a_static_meta(case, monkeypatch):
     """The CUDA-graph path: grids from (T, S) only, the pool read the same way; the second case's
     grid (64 tiles) is large enough that its programs past the real tiles exit early."""
-    monkeypatch.setenv("LORAMUX_KERNELS", "triton")
+    setenv(monkeypatch, "LORAMUX_KERNELS", "triton")
     meta = build_lora_meta(torch.zeros(case.T, dtype=torch.int32), case.S, static=True)
     assert (meta.real_tiles(16) is not None) == (case.T >= 48)
     run_pool_pipeline(case, torch.float32, "cpu", static=True)
@@ -191,7 +191,7 @@ def run_untargeted_slices(dtype: torch.dtype, device: str, *, static: bool, seed
 def test_untargeted_slices_are_never_read(kernels, static, monkeypatch):
     if kernels == "triton" and not INTERPRET:
         pytest.skip("the CPU run of the Triton kernels needs the interpreter")
-    monkeypatch.setenv("LORAMUX_KERNELS", "torch" if kernels == "reference" else "triton")
+    setenv(monkeypatch, "LORAMUX_KERNELS", "torch" if kernels == "reference" else "triton")
     run_untargeted_slices(torch.float32, "cpu", static=static)
 
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from loramux.engine.slots import SlotTable
+from loramux.engine.adapters.slots import SlotTable
 from loramux.errors import CacheFullError
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import needs_cuda, needs_interpreter
+from conftest import needs_cuda, needs_interpreter, setenv
 from loramux.kernels import build_lora_meta
 from loramux.kernels.metadata import _slot_vector_pad, _static_arrays
 from loramux.kernels.static_meta import ENV_VAR, static_meta_arrays, use_meta_kernel
@@ -52,12 +52,11 @@ def test_a_static_meta_built_by_the_kernel_is_the_torch_built_one(monkeypatch):
 
 def test_the_setting_is_read_and_bad_values_are_refused(monkeypatch):
     for value, cuda, expected in (("", True, True), ("0", True, False), ("1", True, True), ("1", False, False)):
-        monkeypatch.setenv(ENV_VAR, value)
+        setenv(monkeypatch, ENV_VAR, value)
         assert use_meta_kernel(torch.device("cuda" if cuda else "cpu")) is expected, (value, cuda)
-    monkeypatch.setenv(ENV_VAR, "yes")
     with pytest.raises(ValueError, match=f"{ENV_VAR}='yes' is not understood"):
-        use_meta_kernel(torch.device("cuda"))
-    monkeypatch.setenv(ENV_VAR, "0")
+        setenv(monkeypatch, ENV_VAR, "yes")
+    setenv(monkeypatch, ENV_VAR, "0")
     assert build_lora_meta(torch.zeros(4, dtype=torch.int32), 2, static=True).static  # still builds
 
 

@@ -9,11 +9,11 @@ import torch
 from conftest import step_to_end, tiny_llama
 
 from loramux import LoRARequest, SamplingParams
-from loramux.engine.cuda_graphs import BASE, LORA, LORA_SMALL_GEMMS, StepGraphs, graph_token_sizes
+from loramux.engine.worker.cuda_graphs import BASE, LORA, LORA_SMALL_GEMMS, StepGraphs, graph_token_sizes
 from loramux.engine.layers import side_stream
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.model_runner import StepShape
-from loramux.engine.scheduler import ScheduledBatch
+from loramux.engine.worker.model_runner import StepShape
+from loramux.engine.core.step_outputs import SchedulerOutput
 
 
 def test_graph_token_sizes_cover_decodes_then_powers_of_two():
@@ -59,12 +59,12 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter, big_
     eager_logits = []
     sample = runner._sample
     runner._sample = lambda seqs, logits: eager_logits.append(logits.clone()) or sample(seqs, logits)
-    run = runner.run
+    run = runner.execute_model
     seen = {"mixed": 0, "unsampled chunk": 0, "lora": 0, "padded": 0}
     if big_gemms:
         seen.update({LORA: 0, LORA_SMALL_GEMMS: 0, "skip checked": 0})
 
-    def checked_run(batch: ScheduledBatch):
+    def checked_run(batch: SchedulerOutput):
         assert graphs.fits(batch)  # every step of this engine fits the 16-token graph
         sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
         inputs = graphs.step_inputs(batch.chunks)
@@ -94,7 +94,7 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter, big_
         seen["padded"] += inputs.num_tokens > batch.num_tokens
         return result
 
-    runner.run = checked_run
+    runner.execute_model = checked_run
     finished = step_to_end(engine)
     assert len(finished) == len(requests) and all(len(t) == 6 for t in finished.values())
     assert all(count > 0 for count in seen.values()), seen
@@ -107,10 +107,10 @@ def test_graphs_do_not_take_prompt_logprob_steps_or_oversized_ones():
     engine.add_request("scored", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=1, prompt_logprobs=1))
     engine.add_request("long", {"prompt_token_ids": list(range(3, 23))}, SamplingParams(max_tokens=1))
     seqs = dict(engine._requests)  # Sequence by request id
-    assert graphs.fits(ScheduledBatch([(seqs["plain"], 16)]))
-    assert not graphs.fits(ScheduledBatch([(seqs["plain"], 16), (seqs["scored"], 3)]))  # prompt logprobs
-    assert not graphs.fits(ScheduledBatch([(seqs["long"], 20)]))  # more tokens than the largest graph
-    assert not graphs.fits(ScheduledBatch([]))
+    assert graphs.fits(SchedulerOutput([(seqs["plain"], 16)]))
+    assert not graphs.fits(SchedulerOutput([(seqs["plain"], 16), (seqs["scored"], 3)]))  # prompt logprobs
+    assert not graphs.fits(SchedulerOutput([(seqs["long"], 20)]))  # more tokens than the largest graph
+    assert not graphs.fits(SchedulerOutput([]))
 
 
 def test_cuda_graph_sizes_replace_the_default_sizes():
@@ -125,8 +125,8 @@ def test_cuda_graph_sizes_replace_the_default_sizes():
     assert default.runner.graph_sizes == graph_token_sizes(4, 24)
     graphs = StepGraphs(runner, runner.graph_sizes)
     padded = []
-    run = runner.run
-    runner.run = lambda batch: padded.append(
+    run = runner.execute_model
+    runner.execute_model = lambda batch: padded.append(
         (batch.num_tokens, graphs.step_inputs(batch.chunks).num_tokens)) or run(batch)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for request_id, prompt_len in (("a", 3), ("b", 10), ("c", 20)):

@@ -17,7 +17,7 @@ pytest.importorskip("xgrammar", reason="the serve extras are not installed: pip 
 from conftest import char_tokenizer  # noqa: E402
 
 from loramux.engine.sampling_params import StructuredOutputsParams as Format  # noqa: E402
-from loramux.engine.structured_output import (  # noqa: E402
+from loramux.engine.core.structured_output import (  # noqa: E402
     StructuredOutputLimitError,
     StructuredOutputLimits,
     StructuredOutputs,

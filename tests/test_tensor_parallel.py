@@ -123,7 +123,7 @@ def test_an_architecture_outside_the_mapping_is_refused():
 
 def lora_outputs(layer: torch.nn.Module, name: str, adapter, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)`` with ``adapter`` on every token, the layer wrapped for LoRA as ``name``."""
-    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.engine.adapters.lora_model import LoRAModelManager
     from loramux.registry import LoRAConfig
 
     parent = torch.nn.Module()
@@ -250,7 +250,7 @@ class TestOneSharedEngine:
         adapter is, and each of its steps runs on both ranks (their all-reduces pair up)."""
         import dataclasses
 
-        from loramux.engine.kernel_warmup import WARMUP_ADAPTER, WarmupStep, run_warmup
+        from loramux.engine.worker.kernel_warmup import WARMUP_ADAPTER, WarmupStep, run_warmup
 
         manager = tp_engine.lora_manager
         stats = dataclasses.asdict(manager.stats)

@@ -9,8 +9,9 @@ import pytest
 
 from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.registry import LoRAConfig, LoRARequest, Registry
-from loramux.serving.engine_info import read_tiers
-from loramux.serving.metrics import Metrics, TierStats
+from loramux.engine.core.stats import TierStats, read_tiers
+from loramux.registry.cpu_cache import CacheStats
+from loramux.serving.metrics import Metrics
 
 pytestmark = pytest.mark.usefixtures("clean_plugin_env")
 
@@ -31,8 +32,8 @@ def test_the_cpu_tier_reports_the_bytes_the_registry_holds(make_adapter):
     registry = Registry(LoRAConfig(max_loras=2), resolvers=[])
     a = registry.get(LoRARequest("a", 1, str(make_adapter("metric-a"))))
     b = registry.get(LoRARequest("b", 2, str(make_adapter("metric-b", r=4))))
-    manager = SimpleNamespace(stats=None, resident=lambda: ["a"], nbytes=a.nbytes)
-    tiers = read_tiers(SimpleNamespace(registry=registry, lora_manager=manager))
+    manager = SimpleNamespace(stats=CacheStats(), resident=lambda: ["a"], nbytes=a.nbytes, capacity_bytes=None)
+    tiers = read_tiers(registry, manager)
     assert tiers["cpu"].bytes_resident == a.nbytes + b.nbytes == registry.cache.nbytes
     assert tiers["cpu"].resident == ["a", "b"] and tiers["gpu"].bytes_resident == a.nbytes
 
@@ -44,7 +45,7 @@ def test_capacity_is_a_gauge_per_tier_the_cpu_budget_and_the_gpu_pools(make_adap
 
     from conftest import tiny_llama
 
-    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.engine.adapters.lora_model import LoRAModelManager
 
     config = LoRAConfig(max_loras=2, max_cpu_lora_bytes=1 << 20)
     registry = Registry(config, resolvers=[])
@@ -54,18 +55,18 @@ def test_capacity_is_a_gauge_per_tier_the_cpu_budget_and_the_gpu_pools(make_adap
     assert default.capacity_bytes == rows * 2 * 16  # max_loras x max_lora_rank rows, every layer pooled
     budget = LoRAModelManager(tiny_llama(), LoRAConfig(max_loras=8, max_gpu_lora_bytes=40 * rows + rows // 2))
     assert budget.capacity_bytes == 40 * rows  # whole rows within the budget
-    tiers = read_tiers(SimpleNamespace(registry=registry, lora_manager=budget))
+    tiers = read_tiers(registry, budget)
     assert tiers["cpu"].bytes_capacity == 1 << 20 and tiers["gpu"].bytes_capacity == 40 * rows
 
 
 def test_the_cpu_tiers_page_locked_arena_reaches_metrics(make_adapter):
-    from loramux.registry.pinned_arena import PinnedArena
+    from loramux.registry.page_locked_arena import PageLockedArena
 
-    arena = PinnedArena(1 << 20, pinned=False)
+    arena = PageLockedArena(1 << 20, pinned=False)
     registry = Registry(LoRAConfig(max_loras=1), resolvers=[], host_memory=arena)
     adapter = registry.get(LoRARequest("a", 1, str(make_adapter("metric-arena"))))
     arena.allocate(2 << 20)  # more than the arena: a fallback to pageable memory
-    tiers = read_tiers(SimpleNamespace(registry=registry, lora_manager=None))
+    tiers = read_tiers(registry, None)
     cpu = tiers["cpu"]
     assert cpu.pinned_bytes_capacity == 1 << 20 and cpu.pageable_fallbacks == 1
     assert adapter.nbytes <= cpu.pinned_bytes_in_use == arena.stats.in_use_bytes
@@ -73,6 +74,5 @@ def test_the_cpu_tiers_page_locked_arena_reaches_metrics(make_adapter):
     assert 'loramux_adapter_pinned_bytes_capacity{tier="cpu"} 1.048576e+06' in text
     assert 'loramux_adapter_pageable_fallbacks_total{tier="cpu"} 1.0' in text
     assert f'loramux_adapter_pinned_bytes_in_use{{tier="cpu"}} {float(cpu.pinned_bytes_in_use)}' in text
-    plain = read_tiers(SimpleNamespace(registry=Registry(LoRAConfig(), resolvers=[], pin_memory=False),
-                                       lora_manager=None))["cpu"]
+    plain = read_tiers(Registry(LoRAConfig(), resolvers=[], pin_memory=False), None)["cpu"]
     assert plain.pinned_bytes_capacity is None  # pageable memory has no arena to report

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import needs_cuda, needs_interpreter, rel_err
+from conftest import needs_cuda, needs_interpreter, rel_err, setenv
 from loramux.kernels import build_lora_meta, reference, tuned
 from loramux.kernels import shrink as shrink_mod
 from loramux.kernels.shrink import ShrinkConfig, lora_shrink_triton, shrink_config
@@ -29,7 +29,7 @@ def entry(tokens, *, many=False, rank=16, n_slices=3, hidden=4096, dtype="bfloat
 @pytest.fixture
 def tuned_dir(tmp_path, monkeypatch):
     """An empty tuned-config folder read as an H100's; write(entries) fills its shrink file."""
-    monkeypatch.setenv(tuned.CONFIG_DIR_ENV_VAR, str(tmp_path))
+    setenv(monkeypatch, tuned.CONFIG_DIR_ENV_VAR, str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: H100)
     tuned._device_index.cache_clear()
 
@@ -58,7 +58,7 @@ def test_file_name_spells_the_gpu_with_underscores(device, name):
 
 
 def test_the_package_ships_an_h100_file_the_lookup_reads(monkeypatch):
-    monkeypatch.delenv(tuned.CONFIG_DIR_ENV_VAR, raising=False)
+    setenv(monkeypatch, tuned.CONFIG_DIR_ENV_VAR, None)
     path = tuned.DEFAULT_DIR / tuned.config_file_name(H100)
     body = json.loads(path.read_text())
     assert body["device"] == H100 and body["entries"]

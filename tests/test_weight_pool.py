@@ -19,7 +19,7 @@ import loramux.engine.layers.weight_pool as weight_pool_module
 from loramux.engine.layers import LoRAContext
 from loramux.engine.layers.slot_copy import _dense, shared_buffer, zero_all
 from loramux.engine.layers.weight_pool import AdapterWeightPool
-from loramux.engine.lora_model import LoRAModelManager, create_lora_layer
+from loramux.engine.adapters.lora_model import LoRAModelManager, wrap_layer
 from loramux.registry import LoRAAdapter, LoRAConfig, LoRAModuleWeights
 
 CONFIG = LoRAConfig(max_loras=3, max_lora_rank=8)
@@ -33,7 +33,7 @@ def fused_layers(n=2, sizes=(12, 4, 4), dtype=torch.float32):
     for j in range(n):
         base = nn.Linear(16, sum(sizes)).to(dtype)
         base.loramux_slices = tuple((f"l{j}.s{i}", size) for i, size in enumerate(sizes))
-        layers[f"l{j}"] = create_lora_layer(base, f"l{j}", CONFIG)
+        layers[f"l{j}"] = wrap_layer(base, f"l{j}", CONFIG)
     return layers
 
 
@@ -126,8 +126,8 @@ def test_shards_are_views_of_the_adapters_buffer():
     from loramux.engine.tensor_parallel.sharding import _column_shard, _row_shard
 
     full = nn.Linear(16, 12, bias=False)
-    layers = {"col": create_lora_layer(_column_shard(full, 1, 2), "col", CONFIG),
-              "row": create_lora_layer(_row_shard(full, "row", 1, 2).linear, "row", CONFIG)}
+    layers = {"col": wrap_layer(_column_shard(full, 1, 2), "col", CONFIG),
+              "row": wrap_layer(_row_shard(full, "row", 1, 2).linear, "row", CONFIG)}
     pool = AdapterWeightPool(layers, CONFIG)
     g = torch.Generator().manual_seed(0)
     modules = LoRAAdapter("a", None, {name: LoRAModuleWeights(torch.randn(4, 16, generator=g), torch.randn(12, 4, generator=g), 1.0)
@@ -237,7 +237,7 @@ def test_gpu_a_slot_write_over_many_layers_is_one_kernel():
         torch.manual_seed(i)
         base = nn.Linear(64, 48).to(device, torch.bfloat16)
         base.loramux_slices = tuple((f"fused.{i}.{n}", size) for n, size in (("q", 32), ("k", 8), ("v", 8)))
-        layers[f"fused.{i}"] = create_lora_layer(base, f"fused.{i}", CONFIG)
+        layers[f"fused.{i}"] = wrap_layer(base, f"fused.{i}", CONFIG)
         layers[f"fused.{i}"].lora_context = LoRAContext(CONFIG.max_loras)
     pool = AdapterWeightPool(layers, CONFIG)
     g = torch.Generator().manual_seed(0)

@@ -14,8 +14,8 @@ _LAZY = {
     "EngineConfig": "loramux.engine.config",
     "SamplingParams": "loramux.engine.sampling_params",
     "StructuredOutputsParams": "loramux.engine.sampling_params",
-    "RequestOutput": "loramux.engine.outputs",
-    "CompletionOutput": "loramux.engine.outputs",
+    "RequestOutput": "loramux.engine.core.outputs",
+    "CompletionOutput": "loramux.engine.core.outputs",
 }
 
 

@@ -1,42 +1,27 @@
-"""Everything an engine is built from: the model, tokenizer, LoRA manager, registry and sizes.
+"""Everything an engine is built from besides its config: the model, tokenizer, LoRA manager and registry.
 
-Sizing defaults (each `EngineConfig` field left at None takes its device's default):
-
-============================  ==========================  ======================
-argument                      CUDA                        CPU
-============================  ==========================  ======================
-``max_num_seqs``              64                          16
-``max_model_len``             min(model's, 4096)          min(model's, 2048)
-``max_num_batched_tokens``    4096                        1024
-``max_shared_prefill_tokens`` no bound                    16
-KV blocks                     ``gpu_memory_utilization``  ``CPU_KV_CACHE_BYTES``
-============================  ==========================  ======================
-
-The KV cache is a pool of blocks of ``block_size`` tokens (`PagedKVCache`), so ``max_model_len``
-does not multiply memory: on CUDA the blocks take what ``gpu_memory_utilization`` of the device
-leaves after the weights, the LoRA slots and the largest step's activations (measured by running
-it once); on CPU a fixed budget, capped at four times what ``max_num_seqs`` sequences of
-``max_model_len`` can use at once. ``num_gpu_blocks_override`` sets the number on any device.
+`build_engine_setup` loads (or takes) the model and resolves the config's device defaults in place
+(`EngineConfig.resolve`). The KV cache is a pool of blocks of ``block_size`` tokens
+(`PagedKVCache`), so ``max_model_len`` does not multiply memory: on CUDA the blocks take what
+``gpu_memory_utilization`` of the device leaves after the weights, the LoRA slots and the largest
+step's activations (measured by running it once); on CPU a fixed budget (`CPU_KV_CACHE_BYTES`),
+capped at four times what ``max_num_seqs`` sequences of ``max_model_len`` can use at once.
+``num_gpu_blocks_override`` sets the number on any device.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
 from loramux.engine.config import EngineConfig
-from loramux.engine.siblings import fuse_siblings
+from loramux.engine.worker.siblings import fuse_siblings
 from loramux.registry import LoRAConfig, LoRARequest
 from loramux.registry.host_memory import PAGEABLE, HostMemory
-from loramux.registry.pinned_arena import PIECE_ALIGNMENT, PinnedArena
-
-logger = logging.getLogger(__name__)
+from loramux.registry.page_locked_arena import PIECE_ALIGNMENT, PageLockedArena
 
 __all__ = ["EngineSetup", "build_engine_setup"]
 
@@ -46,34 +31,26 @@ class EngineSetup:
     model: torch.nn.Module
     tokenizer: object | None
     model_name: str
-    device: torch.device
-    max_num_seqs: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    max_shared_prefill_tokens: int | None
-    max_loras: int
-    block_size: int
-    gpu_memory_utilization: float
-    num_gpu_blocks_override: int | None
-    enable_prefix_caching: bool
     eos_token_ids: frozenset[int]
     lora_manager: object | None
     registry: object | None
     registry_validates: bool  # the registry runs lora_manager.validate itself (one we built)
     lora_modules: list[LoRARequest]
-    seed: int | None
-    max_loading_workers: int
-    tensor_parallel_size: int = 1
-    pinning: ArenaPinning | None = None  # the CPU tier's arena, page-locked beside the start
 
 
-def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup:
+def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
+                       worker_manager_class: type | None = None) -> EngineSetup:
     """Load (or take) the model, quantized as ``config.quantization`` or its checkpoint says, shard
     it for ``tp_rank`` when ``config.tensor_parallel_size > 1``, fuse its sibling projections, wrap
     it for LoRA and resolve the device's default sizes.
 
     A tensor-parallel worker (``tp_rank > 0``) builds the same model and LoRA layers but no
-    registry: adapters reach it as weight shards from the driver.
+    registry: adapters reach it as weight shards from the driver (``workers``: the driver's
+    `WorkerGroup`, which its slot writes go through), into the LoRA manager the worker names
+    (``worker_manager_class``: its `WorkerLoRAManager`).
+
+    On CUDA the registry the engine builds loads into a `PageLockedArena` page-locked beside the rest
+    of the start (`PageLockedArena.wait`: the engine waits for it before it captures any graph).
     """
     tp_size = config.tensor_parallel_size
     tokenizer = config.tokenizer
@@ -86,7 +63,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
 
             quantize_model(hf_model)
     else:
-        from loramux.engine.model_loader import DEFAULT_MODEL_NAME, load_model
+        from loramux.engine.worker.model_loader import DEFAULT_MODEL_NAME, load_model
 
         device = torch.device(config.device) if config.device is not None else _default_device()
         prepare_config = None
@@ -104,16 +81,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
         tokenizer = tokenizer or loaded_tokenizer
         name = DEFAULT_MODEL_NAME if config.model is None else str(config.model)
     cuda = device.type == "cuda"
-    text_config = hf_model.config.get_text_config()
-    model_max = getattr(text_config, "max_position_embeddings", None) or 4096
-    max_num_seqs = config.max_num_seqs or (64 if cuda else 16)
-    max_model_len = config.max_model_len or min(model_max, 4096 if cuda else 2048)
-    max_num_batched_tokens = config.max_num_batched_tokens or (4096 if cuda else 1024)
-    if max_num_batched_tokens < max_num_seqs:
-        raise ValueError(
-            f"max_num_batched_tokens={max_num_batched_tokens} must be >= max_num_seqs={max_num_seqs} "
-            "(every running sequence decodes one token per step)"
-        )
+    config.resolve(device, getattr(hf_model.config.get_text_config(), "max_position_embeddings", None))
     if tp_size > 1:
         from loramux.engine.tensor_parallel.sharding import shard_model
 
@@ -124,44 +92,34 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0) -> EngineSetup
 
     lora_manager = registry_obj = None
     requests: list[LoRARequest] = []
-    pinning = None
     if config.enable_lora:
-        if tp_rank > 0:  # a worker's slots are written from the driver's
-            from loramux.engine.tensor_parallel.worker import WorkerLoRAManager as manager_class
-        else:
-            from loramux.engine.lora_model import LoRAModelManager as manager_class
         lora_config = config.lora_config
-        lora_manager = manager_class(hf_model, lora_config, target_modules=config.lora_target_modules)
-        if tp_rank == 0:
-            registry_obj = config.registry if config.registry is not None else _make_registry(
-                lora_config, name, lora_manager.validate, config.resolver_settings
-            )
+        if tp_rank > 0:  # a worker's slots are written from the driver's
+            lora_manager = worker_manager_class(hf_model, lora_config, target_modules=config.lora_target_modules)
+        else:
+            from loramux.engine.adapters.lora_model import LoRAModelManager
+
+            registry_obj = config.registry
+            memory = registry_obj.host_memory if registry_obj is not None else _host_memory(lora_config, cuda)
+            lora_manager = LoRAModelManager(
+                hf_model, lora_config, target_modules=config.lora_target_modules, workers=workers,
+                on_host_copies=memory.fence if isinstance(memory, PageLockedArena) else None)
+            if registry_obj is None:
+                from loramux.registry import Registry
+
+                # validation before caching: an adapter that does not fit never takes a CPU-tier entry
+                registry_obj = Registry(lora_config, base_model_name=name, validate=lora_manager.validate,
+                                        resolver_settings=config.resolver_settings, host_memory=memory)
             requests = _lora_requests(config.lora_modules)
-            if cuda:
-                pinning = _serve_from_pinned_arena(registry_obj, lora_manager, lora_config.max_pinned_lora_bytes)
     return EngineSetup(
         model=hf_model,
         tokenizer=tokenizer,
         model_name=name,
-        device=device,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_shared_prefill_tokens=config.max_shared_prefill_tokens or (None if cuda else 16),
-        max_loras=config.max_loras if config.enable_lora else 0,
-        block_size=config.block_size,
-        gpu_memory_utilization=float(config.gpu_memory_utilization),
-        num_gpu_blocks_override=config.num_gpu_blocks_override,
-        enable_prefix_caching=bool(config.enable_prefix_caching),
         eos_token_ids=_eos_ids(hf_model, tokenizer),
         lora_manager=lora_manager,
         registry=registry_obj,
         registry_validates=config.enable_lora and config.registry is None,
         lora_modules=requests,
-        seed=config.seed,
-        max_loading_workers=config.max_loading_workers,
-        tensor_parallel_size=tp_size,
-        pinning=pinning,
     )
 
 
@@ -200,115 +158,50 @@ def _lora_requests(lora_modules) -> list[LoRARequest]:
     return requests
 
 
-def _serve_from_pinned_arena(registry, lora_manager, nbytes: int) -> ArenaPinning | None:
-    """Serve ``registry``'s loads from a page-locked arena: its own, whose slot writes are fenced
-    from now on (None), or one of ``nbytes`` page-locked beside the engine's start (`ArenaPinning`)."""
-    arena = getattr(registry, "host_memory", None)
-    if isinstance(arena, PinnedArena):
-        lora_manager.on_host_copies = arena.fence
-        return None
-    return ArenaPinning(registry, lora_manager, nbytes)
-
-
-class ArenaPinning:
-    """Page-locks the CPU tier's arena (`PinnedArena`, ``nbytes``) on a thread of its own, beside
-    the rest of the engine's start (compile, profile run: page-locking 8 GiB takes seconds), then
-    gives it to ``registry`` and has the manager's slot writes fence it: loads while serving then
-    carve page-locked buffers instead of allocating them (a ``cudaHostAlloc`` stalls every CUDA
-    call of the engine's thread). The engine calls `wait` before it captures any CUDA graph (a
-    ``cudaHostAlloc`` on another thread breaks a capture) and before it loads an adapter."""
-
-    def __init__(self, registry, lora_manager, nbytes: int) -> None:
-        self.seconds = 0.0  # page-locking took (on its thread)
-        self.waited = 0.0  # the engine's start waited for it
-        self._registry, self._manager, self._nbytes = registry, lora_manager, nbytes
-        self._arena: HostMemory | None = None
-        self._error: BaseException | None = None
-        self._thread: threading.Thread | None = threading.Thread(target=self._pin, name="loramux-pin-arena",
-                                                                 daemon=True)
-        self._thread.start()
-
-    def _pin(self) -> None:
-        started = time.perf_counter()
-        try:
-            self._arena = _reserve_pinned(self._nbytes)
-        except BaseException as error:  # raised by `wait`, on the engine's thread
-            self._error = error
-        self.seconds = time.perf_counter() - started
-
-    def wait(self) -> None:
-        """Join the page-locking thread and serve from its arena (once; later calls return)."""
-        if self._thread is None:
-            return
-        started = time.perf_counter()
-        self._thread.join()
-        self._thread = None
-        self.waited = time.perf_counter() - started
-        if self._error is not None:
-            raise self._error
-        self._registry.host_memory = self._arena
-        if isinstance(self._arena, PinnedArena):
-            self._manager.on_host_copies = self._arena.fence
-
-
-def _reserve_pinned(nbytes: int) -> HostMemory:
-    """A `PinnedArena` of ``nbytes``, or pageable memory when that is 0 or cannot be page-locked."""
-    if nbytes < PIECE_ALIGNMENT:
+def _host_memory(lora_config: LoRAConfig, cuda: bool) -> HostMemory:
+    """Where the engine's registry puts adapter weights: on CUDA a `PageLockedArena` of
+    ``max_pinned_lora_bytes``, page-locked on a thread of its own (loads while serving then carve
+    page-locked buffers instead of allocating them: a ``cudaHostAlloc`` stalls every CUDA call of
+    the engine's thread); elsewhere, or with none reserved, pageable memory."""
+    nbytes = lora_config.max_pinned_lora_bytes
+    if not cuda or nbytes < PIECE_ALIGNMENT:
         return PAGEABLE
-    started = time.perf_counter()
-    try:
-        arena = PinnedArena(nbytes)
-    except RuntimeError as error:  # the host could not lock that much: serve, with slower copies
-        logger.warning("could not page-lock %d bytes for the adapters in host memory (%s); they stay in "
-                       "pageable memory. Lower max_pinned_lora_bytes (--max-pinned-lora-bytes).", nbytes, error)
-        return PAGEABLE
-    logger.info("adapters in host memory: %r, page-locked in %.1f s", arena, time.perf_counter() - started)
-    return arena
-
-
-def _make_registry(lora_config: LoRAConfig, model_name: str, validate, resolver_settings):
-    from loramux.registry import Registry
-
-    # validation before caching: an adapter that does not fit never takes a CPU-tier entry
-    return Registry(
-        lora_config, base_model_name=model_name, validate=validate, resolver_settings=resolver_settings
-    )
-
+    return PageLockedArena(nbytes, in_background=True)
 
 
 #: the CPU engine's KV budget (a modest fixed amount; tests and the embedded model need far less)
 CPU_KV_CACHE_BYTES = 512 * 2**20
 
 
-def num_kv_blocks(setup: EngineSetup, profile_peak_bytes) -> int:
+def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, profile_peak_bytes) -> int:
     """How many KV blocks to allocate (see the module docstring). ``profile_peak_bytes()`` runs
     the largest step once and returns its activation bytes (CUDA only)."""
-    from loramux.engine.block_manager import blocks_needed
-    from loramux.engine.kv_cache import PagedKVCache
+    from loramux.engine.core.block_manager import blocks_needed
+    from loramux.engine.worker.kv_cache import PagedKVCache
 
-    config = setup.model.config.get_text_config()
-    dtype = next(setup.model.parameters()).dtype
-    block_bytes = PagedKVCache.block_bytes(config, setup.block_size, dtype)
-    per_seq = blocks_needed(setup.max_model_len, setup.block_size)
-    if setup.num_gpu_blocks_override is not None:
-        num_blocks = setup.num_gpu_blocks_override
-    elif setup.device.type == "cuda":
+    block_bytes = PagedKVCache.block_bytes(model.config.get_text_config(), config.block_size,
+                                           next(model.parameters()).dtype)
+    per_seq = blocks_needed(config.max_model_len, config.block_size)
+    cuda = config.device.type == "cuda"
+    if config.num_gpu_blocks_override is not None:
+        num_blocks = config.num_gpu_blocks_override
+    elif cuda:
         torch.cuda.empty_cache()  # blocks this process cached but no longer uses are free, not in use
-        free, total = torch.cuda.mem_get_info(setup.device)
+        free, total = torch.cuda.mem_get_info(config.device)
         peak = profile_peak_bytes()
-        budget = setup.gpu_memory_utilization * total - (total - free) - peak
+        budget = config.gpu_memory_utilization * total - (total - free) - peak
         num_blocks = int(budget // block_bytes)
     else:
         # capped at 4x what max_num_seqs sequences can hold at once: room for the prefix cache
-        num_blocks = min(CPU_KV_CACHE_BYTES // block_bytes, 4 * setup.max_num_seqs * per_seq + 1)
+        num_blocks = min(CPU_KV_CACHE_BYTES // block_bytes, 4 * config.max_num_seqs * per_seq + 1)
     if num_blocks < per_seq + 1:
         used = ""
-        if setup.device.type == "cuda" and setup.num_gpu_blocks_override is None:
+        if cuda and config.num_gpu_blocks_override is None:
             used = (f" ({(total - free) / 2**30:.1f} GiB of the device's {total / 2**30:.1f} GiB were in use "
                     "before the cache: the weights, and anything else on it, such as another engine)")
         raise ValueError(
-            f"the KV cache has room for {max(num_blocks, 0)} blocks of {setup.block_size} tokens{used}, but one "
-            f"sequence of max_model_len={setup.max_model_len} needs {per_seq} (plus one scratch block); lower "
+            f"the KV cache has room for {max(num_blocks, 0)} blocks of {config.block_size} tokens{used}, but one "
+            f"sequence of max_model_len={config.max_model_len} needs {per_seq} (plus one scratch block); lower "
             "max_model_len, close other engines, or raise gpu_memory_utilization / num_gpu_blocks_override."
         )
     return num_blocks

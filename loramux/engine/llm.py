@@ -22,12 +22,12 @@ from tqdm.auto import tqdm
 
 from loramux.engine.config import EngineConfig
 from loramux.engine.llm_engine import LLMEngine, PromptType
-from loramux.engine.outputs import RequestOutput
+from loramux.engine.core.outputs import RequestOutput
 from loramux.engine.sampling_params import SamplingParams
 from loramux.registry import LoRARequest
 
 if TYPE_CHECKING:
-    from loramux.engine.lora_model import LoRAModelManager
+    from loramux.engine.adapters.lora_model import LoRAModelManager
 
 __all__ = ["LLM"]
 
@@ -37,56 +37,15 @@ Conversation = list[dict]
 class LLM:
     """A base model serving LoRA adapters, for offline batches.
 
-    :param model: a Hugging Face model id or dir, a shipped dummy config name with
-        ``load_format="dummy"``, an already loaded ``PreTrainedModel``, or None for the embedded
-        default model (SmolLM2-135M-Instruct).
-    :param enable_lora: wrap the model's layers so requests can name adapters.
-    :param max_loras: adapters resident on the GPU, and usable in one step (GPU slots).
-    :param max_lora_rank: the largest adapter rank.
-    :param max_cpu_loras: adapters kept loaded in host memory (default ``max_loras``).
-    :param max_cpu_lora_bytes: bytes of adapter weights kept in host memory (default: 10% of
-        the host's memory); the CPU tier keeps within both bounds.
-    :param lora_dtype: adapter weight dtype (``"auto"``: the model's).
-    :param dtype: model dtype (``"auto"``: float32 on CPU, bfloat16 on GPU).
-    :param device: defaults to CUDA when available.
-    :param max_num_seqs: sequences running at once.
-    :param max_model_len: prompt plus output tokens per sequence.
-    :param max_num_batched_tokens: tokens per step (long prompts are prefilled in chunks).
-    :param load_format: ``"auto"`` (real weights) or ``"dummy"`` (random, from a config).
-    :param quantization: ``"fp8"``: the projections' weights quantized to FP8 as they load (one
-        scale per output channel; activations quantized per token), half the weight bytes, FP8
-        GEMMs on GPUs of compute capability 8.9 or newer; embeddings, norms and ``lm_head`` keep
-        ``dtype``, and adapters run on top in it. None (default): the checkpoint as saved; one
-        saved in FP8 (compressed-tensors or transformers' format) loads as FP8 either way.
-    :param lora_modules: adapters to register at start: ``{"name": path}`` or ``["name=path"]``.
-    :param enforce_eager: no ``torch.compile`` and no CUDA graphs (on CUDA the forward is compiled
-        and every step of up to ``max_graph_tokens`` tokens replays a graph captured at start,
-        one per padded token count).
-    :param tensor_parallel_size: shard the model over this many devices (one process each; see
-        docs/architecture.md, "Tensor parallelism"); the model must then be a name or a dir.
-    :param config: all of these as one :class:`~loramux.engine.config.EngineConfig` (then give
-        no other argument).
-    :param kwargs: the rest of :class:`~loramux.engine.config.EngineConfig`'s fields:
-        ``block_size`` (KV tokens per block, 16), ``gpu_memory_utilization`` (0.9: the device share
-        for weights, slots, activations and KV blocks), ``num_gpu_blocks_override``,
-        ``enable_prefix_caching`` (True), ``compilation`` (True: compile on CUDA),
-        ``max_graph_tokens`` (4096, capped at ``max_num_batched_tokens``: steps of up to this many
-        tokens replay CUDA graphs; lower it to save the memory of the larger graphs),
-        ``cuda_graph_sizes`` (the padded token counts graphs are captured for, in place of the
-        default: 2, 4, 8, steps of 16 up to ``max_num_seqs``, powers of two up to
-        ``max_graph_tokens``),
-        ``async_scheduling`` (True: each step is launched before the last one's tokens are read
-        back, hiding the host's work between steps behind the GPU's; off under tensor parallelism),
-        ``fuse_projections`` (True: q/k/v and gate/up as one GEMM each), ``max_cpu_lora_bytes``,
-        ``max_gpu_lora_bytes`` (GPU memory for adapter weights, shared by rank: default room for
-        ``max_loras`` adapters of rank ``max_lora_rank``), ``max_pinned_lora_bytes`` (page-locked
-        host memory reserved at start on CUDA for the CPU tier: default ``max_cpu_lora_bytes``, at
-        most 8 GiB), ``registry``, ``resolver_settings``,
-        ``tokenizer``, ``lora_target_modules``, ``seed``,
-        ``max_shared_prefill_tokens`` (prompt tokens a step carries beside its decodes while the
-        server's API requests share it: 16 on CPU, no bound on CUDA),
-        ``structured_output_limits`` (a ``StructuredOutputLimits``: what one structured-output
-        format may cost).
+    ``LLM(model, **options)`` or ``LLM(config=EngineConfig(...))``: the options are the fields of
+    :class:`~loramux.engine.config.EngineConfig`, each documented there with its default (those
+    left at None take the device's: ``max_num_seqs``, ``max_model_len``, ...). The ones most runs
+    set: ``model`` (a Hugging Face model id or dir, a loaded ``PreTrainedModel``, or None for the
+    embedded SmolLM2-135M-Instruct), ``enable_lora``, ``max_loras`` (adapters in GPU slots, usable
+    in one step), ``max_lora_rank``, ``max_cpu_loras``, ``lora_modules`` (adapters registered at
+    start), ``dtype``, ``device``, ``max_num_seqs``, ``max_model_len``, ``quantization``,
+    ``tensor_parallel_size`` (docs/architecture.md, "Tensor parallelism"). An unknown option is
+    a TypeError naming the closest one.
     """
 
     def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:

@@ -13,8 +13,8 @@ overlaps the GPU's), detokenize, check stops. A request naming an adapter that i
 for its load while the others keep decoding; a failed load finishes only that request, with
 ``finish_reason="error"`` and the error. Adapter events ("ready", "failed", "retired") reach
 listeners as they happen (:meth:`LLMEngine.add_event_listener`); the adapter's life from name to
-handle to slot is in :mod:`loramux.engine.adapter_life`. Step listeners get each step's timings
-by named point (:meth:`LLMEngine.add_step_listener`, :mod:`loramux.engine.instrumentation`).
+handle to slot is in :mod:`loramux.engine.adapters.lifecycle`. Step listeners get each step's timings
+by named point (:meth:`LLMEngine.add_step_listener`, :mod:`loramux.engine.core.instrumentation`).
 """
 
 from __future__ import annotations
@@ -29,23 +29,25 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from loramux.engine.adapter_life import EngineAdapters
-from loramux.engine.block_manager import BlockManager
+from loramux.engine.adapters.lifecycle import AdapterLifecycle
+from loramux.engine.core.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
-from loramux.engine.detokenizer import IncrementalDetokenizer
-from loramux.engine.events import AdapterEvent
+from loramux.engine.core.detokenizer import IncrementalDetokenizer
+from loramux.engine.core.events import AdapterEvent
 from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
-from loramux.engine.instrumentation import StepClock, StepListener
-from loramux.engine.model_runner import LaunchedStep, ModelRunner
-from loramux.engine.outputs import RequestOutput
-from loramux.engine.sampler import Sampler
-from loramux.engine.sampling_params import SamplingParams
-from loramux.engine.scheduler import Scheduler
-from loramux.engine.serving_process import prepare_process_for_serving, release_frozen_heap
-from loramux.engine.structured_output import StructuredOutputs
-from loramux.engine.sequence import Sequence, SequenceStatus
+from loramux.engine.core.instrumentation import StepClock, StepListener
+from loramux.engine.worker.model_runner import LaunchedStep, ModelRunner
+from loramux.engine.core.outputs import RequestOutput
+from loramux.engine.worker.sampler import Sampler
+from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from loramux.engine.core.scheduler import Scheduler
+from loramux.engine.process_tuning import prepare_process_for_serving, release_frozen_heap
+from loramux.engine.core.stats import RouterStats, TierStats, read_tiers
+from loramux.engine.core.structured_output import StructuredOutputs
+from loramux.engine.core.sequence import Sequence, SequenceStatus
 from loramux.errors import EngineClosedError, LoRAError
-from loramux.registry import AdapterHandle, LoRARequest
+from loramux.registry import AdapterHandle, LoRARequest, Registry
+from loramux.registry.page_locked_arena import PageLockedArena
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -83,74 +85,45 @@ class LLMEngine:
 
             self.workers = WorkerGroup(config)
         try:
-            setup: EngineSetup = build_engine_setup(config)
+            setup: EngineSetup = build_engine_setup(config, workers=self.workers)
             self.setup = setup
             self.model = setup.model
             self.tokenizer = setup.tokenizer
             self.model_name = setup.model_name
-            self.max_model_len = setup.max_model_len
+            self.max_model_len = config.max_model_len
             self.vocab_size = setup.model.get_input_embeddings().weight.shape[0]  # [V, H], LoRA-wrapped or not
             self.lora_manager = setup.lora_manager
             self.registry = setup.registry
             self.eos_token_ids = setup.eos_token_ids
             if self.workers is not None:
                 self.workers.wait_ready()
-                if setup.lora_manager is not None:
-                    setup.lora_manager.workers = self.workers  # slot writes reach every rank
-            self.runner = ModelRunner(
-                setup.model,
-                sampler=Sampler(setup.device, setup.seed, setup.eos_token_ids),
-                lora_manager=setup.lora_manager,
-                block_size=setup.block_size,
-                max_num_batched_tokens=setup.max_num_batched_tokens,
-                max_num_seqs=setup.max_num_seqs,
-                max_model_len=setup.max_model_len,
-                enforce_eager=config.enforce_eager,
-                compilation=config.compilation,
-                max_graph_tokens=config.max_graph_tokens,
-                cuda_graph_sizes=config.cuda_graph_sizes,
-                workers=self.workers,
-            )
-            num_blocks = num_kv_blocks(setup, self.runner.profile_peak_bytes)
+            self.runner = ModelRunner(config, setup.model, sampler=Sampler(config.device, config.seed, setup.eos_token_ids),
+                                      lora_manager=setup.lora_manager, workers=self.workers)
+            num_blocks = num_kv_blocks(config, setup.model, self.runner.profile_peak_bytes)
             self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
-            if setup.pinning is not None:
-                setup.pinning.wait()  # before any capture (a page-locking thread would break it)
+            if self.registry is not None and isinstance(self.registry.host_memory, PageLockedArena):
+                self.registry.host_memory.wait()  # before any capture (a page-locking thread would break it)
             self.runner.capture_graphs()  # every step graph, now: none is captured while serving
             self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
         except BaseException:
             if self.workers is not None:  # healthy workers leave the group with us; stuck ones are killed
                 self.workers.shutdown()
             raise
-        self.block_manager = BlockManager(
-            num_blocks, setup.block_size, enable_prefix_caching=setup.enable_prefix_caching
-        )
-        tokens = (num_blocks - 1) * setup.block_size
+        self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        tokens = (num_blocks - 1) * config.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB); %.1f concurrent requests of "
-            "max_model_len=%d", num_blocks, setup.block_size, tokens, self.kv_cache.nbytes / 2**30,
-            tokens / setup.max_model_len, setup.max_model_len,
+            "max_model_len=%d", num_blocks, config.block_size, tokens, self.kv_cache.nbytes / 2**30,
+            tokens / config.max_model_len, config.max_model_len,
         )
         self._lock = threading.Lock()  # guards the inbox and the request table
         self._step_lock = threading.RLock()  # one step, or one adapter operation, at a time
         self.clock = StepClock()  # the step's named timing points (add_step_listener)
-        self.adapters: EngineAdapters | None = None
+        self.adapters: AdapterLifecycle | None = None
         if setup.lora_manager is not None:
-            self.adapters = EngineAdapters(
-                setup.registry, setup.lora_manager, lock=self._step_lock,
-                validate=not setup.registry_validates, max_workers=setup.max_loading_workers,
-                clock=self.clock,
-            )
-        self.scheduler = Scheduler(
-            self.block_manager,
-            max_num_seqs=setup.max_num_seqs,
-            max_num_batched_tokens=setup.max_num_batched_tokens,
-            max_loras=setup.max_loras,
-            max_model_len=setup.max_model_len,
-            max_shared_prefill_tokens=setup.max_shared_prefill_tokens,
-            **(self.adapters.scheduler_callbacks() if self.adapters is not None else {}),
-        )
-        if self.adapters is not None:
-            self.adapters.scheduler = self.scheduler
+            self.adapters = AdapterLifecycle(setup.registry, setup.lora_manager, lock=self._step_lock,
+                                             validate=not setup.registry_validates, clock=self.clock)
+        self.scheduler = Scheduler(config, self.block_manager, adapters=self.adapters, eos_token_ids=setup.eos_token_ids)
         self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids,
                                                     config.structured_output_limits)
         self.async_scheduling = config.async_scheduling
@@ -161,10 +134,10 @@ class LLMEngine:
         # close() and garbage collection alike stop the loads and the workers and give the device
         # memory back; the finalizer holds the parts, not the engine, so `del engine` runs it
         self._closer = weakref.finalize(self, _close_parts, self.runner, self.adapters, self.structured_outputs,
-                                       self.workers)
+                                       self.workers, setup.registry if setup.registry_validates else None)
         for request in setup.lora_modules:
             self.add_lora(request)
-        prepare_process_for_serving(freeze_gc=setup.device.type == "cuda")  # the engine serves from now on
+        prepare_process_for_serving(freeze_gc=config.device.type == "cuda")  # the engine serves from now on
 
     def __enter__(self) -> LLMEngine:
         return self
@@ -256,7 +229,7 @@ class LLMEngine:
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
         if params.seed is not None:
-            seq.generator = torch.Generator(device=self.setup.device).manual_seed(params.seed)
+            seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
         with self._lock:
             if seq.request_id in self._requests:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
@@ -265,7 +238,7 @@ class LLMEngine:
                 seq.status = SequenceStatus.LOADING_ADAPTER
             self._inbox.append(("add", seq))
         if lora_request is not None:  # resolving starts now, not at the next step: a failure is
-            self.adapters.loader.submit(seq)  # reported (an event) even while a step runs
+            self.adapters.submit(seq)  # reported (an event) even while a step runs
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests; each finishes with ``finish_reason="abort"`` at the next step."""
@@ -281,18 +254,41 @@ class LLMEngine:
         with self._lock:
             return len(self._requests)
 
-    def adapter_demand(self) -> tuple[list[str | None], list[str | None]]:
-        """The adapter of each running request and of each waiting one (None: the base model);
-        requests whose adapter is still loading count as waiting. For metrics (any thread)."""
+    @property
+    def lora_enabled(self) -> bool:
+        return self.lora_manager is not None
+
+    @property
+    def max_loading_workers(self) -> int:
+        """Adapter loads that run at once beside the step loop."""
+        return self.config.max_loading_workers
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Each adapter tier's counters and residents (``{"cpu": ..., "gpu": ...}``; none without LoRA)."""
+        return read_tiers(self.registry, self.lora_manager)
+
+    def router_stats(self) -> RouterStats:
+        """Requests running and waiting (an adapter still loading counts as waiting), their
+        adapters, the adapter slots and the KV cache in use: what an adapter-aware router reads."""
         with self._lock:
             seqs = list(self._requests.values())
         running = [s.lora_name for s in seqs if s.status is SequenceStatus.RUNNING]
         waiting = [s.lora_name for s in seqs if s.status in (SequenceStatus.WAITING, SequenceStatus.LOADING_ADAPTER)]
-        return running, waiting
+        prefix = self.block_manager.stats
+        return RouterStats(
+            num_running=len(running), num_waiting=len(waiting),
+            running_adapters=sorted({name for name in running if name is not None}),
+            waiting_adapters=sorted({name for name in waiting if name is not None}),
+            max_lora=self.config.lora_slots, kv_cache_usage=self.block_manager.usage,
+            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
 
-    def kv_cache_usage(self) -> float:
-        """The fraction of the KV cache held by requests, 0 to 1 (blocks in use over blocks)."""
-        return self.block_manager.usage
+    def compile_structured_output(self, spec: StructuredOutputsParams) -> None:
+        """Compile ``spec`` now, in the caller's thread, within the engine's limits; a request
+        with it then finds it compiled.
+
+        :raises UnsupportedStructuredOutput: the format is not supported or over a limit.
+        """
+        self.structured_outputs.compile(spec)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -318,7 +314,8 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one step; return the requests that got a token or finished in it.
+        """Run one step: schedule -> execute -> update; return the requests that got a token or
+        finished in it.
 
         With async scheduling (the default) a step launches its GPU
         work and then reads back the tokens of the step launched before it, so the host work
@@ -327,7 +324,9 @@ class LLMEngine:
         returns are those of the previous launch, and a request whose adapter this call copies
         is admitted in it. A running request whose sampling reads its earlier tokens on the host
         (penalties, structured outputs) makes the step read them back before scheduling, as
-        without it; then the adapters are copied beside the step launched.
+        without it; then the adapters are copied beside the step launched. A step that has
+        nothing to launch reads back the step in flight and copies adapters: the next one
+        schedules what that freed.
         """
         clock = self.clock
         with self._step_lock, clock.step:
@@ -337,7 +336,7 @@ class LLMEngine:
             if self.adapters is not None:
                 idle = not self.scheduler.has_work()
                 with clock["collect"]:
-                    for seq in self.adapters.collect(timeout=0.05 if idle else 0.0):
+                    for seq in self.adapters.collect(0.05 if idle else 0.0, self.scheduler.add):
                         touched[seq.request_id] = seq
             previous, self._in_flight = self._in_flight, None
             if previous is not None and not self._overlaps():
@@ -346,25 +345,14 @@ class LLMEngine:
             if previous is not None:  # admission below can take what this copies
                 self._prefetch(beside_step=True)  # while the GPU computes the step in flight
             with clock["schedule"]:
-                batch = self.scheduler.schedule()
-            if not len(batch):  # nothing runs until tokens arrive or adapters take slots
-                if previous is not None:
-                    self._receive(previous, touched)
-                    previous = None
-                self._prefetch(beside_step=False)
-                with clock["schedule"]:
-                    batch = self.scheduler.schedule()
-            for seq in self.scheduler.failed:
+                scheduled = self.scheduler.schedule()
+            for seq in scheduled.failed:
                 touched[seq.request_id] = seq
-            self.scheduler.failed.clear()
-            if len(batch):
+            if len(scheduled):
                 with clock["forward"]:
-                    launched = self.runner.run(batch)
-                clock.launched(self.runner.last_step, batch)
-                for seq, n in batch.chunks:
-                    seq.num_computed += n
-                for row, seq in enumerate(launched.seqs):
-                    seq.expect_token(row)
+                    launched = self.runner.execute_model(scheduled)
+                clock.launched(self.runner.last_step, scheduled)
+                self.scheduler.update_from_launch(scheduled, launched.seqs)
                 if previous is None:
                     self._prefetch(beside_step=True)  # beside the step just launched
                 else:
@@ -373,6 +361,10 @@ class LLMEngine:
                     self._in_flight = launched
                 else:
                     self._receive(launched, touched)
+            else:  # nothing runs until tokens arrive or adapters take slots: the next step schedules them
+                if previous is not None:
+                    self._receive(previous, touched)
+                self._prefetch(beside_step=False)
             outputs = []
             for seq in touched.values():
                 if seq.is_finished:
@@ -383,32 +375,34 @@ class LLMEngine:
     def _prefetch(self, *, beside_step: bool) -> None:
         """Copy the adapters of queued requests into free GPU slots ahead of their admission (the
         host work, milliseconds an adapter, hides while the GPU computes a step: beyond the first
-        copy only while it does; see `EngineAdapters.prefetch`)."""
+        copy only while it does; see `AdapterLifecycle.prefetch`)."""
         if self.adapters is not None:
-            computing = beside_step and self.setup.device.type == "cuda"
+            computing = beside_step and self.config.device.type == "cuda"
             with self.clock["prefetch"]:
-                self.adapters.prefetch(self.runner.computing if computing else None)
+                failed = self.adapters.prefetch(self.scheduler.in_turn(), self.runner.computing if computing else None)
+            for handle, error in failed:  # only its queued requests fail (the next step reports them)
+                self.scheduler.fail_waiting(handle, error)
 
     def _overlaps(self) -> bool:
         """Whether the next step may be launched before this one's tokens are read back."""
         return self.async_scheduling and not any(seq.needs_host_tokens for seq in self.scheduler.running)
 
     def _receive(self, step: LaunchedStep, touched: dict[str, Sequence]) -> None:
-        """Read a launched step's tokens back (waiting for its GPU work) and append them; a
-        sequence that finished meanwhile (a stop in the step before, an abort) drops its token."""
+        """Read a launched step's tokens back (waiting for its GPU work) and hand them to the
+        scheduler (`Scheduler.update_from_output`: appended, stops checked, finished ones released)."""
         with self.clock["receive"]:
-            tokens = step.token_ids()  # waits for the step: its logprobs are on the host then too
+            output = step.result()
             self.clock.received()
-            logprobs = step.sampled.row_logprobs() if step.seqs else None
-            for row, (seq, token) in enumerate(zip(step.seqs, tokens)):
-                if seq.is_finished:
-                    continue
-                if logprobs is not None and logprobs[row] is not None:
-                    seq.output_logprobs.append(logprobs[row])
-                seq.append_token(token, self.eos_token_ids, self.max_model_len)
+            for seq in self.scheduler.update_from_output(output):
                 touched[seq.request_id] = seq
-                if seq.is_finished:
-                    self._release(seq)  # now: the next schedule must not count it
+                if seq.is_finished:  # the scheduler released it
+                    with self._lock:
+                        self._requests.pop(seq.request_id, None)
+
+    def has_scheduled_work(self) -> bool:
+        """Whether a request is queued or running in the scheduler, so that the next `step` makes
+        progress (requests whose adapter still loads are not: stepping for them only waits)."""
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def _release(self, seq: Sequence) -> None:
         """A finished request gives back what it holds (a no-op once done)."""
@@ -444,7 +438,7 @@ class LLMEngine:
     def add_event_listener(self, listener: Callable[[AdapterEvent], None]) -> None:
         """Call ``listener(event)`` for every adapter event: "ready" and "failed" per request as
         its adapter's load ends, "retired" when a handle that lost its name has no request left
-        (see :mod:`loramux.engine.events`). It runs in the thread where the event happens: keep
+        (see :mod:`loramux.engine.core.events`). It runs in the thread where the event happens: keep
         it quick and thread-safe."""
         self._require_lora()
         self.adapters.events.add(listener)
@@ -455,7 +449,7 @@ class LLMEngine:
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Call ``listener(timings)`` after every step with its
-        :class:`~loramux.engine.instrumentation.StepTimings`: wall time, seconds per named point
+        :class:`~loramux.engine.core.instrumentation.StepTimings`: wall time, seconds per named point
         (schedule, forward, receive, GPU-tier placement, ...), the forward launched and those
         read back. It runs on the stepping thread; an exception it raises leaves ``step``."""
         with self._step_lock:
@@ -507,7 +501,7 @@ class LLMEngine:
         """Keep an adapter in a GPU slot until ``remove_lora``; it counts against ``max_loras``
         (a reference the engine holds; a reload moves it to the new weights)."""
         self._require_lora()
-        return self.adapters.pin(self._name_of(name_or_id))
+        return self.adapters.pin_name(self._name_of(name_or_id))
 
     def lora_handle(self, name: str) -> AdapterHandle | None:
         """The handle ``name`` is bound to now (None: not loaded, or unknown)."""
@@ -529,11 +523,14 @@ class LLMEngine:
             self.kv_cache = None
 
 
-def _close_parts(runner: ModelRunner, adapters: EngineAdapters | None, structured: StructuredOutputs,
-                 workers) -> None:
-    """Close an engine's parts (its finalizer: it must not hold the engine itself)."""
+def _close_parts(runner: ModelRunner, adapters: AdapterLifecycle | None, structured: StructuredOutputs,
+                 workers, own_registry: Registry | None) -> None:
+    """Close an engine's parts (its finalizer: it must not hold the engine itself), and the
+    registry it built (one it was given carries on)."""
     if adapters is not None:
         adapters.close()
+    if own_registry is not None:
+        own_registry.close()
     structured.close()
     runner.close()
     if workers is not None:

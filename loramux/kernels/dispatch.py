@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from loramux import envs
 
 from . import attention_reference, fp8_reference, reference
 from .metadata import LoRABatchMeta
 
-ENV_VAR = "LORAMUX_KERNELS"
+ENV_VAR = envs.env_name("kernels")
 
 
 def uses_triton(device: torch.device | str) -> bool:
@@ -23,14 +23,8 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def _use_triton_on(is_cuda: bool) -> bool:
-    choice = os.environ.get(ENV_VAR, "").strip().lower()
-    if choice in ("", "auto"):
-        return is_cuda
-    if choice == "triton":
-        return True
-    if choice == "torch":
-        return False
-    raise ValueError(f"{ENV_VAR}={choice!r} is not understood; use 'triton', 'torch' or leave it unset")
+    choice = envs.current().kernels  # read once, at start: not per dispatch
+    return is_cuda if choice is None else choice == "triton"
 
 
 def lora_shrink(

@@ -204,7 +204,7 @@ def _slot_vector_pad(num_slots: int) -> int:
 def _build_static_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMeta:
     """The layout of build_lora_meta without a host sync: its device arrays from torch ops
     (`_static_arrays`) or, opted in on CUDA, one Triton launch (`loramux.kernels.static_meta`)."""
-    from .static_meta import static_meta_arrays, use_meta_kernel  # it imports tiles, which imports us
+    from .static_meta import static_meta_arrays, use_meta_kernel  # imports triton: only when a step builds one
 
     T, S = token_slots.numel(), num_slots
     build = static_meta_arrays if use_meta_kernel(token_slots.device) else _static_arrays

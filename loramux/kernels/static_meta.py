@@ -15,17 +15,17 @@ against the torch build.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from loramux import envs
 
 from .tiles import next_pow2
 
 __all__ = ["ENV_VAR", "static_meta_arrays", "use_meta_kernel"]
 
-ENV_VAR = "LORAMUX_META_KERNEL"
+ENV_VAR = envs.env_name("meta_kernel")
 #: Tokens a loop iteration takes (a [BLOCK_T, S_PAD] one-hot in registers).
 BLOCK_T = 16
 
@@ -33,10 +33,7 @@ BLOCK_T = 16
 def use_meta_kernel(device: torch.device) -> bool:
     """Whether static metas on ``device`` are built by this kernel: on CUDA unless
     ``LORAMUX_META_KERNEL=0``; elsewhere the torch ops build them."""
-    value = os.environ.get(ENV_VAR, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"{ENV_VAR}={value!r} is not understood; use 1 (on), 0 (off) or leave it unset")
-    return value != "0" and device.type == "cuda"
+    return envs.current().meta_kernel and device.type == "cuda"
 
 
 @triton.jit

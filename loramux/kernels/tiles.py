@@ -12,14 +12,18 @@ Also here: whether a launch may use programmatic dependent launch (`pdl_availabl
 from __future__ import annotations
 
 import functools
-import os
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-from .metadata import LoRABatchMeta
+from loramux import envs
+
 from .pool import POOL_ROW_ALIGN
+
+if TYPE_CHECKING:  # metadata builds on these tiles (through static_meta)
+    from .metadata import LoRABatchMeta
 
 
 @triton.jit
@@ -80,7 +84,7 @@ def interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return envs.current().triton_interpret
 
 
 @functools.lru_cache(maxsize=None)
@@ -147,7 +151,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 # --- programmatic dependent launch (PDL) ------------------------------------------------------
-PDL_ENV_VAR = "LORAMUX_PDL"
+PDL_ENV_VAR = envs.env_name("pdl")
 
 
 def pdl_available(device: torch.device | str) -> bool:
@@ -179,12 +183,7 @@ def _triton_has_pdl() -> bool:
 def pdl_default() -> bool:
     """The PDL setting a launch takes when its caller names none: ``LORAMUX_PDL=1`` turns it on;
     unset (or 0), off."""
-    value = os.environ.get(PDL_ENV_VAR, "").strip()
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(f"{PDL_ENV_VAR}={value!r} is not understood; use 1 (on), 0 (off) or leave it unset")
+    return envs.current().pdl
 
 
 def resolve_pdl(pdl: bool | None, device: torch.device) -> bool:

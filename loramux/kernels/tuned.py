@@ -29,10 +29,11 @@ from __future__ import annotations
 import functools
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
+
+from loramux import envs
 
 from .metadata import LoRABatchMeta
 from .tiles import DECODE_MAX_TOKENS, shape_from_tokens_alone
@@ -40,7 +41,7 @@ from .tiles import DECODE_MAX_TOKENS, shape_from_tokens_alone
 __all__ = ["CONFIG_DIR_ENV_VAR", "CONFIG_FIELDS", "KEY_FIELDS", "config_file_name", "config_dir", "many_adapters",
            "tuned_shrink_config"]
 
-CONFIG_DIR_ENV_VAR = "LORAMUX_KERNEL_CONFIG_DIR"
+CONFIG_DIR_ENV_VAR = envs.env_name("kernel_config_dir")
 DEFAULT_DIR = Path(__file__).resolve().parent.parent / "data" / "kernel_configs"
 #: The fields of a tuned shrink config (`loramux.kernels.shrink.ShrinkConfig`'s).
 CONFIG_FIELDS = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages")
@@ -56,7 +57,7 @@ def config_file_name(device_name: str, op: str = "shrink") -> str:
 
 def config_dir() -> Path:
     """The folder tuned configs are read from: ``LORAMUX_KERNEL_CONFIG_DIR``, else the package's."""
-    return Path(os.environ.get(CONFIG_DIR_ENV_VAR) or DEFAULT_DIR)
+    return envs.current().kernel_config_dir or DEFAULT_DIR
 
 
 def many_adapters(meta: LoRABatchMeta) -> bool:

@@ -1,7 +1,7 @@
 """The plugin spine: hook specs (``hookspecs``), loading policy (``manager``), checked calls."""
 
 from loramux.plugins.hookspecs import hookimpl, hookspec
-from loramux.plugins.layers import create_lora_layer
+from loramux.plugins.layers import layer_from_plugins
 from loramux.plugins.manager import (
     DEFAULT_PLUGINS,
     PluginInfo,
@@ -15,10 +15,10 @@ from loramux.plugins.manager import (
 __all__ = [
     "DEFAULT_PLUGINS",
     "PluginInfo",
-    "create_lora_layer",
     "get_plugin_manager",
     "hookimpl",
     "hookspec",
+    "layer_from_plugins",
     "list_plugins",
     "plugin_errors",
     "register_plugin",

@@ -13,10 +13,10 @@ if TYPE_CHECKING:
 
     from loramux.registry.config import LoRAConfig
 
-__all__ = ["create_lora_layer"]
+__all__ = ["layer_from_plugins"]
 
 
-def create_lora_layer(
+def layer_from_plugins(
     base_layer: torch.nn.Module, module_name: str, lora_config: LoRAConfig,
     check: Callable[[torch.nn.Module], None] | None = None,
 ) -> torch.nn.Module | None:

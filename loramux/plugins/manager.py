@@ -20,15 +20,16 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import logging
-import os
 import sys
 import threading
 from dataclasses import dataclass, field
 
 import pluggy
 
+from loramux import envs
 from loramux.errors import PluginError
 from loramux.plugins import hookspecs
+from loramux.version import __version__
 
 __all__ = [
     "DEFAULT_PLUGINS",
@@ -49,8 +50,8 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "loramux"
-PLUGINS_ENV = "LORAMUX_PLUGINS"
-TRACE_ENV = "LORAMUX_TRACE_HOOKS"
+PLUGINS_ENV = envs.env_name("plugins")
+TRACE_ENV = envs.env_name("trace_hooks")
 
 # Built-in plugins by dotted path, each living next to its domain code. A module listed here that
 # cannot be imported is reported like any broken plugin, so adding a line is all it takes.
@@ -171,7 +172,7 @@ def list_plugins(*, include_builtins: bool = False) -> list[PluginInfo]:
         infos.append(
             PluginInfo(
                 name=name,
-                version=dist.version if dist else (_loramux_version() if builtin else None),
+                version=dist.version if dist else (__version__ if builtin else None),
                 distribution=dist.project_name if dist else ("loramux" if builtin else None),
                 hooks=hooks,
                 builtin=builtin,
@@ -190,7 +191,7 @@ def list_plugins(*, include_builtins: bool = False) -> list[PluginInfo]:
 def _build_manager() -> pluggy.PluginManager:
     manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
     manager.add_hookspecs(hookspecs)
-    if os.environ.get(TRACE_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"):
+    if envs.current().trace_hooks:
         _add_tracing(manager)
     for dotted_path in DEFAULT_PLUGINS:
         _load_builtin(manager, dotted_path)
@@ -221,7 +222,7 @@ def _load_builtin(manager: pluggy.PluginManager, dotted_path: str) -> None:
 
 
 def _allowed_plugins() -> set[str] | None:
-    value = os.environ.get(PLUGINS_ENV)
+    value = envs.current().plugins
     if value is None:
         return None
     return {_normalize(name) for name in value.split(",") if name.strip()}
@@ -344,8 +345,3 @@ def _short(value: object, limit: int = 80) -> str:
     text = repr(value).replace("\n", " ")
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
-
-def _loramux_version() -> str:
-    from loramux import __version__
-
-    return __version__

@@ -111,7 +111,7 @@ class LoRAAdapter:
 
         :param pin_memory: allocate the buffer page-locked.
         :param allocate: allocate it with this instead (``allocate(nbytes)`` -> uint8 tensor; a
-            :class:`~loramux.registry.pinned_arena.PinnedArena`'s ``allocate``, say).
+            :class:`~loramux.registry.page_locked_arena.PageLockedArena`'s ``allocate``, say).
         """
         tensors = [t for w in self.modules.values() for t in (w.lora_a, w.lora_b)]
         sizes = [_aligned(t.numel() * (dtype or t.dtype).itemsize) for t in tensors]

@@ -76,8 +76,10 @@ class LoRAConfig:
         large ones do; a new adapter evicts the least recently used ones not in use until it
         fits. Default (None): each of the ``max_loras`` slots keeps room for an adapter of
         rank ``max_lora_rank`` on every layer, as if unpooled.
+    :param max_loading_workers: adapter loads that run at once on the registry's loading
+        threads, beside the engine's steps.
     :param max_pinned_lora_bytes: bytes of page-locked host memory the engine reserves at start,
-        on CUDA, for the CPU tier (`loramux.registry.pinned_arena.PinnedArena`): loads carve their
+        on CUDA, for the CPU tier (`loramux.registry.page_locked_arena.PageLockedArena`): loads carve their
         buffers from it, so nothing is page-locked while serving; when it is full, a load takes
         pageable memory (slower copies to the GPU). Default (None): ``max_cpu_lora_bytes``, at
         most `DEFAULT_MAX_PINNED_LORA_BYTES` (8 GiB); 0: none, the CPU tier in pageable memory.
@@ -91,9 +93,11 @@ class LoRAConfig:
     max_cpu_lora_bytes: int | None = None
     max_gpu_lora_bytes: int | None = None
     max_pinned_lora_bytes: int | None = None
+    max_loading_workers: int = 4
 
     def __post_init__(self) -> None:
         _check_int("max_loras", self.max_loras, 1)
+        _check_int("max_loading_workers", self.max_loading_workers, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1, MAX_LORA_RANK_LIMIT)
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras

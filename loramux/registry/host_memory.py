@@ -1,5 +1,5 @@
 """Where a load puts an adapter's weights in host memory: pageable, page-locked per load, or a piece
-of the engine's `~loramux.registry.pinned_arena.PinnedArena`.
+of the engine's `~loramux.registry.page_locked_arena.PageLockedArena`.
 
 A load asks its `HostMemory` for one uint8 buffer per adapter (``allocate(nbytes)``): the weights
 file is read straight into it, or a cast packs into it. Page-locked memory lets the copy into a
@@ -43,7 +43,7 @@ class PageableMemory:
 
 class PinnedEachLoad:
     """Page-locked memory allocated for each load (a ``cudaHostAlloc`` when PyTorch's host cache has
-    no block of the size): for a registry used on its own. The engine serves from a `PinnedArena`,
+    no block of the size): for a registry used on its own. The engine serves from a `PageLockedArena`,
     which allocates only at start."""
 
     pinned = True

@@ -344,7 +344,7 @@ def load_adapter(
         CUDA): read straight into it when no cast is asked for, else cast into it, so it costs no
         extra copy.
     :param host_memory: where to put the weights instead (a
-        :class:`~loramux.registry.pinned_arena.PinnedArena`, say); overrides ``pin_memory``.
+        :class:`~loramux.registry.page_locked_arena.PageLockedArena`, say); overrides ``pin_memory``.
     :returns: the adapter, in host memory: every tensor a view of one buffer from ``host_memory``.
     :raises AdapterNotFoundError: ``path`` is not a directory.
     :raises InvalidAdapterError: the files are missing, corrupt, unsafe or unsupported.

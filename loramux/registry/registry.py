@@ -5,8 +5,10 @@ the name, else the resolvers), loads and validates it once, issues an
 :class:`~loramux.registry.AdapterHandle` and binds the name to it. Below the registry everything
 keys by ``handle.id``; the CPU tier holds the weights by it.
 
-- Loading happens once per name however many threads ask at once (single-flight); a failure
-  reaches every waiter and leaves the registry and the tier as they were.
+- Loading happens once per name however many threads ask at once (single-flight: this is the one
+  place concurrent loads of an adapter merge); a failure reaches every waiter and leaves the
+  registry and the tier as they were. `Registry.load` runs it on a few loading threads (beside
+  an engine's steps); `Registry.get` waits for it.
 - Reload (:meth:`Registry.rebind`) binds the name to a new handle; unload
   (:meth:`Registry.unregister`) unbinds it. Either way the old handle *retires*: it stays in the
   CPU tier while pinned (requests already running finish on it) and leaves at its last unpin.
@@ -33,6 +35,7 @@ from loramux.registry.cpu_cache import CPUAdapterCache
 from loramux.registry.handle import AdapterHandle, memory_handle, next_handle_id
 from loramux.registry.host_memory import PAGEABLE, PINNED_EACH_LOAD, HostMemory, release_frames
 from loramux.registry.loader import load_adapter_with_digest
+from loramux.registry.loading_threads import LoadingThreads
 from loramux.registry.request import LoRARequest
 from loramux.registry.sources import (
     AdapterLocation,
@@ -79,9 +82,8 @@ class Registry:
         into it), so copies into GPU slots run asynchronously; default: when CUDA is available.
         Allocating it while serving stalls the engine's CUDA calls: the engine gives its registry
         an arena instead (``host_memory``).
-    :param host_memory: where loads put weights (a :class:`~loramux.registry.pinned_arena.PinnedArena`,
-        made once, carved per adapter); overrides ``pin_memory``. Settable later (the engine sets
-        its arena on a registry it was given).
+    :param host_memory: where loads put weights (a :class:`~loramux.registry.page_locked_arena.PageLockedArena`,
+        made once, carved per adapter); overrides ``pin_memory``.
     :param on_unbind: called with a handle when its name is rebound (reload) or unbound
         (unload): nothing new will use it (outside the registry's lock).
     """
@@ -125,8 +127,14 @@ class Registry:
         self._validate = validate
         self._unbind_listeners: list[Callable[[AdapterHandle], None]] = [on_unbind] if on_unbind else []
         self._bindings: dict[str, _Binding] = {}
-        self._loading: dict[str, Future[LoRAAdapter]] = {}
+        self._loading: dict[str, Future[LoRAAdapter]] = {}  # name -> its load in flight
+        self._threads = LoadingThreads(self.lora_config.max_loading_workers)
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop the loading threads (waiting a moment for loads in flight); a later `load` starts
+        them again. An engine closes the registry it built."""
+        self._threads.shutdown()
 
     @property
     def pin_memory(self) -> bool:
@@ -239,7 +247,7 @@ class Registry:
 
     def get(self, name_or_request: str | LoRARequest, *, pin: bool = False) -> LoRAAdapter:
         """The adapter ``name`` is bound to, loaded (resolved, read, validated) on first use, then
-        from the CPU tier. Its ``.handle`` is set.
+        from the CPU tier. Its ``.handle`` is set. Loads in this thread (see `load`).
 
         Concurrent calls for the same missing adapter load it once; all get its result or error.
 
@@ -252,49 +260,66 @@ class Registry:
         :raises LoRAError: it cannot be fetched, is invalid or does not fit; nothing is cached.
         """
         name = self._name_of(name_or_request)
-        handle = self.handle(name)
-        if handle is not None:
-            adapter = self.cache.get(handle.id, pin=pin)
+        while True:
+            adapter = self._resident(name, pin)
             if adapter is not None:
                 return adapter
-        else:
-            self.cache.record_miss()
-        return self._load_once(name, pin=pin, force=False)
+            future, started = self._join(name)
+            if started:
+                return self._run_load(name, future, pin=pin, force=False)
+            future.result()  # another thread's load: its error is ours too; then a hit (or a new load)
 
-    def get_resident(self, request: LoRARequest, *, pin: bool = False) -> LoRAAdapter | None:
-        """The adapter ``request`` names if it is in the CPU tier already, else None; no resolver
-        runs and nothing is read, so it answers at once (the engine asks before it starts a
-        loading thread). None as well where `get` would first (re)register the name: a
-        request naming another path than the one registered. Counts a hit, never a miss (the
-        `get` that follows a None counts it).
+    def load(self, request: str | LoRARequest, *, pin: bool = False) -> Future[LoRAAdapter]:
+        """`get`, without waiting: the adapter at once from the CPU tier, else its load on the
+        loading threads (``LoRAConfig.max_loading_workers`` at most), or the load of its name
+        already in flight. The future's adapter is pinned once for this call when ``pin``; its
+        error is the load's, or the request's own (an unsafe name, a path that is not there)."""
+        result: Future[LoRAAdapter] = Future()
+        try:
+            name = self._name_of(request)
+        except BaseException as error:  # this request's failure, told like a load's
+            result.set_exception(error)
+            return result
+        self._deliver(name, pin, result)
+        return result
 
-        :param pin: also pin it, atomically (release with ``registry.cache.unpin(adapter.handle.id)``).
-        """
-        with self._lock:
-            binding = self._bindings.get(request.lora_name)
-            if binding is None or binding.handle is None:
-                return None
-            location = binding.source.location if binding.source is not None else None
-            handle = binding.handle
-        # the path as registered (normalized) needs no resolving: half of a burst's add_request time
-        if request.lora_path and request.lora_path != location and normalize_location(request.lora_path) != location:
-            return None
-        if self.cache.peek(handle.id) is None:
-            return None
-        adapter = self.cache.get(handle.id, pin=pin)  # None only if evicted since the peek
+    def _deliver(self, name: str, pin: bool, result: Future) -> None:
+        adapter = self._resident(name, pin)
         if adapter is not None:
-            with self._lock:
-                binding.lora_int_id = request.lora_int_id  # as `get` records it
-        return adapter
+            result.set_result(adapter)
+            return
+        future, started = self._join(name)
+        if started:  # its load pins for this call
+            self._threads.submit(self._run_load, name, future, pin, False).add_done_callback(
+                lambda done: _copy_outcome(done, result))
+        else:  # once the load in flight ends: a hit (pinned now), or its error
+            future.add_done_callback(lambda done: _copy_outcome(done, result) if done.exception() is not None
+                                     else self._deliver(name, pin, result))
+
+    def _resident(self, name: str, pin: bool) -> LoRAAdapter | None:
+        """The adapter ``name`` is bound to if it is in the CPU tier (a hit), else None (a miss)."""
+        handle = self.handle(name)
+        if handle is None:
+            self.cache.record_miss()
+            return None
+        return self.cache.get(handle.id, pin=pin)
 
     def rebind(self, name_or_request: str | LoRARequest, *, pin: bool = False) -> LoRAAdapter:
-        """Reload: read the adapter again from its source and bind its name to the result.
+        """Reload: read the adapter again from its source and bind its name to the result (in this
+        thread, after any load of the name in flight).
 
         New content gets a new handle; the old handle retires (requests running on it finish on
         it). The same content again (same digest and path) keeps its handle.
         """
         name = self._name_of(name_or_request)
-        return self._load_once(name, pin=pin, force=True)
+        while True:
+            future, started = self._join(name)
+            if started:
+                return self._run_load(name, future, pin=pin, force=True)
+            try:
+                future.result()  # a load started before this call: a reload must read the source itself
+            except BaseException:
+                pass
 
     def bind(self, adapter: LoRAAdapter, *, name: str | None = None) -> LoRAAdapter:
         """Serve an adapter built in memory as ``name`` (default ``adapter.name``).
@@ -331,22 +356,17 @@ class Registry:
 
     # -- loading -------------------------------------------------------------------------------
 
-    def _load_once(self, name: str, *, pin: bool, force: bool) -> LoRAAdapter:
-        """Single-flight: one load per name at a time; the others wait for its result."""
-        while True:
-            with self._lock:
-                future = self._loading.get(name)
-                if future is None:
-                    future = self._loading[name] = Future()
-                    break
-            try:
-                future.result()  # another thread's load: its error is ours too
-            except BaseException:
-                if not force:
-                    raise
-                continue  # a reload must read the source itself
-            if not force:
-                return self.get(name, pin=pin)  # a hit now (or a fresh load if evicted since)
+    def _join(self, name: str) -> tuple[Future, bool]:
+        """The load of ``name`` in flight (False), or a new one that the caller runs (True)."""
+        with self._lock:
+            future = self._loading.get(name)
+            if future is None:
+                future = self._loading[name] = Future()
+                return future, True
+            return future, False
+
+    def _run_load(self, name: str, future: Future, pin: bool, force: bool) -> LoRAAdapter:
+        """Run the load `_join` started; its waiters get its result or error."""
         try:
             adapter = self._load(name, pin=pin, force=force)
         except BaseException as error:
@@ -448,10 +468,20 @@ class Registry:
                 with self._lock:
                     binding = self._bindings.get(request.lora_name)
                     known = binding.source if binding is not None else None
-                if known is None or known.location != normalize_location(request.lora_path):
+                # the path as registered needs no resolving: half of a burst's add_request time
+                if known is None or (request.lora_path != known.location
+                                     and known.location != normalize_location(request.lora_path)):
                     self.register(request.lora_name, request.lora_path, request.base_model_name)
             with self._lock:
                 binding = self._bindings.setdefault(check_name(request.lora_name), _Binding())
                 binding.lora_int_id = request.lora_int_id
             return request.lora_name
         return check_name(name_or_request)
+
+
+def _copy_outcome(done: Future, result: Future) -> None:
+    error = done.exception()
+    if error is not None:
+        result.set_exception(error)
+    else:
+        result.set_result(done.result())

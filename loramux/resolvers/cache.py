@@ -17,14 +17,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from loramux import envs
+
 __all__ = ["CACHE_DIR_ENV", "adapters_cache_dir", "atomic_directory", "cache_dir"]
 
-CACHE_DIR_ENV = "LORAMUX_CACHE_DIR"
+CACHE_DIR_ENV = envs.env_name("cache_dir")
 
 
 def cache_dir() -> Path:
     """The loramux cache dir: ``$LORAMUX_CACHE_DIR``, else ``~/.cache/loramux``."""
-    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "loramux").expanduser()
+    return envs.current().cache_dir or Path.home() / ".cache" / "loramux"
 
 
 def adapters_cache_dir(*parts: str) -> Path:

@@ -21,6 +21,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath
 
+from loramux import envs
 from loramux.errors import AdapterDownloadError, AdapterNotFoundError, InvalidAdapterError
 from loramux.plugins.hookspecs import hookimpl
 from loramux.registry.loader import ADAPTER_CONFIG_FILE, SAFETENSORS_FILE
@@ -30,7 +31,6 @@ from loramux.resolvers.cache import adapters_cache_dir
 from loramux.resolvers.settings import DEFAULT_FETCH_TIMEOUT, REPO_LIST_ENV, ResolverSettings
 
 __all__ = ["REPO_LIST_ENV", "HuggingFaceResolver"]
-_TRUE = ("1", "true", "yes", "on")
 
 
 def _split_repo(path: str) -> tuple[str, str]:
@@ -112,8 +112,7 @@ class HuggingFaceResolver(Resolver):
             RevisionNotFoundError,
         )
 
-        offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
-        endpoint = os.environ.get("HF_ENDPOINT") or None
+        offline, endpoint = envs.current().hf_hub_offline, envs.current().hf_endpoint
         unreachable = None if offline else self._unreachable(endpoint)
         where = (
             f"hf://{repo_id}"

@@ -3,23 +3,26 @@
 Settings travel from the border (the CLI's flags, ``Registry(...)``, ``LLM(...)``) down to the
 resolvers as this one value: the ``register_resolvers`` hook receives it, so nothing writes
 ``os.environ`` for a resolver to read back. The environment variables stay the user-facing
-defaults, read once by :meth:`ResolverSettings.from_env`.
+defaults (:mod:`loramux.envs`), taken by :meth:`ResolverSettings.from_env`.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DEFAULT_FETCH_TIMEOUT", "FETCH_TIMEOUT_ENV", "RESOLVERS_ENV", "REPO_LIST_ENV", "ROOT_ENV",
-           "ResolverSettings"]
+from loramux import envs
 
-RESOLVERS_ENV = "LORAMUX_LORA_RESOLVERS"
-ROOT_ENV = "LORAMUX_LORA_RESOLVER_DIR"
-REPO_LIST_ENV = "LORAMUX_LORA_RESOLVER_HF_REPO_LIST"
-FETCH_TIMEOUT_ENV = "LORAMUX_LORA_FETCH_TIMEOUT"
+__all__ = ["DEFAULT_FETCH_TIMEOUT", "FETCH_TIMEOUT_ENV", "RESOLVERS_ENV", "REPO_LIST_ENV", "ROOT_ENV",
+           "ResolverSettings", "add_resolver_arguments", "resolver_settings"]
+
+RESOLVERS_ENV = envs.env_name("lora_resolvers")
+ROOT_ENV = envs.env_name("lora_resolver_dir")
+REPO_LIST_ENV = envs.env_name("lora_resolver_hf_repo_list")
+FETCH_TIMEOUT_ENV = envs.env_name("lora_fetch_timeout")
 # Seconds a resolver may take to find or fetch one adapter: room for a download of a few hundred
 # MB, while a dead source (the Hub's client retries a refused connection for 23 s) fails in bounded time.
 DEFAULT_FETCH_TIMEOUT = 60.0
@@ -75,19 +78,36 @@ class ResolverSettings:
     ) -> "ResolverSettings":
         """The settings given, and for each one not given (None) its environment variable.
 
-        :param environ: where to read the defaults; default ``os.environ``. Read once, here.
+        :param environ: the variables to take the defaults from; default: the environment as
+            :mod:`loramux.envs` read it.
         """
-        environ = os.environ if environ is None else environ
-        if order is None:
-            order = environ.get(RESOLVERS_ENV) or None
-        if directory is None:
-            directory = environ.get(ROOT_ENV) or None
-        if hf_repos is None:
-            hf_repos = environ.get(REPO_LIST_ENV, "")
-        if fetch_timeout is None:
-            text = environ.get(FETCH_TIMEOUT_ENV, "").strip()
-            try:
-                fetch_timeout = float(text) if text else DEFAULT_FETCH_TIMEOUT
-            except ValueError:
-                raise ValueError(f"{FETCH_TIMEOUT_ENV}={text!r}: not a number of seconds") from None
-        return cls(order=order, directory=directory, hf_repos=hf_repos, fetch_timeout=fetch_timeout)
+        env = envs.current() if environ is None else envs.Envs.from_env(environ)
+        return cls(
+            order=env.lora_resolvers if order is None else order,
+            directory=env.lora_resolver_dir if directory is None else directory,
+            hf_repos=env.lora_resolver_hf_repo_list if hf_repos is None else hf_repos,
+            fetch_timeout=next((t for t in (fetch_timeout, env.lora_fetch_timeout) if t is not None),
+                               DEFAULT_FETCH_TIMEOUT),
+        )
+
+
+def add_resolver_arguments(parser: argparse.ArgumentParser) -> None:
+    """The resolver settings as flags (each not given defaults to its environment variable)."""
+    group = parser.add_argument_group("adapter sources")
+    group.add_argument("--lora-resolver-dir", metavar="DIR",
+                       help=f"find adapters by name under DIR: DIR/NAME or DIR/MODEL/NAME (env {ROOT_ENV})")
+    group.add_argument("--lora-resolvers", metavar="A,B",
+                       help=f"the resolvers to ask by name, in order (env {RESOLVERS_ENV}; default: all, in "
+                       "registration order)")
+    group.add_argument("--lora-fetch-timeout", type=float, metavar="SECONDS",
+                       help="seconds a resolver may take to find or fetch one adapter; past it the load fails "
+                       f"(env {FETCH_TIMEOUT_ENV}; default {DEFAULT_FETCH_TIMEOUT:g})")
+
+
+def resolver_settings(args: argparse.Namespace) -> ResolverSettings:
+    """The resolver flags in ``args`` as `ResolverSettings`, each one not given defaulting to its
+    environment variable (nothing is written back). ``serve``'s vLLM-style ``--lora-resolver A B``
+    is the same as ``--lora-resolvers A,B``."""
+    order = getattr(args, "lora_resolvers", None) or getattr(args, "lora_resolver", None) or None
+    return ResolverSettings.from_env(order=order, directory=getattr(args, "lora_resolver_dir", None),
+                                     fetch_timeout=getattr(args, "lora_fetch_timeout", None))

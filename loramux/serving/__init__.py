@@ -9,7 +9,7 @@ from __future__ import annotations
 
 __all__ = ["ServerConfig", "build_app"]
 
-_LAZY = {"ServerConfig": "loramux.serving.state", "build_app": "loramux.serving.app"}
+_LAZY = {"ServerConfig": "loramux.serving.config", "build_app": "loramux.serving.app"}
 
 
 def __getattr__(name: str):

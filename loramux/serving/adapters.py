@@ -8,13 +8,16 @@ new name share one resolution in the engine (single-flight).
 
 What a name *means* (which weights) lives in the engine's registry, its one name -> handle
 binding: a reload rebinds the name there and an unload unbinds it, while requests already running
-finish on the handle they started with. This book keeps only what the server serves and lists.
-Used on the event loop only.
+finish on the handle they started with. Which names are served is the engine's too
+(`EngineClient.list_loras`): /v1/models lists a name only while the engine serves it, and a name
+found on demand that the engine has forgotten (its adapter left the CPU tier) is forgotten here
+as well, so the book never outgrows the engine's name map. Used on the event loop only.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from loramux.errors import AdapterNotFoundError
@@ -22,6 +25,8 @@ from loramux.registry import LoRARequest, validate_adapter_name
 from loramux.serving.errors import APIError
 
 __all__ = ["AdapterBook", "AdapterEntry"]
+
+_MIN_PRUNE_AT = 1024
 
 
 @dataclass
@@ -36,14 +41,17 @@ class AdapterBook:
     """Maps a request's ``model`` to ``None`` (the base model) or a ``LoRARequest``.
 
     :param served_names: the base model's names; the first is the one responses carry.
+    :param engine_names: the adapter names the engine serves now (its registry's name map).
     """
 
-    def __init__(self, served_names: list[str]) -> None:
+    def __init__(self, served_names: list[str], engine_names: Callable[[], Iterable[str]]) -> None:
         if not served_names:
             raise ValueError("the base model needs at least one served name")
         self.served_names = list(served_names)
+        self._engine_names = engine_names
         self._entries: dict[str, AdapterEntry] = {}  # public name -> entry
         self._ids = itertools.count(1)
+        self._prune_at = _MIN_PRUNE_AT  # entries past which a new on-demand name prunes the book
 
     @property
     def base_name(self) -> str:
@@ -62,6 +70,9 @@ class AdapterBook:
         if entry is not None:
             return entry.request
         request = self._new_request(model, "", param="model")
+        if len(self._entries) >= self._prune_at:  # amortized: the book doubles between prunes
+            self._forget_unserved(set(self._engine_names()))
+            self._prune_at = max(_MIN_PRUNE_AT, 2 * len(self._entries))
         self._entries[model] = AdapterEntry(request, "resolved", confirmed=False)
         return request
 
@@ -110,8 +121,18 @@ class AdapterBook:
         return self._entries.get(name)
 
     def listed(self) -> list[tuple[str, AdapterEntry]]:
-        """The adapters /v1/models shows: registered ones and resolved ones that have run."""
-        return [(name, entry) for name, entry in self._entries.items() if entry.confirmed]
+        """The adapters /v1/models shows: those the engine serves now, registered here or found
+        on demand and run."""
+        serving = set(self._engine_names())
+        self._forget_unserved(serving)
+        return [(name, entry) for name, entry in self._entries.items() if entry.confirmed and name in serving]
+
+    def _forget_unserved(self, serving: set[str]) -> None:
+        """Drop the names found on demand, and run, that the engine no longer serves (a request
+        for one finds it again through the resolvers). Pending lookups stay: they are running."""
+        for name in [name for name, entry in self._entries.items()
+                     if entry.source == "resolved" and entry.confirmed and name not in serving]:
+            del self._entries[name]
 
     # -- helpers ---------------------------------------------------------------------------------
 

@@ -12,12 +12,12 @@ import secrets
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from loramux.engine.structured_output import StructuredOutputLimitError, UnsupportedStructuredOutput
+from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from loramux.engine.core.structured_output import StructuredOutputLimitError, UnsupportedStructuredOutput
 from loramux.serving import lora_admin
 from loramux.serving.errors import APIError, install_error_handlers
 from loramux.serving.generation import build_requests, chat_echo, run_generation
@@ -25,7 +25,9 @@ from loramux.serving.metrics import CONTENT_TYPE
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from loramux.serving.request_params import structured_outputs_of
 from loramux.serving.responses import Generation
-from loramux.serving.state import ServerConfig, ServerState, get_state
+from loramux.serving.config import ServerConfig
+from loramux.serving.engine_client import EngineClient
+from loramux.serving.state import ServerState, get_state
 
 __all__ = ["build_app"]
 
@@ -48,7 +50,8 @@ def _check_supported(body: CompletionRequest | ChatCompletionRequest) -> None:
                        code="unsupported_parameter")
 
 
-async def _structured_outputs(state: ServerState, body: Any) -> Any:
+async def _structured_outputs(state: ServerState, body: CompletionRequest | ChatCompletionRequest,
+                              ) -> StructuredOutputsParams | None:
     """The request's format, compiled once here (in the compile threads, so a slow schema holds up
     neither the event loop, nor the engine's threads, whose compile then finds it cached, nor
     other requests' tokenizing), within the engine's limits."""
@@ -56,20 +59,20 @@ async def _structured_outputs(state: ServerState, body: Any) -> Any:
     if asked is None:
         return None
     field, spec = asked
-    compiler = getattr(state.engine.engine, "structured_outputs", None)
-    if compiler is not None:
-        try:
-            await asyncio.get_running_loop().run_in_executor(state.compile_threads, compiler.compile, spec)
-        except UnsupportedStructuredOutput as error:
-            over_limit = isinstance(error, StructuredOutputLimitError)
-            raise APIError(400, f"{field}: {error}", param=field,
-                           code="structured_output_limit" if over_limit else "unsupported_schema") from error
+    try:
+        await asyncio.get_running_loop().run_in_executor(state.compile_threads,
+                                                         state.engine.engine.compile_structured_output, spec)
+    except UnsupportedStructuredOutput as error:
+        over_limit = isinstance(error, StructuredOutputLimitError)
+        raise APIError(400, f"{field}: {error}", param=field,
+                       code="structured_output_limit" if over_limit else "unsupported_schema") from error
     return spec
 
 
-async def _generation(state: ServerState, endpoint: str, body: Any, prompts: list[dict],
+async def _generation(state: ServerState, endpoint: str, body: CompletionRequest | ChatCompletionRequest,
+                      prompts: list[dict],
                       max_tokens: int) -> Generation:
-    if body.model not in state.book.served_names and getattr(state.engine.engine, "lora_manager", True) is None:
+    if body.model not in state.book.served_names and not state.engine.engine.lora_enabled:
         raise APIError(404, f"the model {body.model!r} is not served here (this server serves "
                        f"{', '.join(state.book.served_names)}; LoRA adapters are off: --no-enable-lora)",
                        param="model", code="model_not_found")
@@ -92,7 +95,7 @@ async def _generation(state: ServerState, endpoint: str, body: Any, prompts: lis
         prompt_logprobs=body.prompt_logprobs is not None,  # vLLM's field (echo's come in logprobs)
         return_token_ids=body.return_token_ids,
         rendered_prompt=prompts[0]["prompt"] if endpoint == "chat" and body.return_prompt_text else None,
-        tokenizer=getattr(state.engine.engine, "tokenizer", None), tokens_as_ids=body.return_tokens_as_token_ids)
+        tokenizer=state.engine.engine.tokenizer, tokens_as_ids=body.return_tokens_as_token_ids)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -179,13 +182,12 @@ v1.include_router(lora_admin.router)
 # ---------------------------------------------------------------------------------------------
 
 
-def build_app(engine: Any, config: ServerConfig, *, sampling_params_cls: Any = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (an ``LLMEngine``, or anything with its contract).
+def build_app(engine: EngineClient, config: ServerConfig, *,
+              sampling_params_cls: type[SamplingParams] = SamplingParams) -> FastAPI:
+    """The FastAPI app serving ``engine`` (an ``LLMEngine``, or another `EngineClient`).
 
     The ``config.lora_modules`` adapters are loaded here, before the app serves anything.
     """
-    if sampling_params_cls is None:
-        from loramux.engine.sampling_params import SamplingParams as sampling_params_cls
     state = ServerState(engine, config, sampling_params_cls)
     lora_admin.register_static_adapters(state, engine)
 

@@ -33,6 +33,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from loramux.engine.core.events import AdapterEvent
+from loramux.engine.core.outputs import RequestOutput
+from loramux.engine.sampling_params import SamplingParams
+from loramux.registry import LoRARequest
+from loramux.serving.engine_client import EngineClient, Prompt
 from loramux.serving.errors import EngineDeadError
 
 __all__ = ["AsyncEngine", "RequestGroup", "SubRequest"]
@@ -53,9 +58,9 @@ class SubRequest:
     """One engine request: what ``LLMEngine.add_request`` takes."""
 
     request_id: str
-    prompt: Any  # a string or {"prompt_token_ids": [...]}
-    params: Any  # SamplingParams
-    lora_request: Any = None  # LoRARequest | None
+    prompt: Prompt
+    params: SamplingParams
+    lora_request: LoRARequest | None = None
     api_request_id: str | None = None  # the HTTP request it belongs to (the engine takes them in turn)
 
 
@@ -67,7 +72,7 @@ class RequestGroup:
 
     def __init__(self, requests: Sequence[SubRequest]) -> None:
         self.requests = list(requests)
-        self.latest: list[Any] = [None] * len(self.requests)  # RequestOutput | None per choice
+        self.latest: list[RequestOutput | None] = [None] * len(self.requests)  # per choice
         self.submitted_at = time.monotonic()
         self.first_output_at: float | None = None
         # latency metrics, measured as outputs reach the event loop
@@ -75,7 +80,7 @@ class RequestGroup:
         self.last_token_at: list[float | None] = [None] * len(self.requests)
         self.inter_token_gaps: list[float] = []  # seconds between consecutive tokens, all choices
         self._tokens_seen = [0] * len(self.requests)
-        self.adapter_event: Any = None  # the engine's "ready" event for this group's adapter
+        self.adapter_event: AdapterEvent | None = None  # the engine's "ready" event for this group's adapter
         self._changed: set[int] = set()
         self._error: BaseException | None = None
         self._event = asyncio.Event()
@@ -85,7 +90,7 @@ class RequestGroup:
     def finished(self) -> bool:
         return all(output is not None and output.finished for output in self.latest)
 
-    def _update(self, index: int, output: Any) -> None:
+    def _update(self, index: int, output: RequestOutput) -> None:
         now = time.monotonic()
         if self.first_output_at is None:
             self.first_output_at = now
@@ -94,10 +99,9 @@ class RequestGroup:
         self._changed.add(index)
         self._event.set()
 
-    def _time_tokens(self, index: int, output: Any, now: float) -> None:
+    def _time_tokens(self, index: int, output: RequestOutput, now: float) -> None:
         """Record when a choice's tokens arrived; tokens arriving together split the gap evenly."""
-        outputs = getattr(output, "outputs", None)
-        count = len(outputs[0].token_ids) if outputs else 0
+        count = len(output.outputs[0].token_ids) if output.outputs else 0
         new = count - self._tokens_seen[index]
         if new <= 0:
             return
@@ -131,17 +135,16 @@ class RequestGroup:
 class AsyncEngine:
     """Runs an ``LLMEngine``'s step loop in its own thread and serves it to asyncio handlers.
 
-    :param engine: an object with the ``LLMEngine`` contract (add_request, step,
-        has_unfinished_requests, abort_request, ...).
+    :param engine: an ``LLMEngine``, or another `EngineClient`.
     """
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
         self.dead: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._groups: dict[str, tuple[RequestGroup, int]] = {}  # request id -> (group, index); loop only
-        self._pending: dict[str, Any] = {}  # request id -> latest output not yet on the loop
+        self._pending: dict[str, RequestOutput] = {}  # request id -> latest output not yet on the loop
         self._pending_lock = threading.Lock()
         self._thread: threading.Thread | None = None  # the step loop
         self._intake_thread: threading.Thread | None = None  # runs commands in order
@@ -158,13 +161,9 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = asyncio.get_running_loop()
-        add_listener = getattr(self.engine, "add_event_listener", None)
-        if add_listener is not None:
-            try:
-                add_listener(self._on_engine_event)
-                self._listening = True
-            except ValueError:  # LoRA disabled: no adapter events
-                pass
+        if self.engine.lora_enabled:  # else no adapter events
+            self.engine.add_event_listener(self._on_engine_event)
+            self._listening = True
         self._thread = threading.Thread(target=self._run, name="loramux-engine", daemon=True)
         self._thread.start()
         self._intake_thread = threading.Thread(target=self._intake, name="loramux-intake", daemon=True)
@@ -239,7 +238,7 @@ class AsyncEngine:
 
     # -- engine thread --------------------------------------------------------------------------
 
-    def _on_engine_event(self, event: Any) -> None:
+    def _on_engine_event(self, event: AdapterEvent) -> None:
         """An adapter event, in the engine's (or a loading) thread: hand it to the loop."""
         self._to_loop(self._deliver_event, event)
 
@@ -285,8 +284,8 @@ class AsyncEngine:
                 return
             if outputs:
                 self._publish(outputs)
-            elif time.monotonic() - started < _IDLE_STEP_WAIT_S:
-                self._wake.wait(_IDLE_STEP_WAIT_S)
+            elif time.monotonic() - started < _IDLE_STEP_WAIT_S and not self.engine.has_scheduled_work():
+                self._wake.wait(_IDLE_STEP_WAIT_S)  # every request waits for its adapter: no spinning
 
     def _engine_busy(self) -> bool:
         try:
@@ -324,7 +323,7 @@ class AsyncEngine:
             except RuntimeError:  # the loop closed in between: nobody is listening any more
                 pass
 
-    def _publish(self, outputs: list[Any]) -> None:
+    def _publish(self, outputs: list[RequestOutput]) -> None:
         """Hand a step's outputs to the loop, coalesced: at most one delivery is ever queued.
 
         An engine that steps faster than the loop drains would otherwise queue callbacks without
@@ -349,7 +348,7 @@ class AsyncEngine:
                 group, index = entry
                 group._update(index, output)
 
-    def _deliver_event(self, event: Any) -> None:
+    def _deliver_event(self, event: AdapterEvent) -> None:
         if event.kind == "retired":
             future = self._retirements.pop(event.handle.id, None)
             if future is not None and not future.done():

@@ -19,11 +19,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from loramux.engine.sampling_params import SamplingParams
 from loramux.errors import AdapterNotFoundError, InvalidAdapterError, IncompatibleAdapterError
+from loramux.registry import LoRARequest
 from loramux.serving.async_engine import RequestGroup, SubRequest
 from loramux.serving.errors import EngineDeadError, error_response, to_api_error
 from loramux.serving.protocol import ChatCompletionRequest
 from loramux.serving.responses import Generation, full_response, raise_output_error
+from loramux.serving.state import ServerState
 from loramux.serving.streaming import stream_events
 
 __all__ = ["build_requests", "chat_echo", "run_generation"]
@@ -40,7 +43,7 @@ def chat_echo(request: ChatCompletionRequest) -> str:
     return last.text() if request.echo and last.role == role else ""
 
 
-def build_requests(prompts: list[dict], params: Any, lora_request: Any, base_id: str,
+def build_requests(prompts: list[dict], params: SamplingParams, lora_request: LoRARequest | None, base_id: str,
                    cache_salt: str | None = None) -> tuple[list[SubRequest], list[int]]:
     """One engine request per (prompt, sample of ``params.n``), ids ``<base_id>-<choice>``, all of
     API request ``base_id``; and each choice's prompt. ``cache_salt`` (vLLM's) joins every prompt:
@@ -113,7 +116,7 @@ class _ClosingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def run_generation(state: Any, http_request: Request, gen: Generation) -> Response:
+async def run_generation(state: ServerState, http_request: Request, gen: Generation) -> Response:
     """Submit ``gen`` to the engine and answer it, as JSON or as a stream of events."""
     started = time.monotonic()
     try:
@@ -156,7 +159,7 @@ async def run_generation(state: Any, http_request: Request, gen: Generation) -> 
     return JSONResponse(full_response(gen, group))
 
 
-def _settle_adapter(state: Any, gen: Generation, group: RequestGroup, error: BaseException | None) -> None:
+def _settle_adapter(state: ServerState, gen: Generation, group: RequestGroup, error: BaseException | None) -> None:
     """Record how the adapter lookup ended: confirm or forget an on-demand name.
 
     The first request to settle a name found on demand counts the resolution and its latency:

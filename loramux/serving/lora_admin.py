@@ -21,12 +21,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from loramux.errors import LoRAError
+from loramux.registry import AdapterHandle
+from loramux.serving.engine_client import EngineClient
 from loramux.serving.errors import APIError, from_lora_error
 from loramux.serving.protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from loramux.serving.state import ServerState, get_state
@@ -44,7 +44,7 @@ router = APIRouter()
 RUNTIME_LOAD_WAIT_S = 300.0
 
 
-def register_static_adapters(state: ServerState, engine: Any) -> None:
+def register_static_adapters(state: ServerState, engine: EngineClient) -> None:
     """Load the ``--lora-modules`` adapters now (before serving), so a bad one stops start-up."""
     for name, path, base_model_name in state.config.lora_modules:
         lora = state.book.prepare(name, path, base_model_name)
@@ -84,7 +84,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> P
                 raise from_lora_error(error, param="lora_path") from error
             raise APIError(400, str(error), param="lora_path", code="invalid_request") from error  # LoRA off
         new = _bound_handle(state, name)
-        source = getattr(new, "source", None) or "path"
+        source = (new.source if new is not None else None) or "path"
         state.metrics.load_seconds.labels("explicit", source).observe(time.monotonic() - started)
         state.book.commit(name, lora, source="runtime", path=body.lora_path)
         if old is not None and new == old:  # the same content again: the same handle, nothing retires
@@ -116,14 +116,12 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) 
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
 
-def _bound_handle(state: ServerState, name: str) -> Any:
-    """The handle the engine's registry binds ``name`` to (None: not loaded, or an engine
-    without handles)."""
-    lookup = getattr(state.engine.engine, "lora_handle", None)
-    return lookup(name) if lookup is not None else None
+def _bound_handle(state: ServerState, name: str) -> AdapterHandle | None:
+    """The handle the engine's registry binds ``name`` to (None: not loaded)."""
+    return state.engine.engine.lora_handle(name)
 
 
-def _retirement(state: ServerState, handle: Any) -> asyncio.Future | None:
+def _retirement(state: ServerState, handle: AdapterHandle | None) -> asyncio.Future | None:
     return state.engine.retirement(handle.id) if handle is not None else None
 
 

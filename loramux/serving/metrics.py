@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-__all__ = ["CONTENT_TYPE", "Metrics", "RouterStats", "TierStats"]
+from loramux.engine.core.stats import RouterStats, TierStats
+
+__all__ = ["CONTENT_TYPE", "Metrics"]
 
 # A model label carries only names the server knows (base, registered or resolved adapters), so a
 # client naming random adapters cannot grow the number of series without bound.
@@ -30,36 +31,6 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0)
-
-
-@dataclass
-class TierStats:
-    """One adapter tier's counters, as the engine reports them (None: the tier does not count it)."""
-
-    hits: int | None = None
-    misses: int | None = None
-    loads: int | None = None
-    evictions: int | None = None
-    resident: list[str] = field(default_factory=list)
-    bytes_resident: int | None = None  # bytes of the resident adapters' weights
-    bytes_capacity: int | None = None  # bytes the tier may hold (its budget)
-    pinned_bytes_capacity: int | None = None  # its page-locked arena's bytes (CPU tier on CUDA)
-    pinned_bytes_in_use: int | None = None  # of those, in pieces not freed yet
-    pageable_fallbacks: int | None = None  # loads that found the arena full and took pageable memory
-
-
-@dataclass
-class RouterStats:
-    """The engine's load, as vLLM reports it to routers (Gateway API Inference Extension, llm-d)."""
-
-    num_running: int
-    num_waiting: int
-    running_adapters: list[str]
-    waiting_adapters: list[str]
-    max_lora: int
-    kv_cache_usage: float | None
-    prefix_cache_queries: int | None = None  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int | None = None  # of those, tokens found
 
 
 class _RouterCollector:

@@ -12,7 +12,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from loramux.engine.core.outputs import RequestOutput
 from loramux.errors import LoRAError
+from loramux.registry import LoRARequest
 from loramux.serving.async_engine import RequestGroup, SubRequest
 from loramux.serving.logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs_json
 
@@ -26,7 +28,7 @@ class Generation:
 
     endpoint: str  # "completions" | "chat"
     model: str  # the request's model field, echoed in responses
-    lora_request: Any  # LoRARequest | None
+    lora_request: LoRARequest | None
     requests: list[SubRequest]
     response_id: str
     prompt_of_choice: list[int] = field(default_factory=list)  # choice index -> prompt index
@@ -51,27 +53,27 @@ class Generation:
             self._token_text = TokenText(self.tokenizer, as_ids=self.tokens_as_ids)
         return self._token_text
 
-    def text_of(self, output: Any) -> str:
+    def text_of(self, output: RequestOutput) -> str:
         """A choice's text as the client sees it (with what echo puts first)."""
         text = "" if self.echo_only or not output.outputs else output.outputs[0].text
         if self.echo:
             return self.prompt_text(output) + text
         return self.chat_echo + text
 
-    def prompt_text(self, output: Any) -> str:
+    def prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
             return output.prompt
         ids = output.prompt_token_ids or []
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def generated(self, output: Any) -> tuple[list[int], list]:
+    def generated(self, output: RequestOutput) -> tuple[list[int], list]:
         """The generated tokens the client sees and their logprob entries."""
         if self.echo_only or not output.outputs:
             return [], []
         completion = output.outputs[0]
         return list(completion.token_ids), list(completion.logprobs or [])
 
-    def logprobs_json(self, output: Any, start: int = 0, with_prompt: bool = True) -> dict | None:
+    def logprobs_json(self, output: RequestOutput, start: int = 0, with_prompt: bool = True) -> dict | None:
         """The choice's ``logprobs`` for its generated tokens from ``start`` on (None if not asked)."""
         if self.logprobs is None:
             return None
@@ -84,7 +86,7 @@ class Generation:
             entries = list(output.prompt_logprobs or [None] * len(output.prompt_token_ids or [])) + entries
         return completion_logprobs(self.token_text, ids, entries, self.logprobs)
 
-    def prompt_logprobs_json(self, output: Any) -> list | None:
+    def prompt_logprobs_json(self, output: RequestOutput) -> list | None:
         return prompt_logprobs_json(self.token_text, output.prompt_logprobs) if self.prompt_logprobs else None
 
 
@@ -111,13 +113,13 @@ def usage(gen: Generation, group: RequestGroup) -> dict:
             "total_tokens": prompt + completion_tokens}
 
 
-def choice_usage(gen: Generation, output: Any) -> dict:
+def choice_usage(gen: Generation, output: RequestOutput) -> dict:
     """One choice's usage so far (vLLM's ``continuous_usage_stats``)."""
     prompt, completion = len(output.prompt_token_ids or ()), len(gen.generated(output)[0])
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def finish_reason(gen: Generation, output: Any) -> str | None:
+def finish_reason(gen: Generation, output: RequestOutput) -> str | None:
     if not output.finished:
         return None
     if gen.echo_only:
@@ -126,7 +128,7 @@ def finish_reason(gen: Generation, output: Any) -> str | None:
     return reason or "stop"
 
 
-def stop_reason(output: Any) -> str | int | None:
+def stop_reason(output: RequestOutput) -> str | int | None:
     return output.outputs[0].stop_reason if output.outputs else None
 
 

@@ -7,23 +7,23 @@ import logging
 import re
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 from fastapi import Request
 
+from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
+
 from loramux.serving.adapters import AdapterBook
 from loramux.serving.async_engine import AsyncEngine, RequestGroup
-from loramux.serving.engine_info import engine_requests, read_tiers, router_stats, vocab_size
+from loramux.serving.engine_client import EngineClient
 from loramux.serving.errors import APIError
 from loramux.serving.metrics import UNKNOWN_MODEL, Metrics
-from loramux.serving.options import DEFAULT_MAX_PROMPTS_PER_REQUEST
+from loramux.serving.config import ServerConfig
 from loramux.serving.prompts import Prompts
 from loramux.serving.protocol import ChatCompletionRequest, CompletionRequest
 from loramux.serving.request_params import extra_sampling_kwargs
 from loramux.serving.responses import Generation
 
-__all__ = ["ServerConfig", "ServerState", "get_state"]
+__all__ = ["ServerState", "get_state"]
 
 logger = logging.getLogger("loramux.serving")
 
@@ -31,52 +31,29 @@ _COMPILE_THREADS = 2  # as many as the engine compiles at once (its trial proces
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+):")
 
 
-@dataclass
-class ServerConfig:
-    """What the HTTP layer needs to know beyond the engine.
-
-    :param served_model_names: the base model's names; the first is echoed in responses.
-    :param api_key: when set, every /v1 route needs ``Authorization: Bearer <api_key>``.
-    :param allow_runtime_lora_updating: enables /v1/load_lora_adapter and /v1/unload_lora_adapter
-        (403 otherwise).
-    :param lora_modules: ``(name, path, base_model_name)`` adapters registered at start-up.
-    :param chat_template: a Jinja template overriding the tokenizer's.
-    :param max_model_len: shown in /v1/models, and bounds prompts and ``max_tokens`` (default: the
-        engine's ``max_model_len``).
-    :param max_prompts_per_request: the most prompts one completions request may give.
-    """
-
-    served_model_names: list[str]
-    api_key: str | None = None
-    allow_runtime_lora_updating: bool = False
-    lora_modules: list[tuple[str, str, str | None]] = field(default_factory=list)
-    chat_template: str | None = None
-    max_model_len: int | None = None
-    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST
-
-
 class ServerState:
     """Everything the routes share (``request.app.state.loramux``)."""
 
-    def __init__(self, engine: Any, config: ServerConfig, sampling_params_cls: Any) -> None:
+    def __init__(self, engine: EngineClient, config: ServerConfig,
+                 sampling_params_cls: type[SamplingParams] = SamplingParams) -> None:
         self.config = config
         if config.max_model_len is None:
-            config.max_model_len = getattr(engine, "max_model_len", None)
+            config.max_model_len = engine.max_model_len
         self.engine = AsyncEngine(engine)
-        self.prompts = Prompts(getattr(engine, "tokenizer", None), max_model_len=config.max_model_len,
-                               vocab_size=vocab_size(engine), max_prompts_per_request=config.max_prompts_per_request,
+        self.prompts = Prompts(engine.tokenizer, max_model_len=config.max_model_len,
+                               vocab_size=engine.vocab_size, max_prompts_per_request=config.max_prompts_per_request,
                                chat_template=config.chat_template)
         # structured-output compiles wait here, not in the threads that tokenize prompts
         self.compile_threads = ThreadPoolExecutor(_COMPILE_THREADS, thread_name_prefix="loramux-compile")
-        self.book = AdapterBook(config.served_model_names)
+        self.book = AdapterBook(config.served_model_names, engine.list_loras if engine.lora_enabled else tuple)
         self.sampling_params_cls = sampling_params_cls
-        self.metrics = Metrics(lambda: read_tiers(engine), lambda: self.engine.waiting,
+        self.metrics = Metrics(engine.tier_stats, lambda: self.engine.waiting,
                                lambda: self.engine.in_flight - self.engine.waiting,
-                               lambda: engine_requests(engine), lambda: router_stats(engine),
+                               engine.get_num_unfinished_requests, engine.router_stats,
                                config.served_model_names[0] if config.served_model_names else "")
         # one load or unload of a name at a time (weak: a lock lives while someone waits on it)
         self._adapter_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
-        self.adapter_loads = asyncio.Semaphore(getattr(getattr(engine, "config", None), "max_loading_workers", 4))
+        self.adapter_loads = asyncio.Semaphore(engine.max_loading_workers)
         self.background: set[asyncio.Task] = set()  # adapters waiting to leave the engine
 
     def adapter_lock(self, name: str) -> asyncio.Lock:
@@ -116,7 +93,7 @@ class ServerState:
             histogram.observe(gap)
 
     def sampling_params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int,
-                        structured: Any = None) -> Any:
+                        structured: StructuredOutputsParams | None = None) -> SamplingParams:
         """The engine's ``SamplingParams`` for ``body``, its ``n`` samples included (each choice's
         engine request takes ``for_sample(i)``)."""
         try:

@@ -15,6 +15,8 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from loramux.engine.core.outputs import RequestOutput
+from loramux.engine.sampling_params import SamplingParams
 from loramux.serving.async_engine import RequestGroup
 from loramux.serving.errors import to_api_error
 from loramux.serving.responses import (Generation, choice_usage, finish_reason, raise_output_error, stop_reason,
@@ -31,19 +33,19 @@ def sse(payload: dict | str) -> str:
 class _ChoiceStream:
     """What one choice has sent so far; `delta` makes its next chunk's choice from a newer output."""
 
-    def __init__(self, gen: Generation, index: int, params: Any) -> None:
+    def __init__(self, gen: Generation, index: int, params: SamplingParams) -> None:
         self.gen = gen
         self.index = index
         # the engine cuts its text at a stop string once it is complete, so the start of a possible
         # stop string is held back while the request runs
-        self.held_back = max((len(stop) for stop in getattr(params, "stop_strings", ())), default=1) - 1
+        self.held_back = max((len(stop) for stop in params.stop_strings), default=1) - 1
         self.sent_chars = 0  # of the choice's text
         self.sent_logprobs = 0  # generated tokens whose logprobs were sent
         self.sent_tokens = 0  # generated tokens in the chunks sent (token ids, stream_interval)
         self.started = False
         self.done = False
 
-    def delta(self, output: Any) -> dict | None:
+    def delta(self, output: RequestOutput) -> dict | None:
         """The choice's part of the next chunk, or None when it has nothing new to send yet."""
         gen = self.gen
         reason = finish_reason(gen, output)
@@ -75,7 +77,7 @@ class _ChoiceStream:
         return body
 
 
-async def stream_events(state: Any, gen: Generation, group: RequestGroup, started: float) -> AsyncIterator[str]:
+async def stream_events(state: ServerState, gen: Generation, group: RequestGroup, started: float) -> AsyncIterator[str]:
     """The SSE body: each choice's new text as it comes, one choice a chunk, then usage, then ``[DONE]``."""
     created = int(time.time())
     object_name = "chat.completion.chunk" if gen.endpoint == "chat" else "text_completion"

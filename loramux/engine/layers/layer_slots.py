@@ -1,7 +1,7 @@
 """`LayerSlots`: one wrapped layer's part of the adapter weight pool, the GPU memory of its adapters.
 
 Every resident adapter's weights share one pool of rank rows per layer (S-LoRA's unified paging,
-`loramux.engine.rank_pool`), so a slot costs what its adapter's rank needs, not ``max_lora_rank``:
+`loramux.engine.adapters.rank_pool`), so a slot costs what its adapter's rank needs, not ``max_lora_rank``:
 
     lora_a       [U, n_slices, in]       rank row j of slice i of a slot at [start + j, i]
                                          (slice-major in memory: a view of [n_slices, U, in])
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from loramux.engine.rank_pool import RankPool
+from loramux.engine.adapters.rank_pool import RankPool
 from loramux.kernels.pool import pool_rows
 
 __all__ = ["LayerSlots"]

@@ -30,7 +30,7 @@ class LinearWithLoRA(BaseLayerWithLoRA):
     """`nn.Linear` (weight ``[out, in]``) with one LoRA per slot.
 
     A fused layer that declares ``loramux_slices`` (``((module_name, width), ...)``, as
-    :func:`loramux.engine.siblings.fuse_siblings` does) gets one slice per original module, so
+    :func:`loramux.engine.worker.siblings.fuse_siblings` does) gets one slice per original module, so
     adapters trained on the separate projections fill its slices.
 
     The base layer may be an FP8 `Fp8Linear`: it takes and returns activations in its

@@ -47,7 +47,7 @@ def delta_beside_base(device: torch.device | str) -> bool:
 
 def side_stream(device: torch.device | str) -> torch.cuda.Stream:
     """The side stream of CUDA ``device`` (its current device when it names no index), made on
-    first use: by the warm-up run `loramux.engine.cuda_graphs` makes before each capture, so a
+    first use: by the warm-up run `loramux.engine.worker.cuda_graphs` makes before each capture, so a
     capture finds it made."""
     device = torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()

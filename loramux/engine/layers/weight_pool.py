@@ -8,7 +8,7 @@ every layer at once (`write`: `loramux.engine.layers.write_plan` computes the wr
 `loramux.engine.layers.slot_copy` runs it), clears a slot (`clear`), answers whether an
 adapter's rows fit (`footprint`, `fits`, `fits_keeping`), and splits an adapter for the ranks of a
 tensor-parallel model (`shard`). Which adapter sits in which slot, and which to evict, is the
-model manager's (`loramux.engine.lora_model`); the pool holds no adapter, only their weights.
+model manager's (`loramux.engine.adapters.lora_model`); the pool holds no adapter, only their weights.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ kernels cannot compute in already), and a dry run on a tiny input (``example_inp
 
 A kind of layer (its classes, sizes, dtype, device and routes) is run once per process. A failure
 raises `LayerContractError`, whose message names the wrapper and whose ``fix`` says what to
-change; `loramux.plugins.layers.create_lora_layer` reports it naming the plugin and asks the next
+change; `loramux.plugins.layers.layer_from_plugins` reports it naming the plugin and asks the next
 plugin for the layer. The run uses the layer's device and kernels; the pool and the mapping it
 makes are dropped afterwards.
 """

@@ -12,7 +12,7 @@ The modeling code runs unchanged on a shard: Llama-style attention reshapes its 
 reads the head counts from the tensors. The config's head counts are divided afterwards, so the
 paged KV cache of a rank holds its key/value heads only.
 
-Sharding runs before :func:`~loramux.engine.siblings.fuse_siblings` (each rank fuses its own
+Sharding runs before :func:`~loramux.engine.worker.siblings.fuse_siblings` (each rank fuses its own
 q/k/v heads and gate/up rows into one GEMM) and before LoRA wraps the layers. Each shard carries
 ``loramux_tp`` (a `ShardSpec`), which the LoRA wrappers read to shard adapters the same way
 (S-LoRA): column layers keep A whole and their rows of B, row layers their columns of A and B

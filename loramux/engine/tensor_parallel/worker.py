@@ -18,7 +18,7 @@ import traceback
 import torch
 
 from loramux.engine.config import EngineConfig
-from loramux.engine.lora_model import LoRAModelManager
+from loramux.engine.adapters.lora_model import LoRAModelManager
 
 __all__ = ["WorkerLoRAManager", "run_worker"]
 
@@ -90,7 +90,7 @@ class WorkerLoRAManager(LoRAModelManager):
 def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, conn) -> None:
     """The worker process's entry point (see the module docstring)."""
     from loramux.engine.engine_setup import build_engine_setup
-    from loramux.engine.model_runner import ModelRunner
+    from loramux.engine.worker.model_runner import ModelRunner
     from loramux.engine.tensor_parallel.group import destroy_group, init_group, rank_device
 
     answers = Answers(conn)
@@ -99,13 +99,8 @@ def run_worker(rank: int, size: int, init_method: str, config: EngineConfig, con
         if device.type == "cpu":  # the ranks share the host's cores: oversubscribed, they spin-wait
             torch.set_num_threads(max(1, torch.get_num_threads() // size))
         init_group(init_method, rank, size, rank_device(device, rank, size))
-        setup = build_engine_setup(config, tp_rank=rank)
-        runner = ModelRunner(
-            setup.model, sampler=None, lora_manager=setup.lora_manager, block_size=setup.block_size,
-            max_num_batched_tokens=setup.max_num_batched_tokens, max_num_seqs=setup.max_num_seqs,
-            max_model_len=setup.max_model_len, enforce_eager=config.enforce_eager, compilation=config.compilation,
-            max_graph_tokens=config.max_graph_tokens, cuda_graph_sizes=config.cuda_graph_sizes,
-        )
+        setup = build_engine_setup(config, tp_rank=rank, worker_manager_class=WorkerLoRAManager)
+        runner = ModelRunner(config, setup.model, sampler=None, lora_manager=setup.lora_manager)
         answers.send("ready")
         _serve(runner, setup.lora_manager, conn, answers)
     except BaseException:  # noqa: BLE001 -- the driver gets the traceback, then this process exits

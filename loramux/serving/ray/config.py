@@ -8,85 +8,12 @@ every ``loramux serve`` option by its long name with underscores (``max_cpu_lora
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Any
 
+from loramux.serving.ray.options import RAY_SETTINGS, RayConfig
+from loramux.serving.ray.serve_args import NOT_SETTINGS, parse_serve_args
+
 __all__ = ["RAY_SETTINGS", "build_application", "parse_serve_args"]
-
-# Settings that shape the Ray deployments rather than each replica's engine.
-RAY_SETTINGS = {
-    "num_replicas": "replicas of the engine (default 1; a config file's deployments: section may "
-                    "set autoscaling_config instead)",
-    "replica_num_cpus": "CPUs Ray reserves per replica (default 1)",
-    "replica_num_gpus": "GPUs Ray reserves per replica (default 1 if the cluster has GPUs, else 0)",
-    "max_ongoing_requests": "requests a replica takes at once before Ray routes elsewhere "
-                            "(default: max_num_seqs, or 16)",
-    "adapter_affinity": "route a request to a replica holding its adapter (default true)",
-}
-_NOT_SETTINGS = {"func", "command", "ray", "ray_address", "host", "port"}  # the CLI's, not the app's
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # a config file's mistake is an error, not an exit
-        raise ValueError(message)
-
-
-def _serve_parser() -> argparse.ArgumentParser:
-    from loramux.cli import add_resolver_arguments
-    from loramux.serving.options import add_serve_arguments
-
-    parser = _Parser(prog="loramux serve")
-    add_serve_arguments(parser)
-    add_resolver_arguments(parser)
-    return parser
-
-
-def _lora_module(value: Any) -> tuple[str, str, str | None]:
-    from loramux.serving.options import parse_lora_module
-
-    if isinstance(value, (tuple, list)) and len(value) in (2, 3):
-        return (str(value[0]), str(value[1]), value[2] if len(value) == 3 else None)
-    text = json.dumps(value) if isinstance(value, dict) else value
-    if not isinstance(text, str):
-        raise ValueError(f"lora_modules: {value!r} is not NAME=PATH nor {{name: ..., path: ...}}")
-    try:
-        return parse_lora_module(text)
-    except argparse.ArgumentTypeError as error:
-        raise ValueError(str(error)) from None
-
-
-def parse_serve_args(settings: dict[str, Any]) -> argparse.Namespace:
-    """The ``loramux serve`` options ``settings`` gives, the rest at their defaults.
-
-    :raises ValueError: for a name that is no ``loramux serve`` option (the message lists them).
-    """
-    args = _serve_parser().parse_args([])
-    known = set(vars(args))
-    for name, value in settings.items():
-        if name in RAY_SETTINGS or name in _NOT_SETTINGS:
-            continue
-        if name not in known:
-            options = ", ".join(sorted(known - _NOT_SETTINGS - set(RAY_SETTINGS)))
-            raise ValueError(f"unknown loramux setting {name!r}; the settings are the `loramux serve` options "
-                             f"with underscores: {options}, and the Ray ones: {', '.join(RAY_SETTINGS)}")
-        if name == "lora_modules":
-            value = [_lora_module(item) for item in (value or [])]
-        elif name in ("served_model_name", "lora_resolver") and isinstance(value, str):
-            value = [value]
-        setattr(args, name, value)
-    return args
-
-
-def _positive(settings: dict[str, Any], name: str, default: float, kind: type = int) -> Any:
-    value = settings.get(name, default)
-    if value is None:
-        return default
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not number or value < 0 or (kind is int and value != int(value)):
-        raise ValueError(f"{name} must be a {'whole ' if kind is int else ''}number of at least 0, got {value!r}")
-    return kind(value)
-
 
 def build_application(args: dict[str, Any]) -> Any:
     """The Ray Serve application (an ingress bound to the replicas) for these settings.
@@ -102,14 +29,14 @@ def build_application(args: dict[str, Any]) -> Any:
 
     settings = dict(args or {})
     serve_args = parse_serve_args(settings)  # fail here, not in every replica
-    replica_settings = {k: v for k, v in settings.items() if k not in RAY_SETTINGS and k not in _NOT_SETTINGS}
-    num_replicas = _positive(settings, "num_replicas", 1)
-    if num_replicas < 1:
-        raise ValueError("num_replicas must be at least 1")
+    replica_settings = {k: v for k, v in settings.items() if k not in RAY_SETTINGS and k not in NOT_SETTINGS}
+    deployment = RayConfig(**{k: v for k, v in settings.items() if k in RAY_SETTINGS and v is not None})
     has_gpus = ray.is_initialized() and ray.cluster_resources().get("GPU", 0) > 0
-    actor_options = {"num_cpus": _positive(settings, "replica_num_cpus", 1, float),
-                     "num_gpus": _positive(settings, "replica_num_gpus", 1 if has_gpus else 0, float)}
-    max_ongoing = _positive(settings, "max_ongoing_requests", serve_args.max_num_seqs or 16)
+    num_replicas = deployment.num_replicas
+    actor_options = {"num_cpus": float(deployment.replica_num_cpus),
+                     "num_gpus": float(1 if has_gpus else 0) if deployment.replica_num_gpus is None
+                     else float(deployment.replica_num_gpus)}
+    max_ongoing = int(deployment.max_ongoing_requests or serve_args.max_num_seqs or 16)
 
     directory = None
     if serve_args.allow_runtime_lora_updating:
@@ -122,4 +49,4 @@ def build_application(args: dict[str, Any]) -> Any:
     ).bind(replica_settings, directory)
     return serve.deployment(LoramuxIngress, name="LoramuxIngress", ray_actor_options={"num_cpus": 0},
                             max_ongoing_requests=max(1000, 4 * max_ongoing * num_replicas),
-                            ).bind(replicas, bool(settings.get("adapter_affinity", True)))
+                            ).bind(replicas, bool(deployment.adapter_affinity))

@@ -20,16 +20,17 @@ APP_NAME = "loramux"
 
 def settings_from_args(args: argparse.Namespace) -> dict:
     """The application settings (``build_application``'s ``args``) the CLI flags give."""
-    from loramux.serving.ray.config import RAY_SETTINGS, _NOT_SETTINGS
+    from loramux.serving.ray.serve_args import NOT_SETTINGS
+    from loramux.serving.ray.options import RAY_SETTINGS
 
     defaults = vars(_default_args())
     settings = {name: value for name, value in vars(args).items()
-                if name not in _NOT_SETTINGS and (name in RAY_SETTINGS or value != defaults.get(name))}
+                if name not in NOT_SETTINGS and (name in RAY_SETTINGS or value != defaults.get(name))}
     return {name: value for name, value in settings.items() if value is not None}
 
 
 def _default_args() -> argparse.Namespace:
-    from loramux.serving.ray.config import parse_serve_args
+    from loramux.serving.ray.serve_args import parse_serve_args
 
     return parse_serve_args({})
 
@@ -39,12 +40,14 @@ def check_ray_flags(args: argparse.Namespace) -> None:
 
     :raises ValueError: naming the Ray flags given without ``--ray``.
     """
-    given = [flag for flag, value, default in (
-        ("--num-replicas", getattr(args, "num_replicas", 1), 1),
-        ("--ray-address", getattr(args, "ray_address", None), None),
-        ("--replica-num-cpus", getattr(args, "replica_num_cpus", 1), 1),
-        ("--replica-num-gpus", getattr(args, "replica_num_gpus", None), None)) if value != default]
-    if given and not getattr(args, "ray", False):
+    from loramux.flags import option_names
+    from loramux.serving.ray.options import RayConfig
+
+    defaults = RayConfig.defaults()
+    given = [name for field, name in option_names(RayConfig).items() if getattr(args, field) != defaults[field]]
+    if args.ray_address is not None:
+        given.append("--ray-address")
+    if given and not args.ray:
         raise ValueError(f"{', '.join(given)} only apply with --ray (replicas on a Ray cluster); add --ray, "
                          "or leave them out")
 

@@ -34,7 +34,7 @@ COLD_LOAD_HEADER = "x-loramux-cold-load"  # "1": the adapter was not in that rep
 class LoramuxReplica:
     """A Ray Serve deployment class (``serve.deployment(LoramuxReplica)``): one engine, one app.
 
-    :param serve_args: the ``loramux serve`` settings (see :func:`loramux.serving.ray.config.parse_serve_args`).
+    :param serve_args: the ``loramux serve`` settings (see :func:`loramux.serving.ray.serve_args.parse_serve_args`).
     :param directory: a handle to the ``AdapterDirectory`` deployment (runtime loads and unloads),
         or None when runtime loading is off.
     """
@@ -44,7 +44,7 @@ class LoramuxReplica:
         from ray import serve
 
         from loramux.serving.app import build_app
-        from loramux.serving.ray.config import parse_serve_args
+        from loramux.serving.ray.serve_args import parse_serve_args
         from loramux.serving.server import build_engine, configure_logging, describe
 
         configure_logging()
@@ -59,8 +59,8 @@ class LoramuxReplica:
         describe(self.engine, self.config)
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
-        cache = getattr(getattr(self.engine, "registry", None), "cache", None)
-        self.cpu_tier_size = cache.max_loras if cache is not None else 1
+        cpu = self.engine.tier_stats().get("cpu")
+        self.cpu_tier_size = cpu.max_adapters if cpu is not None else 1
 
         async def hold_adapter(name: str) -> str:  # the engine loads it; this only tells Ray it is here
             return name
@@ -140,8 +140,8 @@ class LoramuxReplica:
                            change.name, status, detail)
 
     def _cpu_tier(self) -> list[str]:
-        cache = getattr(getattr(self.engine, "registry", None), "cache", None)
-        return cache.names() if cache is not None else []
+        cpu = self.engine.tier_stats().get("cpu")
+        return cpu.resident if cpu is not None else []
 
     def __del__(self) -> None:  # Ray Serve calls it when it stops the replica
         state = getattr(getattr(getattr(self, "app", None), "state", None), "loramux", None)
