@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_llama, setenv
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.worker import kernel_warmup
-from loramux.engine.worker.kernel_warmup import LoRAModuleShape, WarmupStep, plan_warmup, warm_up_kernels
+from loramux.engine.worker.kernel_warmup import LoRAModuleShape, WarmupStep, plan_warmup, run_warmup, warm_up_kernels
 from loramux.engine.layers import BaseLayerWithLoRA
 from loramux.engine.llm_engine import LLMEngine
 from loramux.kernels import attention, build_lora_meta, expand, shrink
@@ -180,6 +180,19 @@ def test_warm_up_on_an_engine_that_wraps_some_projections_only(engine_adapters):
     assert warm_up_kernels(eng.runner) > 1  # the runner calls it on CUDA only; the CPU path runs the same steps
     assert eng.lora_manager.resident() == []
     assert greedy(eng, lora) == expected
+
+
+def test_with_no_step_to_warm_the_slot_write_still_builds_its_kernel(monkeypatch):
+    """When graphs serve every step the plan is empty, and the zero adapter's slot write is what
+    builds the copy kernel each later slot write launches: it is still written and left."""
+    eng = engine()
+    manager = eng.lora_manager
+    written = []
+    real_activate = manager.activate
+    monkeypatch.setattr(manager, "activate", lambda adapter: written.append(adapter.name) or real_activate(adapter))
+    monkeypatch.setattr(eng.runner, "_model_forward", lambda *a: pytest.fail("no step is planned"))
+    assert run_warmup(eng.runner, []) == 0
+    assert written == [kernel_warmup.WARMUP_ADAPTER] and manager.resident() == []
 
 
 def test_warm_up_can_be_switched_off(monkeypatch):

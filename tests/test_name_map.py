@@ -12,9 +12,10 @@ import random
 
 import pytest
 
-from loramux.registry import LoRAConfig, Registry
-from loramux.resolvers import FilesystemResolver
-from loramux.serving.adapters import AdapterBook
+pytest.importorskip("fastapi", reason="the serve extras are not installed: pip install -e .[serve,test]")
+from loramux.registry import LoRAConfig, Registry  # noqa: E402
+from loramux.resolvers import FilesystemResolver  # noqa: E402
+from loramux.serving.adapters import AdapterBook  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("clean_plugin_env")
 

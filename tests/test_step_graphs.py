@@ -58,7 +58,7 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter, big_
 
     eager_logits = []
     sample = runner._sample
-    runner._sample = lambda seqs, logits: eager_logits.append(logits.clone()) or sample(seqs, logits)
+    runner._sample = lambda seqs, logits, ranks_ran: eager_logits.append(logits.clone()) or sample(seqs, logits, ranks_ran)
     run = runner.execute_model
     seen = {"mixed": 0, "unsampled chunk": 0, "lora": 0, "padded": 0}
     if big_gemms:

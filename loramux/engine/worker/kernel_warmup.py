@@ -236,7 +236,9 @@ def run_warmup(runner: ModelRunner, plan: list[WarmupStep]) -> int:
     slot for the steps with LoRA; returns how many ran."""
     manager = runner.lora_manager
     counters = dataclasses.asdict(manager.stats) if manager is not None else {}
-    slot = _hold_zero_adapter(manager) if manager is not None and any(step.lora for step in plan) else None
+    # held even when no step runs on it: its slot write builds the copy kernel every slot write
+    # launches (`loramux.kernels.block_copy`), which nothing else builds before serving
+    slot = _hold_zero_adapter(manager) if manager is not None else None
     try:
         if runner.device.type == "cuda" and runner.workers is None:
             # a sharded step needs every rank; the workers compile their kernels as it runs
