@@ -165,11 +165,6 @@ def bind_adapters(engine: LLMEngine, adapters) -> list[LoRARequest]:
 
 def close(engine: LLMEngine) -> None:
     engine.close()
-    release_device_memory()
-
-
-def release_device_memory() -> None:
-    """Give the device what the engines closed and no longer referenced held."""
     gc.collect()
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
@@ -287,24 +282,6 @@ def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
     return {"rounds": rounds, "summary": summary}
 
 
-def qv_engine_runs(args, model, prompts, rank: int, record) -> None:
-    """q/v adapters on an engine told its fleet targets q/v only (``lora_target_modules``): it wraps
-    the fused qkv projection alone, where the default engine wraps all seven."""
-    config, device, dtype = model.config, next(model.parameters()).device, next(model.parameters()).dtype
-    most = max(args.adapters)
-    adapters = [random_adapter(config, f"qv-engine-r{rank}-{i}", rank, QV, 5000 + i, device, dtype) for i in range(most)]
-    engine = LLMEngine(model, enable_lora=True, max_loras=most, max_lora_rank=rank, max_cpu_loras=most + 1,
-                       lora_target_modules=list(QV), **engine_options(args))
-    requests = bind_adapters(engine, adapters)
-    warm_up(engine, [None])
-    run_workload(engine, prompts, [None] * len(prompts), min(args.output_len, 16))  # first-use costs
-    for n in (1, most):
-        warm_up(engine, requests[:n])
-        record({"scenario": scenario(n, "q/v, engine wraps q/v only"), "rank": rank, "adapters": n,
-                **run_workload(engine, prompts, in_turn(requests, n, len(prompts)), args.output_len)}, adapters[:n])
-    close(engine)
-
-
 def peft_run(args, model, prompts, rank: int, n: int, device) -> dict:
     """PEFT's mixed batch: ``generate(adapter_names=...)`` with ``n`` random adapters."""
     from peft import LoraConfig, get_peft_model
@@ -338,8 +315,7 @@ def peft_run(args, model, prompts, rank: int, n: int, device) -> dict:
 
 
 def per_rank_bytes(config, dtype: torch.dtype, tp: int, adapter_bytes: int, fp8: bool = False) -> int:
-    """Bytes of weights and adapters one rank reads per decode step (the KV is added per run): its
-    shard of the projections (one byte a weight in FP8), the embeddings and LM head whole."""
+    """Bytes of weights (projections sharded) and adapters one rank reads per decode step."""
     c = config.get_text_config()
     projections = sum(i * o for i, o in projection_shapes(config).values()) * c.num_hidden_layers
     embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
@@ -347,17 +323,15 @@ def per_rank_bytes(config, dtype: torch.dtype, tp: int, adapter_bytes: int, fp8:
 
 
 def compare_runs(args, variants: dict[str, dict]) -> dict:
-    """Engines side by side in one run, each built from the config with random weights (under
-    tensor parallelism each rank builds only its share) and given its ``variants`` options, each
-    serving the batch with 0, 1 and 32 adapters (rank ``--ranks``' first, all seven projections).
-    The floor: the bytes one rank reads (its shard of the projections, in FP8 one byte each, the
-    embeddings and LM head, its part of the adapters and of the KV) over the copy bandwidth of GPU
-    0. The targets: each variant's step over the first's, LoRA's extra step cost in percent in each,
-    and what each holds in weights and KV blocks (rank 0's)."""
+    """Engines side by side, one per ``variants`` options (random weights from the config), each
+    serving the batch with 0, 1 and 32 adapters of the first ``--ranks`` on all seven projections;
+    each step against the bytes one rank reads over GPU 0's copy bandwidth; the targets: each
+    variant's step over the first's, LoRA's extra cost in each, rank 0's weights and KV blocks."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda:0" if cuda else "cpu")
     bandwidth = copy_bandwidth(device)
-    release_device_memory()
+    gc.collect()
+    torch.cuda.empty_cache() if cuda else None
     config = dummy_config(args.model)
     dtype = getattr(torch, args.dtype)
     rank, vocab = args.ranks[0], config.get_text_config().vocab_size
@@ -390,9 +364,8 @@ def compare_runs(args, variants: dict[str, dict]) -> dict:
                 run["vs_floor"] = run["decode_step_ms"] / run["floor_ms"]
             result["runs"].append(run)
             print(f"  {run['scenario']}: {run['tokens_per_s']:.1f} tok/s, step {run['decode_step_ms'] or 0:.2f} ms", flush=True)
-        engine.close()
-        del engine  # before the next engine sizes its KV cache from the memory left: these weights go now
-        release_device_memory()
+        close(engine)
+        del engine  # its weights go before the next engine sizes its KV cache from the memory left
     step = {(r["variant"], r["adapters"]): r["decode_step_ms"] for r in result["runs"]}
     first, *others = variants
     extra = {f"{label}, {n} adapters": stats.ratio(step[label, n], step[label, 0])
@@ -430,8 +403,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--no-async-scheduling", action="store_true")
     parser.add_argument("--only", choices=["base", "lora", "all"], default="all")
-    parser.add_argument("--qv-engine", action="store_true",
-                        help="also q/v adapters on an engine that wraps q/v only (lora_target_modules)")
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="measure TP=1 and TP=N instead (0, 1 and 32 adapters)")
     parser.add_argument("-q", "--quantization", choices=["fp8"], default=None,
@@ -513,8 +484,6 @@ def main(argv=None) -> Path:
         for index, rank in enumerate(args.ranks):  # a fresh, unwrapped model for each LoRA engine
             lora_runs(args, fresh_model() if index or args.only == "all" else model, prompts, rank, record,
                       record_flow, result)
-        if args.qv_engine:
-            qv_engine_runs(args, fresh_model(), prompts, args.ranks[0], record)
     if args.peft_adapters:
         peft = peft_run(args, fresh_model(), prompts, args.ranks[0], args.peft_adapters, device)
         ours = next((r for r in result["runs"] if r["rank"] == args.ranks[0] and r["adapters"] == args.peft_adapters
@@ -575,7 +544,6 @@ def markdown(result: dict) -> str:
 
 
 def compare_markdown(result: dict) -> str:
-    """Engines side by side (`compare_runs`): each run against its floor, then the targets and memory."""
     lines = [f"{result['model']} ({result['dtype']}), {result['mode']}; {result['num_requests']} requests x "
              f"({result['prompt_len']} prompt + {result['output_len']} generated) tokens; adapters of rank "
              f"{result['lora_rank']} on all seven projections", "",

@@ -15,11 +15,10 @@ queue, even when a single row frees at a time. Sequences without an API request 
 own (first come first served, as ``LLM.generate`` adds them).
 
 A step that several API requests share carries at most ``max_shared_prefill_tokens`` prompt
-tokens beside its decodes. On a CPU a step's time grows with its tokens from the first (the
-embedded model on the project's busy 2-core machine: a decode step takes 0.125 s alone, 0.2 s
-beside 16 prompt tokens, 0.4 s beside 56), so a request decoding beside another's prompts would
-take their time too; the CPU's default is 16. On a GPU a step carries thousands of tokens for
-about the time of one, and the default is no bound.
+tokens beside its decodes. On a CPU a step's time grows with every token it carries, so a request
+decoding beside another's prompts would take their time too: the CPU's default (16) keeps a
+shared step within a small multiple of a lone decode. On a GPU a step carries thousands of tokens
+for about the time of one, and the default is no bound.
 
 KV blocks: admission is by free blocks, not by rows. When a decoding sequence needs a new block
 and none is free, the newest running sequence is preempted: its blocks are freed and it goes back
