@@ -71,6 +71,26 @@ def test_with_block_closes_and_a_closed_engine_refuses_work_clearly(make_adapter
         llm.llm_engine.step()
 
 
+def test_closing_frees_the_weights_of_a_model_the_engine_loaded_and_leaves_a_given_one(tmp_path):
+    """A closed engine the caller still holds keeps no weights of a model it loaded (the next
+    engine sizes its KV cache from what is free); a model passed in is its owner's, untouched."""
+    from conftest import char_tokenizer
+
+    tiny_llama().save_pretrained(tmp_path)
+    char_tokenizer().save_pretrained(tmp_path)
+    with LLM(str(tmp_path), max_num_seqs=2, max_model_len=32) as loaded:
+        loaded.generate([{"prompt_token_ids": [3, 4]}], PARAMS, use_tqdm=False)
+        model = loaded.llm_engine.model
+        assert sum(p.numel() for p in model.parameters()) > 0
+    assert sum(t.numel() for t in [*model.parameters(), *model.buffers()]) == 0
+    given = tiny_llama()
+    numel, embeddings = sum(p.numel() for p in given.parameters()), given.get_input_embeddings().weight.clone()
+    with LLM(given, enable_lora=False, max_num_seqs=2, max_model_len=32) as llm:
+        llm.generate([{"prompt_token_ids": [3, 4]}], PARAMS, use_tqdm=False)
+    # its owner's, whole (the engine fused its sibling projections in place: the same weights)
+    assert sum(p.numel() for p in given.parameters()) == numel and given.get_input_embeddings().weight.equal(embeddings)
+
+
 def test_closing_mid_generation_fails_the_caller_and_leaves_no_thread(make_adapter):
     adapter = make_adapter("a")
     llm = LLM(tiny_llama(), max_loras=2, max_lora_rank=8, max_num_seqs=4, max_model_len=64)

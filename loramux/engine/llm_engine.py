@@ -77,6 +77,7 @@ class LLMEngine:
                 f"not both (got config and {', '.join(['model'] * (model is not None) + list(kwargs))})"
             )
         self.config = config
+        owns_model = not isinstance(config.model, torch.nn.Module)  # a model passed in stays its owner's
         self.workers = None  # tensor parallelism: ranks 1..N-1, building their shards beside ours
         if torch.cuda.is_available() and str(config.device or "cuda").startswith("cuda"):
             gc.collect()  # an engine dropped before this one may hold device memory in reference cycles
@@ -134,7 +135,8 @@ class LLMEngine:
         # close() and garbage collection alike stop the loads and the workers and give the device
         # memory back; the finalizer holds the parts, not the engine, so `del engine` runs it
         self._closer = weakref.finalize(self, _close_parts, self.runner, self.adapters, self.structured_outputs,
-                                       self.workers, setup.registry if setup.registry_validates else None)
+                                       self.workers, setup.registry if setup.registry_validates else None,
+                                       owns_model)
         for request in setup.lora_modules:
             self.add_lora(request)
         prepare_process_for_serving(freeze_gc=config.device.type == "cuda")  # the engine serves from now on
@@ -524,15 +526,15 @@ class LLMEngine:
 
 
 def _close_parts(runner: ModelRunner, adapters: AdapterLifecycle | None, structured: StructuredOutputs,
-                 workers, own_registry: Registry | None) -> None:
-    """Close an engine's parts (its finalizer: it must not hold the engine itself), and the
-    registry it built (one it was given carries on)."""
+                 workers, own_registry: Registry | None, owns_model: bool) -> None:
+    """Close an engine's parts (its finalizer: it must not hold the engine itself), the registry
+    it built (one it was given carries on) and, when it loaded the model, the model's weights."""
     if adapters is not None:
         adapters.close()
     if own_registry is not None:
         own_registry.close()
     structured.close()
-    runner.close()
+    runner.close(release_weights=owns_model)
     if workers is not None:
         workers.shutdown()
     release_frozen_heap()

@@ -21,6 +21,7 @@ runs everything eagerly; ``compilation=False`` keeps the graphs without compilin
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -260,10 +261,15 @@ class ModelRunner:
         self.startup_seconds["warmup"] = time.perf_counter() - started
         logger.info("warmed up the Triton kernels with %d steps in %.1f s", steps, self.startup_seconds["warmup"])
 
-    def close(self) -> None:
-        """Give the step graphs and the KV cache back (the engine closes)."""
+    def close(self, *, release_weights: bool = False) -> None:
+        """Give the step graphs and the KV cache back (the engine closes); with ``release_weights``
+        the model's weights too, in place: a closed engine's model is still referenced (by the
+        engine a caller holds, its LoRA layers), and its memory must go to the next engine."""
         self.graphs = None
         self.kv = None
+        if release_weights:
+            for tensor in itertools.chain(self.model.parameters(), self.model.buffers()):
+                tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
 
     @property
     def graph_steps(self) -> int:
