@@ -319,8 +319,8 @@ class LLMEngine:
         """Run one step: schedule -> execute -> update; return the requests that got a token or
         finished in it.
 
-        With async scheduling (the default) a step launches its GPU
-        work and then reads back the tokens of the step launched before it, so the host work
+        With async scheduling (the default) a step launches its GPU work and then reads back the
+        tokens of the step launched before it, so the host work
         between two steps (these tokens' bookkeeping, copying queued adapters into GPU slots,
         scheduling and building the next inputs) runs while the GPU computes: the tokens a call
         returns are those of the previous launch, and a request whose adapter this call copies
