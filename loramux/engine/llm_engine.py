@@ -25,19 +25,19 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import torch
 
 from loramux.engine.adapters.lifecycle import AdapterLifecycle
 from loramux.engine.core.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
-from loramux.engine.core.detokenizer import IncrementalDetokenizer
 from loramux.engine.core.events import AdapterEvent
 from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
 from loramux.engine.core.instrumentation import StepClock, StepListener
 from loramux.engine.worker.model_runner import LaunchedStep, ModelRunner
 from loramux.engine.core.outputs import RequestOutput
+from loramux.engine.core.requests import PromptType, RequestProcessor
 from loramux.engine.worker.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from loramux.engine.core.scheduler import Scheduler
@@ -52,10 +52,6 @@ from loramux.registry.page_locked_arena import PageLockedArena
 __all__ = ["LLMEngine", "PromptType"]
 
 logger = logging.getLogger(__name__)
-
-# "text", or {"prompt_token_ids": [...]} (optionally with "prompt"), or {"prompt": "text"}; a dict
-# may hold a "cache_salt": its prefix-cache blocks are shared only with prompts of the same salt
-PromptType = str | Mapping
 
 
 class LLMEngine:
@@ -127,6 +123,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.block_manager, adapters=self.adapters, eos_token_ids=setup.eos_token_ids)
         self.structured_outputs = StructuredOutputs(setup.tokenizer, self.vocab_size, setup.eos_token_ids,
                                                     config.structured_output_limits)
+        self.processor = RequestProcessor(
+            tokenizer=setup.tokenizer, vocab_size=self.vocab_size, max_model_len=config.max_model_len,
+            lora_enabled=setup.lora_manager is not None, structured_outputs=self.structured_outputs,
+            device=config.device, model_name=self.model_name)
         self.async_scheduling = config.async_scheduling
         self._in_flight: LaunchedStep | None = None  # launched, its tokens not read back yet
         self._inbox: deque[tuple[str, object]] = deque()
@@ -178,60 +178,8 @@ class LLMEngine:
             disabled, or ``params.n > 1`` (one request is one sample).
         """
         self._check_open()
-        params = params or SamplingParams()
-        if params.n != 1:
-            raise ValueError(f"request {request_id!r}: SamplingParams.n={params.n}; an engine request is one "
-                             "sample: add one request per sample (params.for_sample(i)), or use LLM.generate")
-        text, token_ids = self._tokenize(prompt)
-        if not token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:  # caught here: inside step() it would fail the whole batch
-            raise ValueError(
-                f"request {request_id!r}: token id {bad} is outside the vocabulary "
-                f"(0 to {self.vocab_size - 1})"
-            )
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: the prompt has {len(token_ids)} tokens; max_model_len="
-                f"{self.max_model_len} leaves no room to generate. Shorten it or raise max_model_len."
-            )
-        if lora_request is not None and self.lora_manager is None:
-            raise ValueError(
-                f"request {request_id!r} asks for adapter {lora_request.lora_name!r} but LoRA is "
-                "disabled; build the engine with enable_lora=True."
-            )
-        if (params.stop_strings or params.include_stop_str_in_output) and self.tokenizer is None:
-            raise ValueError(f"request {request_id!r}: stop strings need a tokenizer, and this model has none")
-        for name in ("logit_bias", "allowed_token_ids"):
-            bad = next((t for t in getattr(params, name) or () if t >= self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"request {request_id!r}: {name} names token id {bad}, outside the vocabulary "
-                                 f"(0 to {self.vocab_size - 1})")
-        grammar = None if params.structured_outputs is None else self.structured_outputs.new_state(
-            params.structured_outputs)  # raises UnsupportedStructuredOutput (a ValueError) naming the feature
-        seq = Sequence(
-            request_id=str(request_id),
-            prompt=text,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival=next(self._arrivals),
-            lora_request=lora_request,
-            api_request_id=api_request_id,
-            grammar=grammar,
-            request_salt=self._cache_salt(request_id, prompt),
-        )
-        seq.salt_with(None)  # its adapter's digest joins once the adapter is resolved
-        if self.tokenizer is not None and params.detokenize:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer,
-                token_ids,
-                skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop_strings,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-            )
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        seq = self.processor.sequence(str(request_id), prompt, params or SamplingParams(), lora_request, api_request_id,
+                                     next(self._arrivals))
         with self._lock:
             if seq.request_id in self._requests:
                 raise ValueError(f"request id {seq.request_id!r} is already in use")
@@ -291,27 +239,6 @@ class LLMEngine:
         :raises UnsupportedStructuredOutput: the format is not supported or over a limit.
         """
         self.structured_outputs.compile(spec)
-
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError(
-                    f"model {self.model_name!r} has no tokenizer: give prompts as {{'prompt_token_ids': [...]}}"
-                )
-            return prompt, list(self.tokenizer(prompt).input_ids)
-        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, Mapping) and "prompt" in prompt:
-            return self._tokenize(prompt["prompt"])
-        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
-
-    @staticmethod
-    def _cache_salt(request_id: str, prompt: PromptType) -> str | None:
-        """A prompt's ``cache_salt`` (vLLM's: ``{"prompt": ..., "cache_salt": "..."}``), or None."""
-        salt = prompt.get("cache_salt") if isinstance(prompt, Mapping) else None
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError(f"request {request_id!r}: cache_salt: got {salt!r}; allowed: a non-empty string")
-        return salt
 
     # -- the loop ------------------------------------------------------------------------------
 
