@@ -365,7 +365,7 @@ def compare_runs(args, variants: dict[str, dict]) -> dict:
             result["runs"].append(run)
             print(f"  {run['scenario']}: {run['tokens_per_s']:.1f} tok/s, step {run['decode_step_ms'] or 0:.2f} ms", flush=True)
         close(engine)
-        del engine  # its weights go before the next engine sizes its KV cache from the memory left
+        del engine  # what closing leaves (its LoRA slot pools) goes before the next engine sizes its KV cache
     step = {(r["variant"], r["adapters"]): r["decode_step_ms"] for r in result["runs"]}
     first, *others = variants
     extra = {f"{label}, {n} adapters": stats.ratio(step[label, n], step[label, 0])

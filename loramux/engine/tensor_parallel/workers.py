@@ -127,7 +127,7 @@ class WorkerGroup:
         each worker answers once its device has run the call; returns the call's number, which
         `wait` takes (after this rank ran the same call). ``sampled``: the step samples that many
         tokens, which rank 0 then broadcasts (`share_sampled`) for the next step to read."""
-        self._send([pickle.dumps((method, args, kwargs, reply, sampled))] * len(self._conns))
+        self._send([_message(method, *args, reply=reply, sampled=sampled, **kwargs)] * len(self._conns))
         if reply:
             self._calls += 1
         return self._calls
@@ -139,11 +139,11 @@ class WorkerGroup:
         payloads = []
         for part in parts:
             own = {name: _owned(weights) for name, weights in part.items()}
-            payloads.append(pickle.dumps(("write_slot", (slot, own), {}, False, 0)))
+            payloads.append(_message("write_slot", slot, own))
         self._send(payloads)
 
     def clear_slot(self, slot: int) -> None:
-        self._send([pickle.dumps(("clear_slot", (slot,), {}, False, 0))] * len(self._conns))
+        self._send([_message("clear_slot", slot)] * len(self._conns))
 
     def _send(self, payloads: list[bytes]) -> None:
         with self._lock:
@@ -242,7 +242,7 @@ class WorkerGroup:
         failure, when they may be stuck in a collective) and leave the process group. Idempotent."""
         if self._error is not None:
             timeout = 0.0
-        message = pickle.dumps(("shutdown", (), {}, False, 0))
+        message = _message("shutdown")
         for conn in self._conns:
             try:
                 conn.send_bytes(message)
@@ -263,6 +263,11 @@ class WorkerGroup:
         if self._in_group:  # only ours: a later engine's group must outlive this one's finalizer
             self._in_group = False
             destroy_group(abort=lost)
+
+
+def _message(method: str, *args, reply: bool = False, sampled: int = 0, **kwargs) -> bytes:
+    """A call as a worker reads it (`worker._serve`): ``(method, args, kwargs, reply, sampled)``."""
+    return pickle.dumps((method, args, kwargs, reply, sampled))
 
 
 def _owned(weights):
