@@ -24,10 +24,10 @@ import torch
 from torch import nn
 
 from loramux.errors import QuantizationError
-from loramux.kernels.dispatch import fp8_linear
-from loramux.kernels.fp8_reference import FP8_DTYPE, quantize_per_token_ref
+from loramux.kernels.dispatch import fp8_linear, quantize_per_token
+from loramux.kernels.fp8_reference import FP8_DTYPE
 
-__all__ = ["Fp8Linear", "check_fp8_device", "quantizable", "quantize_model", "require_fp8_layers"]
+__all__ = ["Fp8Linear", "check_fp8_device", "quantizable", "quantize_model", "release_cached", "require_fp8_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +66,9 @@ class Fp8Linear(nn.Module):
         """``linear`` quantized, one scale per output channel, on ``device`` (default: its own).
         The quantization runs there, so a layer read into host memory reaches the GPU in FP8."""
         weight = linear.weight.to(device) if device is not None else linear.weight
-        weight_q, scale = quantize_per_token_ref(weight)  # an output channel is a row
+        # an output channel is a row; on CUDA one launch that allocates only its outputs, so the
+        # FP8 weight is never carved from a float32 temporary's freed memory (`release_cached`)
+        weight_q, scale = quantize_per_token(weight)
         bias = None if linear.bias is None else linear.bias.to(weight.device)
         return cls(weight_q, scale.view(-1), bias, linear.weight.dtype)
 
@@ -173,11 +175,22 @@ def quantize_model(model: nn.Module, device: torch.device | str | None = None) -
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, Fp8Linear.from_linear(module, device))
         quantized.append(name)
+        release_cached(device if device is not None else module.weight.device)
     if kept:
         logger.info("FP8: %d projections keep the model's dtype (a width not a multiple of %d): %s",
                     len(kept), FP8_ALIGNMENT, ", ".join(kept[:8]) + (" ..." if len(kept) > 8 else ""))
     require_fp8_layers(model)
     return quantized
+
+
+def release_cached(device: torch.device | str) -> None:
+    """Give the memory of weights just replaced back to the device (CUDA).
+
+    Without it the next layer's new weight is carved from the freed memory of the one replaced,
+    and the rest of that block stays reserved, so the KV cache, sized from the device's free
+    memory, would get only part of what a smaller weight frees."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def require_fp8_layers(model: nn.Module) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loramux.engine.quantization.fp8 import Fp8Linear
+from loramux.engine.quantization.fp8 import Fp8Linear, release_cached
 
 __all__ = ["SIBLING_GROUPS", "FusedSiblings", "SiblingSlice", "fuse_siblings"]
 
@@ -125,5 +125,7 @@ def fuse_siblings(model: nn.Module, groups: tuple[tuple[str, ...], ...] = SIBLIN
             group = FusedSiblings(linear, sizes)
             for index, name in enumerate(names):
                 setattr(parent, name, SiblingSlice(group, index))
+            del members, first
+            release_cached(linear.weight.device)  # the members' weights, freed: see `release_cached`
             fused_names.append(f"{prefix}{names[0]}.siblings.fused")
     return fused_names
