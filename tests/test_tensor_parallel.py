@@ -294,16 +294,17 @@ class TestOneSharedEngine:
 # -- two GPUs (NCCL), the same checks --------------------------------------------------------------
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+#: a fixed KV cache, so these engines run beside other tests instead of sizing it from free memory
+GPU_BLOCKS = dict(num_gpu_blocks_override=64)
 
 
 @pytest.mark.gpu
-@pytest.mark.whole_gpu  # its engines take the default share of both GPUs
 @two_gpus
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_gpu_tp2_greedy_equals_tp1(model_dir, engine_adapters, enforce_eager):
     outputs = []
     for tp in (1, 2):
-        engine = build(model_dir, tp, dtype=torch.float32, device="cuda", enforce_eager=enforce_eager)
+        engine = build(model_dir, tp, dtype=torch.float32, device="cuda", enforce_eager=enforce_eager, **GPU_BLOCKS)
         outputs.append(generate(engine, mixed(engine_adapters, "g")))
         if tp == 2 and not enforce_eager:
             assert engine.runner.graph_steps > 0  # the decode steps replayed graphs on both ranks
@@ -312,10 +313,9 @@ def test_gpu_tp2_greedy_equals_tp1(model_dir, engine_adapters, enforce_eager):
 
 
 @pytest.mark.gpu
-@pytest.mark.whole_gpu
 @two_gpus
 def test_gpu_a_killed_worker_fails_the_step(model_dir):
-    engine = build(model_dir, 2, dtype=torch.float32, device="cuda", max_model_len=128)
+    engine = build(model_dir, 2, dtype=torch.float32, device="cuda", max_model_len=128, **GPU_BLOCKS)
     pids = engine.workers.pids
     engine.add_request("long", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(max_tokens=100, ignore_eos=True))
     engine.step()
