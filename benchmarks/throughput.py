@@ -221,14 +221,14 @@ def lora_runs(args, model, prompts, rank: int, record, record_flow, result) -> N
     if first:
         flow(engine, args, [], "base via LoRA engine, before adapter traffic", record_flow)
     for label, group in requests.items():
-        for n in args.adapters if label == "all 7" else (1, most):
+        for n in args.adapters if label == "all 7" else sorted({1, most}):
             loras = in_turn(group, n, len(prompts))
             warm_up(engine, group[:n])  # into GPU slots before the clock starts
             record({"scenario": scenario(n, label), "rank": rank, "adapters": n,
                     **run_workload(engine, prompts, loras, args.output_len)}, adapters[label][:n])
     if not first:
         return close(engine)
-    for n in (1, most):
+    for n in sorted({1, most}):
         warm_up(engine, requests["q/v"][:n])
         flow(engine, args, requests["q/v"][:n], scenario(n, "q/v"), record_flow)
     flow(engine, args, [], "base via LoRA engine, after adapter traffic", record_flow)
@@ -265,7 +265,7 @@ def interleaved_runs(engine: LLMEngine, prompts, requests: dict, args) -> dict:
     measured beside their own base run are compared."""
     most = max(args.adapters)
     workloads = {scenario(n, label): in_turn(group, n, len(prompts)) for label, group in requests.items()
-                 for n in (1, most)}
+                 for n in sorted({1, most})}
     rounds = []
     for _ in range(args.repeats):
         base = run_workload(engine, prompts, [None] * len(prompts), args.output_len)
@@ -577,6 +577,8 @@ def plot(document: dict, path: Path) -> None:
 
 #: JSON stem -> (heading, renderer, the command that measures it), for benchmarks/report.py
 SECTIONS = {"throughput": ("One GPU", markdown, "PYTHONPATH=. python benchmarks/throughput.py"),
+            "throughput_flow": ("Continuous batching", markdown,
+                                "PYTHONPATH=. python benchmarks/throughput.py --adapters 1 --flow-requests 512"),
             "throughput_tp": ("Tensor parallelism", compare_markdown, "PYTHONPATH=. python benchmarks/throughput.py -tp 2"),
             "throughput_fp8": ("FP8 base model", compare_markdown, "PYTHONPATH=. python benchmarks/throughput.py -q fp8")}
 
