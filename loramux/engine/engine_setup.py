@@ -1,4 +1,5 @@
 """Everything an engine is built from besides its config: the model, tokenizer, LoRA manager and registry.
+`close_engine_parts` closes what an engine built.
 
 `build_engine_setup` loads (or takes) the model and resolves the config's device defaults in place
 (`EngineConfig.resolve`). The KV cache is a pool of blocks of ``block_size`` tokens
@@ -14,16 +15,24 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from loramux.engine.config import EngineConfig
+from loramux.engine.process_tuning import release_frozen_heap
 from loramux.engine.worker.siblings import fuse_siblings
 from loramux.registry import LoRAConfig, LoRARequest
 from loramux.registry.host_memory import PAGEABLE, HostMemory
 from loramux.registry.page_locked_arena import PIECE_ALIGNMENT, PageLockedArena
 
-__all__ = ["EngineSetup", "build_engine_setup"]
+if TYPE_CHECKING:
+    from loramux.engine.adapters.lifecycle import AdapterLifecycle
+    from loramux.engine.core.structured_output import StructuredOutputs
+    from loramux.engine.worker.model_runner import ModelRunner
+    from loramux.registry import Registry
+
+__all__ = ["EngineSetup", "build_engine_setup", "close_engine_parts"]
 
 
 @dataclass
@@ -205,3 +214,18 @@ def num_kv_blocks(config: EngineConfig, model: torch.nn.Module, profile_peak_byt
             "max_model_len, close other engines, or raise gpu_memory_utilization / num_gpu_blocks_override."
         )
     return num_blocks
+
+
+def close_engine_parts(runner: ModelRunner, adapters: AdapterLifecycle | None, structured: StructuredOutputs,
+                       workers, own_registry: Registry | None, owns_model: bool) -> None:
+    """Close an engine's parts (its finalizer: it must not hold the engine itself), the registry
+    it built (one it was given carries on) and, when it loaded the model, the model's weights."""
+    if adapters is not None:
+        adapters.close()
+    if own_registry is not None:
+        own_registry.close()
+    structured.close()
+    runner.close(release_weights=owns_model)
+    if workers is not None:
+        workers.shutdown()
+    release_frozen_heap()

@@ -25,15 +25,14 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable
 
 import torch
 
+from loramux.engine.adapters.engine_api import EngineAdapterAPI
 from loramux.engine.adapters.lifecycle import AdapterLifecycle
 from loramux.engine.core.block_manager import BlockManager
 from loramux.engine.config import EngineConfig
-from loramux.engine.core.events import AdapterEvent
-from loramux.engine.engine_setup import EngineSetup, build_engine_setup, num_kv_blocks
+from loramux.engine.engine_setup import EngineSetup, build_engine_setup, close_engine_parts, num_kv_blocks
 from loramux.engine.core.instrumentation import StepClock, StepListener
 from loramux.engine.worker.model_runner import LaunchedStep, ModelRunner
 from loramux.engine.core.outputs import RequestOutput
@@ -41,12 +40,12 @@ from loramux.engine.core.requests import PromptType, RequestProcessor
 from loramux.engine.worker.sampler import Sampler
 from loramux.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from loramux.engine.core.scheduler import Scheduler
-from loramux.engine.process_tuning import prepare_process_for_serving, release_frozen_heap
-from loramux.engine.core.stats import RouterStats, TierStats, read_tiers
+from loramux.engine.process_tuning import prepare_process_for_serving
+from loramux.engine.core.stats import RouterStats, read_router
 from loramux.engine.core.structured_output import StructuredOutputs
 from loramux.engine.core.sequence import Sequence, SequenceStatus
-from loramux.errors import EngineClosedError, LoRAError
-from loramux.registry import AdapterHandle, LoRARequest, Registry
+from loramux.errors import EngineClosedError
+from loramux.registry import LoRARequest
 from loramux.registry.page_locked_arena import PageLockedArena
 
 __all__ = ["LLMEngine", "PromptType"]
@@ -54,12 +53,13 @@ __all__ = ["LLMEngine", "PromptType"]
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
+class LLMEngine(EngineAdapterAPI):
     """Continuous batching over one base model with per-request LoRA adapters.
 
     Arguments are those of :class:`loramux.LLM` (see :mod:`loramux.engine.engine_setup` for the
     sizing defaults). ``add_request``, ``abort_request`` and the ``*_lora`` methods may be called
-    from any thread; ``step`` from one thread at a time.
+    from any thread; ``step`` from one thread at a time. The adapter methods are
+    :class:`~loramux.engine.adapters.engine_api.EngineAdapterAPI`'s.
     """
 
     def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:
@@ -134,7 +134,7 @@ class LLMEngine:
         self._arrivals = itertools.count()
         # close() and garbage collection alike stop the loads and the workers and give the device
         # memory back; the finalizer holds the parts, not the engine, so `del engine` runs it
-        self._closer = weakref.finalize(self, _close_parts, self.runner, self.adapters, self.structured_outputs,
+        self._closer = weakref.finalize(self, close_engine_parts, self.runner, self.adapters, self.structured_outputs,
                                        self.workers, setup.registry if setup.registry_validates else None,
                                        owns_model)
         for request in setup.lora_modules:
@@ -204,33 +204,12 @@ class LLMEngine:
         with self._lock:
             return len(self._requests)
 
-    @property
-    def lora_enabled(self) -> bool:
-        return self.lora_manager is not None
-
-    @property
-    def max_loading_workers(self) -> int:
-        """Adapter loads that run at once beside the step loop."""
-        return self.config.max_loading_workers
-
-    def tier_stats(self) -> dict[str, TierStats]:
-        """Each adapter tier's counters and residents (``{"cpu": ..., "gpu": ...}``; none without LoRA)."""
-        return read_tiers(self.registry, self.lora_manager)
-
     def router_stats(self) -> RouterStats:
         """Requests running and waiting (an adapter still loading counts as waiting), their
         adapters, the adapter slots and the KV cache in use: what an adapter-aware router reads."""
         with self._lock:
             seqs = list(self._requests.values())
-        running = [s.lora_name for s in seqs if s.status is SequenceStatus.RUNNING]
-        waiting = [s.lora_name for s in seqs if s.status in (SequenceStatus.WAITING, SequenceStatus.LOADING_ADAPTER)]
-        prefix = self.block_manager.stats
-        return RouterStats(
-            num_running=len(running), num_waiting=len(waiting),
-            running_adapters=sorted({name for name in running if name is not None}),
-            waiting_adapters=sorted({name for name in waiting if name is not None}),
-            max_lora=self.config.lora_slots, kv_cache_usage=self.block_manager.usage,
-            prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
+        return read_router(seqs, self.block_manager, max_lora=self.config.lora_slots)
 
     def compile_structured_output(self, spec: StructuredOutputsParams) -> None:
         """Compile ``spec`` now, in the caller's thread, within the engine's limits; a request
@@ -362,19 +341,7 @@ class LLMEngine:
                 self._release(seq)  # before scheduling: an aborted request is not admitted
                 touched[seq.request_id] = seq
 
-    # -- adapters ------------------------------------------------------------------------------
-
-    def add_event_listener(self, listener: Callable[[AdapterEvent], None]) -> None:
-        """Call ``listener(event)`` for every adapter event: "ready" and "failed" per request as
-        its adapter's load ends, "retired" when a handle that lost its name has no request left
-        (see :mod:`loramux.engine.core.events`). It runs in the thread where the event happens: keep
-        it quick and thread-safe."""
-        self._require_lora()
-        self.adapters.events.add(listener)
-
-    def remove_event_listener(self, listener: Callable[[AdapterEvent], None]) -> None:
-        self._require_lora()
-        self.adapters.events.remove(listener)
+    # -- step timings --------------------------------------------------------------------------
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Call ``listener(timings)`` after every step with its
@@ -388,60 +355,6 @@ class LLMEngine:
         with self._step_lock:
             self.clock.remove_listener(listener)
 
-    def _name_of(self, name_or_id: str | int) -> str:
-        if isinstance(name_or_id, int):
-            name = self.registry.name_of_id(name_or_id)
-            if name is None:
-                raise LoRAError(f"no adapter with lora_int_id={name_or_id} is bound in this engine.",
-                                fix="Name it by its lora_name, or add it with add_lora first.")
-            return name
-        return name_or_id
-
-    def _require_lora(self) -> None:
-        if self.lora_manager is None:
-            raise ValueError("LoRA is disabled; build the engine with enable_lora=True")
-
-    def add_lora(self, lora_request: LoRARequest, *, wait_s: float = 0.0) -> bool:
-        """Load an adapter now (blocking) and bind its name to it, so requests naming it start at
-        once. An adapter already bound is reloaded: the name gets the new weights (a new handle)
-        for new requests, running ones finish on the old weights, and the old handle retires
-        (a "retired" event) when its last request ends.
-
-        :param wait_s: if the CPU tier is full of adapters that requests hold, wait up to this
-            many seconds for one to be released (while another thread steps the engine); 0 raises
-            `~loramux.errors.CacheBusyError` at once.
-        """
-        self._require_lora()
-        self.adapters.add(lora_request, wait_s=wait_s)
-        return True
-
-    def remove_lora(self, name_or_id: str | int) -> bool:
-        """Unload: unbind the name and return at once (whether it was bound). Requests running
-        with it finish; its handle retires, freeing its GPU slot and CPU entry, when the last one
-        ends, and a "retired" event says so (see :meth:`add_event_listener`)."""
-        self._require_lora()
-        try:
-            name = self._name_of(name_or_id)
-        except LoRAError:
-            return False
-        return self.adapters.remove(name)
-
-    def pin_lora(self, name_or_id: str | int) -> bool:
-        """Keep an adapter in a GPU slot until ``remove_lora``; it counts against ``max_loras``
-        (a reference the engine holds; a reload moves it to the new weights)."""
-        self._require_lora()
-        return self.adapters.pin_name(self._name_of(name_or_id))
-
-    def lora_handle(self, name: str) -> AdapterHandle | None:
-        """The handle ``name`` is bound to now (None: not loaded, or unknown)."""
-        self._require_lora()
-        return self.registry.handle(name)
-
-    def list_loras(self) -> list[str]:
-        """Adapter names this engine serves: registered, or found by a resolver and loaded."""
-        self._require_lora()
-        return self.registry.list()
-
     def close(self) -> None:
         """Stop loading, stop the tensor-parallel workers and the grammar compilers, and give the
         device memory back: the engine is done (``add_request`` and ``step`` raise
@@ -450,19 +363,3 @@ class LLMEngine:
         with self._step_lock:
             self._closer()
             self.kv_cache = None
-
-
-def _close_parts(runner: ModelRunner, adapters: AdapterLifecycle | None, structured: StructuredOutputs,
-                 workers, own_registry: Registry | None, owns_model: bool) -> None:
-    """Close an engine's parts (its finalizer: it must not hold the engine itself), the registry
-    it built (one it was given carries on) and, when it loaded the model, the model's weights."""
-    if adapters is not None:
-        adapters.close()
-    if own_registry is not None:
-        own_registry.close()
-    structured.close()
-    runner.close(release_weights=owns_model)
-    if workers is not None:
-        workers.shutdown()
-    release_frozen_heap()
-

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loramux.engine.core.block_manager import BlockManager
+from loramux.engine.core.sequence import Sequence, SequenceStatus
 from loramux.registry import Registry
 from loramux.registry.cpu_cache import CacheStats
 from loramux.registry.page_locked_arena import PageLockedArena
 
-__all__ = ["RouterStats", "TierStats", "read_tiers"]
+__all__ = ["RouterStats", "TierStats", "read_router", "read_tiers"]
 
 
 @dataclass
@@ -41,6 +43,20 @@ class RouterStats:
     kv_cache_usage: float | None
     prefix_cache_queries: int | None = None  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int | None = None  # of those, tokens found
+
+
+def read_router(seqs: list[Sequence], block_manager: BlockManager, *, max_lora: int) -> RouterStats:
+    """The router's view of the engine's requests ``seqs``: those running and those waiting (an
+    adapter still loading counts as waiting), their adapters, and the KV cache in use."""
+    running = [s.lora_name for s in seqs if s.status is SequenceStatus.RUNNING]
+    waiting = [s.lora_name for s in seqs if s.status in (SequenceStatus.WAITING, SequenceStatus.LOADING_ADAPTER)]
+    prefix = block_manager.stats
+    return RouterStats(
+        num_running=len(running), num_waiting=len(waiting),
+        running_adapters=sorted({name for name in running if name is not None}),
+        waiting_adapters=sorted({name for name in waiting if name is not None}),
+        max_lora=max_lora, kv_cache_usage=block_manager.usage,
+        prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
 
 
 def read_tiers(registry: Registry | None, lora_manager) -> dict[str, TierStats]:
