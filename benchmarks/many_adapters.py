@@ -26,10 +26,13 @@ loaded one at a time on the idle engine. Step time by point comes from the engin
 and each forward's batch from the scheduler's output: a forward with decodes and prefill chunks is
 a mixed step, whose read floor is the model's weights, its distinct adapters' weights and the K/V
 of its tokens' contexts over the copy bandwidth measured in the run; its time is the period from
-the previous forward's tokens on the host to its own. The targets: saturated host-warm throughput at
-the largest N within 5% of the smallest's, host-warm p99 TTFT at the largest N at most 2x the
-smallest's, cold TTFT p50 at most warm p50 + 1.5 x (adapter bytes / the disk's read bandwidth,
-measured in the run), and no failed request, judged for each popularity.
+the previous forward's tokens on the host to its own. The targets, against N = 1 (the smallest N
+where the run has none): saturated host-warm throughput at N = 1,000 (Zipf) at least 0.90x N = 1's
+(the cold tiers' ratio reported beside it); N = 2,000 completes with no failed request, and no
+request fails anywhere; host-warm TTFT p99 at the largest N at most 1.5x N = 1's; a cold adapter's
+TTFT (p50 of each trace's cold requests, and alone on the idle engine) at most its read time
+(adapter bytes / the disk's read bandwidth measured in the run) + 10 ms. Each is judged for each
+popularity but the throughput one, Zipf's only; one that names an N the run lacks is not measured.
 """
 from __future__ import annotations
 
@@ -85,6 +88,7 @@ TARGET_SETS = {"q/v": QV, "q/k/v/o": QKVO, "all 7": ALL_SEVEN}
 TIERS = ("gpu", "cpu", "disk")  # where a request's adapter was when it arrived: resident, host, cold
 POPULARITY = {"zipf": 1.0, "uniform": 0.0}  # the Zipf exponent of each popularity
 ADAPTER_LIMITS = ("max_loras", "max_cpu_loras", "max_gpu_lora_bytes")  # None: the engine's default
+COLD_SLACK_MS = 10.0  # a cold adapter's TTFT target: its read time + this
 
 
 @dataclass(frozen=True)
@@ -514,8 +518,8 @@ def calibrate(engine, args, root: Path, vocab: int) -> dict:
 
 def cold_alone(engine, args, root: Path, vocab: int, disk_bytes_per_s: float) -> dict:
     """One request at a time on the idle engine, ``--cold-alone`` adapters of the mix: each first
-    cold (in no tier, its files out of the page cache), then again, resident: the cold TTFT bound
-    for a load that has the disk to itself."""
+    cold (in no tier, its files out of the page cache), then again, resident: the cold TTFT target
+    (read time + 10 ms) for a load that has the disk to itself."""
     probe = make_trace(args.cold_alone, args.cold_alone, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
                        seed=args.seed + 55, mix=args.mix, zipf_exponent=0, name_prefix="alone", first_id=90_001)
     paths = write_adapter_files(probe.adapters, engine.model.config, root / "alone", args.weights_dtype)
@@ -533,7 +537,7 @@ def cold_alone(engine, args, root: Path, vocab: int, disk_bytes_per_s: float) ->
     unload(engine, probe.adapters, paths)
     shutil.rmtree(root / "alone")
     p50 = {key: stats.median(e[key] for e in each) for key in ("bytes", "cold_ttft_ms", "warm_ttft_ms", "load_ms")}
-    bound = p50["warm_ttft_ms"] + 1.5 * 1e3 * p50["bytes"] / disk_bytes_per_s
+    bound = cold_bound_ms(p50["bytes"], disk_bytes_per_s)
     return {"cold_p50_ms": p50["cold_ttft_ms"], "warm_p50_ms": p50["warm_ttft_ms"], "load_p50_ms": p50["load_ms"],
             "adapter_bytes_p50": p50["bytes"], "bound_ms": bound, "passed": p50["cold_ttft_ms"] <= bound, "each": each}
 
@@ -623,40 +627,56 @@ def run_one(engine, args, root: Path, n: int, popularity: str, vocab: int, index
     return result
 
 
+def cold_bound_ms(nbytes: float, disk_bytes_per_s: float) -> float:
+    """A cold adapter's TTFT target: its read time (its bytes over the disk's read bandwidth) + 10 ms."""
+    return 1e3 * nbytes / disk_bytes_per_s + COLD_SLACK_MS
+
+
 def check_targets(results: list[dict], disk_bytes_per_s: float, model_bytes: int | None = None) -> dict:
     """The targets over one popularity's ``results`` (ascending N), each with the numbers it was
-    judged on (None: not measurable here).
+    judged on; ``passed`` None: not measured here (an N the target names is not in the run).
+    The base is N = 1, or the smallest N where the run has no N = 1 (``base`` says so).
     ``model_bytes``: the model's weights, for the throughput target's bytes floor (the ratio a step
     reading the model and its wave's adapters, and nothing else, would give)."""
-    small, large = results[0], results[-1]
+    by_n = {r["adapters"]: r for r in results}
+    base, large = by_n.get(1, results[0]), results[-1]
+    against = {"base_n": base["adapters"]} | ({} if base["adapters"] == 1 else {"base": "no N = 1 in the run: the smallest N"})
+    unmeasured = lambda n: {"passed": None, "not_measured": f"N = {n:,} is not in the run"}  # noqa: E731
     checks = {"no_failed_requests": {"failed": sum(r["failed"] for r in results),
-                                     "passed": all(r["failed"] == 0 for r in results)}}
-    key = "saturated_warm_tokens_per_s" if small.get("saturated_warm_tokens_per_s") else "tokens_per_s"
-    if len(results) > 1 and small[key] and large.get(key):
-        ratio = large[key] / small[key]
-        check = checks["throughput_within_5pct"] = {"largest_over_smallest": ratio, "measured": key, "passed": ratio >= 0.95}
-        check["cold_tiers_largest_over_smallest"] = stats.ratio(large.get("saturated_tokens_per_s"),
-                                                                small.get("saturated_tokens_per_s"))
-        if model_bytes and small.get("saturated_wave_adapter_bytes") and large.get("saturated_wave_adapter_bytes"):
-            check["bytes_floor"] = ((model_bytes + small["saturated_wave_adapter_bytes"])
-                                    / (model_bytes + large["saturated_wave_adapter_bytes"]))
-    if len(results) > 1 and small["ttft_p99_ms"] and large["ttft_p99_ms"] is not None:
+                                     "passed": all(r["failed"] == 0 for r in results)},
+              "n2000_no_failed_request": {"failed": by_n[2000]["failed"], "passed": by_n[2000]["failed"] == 0}
+              if 2000 in by_n else unmeasured(2000)}
+    if base.get("popularity", "zipf") == "zipf":  # the throughput target is Zipf's; uniform's ratio is on the page
+        key = "saturated_warm_tokens_per_s" if base.get("saturated_warm_tokens_per_s") else "tokens_per_s"
+        top = by_n.get(1000)
+        if top is None or top is base or not (base[key] and top.get(key)):
+            checks["n1000_tokens_per_s_at_least_0.90x"] = unmeasured(1000)
+        else:
+            ratio = top[key] / base[key]
+            check = checks["n1000_tokens_per_s_at_least_0.90x"] = {"over_base": ratio, "measured": key, **against,
+                                                                   "passed": ratio >= 0.90}
+            check["cold_tiers_over_base"] = stats.ratio(top.get("saturated_tokens_per_s"), base.get("saturated_tokens_per_s"))
+            if model_bytes and base.get("saturated_wave_adapter_bytes") and top.get("saturated_wave_adapter_bytes"):
+                check["bytes_floor"] = ((model_bytes + base["saturated_wave_adapter_bytes"])
+                                        / (model_bytes + top["saturated_wave_adapter_bytes"]))
+    if large is not base and base["ttft_p99_ms"] and large["ttft_p99_ms"] is not None:
         # judged on the host-warm replays where measured (a cold start waits for the disk, which the
-        # cold TTFT bound judges); the cold traces' ratio beside it
-        cold_ratio = large["ttft_p99_ms"] / small["ttft_p99_ms"]
-        warm_small, warm_large = small.get("host_warm_poisson") or {}, large.get("host_warm_poisson") or {}
-        ratio = stats.ratio(warm_large.get("ttft_p99_ms"), warm_small.get("ttft_p99_ms"))
-        checks["p99_ttft_at_most_2x"] = ({"largest_over_smallest": cold_ratio, "passed": cold_ratio <= 2.0} if ratio is None
-                                         else {"largest_over_smallest": ratio, "measured": "host_warm_poisson",
-                                               "cold_largest_over_smallest": cold_ratio, "passed": ratio <= 2.0})
+        # cold TTFT target judges); the cold traces' ratio beside it
+        cold_ratio = large["ttft_p99_ms"] / base["ttft_p99_ms"]
+        warm_base, warm_large = base.get("host_warm_poisson") or {}, large.get("host_warm_poisson") or {}
+        ratio = stats.ratio(warm_large.get("ttft_p99_ms"), warm_base.get("ttft_p99_ms"))
+        checks["host_warm_p99_ttft_at_most_1.5x"] = {"n": large["adapters"], **against} | (
+            {"over_base": cold_ratio, "passed": cold_ratio <= 1.5} if ratio is None else
+            {"over_base": ratio, "measured": "host_warm_poisson", "cold_over_base": cold_ratio, "passed": ratio <= 1.5})
     cold = {}
     for r in results:
-        if r["cold_ttft_p50_ms"] is not None and r["warm_ttft_p50_ms"] is not None:
-            bound = r["warm_ttft_p50_ms"] + 1.5 * 1e3 * r["cold_adapter_bytes_p50"] / disk_bytes_per_s
+        if r["cold_ttft_p50_ms"] is not None:
+            bound = cold_bound_ms(r["cold_adapter_bytes_p50"], disk_bytes_per_s)
             cold[r["adapters"]] = {"cold_p50_ms": r["cold_ttft_p50_ms"], "bound_ms": bound,
                                    "passed": r["cold_ttft_p50_ms"] <= bound, "load_p50_ms": r.get("cold_ready_p50_ms"),
                                    "after_load_p50_ms": r.get("cold_ready_to_first_token_p50_ms")}
-    checks["cold_ttft_bound"] = {"per_n": cold, "passed": all(c["passed"] for c in cold.values()) if cold else None}
+    checks["cold_ttft_at_most_read_plus_10ms"] = {"per_n": cold,
+                                                  "passed": all(c["passed"] for c in cold.values()) if cold else None}
     return checks
 
 
@@ -761,7 +781,7 @@ def main(argv=None) -> Path:
                                                                   disk["adapter_files_read_bytes_per_s"],
                                                                   model_bytes=model_bytes).items()}
             if alone:
-                report["targets"]["cold_ttft_bound_alone"] = {k: v for k, v in alone.items() if k != "each"}
+                report["targets"]["cold_ttft_at_most_read_plus_10ms_alone"] = {k: v for k, v in alone.items() if k != "each"}
             report["total_seconds"] = time.perf_counter() - started
             write_result(path, "many_adapters", device_name(args.device), report, argv)  # survives a later failure
     print(markdown(report))
@@ -835,9 +855,13 @@ def markdown(report: dict) -> str:
                          f"{_cell(mixed.get('floor_ms_p50'), '{:.2f}')} | {_cell(mixed.get('vs_floor_p50'), '{:.2f}x')} | "
                          f"{_cell(mixed.get('vs_floor_p90'), '{:.2f}x')} | "
                          f"{_cell(decodes.get('vs_floor_p50'), '{:.2f}x')} |")
-    lines += ["", "Targets:", ""]
+    lines += ["", "Targets, against N = 1 (the smallest N where the run has none): N = 1,000 (Zipf) at least 0.90x the "
+              "saturated host-warm tokens/s (the cold tiers' ratio beside it), N = 2,000 and every trace with no failed "
+              "request, host-warm TTFT p99 at the largest N at most 1.5x, a cold adapter's TTFT p50 at most its read "
+              "time (its bytes over the disk's measured read bandwidth) + 10 ms; not measured: an N it names is not "
+              "in the run:", ""]
     for name, check in report.get("targets", {}).items():
-        verdict = {True: "**met**", False: "**not met**", None: "not measurable"}[check["passed"]]
+        verdict = {True: "**met**", False: "**not met**", None: "not measured"}[check["passed"]]
         detail = json.loads(json.dumps({k: v for k, v in check.items() if k != "passed"}),
                             parse_float=lambda text: round(float(text), 3))
         lines.append(f"- {name}: {verdict} {json.dumps(detail)}")
