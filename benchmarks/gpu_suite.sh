@@ -35,9 +35,10 @@ stage throughput_fp8 "${FP8_S:-420}" python benchmarks/throughput.py -q fp8 --ra
 if [ "$GPUS" -ge 2 ]; then
     stage throughput_tp "${TP_S:-540}" python benchmarks/throughput.py -tp 2 --ranks 16 --output-len 64 --out "$OUT"
 fi
-stage many_adapters "${MANY_S:-420}" python benchmarks/many_adapters.py --adapters "${MANY_N:-4,32,256,1000}" \
-    --num-requests 128 --saturated-requests 96 --warm-replays 1 --saturated-repeats 1 \
-    --adapter-dir /var/tmp/loramux-adapters --out "$OUT"
+# the default N values under Zipf and uniform popularity (ten traces), fewer requests per trace
+stage many_adapters "${MANY_S:-540}" python benchmarks/many_adapters.py --adapters "${MANY_N:-1,32,256,1000,2000}" \
+    --popularity zipf,uniform --num-requests 96 --saturated-requests 96 --warm-replays 1 --saturated-repeats 1 \
+    --cold-alone 4 --adapter-dir /var/tmp/loramux-adapters --out "$OUT"
 rm -rf /var/tmp/loramux-adapters
 stage cold_load "${COLD_S:-120}" python benchmarks/cold_load.py --out "$OUT"
 VLLM=$([ -d .thirdparty/vllm_lora ] || echo --no-vllm)  # fetched with `python benchmarks/vllm_ops.py`

@@ -135,21 +135,35 @@ def test_throughput_fp8_smoke(tmp_path):
 
 
 def test_many_adapters_smoke(tmp_path):
+    """Both popularities over 6 adapters, tiers smaller than that: every request served, TTFT by tier,
+    the mixed steps with their read bytes (no copy bandwidth on the CPU: no floor), and the page."""
     from benchmarks import many_adapters
 
-    many_adapters.main(["--adapters", "2,6", "--num-requests", "6", "--saturated-requests", "4", "--warm-replays", "1",
-                        "--cold-alone", "1", "--disk-probe-mb", "8", "--max-loras", "2", "--max-cpu-loras", "3",
-                        "--max-num-seqs", "3", "--prompt-len", "5", "--output-len", "2", "--out", str(tmp_path),
-                        "--adapter-dir", str(tmp_path)])
+    many_adapters.main(["--adapters", "6", "--popularity", "zipf,uniform", "--num-requests", "6",
+                        "--saturated-requests", "4", "--warm-replays", "1", "--cold-alone", "1", "--disk-probe-mb", "8",
+                        "--max-loras", "2", "--max-cpu-loras", "3", "--max-num-seqs", "3", "--max-num-batched-tokens", "8",
+                        "--prompt-len", "5", "--output-len", "3", "--out", str(tmp_path), "--adapter-dir", str(tmp_path)])
     report_ = json.loads((tmp_path / "many_adapters.json").read_text())["result"]
-    assert [r["adapters"] for r in report_["results"]] == [2, 6]
-    assert all(r["failed"] == 0 and r["requests"] == 6 and r["saturated_requests"] == 4 for r in report_["results"])
+    results = report_["results"]
+    assert [(r["popularity"], r["adapters"]) for r in results] == [("zipf", 6), ("uniform", 6)]
+    assert all(r["failed"] == 0 and r["requests"] == 6 and r["saturated_requests"] == 4 for r in results)
     # more adapters than the tiers hold: the tiers churned, and some requests found theirs only on disk
-    assert report_["results"][1]["cpu_evictions"] > 0 and report_["results"][1]["ttft_by_tier"]["disk"]["requests"] > 0
-    assert report_["results"][1]["poisson_steps"]["point_ms_total"]["lora.place"] > 0
+    uniform = results[1]
+    assert uniform["cpu_evictions"] > 0 and uniform["ttft_by_tier"]["disk"]["requests"] > 0
+    assert sum(t["requests"] for t in uniform["host_warm_poisson"]["ttft_by_tier"].values()) == 6
+    assert uniform["poisson_steps"]["point_ms_total"]["lora.place"] > 0 and "mixed" in uniform["poisson_steps"]
+    # 3 of 4 prompts of 5 tokens at once in 8-token steps: the second step chunks two and decodes one
+    mixed = uniform["saturated_warm_steps"]["mixed"]
+    assert mixed["forwards"] > 0 and mixed["adapters_p50"] >= 1 and mixed["ms_p50"] > 0 and mixed["read_mb_p50"] > 0
+    assert report_["copy_bandwidth_GBps"] is None and mixed["vs_floor_p50"] is None
+    assert set(report_["targets"]) >= {"zipf: no_failed_requests", "uniform: no_failed_requests",
+                                       "cold_ttft_at_most_read_plus_10ms_alone"}
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("many-adapters-")] == []  # files cleaned up
     text = rendered("many_adapters", tmp_path)
-    assert "| 6 |" in text and "- no_failed_requests: **met**" in text and "| N=6 Poisson |" in text
+    assert "| uniform | 6 |" in text and "- zipf: no_failed_requests: **met**" in text
+    assert "- zipf: n2000_no_failed_request: not measured" in text  # a run without N = 2,000 does not pass it
+    assert f"| uniform N=6 host-warm burst | {uniform['saturated_warm_steps']['steps']} |" in text
+    assert "| uniform | 6 | host-warm |" in text
 
 
 def test_cold_load_smoke(tmp_path):
