@@ -229,7 +229,8 @@ class LLMEngine:
             num_running=len(running), num_waiting=len(waiting),
             running_adapters=sorted({name for name in running if name is not None}),
             waiting_adapters=sorted({name for name in waiting if name is not None}),
-            max_lora=self.config.lora_slots, kv_cache_usage=self.block_manager.usage,
+            max_lora=self.lora_manager.num_slots if self.lora_manager is not None else 0,
+            kv_cache_usage=self.block_manager.usage,
             prefix_cache_queries=prefix.queries, prefix_cache_hits=prefix.hits)
 
     def compile_structured_output(self, spec: StructuredOutputsParams) -> None:
@@ -427,8 +428,9 @@ class LLMEngine:
         return self.adapters.remove(name)
 
     def pin_lora(self, name_or_id: str | int) -> bool:
-        """Keep an adapter in a GPU slot until ``remove_lora``; it counts against ``max_loras``
-        (a reference the engine holds; a reload moves it to the new weights)."""
+        """Keep an adapter in a GPU slot until ``remove_lora``; its rows stay taken in the GPU
+        pool (and it counts against ``max_loras`` when set): a reference the engine holds; a
+        reload moves it to the new weights."""
         self._require_lora()
         return self.adapters.pin_name(self._name_of(name_or_id))
 
