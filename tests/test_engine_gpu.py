@@ -244,3 +244,28 @@ def test_async_scheduling_equals_sync_with_graphs(engine_adapters, monkeypatch):
     assert results[True]["stop-token"][2] == "stop" and len(results[True]["stop-token"][0]) == 4
     assert results[True]["length"][0] == peft_greedy(engine_adapters["attn"], p[2], 9)
     assert results[True]["all"][0] == peft_greedy(engine_adapters["all"], p[1], 12)
+
+
+def test_the_default_pool_on_cuda_is_a_tenth_of_the_gpu_and_serves_many_adapters_in_one_graph(make_adapter):
+    """No max_loras: the pool takes its default bytes (10% of the GPU, at most what 256 adapters
+    of max_lora_rank use), its slots follow, and 12 distinct adapters decode together in the
+    step graphs captured at start, each as PEFT gives it."""
+    from loramux.engine.layers.weight_pool import MAX_LORA_SLOTS, default_gpu_lora_bytes
+    from loramux.kernels.pool import POOL_ROW_ALIGN
+
+    paths = [make_adapter(f"gpu-many{i}", seed=400 + i) for i in range(12)]
+    llm = LLM(tiny_llama().cuda(), max_lora_rank=8, max_num_seqs=12, max_model_len=64)
+    manager = llm.llm_engine.lora_manager
+    row = manager.pool.row_bytes
+    budget = min(default_gpu_lora_bytes(manager.device), MAX_LORA_SLOTS * 8 * row)
+    assert manager.pool_units == budget // row
+    assert manager.num_slots == min(manager.pool_units // POOL_ROW_ALIGN, MAX_LORA_SLOTS)
+    names = [f"gpu-many{i}" for i in range(12)]
+    requests = resident_requests(llm, names, dict(zip(names, paths)), {name: i + 1 for i, name in enumerate(names)})
+    graphs = llm.llm_engine.runner.num_graphs
+    prompt = [5, 9, 14, 20, 27]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * 12, params, lora_request=requests, use_tqdm=False)
+    assert llm.llm_engine.runner.num_graphs == graphs  # nothing captured while serving
+    for path, out in zip(paths, outputs):
+        assert_greedy_matches_peft(path, prompt, out.outputs[0].token_ids, path.name)

@@ -57,7 +57,7 @@ def test_request_rejects_ids_that_are_not_positive_ints(bad_id):
 
 def test_config_defaults():
     config = LoRAConfig()
-    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (1, 16, 1)
+    assert (config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (None, 16, None)  # bytes bound the tiers
     assert config.lora_dtype == "auto" and config.torch_dtype is None
     assert LoRAConfig(max_loras=4).max_cpu_loras == 4
     assert LoRAConfig(max_lora_rank=512).max_lora_rank == 512

@@ -32,7 +32,8 @@ def test_the_cpu_tier_reports_the_bytes_the_registry_holds(make_adapter):
     registry = Registry(LoRAConfig(max_loras=2), resolvers=[])
     a = registry.get(LoRARequest("a", 1, str(make_adapter("metric-a"))))
     b = registry.get(LoRARequest("b", 2, str(make_adapter("metric-b", r=4))))
-    manager = SimpleNamespace(stats=CacheStats(), resident=lambda: ["a"], nbytes=a.nbytes, capacity_bytes=None)
+    manager = SimpleNamespace(stats=CacheStats(), resident=lambda: ["a"], nbytes=a.nbytes, capacity_bytes=None,
+                              usage=0.5)
     tiers = read_tiers(registry, manager)
     assert tiers["cpu"].bytes_resident == a.nbytes + b.nbytes == registry.cache.nbytes
     assert tiers["cpu"].resident == ["a", "b"] and tiers["gpu"].bytes_resident == a.nbytes

@@ -65,13 +65,14 @@ class EngineConfig:
     # -- LoRA ----------------------------------------------------------------------------------
     enable_lora: bool = flag(True, group="LoRA")
     """Wrap the model's layers so that requests can name adapters."""
-    max_loras: int = flag(LoRAConfig.max_loras, metavar="N", flag_default=None, group="LoRA")
-    """Adapters resident on the GPU and usable in one step (GPU slots); default 1 (``loramux
-    serve`` with the embedded model: one per demo adapter)."""
+    max_loras: int | None = flag(LoRAConfig.max_loras, metavar="N", group="LoRA")
+    """A cap on the adapters resident on the GPU, and so usable in one step (default: none; the GPU
+    pool's bytes, ``max_gpu_lora_bytes``, bound them)."""
     max_lora_rank: int = flag(LoRAConfig.max_lora_rank, metavar="R", group="LoRA")
     """The largest adapter rank."""
     max_cpu_loras: int | None = flag(LoRAConfig.max_cpu_loras, metavar="C", group="LoRA")
-    """Adapters kept loaded in host memory (default: ``max_loras``)."""
+    """Adapters kept loaded in host memory (default: ``max_loras``; without it, no count:
+    ``max_cpu_lora_bytes`` bounds them)."""
     max_cpu_lora_bytes: int | None = flag(LoRAConfig.max_cpu_lora_bytes, type=parse_byte_size, metavar="SIZE",
                                           group="LoRA")
     """Bytes of adapter weights kept in host memory, e.g. 8GiB (default: 10% of the host's memory);
@@ -79,8 +80,10 @@ class EngineConfig:
     max_gpu_lora_bytes: int | None = flag(LoRAConfig.max_gpu_lora_bytes, type=parse_byte_size, metavar="SIZE",
                                           group="LoRA")
     """GPU memory for the weights of resident adapters, e.g. 8GiB, shared by rank (a rank-8 adapter
-    takes an eighth of a rank-64 one); raise ``max_loras`` with it so more small adapters fit
-    (default: room for ``max_loras`` adapters of ``max_lora_rank``)."""
+    takes an eighth of a rank-64 one), taken before the KV cache is sized; the adapters of a step
+    are those whose rows fit it together (default: 10% of the GPU, 128MiB on CPU, at most what
+    256 adapters of ``max_lora_rank`` take; with ``max_loras`` set: room for that many adapters
+    of ``max_lora_rank``)."""
     max_pinned_lora_bytes: int | None = flag(LoRAConfig.max_pinned_lora_bytes, type=parse_byte_size_or_zero,
                                              metavar="SIZE", group="LoRA")
     """Page-locked host memory reserved at start (CUDA) for the adapters in host memory, e.g. 4GiB:
@@ -251,8 +254,9 @@ class EngineConfig:
         )
 
     @property
-    def lora_slots(self) -> int:
-        """GPU slots a step may use: ``max_loras``, or 0 without LoRA."""
+    def lora_slots(self) -> int | None:
+        """Distinct adapters a step may use by count: ``max_loras`` (None: no count binds, the
+        GPU pool's bytes do), or 0 without LoRA."""
         return self.max_loras if self.enable_lora else 0
 
     @classmethod

@@ -41,11 +41,12 @@ class LLM:
     :class:`~loramux.engine.config.EngineConfig`, each documented there with its default (those
     left at None take the device's: ``max_num_seqs``, ``max_model_len``, ...). The ones most runs
     set: ``model`` (a Hugging Face model id or dir, a loaded ``PreTrainedModel``, or None for the
-    embedded SmolLM2-135M-Instruct), ``enable_lora``, ``max_loras`` (adapters in GPU slots, usable
-    in one step), ``max_lora_rank``, ``max_cpu_loras``, ``lora_modules`` (adapters registered at
-    start), ``dtype``, ``device``, ``max_num_seqs``, ``max_model_len``, ``quantization``,
-    ``tensor_parallel_size`` (docs/architecture.md, "Tensor parallelism"). An unknown option is
-    a TypeError naming the closest one.
+    embedded SmolLM2-135M-Instruct), ``enable_lora``, ``max_loras`` (an optional cap on the adapters
+    in one step; by default ``max_gpu_lora_bytes`` bounds them), ``max_lora_rank``,
+    ``max_cpu_loras``, ``lora_modules`` (adapters registered at start), ``dtype``, ``device``,
+    ``max_num_seqs``, ``max_model_len``, ``quantization``, ``tensor_parallel_size``
+    (docs/architecture.md, "Tensor parallelism"). An unknown option is a TypeError naming the
+    closest one.
     """
 
     def __init__(self, model=None, *, config: EngineConfig | None = None, **kwargs) -> None:

@@ -209,7 +209,7 @@ class LLMEngine(EngineAdapterAPI):
         adapters, the adapter slots and the KV cache in use: what an adapter-aware router reads."""
         with self._lock:
             seqs = list(self._requests.values())
-        return read_router(seqs, self.block_manager, max_lora=self.config.lora_slots)
+        return read_router(seqs, self.block_manager, max_lora=self.lora_manager.num_slots if self.lora_manager is not None else 0)
 
     def compile_structured_output(self, spec: StructuredOutputsParams) -> None:
         """Compile ``spec`` now, in the caller's thread, within the engine's limits; a request

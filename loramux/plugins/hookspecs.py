@@ -84,7 +84,7 @@ def create_lora_layer(
 
     :param base_layer: the module to wrap, as it is in the base model.
     :param module_name: its dotted name in the base model, e.g. ``model.layers.0.self_attn.q_proj``.
-    :param lora_config: the bounds to size LoRA buffers for (``max_loras``, ``max_lora_rank``,
-        ``lora_dtype``).
+    :param lora_config: the bounds to size LoRA buffers for (``max_lora_rank``, ``lora_dtype``;
+        the adapter weight pool sizes the slots).
     :returns: the wrapper module, or None for "not mine".
     """

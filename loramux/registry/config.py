@@ -61,21 +61,25 @@ def _check_int(field: str, value: object, low: int, high: int | None = None) -> 
 class LoRAConfig:
     """How many adapters loramux keeps, and how large they may be.
 
-    :param max_loras: GPU slots: distinct adapters resident on the GPU, and usable in one step.
+    :param max_loras: an optional cap on the adapters resident on the GPU, and so usable in one
+        step (vLLM's name). Default (None): no count binds; the GPU pool's bytes
+        (``max_gpu_lora_bytes``) bound what is resident and which adapters share a step.
     :param max_lora_rank: the largest rank an adapter may have (1..512).
-    :param max_cpu_loras: adapters kept loaded in host memory; defaults to ``max_loras`` and
-        may not be smaller.
+    :param max_cpu_loras: adapters kept loaded in host memory; defaults to ``max_loras`` (with no
+        cap, None: ``max_cpu_lora_bytes`` alone bounds the tier) and may not be smaller.
     :param lora_dtype: dtype of adapter weights: ``"auto"`` (the model's dtype), ``"float16"``,
         ``"bfloat16"`` or ``"float32"`` (or the matching ``torch.dtype``).
     :param max_cpu_lora_bytes: byte budget of the CPU tier, on top of ``max_cpu_loras``, so a
         fleet of mixed ranks cannot exhaust host memory; default (None) :func:`default_cpu_lora_bytes`,
         10% of the host's memory.
     :param max_gpu_lora_bytes: bytes of GPU memory (per GPU) for the weights of resident
-        adapters. Adapters share it by rank (one of rank 8 takes an eighth of what one of rank
-        64 takes, and a layer it does not target nothing), so many small adapters fit where few
-        large ones do; a new adapter evicts the least recently used ones not in use until it
-        fits. Default (None): each of the ``max_loras`` slots keeps room for an adapter of
-        rank ``max_lora_rank`` on every layer, as if unpooled.
+        adapters, taken before the KV cache is sized. Adapters share it by rank (one of rank 8
+        takes an eighth of what one of rank 64 takes, and a layer it does not target nothing),
+        so many small adapters fit where few large ones do; a new adapter evicts the least
+        recently used ones not in use until it fits. Default (None): with ``max_loras`` unset,
+        `loramux.engine.layers.weight_pool.default_gpu_lora_bytes` (10% of the GPU, 128 MiB on
+        CPU, at most what `MAX_LORA_SLOTS` adapters of ``max_lora_rank`` take); with it set, room
+        for ``max_loras`` adapters of ``max_lora_rank`` on every layer, one fixed region each.
     :param max_loading_workers: adapter loads that run at once on the registry's loading
         threads, beside the engine's steps.
     :param max_pinned_lora_bytes: bytes of page-locked host memory the engine reserves at start,
@@ -86,7 +90,7 @@ class LoRAConfig:
         At most ``max_cpu_lora_bytes``.
     """
 
-    max_loras: int = 1
+    max_loras: int | None = None
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     lora_dtype: str | torch.dtype = "auto"
@@ -96,13 +100,15 @@ class LoRAConfig:
     max_loading_workers: int = 4
 
     def __post_init__(self) -> None:
-        _check_int("max_loras", self.max_loras, 1)
+        if self.max_loras is not None:
+            _check_int("max_loras", self.max_loras, 1)
         _check_int("max_loading_workers", self.max_loading_workers, 1)
         _check_int("max_lora_rank", self.max_lora_rank, 1, MAX_LORA_RANK_LIMIT)
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
-        _check_int("max_cpu_loras", self.max_cpu_loras, 1)
-        if self.max_cpu_loras < self.max_loras:
+        if self.max_cpu_loras is not None:
+            _check_int("max_cpu_loras", self.max_cpu_loras, 1)
+        if self.max_loras is not None and self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(
                 f"LoRAConfig.max_cpu_loras: got {self.max_cpu_loras}; allowed: an int >= "
                 f"max_loras ({self.max_loras}), since every GPU slot is backed by the CPU tier"

@@ -39,7 +39,7 @@ class CacheStats:
 class CPUAdapterCache:
     """Loaded adapters in host memory by handle id, least recently used first out.
 
-    :param max_loras: at most this many adapters are kept.
+    :param max_loras: at most this many adapters are kept (None: no count bound, ``max_bytes`` alone).
     :param max_bytes: at most this many bytes of weights are kept (None: no byte bound; the
         registry always passes one, see :attr:`LoRAConfig.max_cpu_lora_bytes`).
     :param on_evict: called with the handle of each adapter that leaves the tier to make room or
@@ -48,13 +48,14 @@ class CPUAdapterCache:
 
     def __init__(
         self,
-        max_loras: int,
+        max_loras: int | None,
         max_bytes: int | None = None,
         *,
         on_evict: Callable[[AdapterHandle], None] | None = None,
     ) -> None:
-        if isinstance(max_loras, bool) or not isinstance(max_loras, int) or max_loras < 1:
-            raise ValueError(f"CPUAdapterCache max_loras: got {max_loras!r}; allowed: an int >= 1")
+        if max_loras is not None and (isinstance(max_loras, bool) or not isinstance(max_loras, int)
+                                      or max_loras < 1):
+            raise ValueError(f"CPUAdapterCache max_loras: got {max_loras!r}; allowed: an int >= 1 or None")
         if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
                                       or max_bytes < 1):
             raise ValueError(f"CPUAdapterCache max_bytes: got {max_bytes!r}; allowed: an int >= 1 or None")
@@ -158,7 +159,7 @@ class CPUAdapterCache:
         return evicted
 
     def _over_budget(self) -> bool:
-        too_many = len(self._adapters) > self.max_loras
+        too_many = self.max_loras is not None and len(self._adapters) > self.max_loras
         return too_many or (self.max_bytes is not None and self._nbytes > self.max_bytes)
 
     def _check_fits(self, handle: AdapterHandle) -> None:
@@ -172,12 +173,13 @@ class CPUAdapterCache:
             )
         kept = [i for i in self._adapters if self._pins.get(i) and i != handle.id]
         kept_bytes = sum(self._adapters[i].handle.nbytes for i in kept)
-        too_many = len(kept) + 1 > self.max_loras
+        too_many = self.max_loras is not None and len(kept) + 1 > self.max_loras
         too_big = self.max_bytes is not None and kept_bytes + handle.nbytes > self.max_bytes
         if too_many or too_big:
+            count = f"{self.max_loras} adapters, " if self.max_loras is not None else ""
             raise CacheBusyError(
                 f"the CPU tier is full of adapters in use ({len(kept)} pinned, {kept_bytes:,} "
-                f"bytes; limits {self.max_loras} adapters, {self.max_bytes or 0:,} bytes), so there "
+                f"bytes; limits {count}{self.max_bytes or 0:,} bytes), so there "
                 "is no room for it now.",
                 adapter=handle.name,
                 fix="Retry when running requests finish, or raise max_cpu_loras "
@@ -224,6 +226,14 @@ class CPUAdapterCache:
             del self._pins[handle_id]
             gone = [self._drop(handle_id)] if handle_id in self._retired else []
         self._notify(gone)
+
+    @property
+    def usage(self) -> float:
+        """The tier's pressure, 0 to 1: the fuller of its bytes and (when bounded) its count."""
+        with self._lock:
+            by_bytes = self._nbytes / self.max_bytes if self.max_bytes else 0.0
+            by_count = len(self._adapters) / self.max_loras if self.max_loras else 0.0
+            return max(by_bytes, by_count)
 
     def num_pinned(self) -> int:
         """How many resident adapters are pinned now."""

@@ -434,7 +434,7 @@ class Registry:
         """Bound the name map under churn (under the lock): past a few times the CPU tier's size,
         drop names that only a resolver found and whose adapter left the tier. Kept until then,
         such a name read again keeps its handle when its content is unchanged."""
-        if len(self._bindings) <= 4 * self.cache.max_loras + 1024:
+        if len(self._bindings) <= 4 * (self.cache.max_loras or len(self.cache)) + 1024:
             return
         resident = set(self.cache.handle_ids())
         for name in [

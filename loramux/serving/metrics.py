@@ -3,7 +3,7 @@
 Counters the server sees itself (requests, tokens, resolutions, load latency) and the latency
 histograms (time to first token, inter-token latency, end-to-end latency, by model: the base
 model's name or the adapter's) are updated as requests run; what the adapter tiers count (hits,
-misses, loads, evictions, resident adapters) and what a router reads (requests running and
+misses, loads, evictions, resident adapters, usage) and what a router reads (requests running and
 waiting, their adapters, KV-cache usage, under vLLM's names) is read from the engine at scrape
 time by collectors, so nothing is counted twice. Each app has its own ``CollectorRegistry``, so
 several servers can live in one process (tests).
@@ -105,6 +105,11 @@ class _TierCollector:
                                            "Bytes of adapter weights held in the tier now.", labels=["tier"])
         capacity_bytes = GaugeMetricFamily("loramux_adapter_bytes_capacity",
                                            "Bytes of adapter weights the tier may hold.", labels=["tier"])
+        usage = GaugeMetricFamily(
+            "loramux_adapter_cache_usage_perc",
+            "Adapter tier usage, 0 to 1 (1 is full), beside vllm:kv_cache_usage_perc: the CPU tier's bytes "
+            "(or adapters, when counted) against its bounds; the GPU pool's fullest layer of rank rows "
+            "(or its slots).", labels=["tier"])
         pinned = {
             "pinned_bytes_capacity": GaugeMetricFamily(
                 "loramux_adapter_pinned_bytes_capacity",
@@ -128,6 +133,8 @@ class _TierCollector:
                 resident_bytes.add_metric([tier], stats.bytes_resident)
             if stats.bytes_capacity is not None:
                 capacity_bytes.add_metric([tier], stats.bytes_capacity)
+            if stats.usage is not None:
+                usage.add_metric([tier], stats.usage)
             for name, family in pinned.items():
                 if getattr(stats, name) is not None:
                     family.add_metric([tier], getattr(stats, name))
@@ -135,6 +142,7 @@ class _TierCollector:
         yield resident
         yield resident_bytes
         yield capacity_bytes
+        yield usage
         yield from pinned.values()
 
 

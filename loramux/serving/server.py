@@ -95,8 +95,6 @@ def build_engine(
     modules = (demo_adapters() if embedded and args.enable_lora else []) + config.lora_modules
     config.lora_modules = list({name: (name, path, base) for name, path, base in modules}.values())  # a later NAME wins
     options = flag_values(EngineConfig, args)
-    if embedded and "max_loras" not in options:  # a GPU slot per demo adapter
-        options["max_loras"] = max(1, len(config.lora_modules))
     engine_config = EngineConfig(args.model, **options,
                                  resolver_settings=resolver_settings or settings_from_flags(args))
     logger.info("Loading %s ...", args.model or "the embedded default model")

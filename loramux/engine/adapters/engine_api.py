@@ -96,8 +96,9 @@ class EngineAdapterAPI:
         return self.adapters.remove(name)
 
     def pin_lora(self, name_or_id: str | int) -> bool:
-        """Keep an adapter in a GPU slot until ``remove_lora``; it counts against ``max_loras``
-        (a reference the engine holds; a reload moves it to the new weights)."""
+        """Keep an adapter in a GPU slot until ``remove_lora``; its rows stay taken in the GPU
+        pool (and it counts against ``max_loras`` when set): a reference the engine holds; a
+        reload moves it to the new weights."""
         self._require_lora()
         return self.adapters.pin_name(self._name_of(name_or_id))
 

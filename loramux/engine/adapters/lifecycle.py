@@ -19,6 +19,7 @@ interleave.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -154,7 +155,8 @@ class AdapterLifecycle(AdapterUses):
             return
         self._room_freed = False
         cache = self.registry.cache
-        room = max(1, cache.max_loras - cache.num_pinned())
+        # without a count bound, every deferred adapter tries (the bytes decide, in the tier)
+        room = len(self._deferred) if cache.max_loras is None else max(1, cache.max_loras - cache.num_pinned())
         retry, kept, names = [], [], set()
         for seq in sorted(self._deferred, key=lambda q: q.arrival):
             if seq.lora_name in names or len(names) < room:
@@ -185,12 +187,12 @@ class AdapterLifecycle(AdapterUses):
         once its adapter is there (`Fit.READY`). Returns the adapters that could not be placed,
         with why (the scheduler fails their queued requests).
 
-        At most as many handles as admission could start now (``max_loras`` less the slots in
-        use), in queue order: exactly the ones it admits next, so no cached adapter is evicted
-        for a request that could not run anyway. A held slot is never written, nor is the slot of
-        an adapter ahead in the queue (adapters share the pool rows by rank: a prefetch with no
-        room beside those stops); the copy runs on the manager's side stream (CUDA) and the step
-        waits on it only at admission.
+        In queue order, as many handles as fit beside the adapters in use and those ahead of
+        them (and at most ``max_loras`` less the slots in use, when set): exactly the ones it
+        admits next, so no cached adapter is evicted for a request that could not run anyway. A
+        held slot is never written, nor is the slot of an adapter ahead in the queue (adapters
+        share the pool rows by rank: a prefetch with no room beside those stops); the copy runs
+        on the manager's side stream (CUDA) and the step waits on it only at admission.
 
         Each copy costs the engine's thread milliseconds of host work, hidden while the GPU
         computes the step this runs beside. So a step copies one adapter, then more only while
@@ -203,7 +205,7 @@ class AdapterLifecycle(AdapterUses):
         """
         failed: list[tuple[AdapterHandle, LoRAError]] = []
         in_slots = self.in_slots()
-        room = self.max_loras - len(in_slots)
+        room = math.inf if self.max_loras is None else self.max_loras - len(in_slots)  # pool rows decide
         copies = 0
         seen: set[int] = set()
         for seq in queue:
@@ -353,7 +355,7 @@ class AdapterLifecycle(AdapterUses):
             if handle.id in self.pinned():
                 return True
             in_slots = self.in_slots()
-            if handle.id not in in_slots and len(in_slots) >= self.max_loras:
+            if self.max_loras is not None and handle.id not in in_slots and len(in_slots) >= self.max_loras:
                 raise LoRAError(
                     f"all {self.max_loras} GPU slots are in use by running or pinned adapters.",
                     adapter=handle.name,

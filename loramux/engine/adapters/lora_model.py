@@ -1,7 +1,8 @@
 """Turn a transformers model into a multi-LoRA model, and manage its GPU adapter slots.
 
-    manager = LoRAModelManager(model, LoRAConfig(max_loras=4, max_lora_rank=16))
-    slot = manager.activate(adapter)               # copy into a free or least recently used slot
+    manager = LoRAModelManager(model, LoRAConfig(max_lora_rank=16))
+    slot = manager.activate(adapter)               # copy into a free slot, evicting the least
+                                                   # recently used ones not in use for its rows
                                                    # (keyed by adapter.handle.id)
     manager.set_mapping(token_slots)               # [T] slot per token, -1 = base model; per forward
     logits = model(input_ids).logits
@@ -9,8 +10,10 @@
 Patching (`loramux.engine.layers.lora_patch`) replaces each eligible layer in place by the wrapper the
 ``create_lora_layer`` hook returns (plugins first, loramux's built-ins last). Every wrapper reads the same `LoRAContext`,
 so the per-forward kernel metadata is built once. The adapter weight pool
-(`loramux.engine.layers.weight_pool`) owns the layers' adapter memory and writes it; this manager
-decides which adapter sits in which slot, evicts, and orders the copies against the compute stream.
+(`loramux.engine.layers.weight_pool`) owns the layers' adapter memory and writes it; placement
+(`loramux.engine.adapters.placement`) decides where an adapter goes and what it evicts;
+`loramux.engine.adapters.slot_copies` orders the copies against the compute stream; this manager
+keeps the resident handles and the slot table, and writes and clears slots.
 """
 
 from __future__ import annotations
@@ -23,27 +26,26 @@ import torch
 from torch import nn
 
 from loramux.engine.layers import LoRAContext
-from loramux.engine.layers.weight_pool import AdapterWeightPool, Footprint
+from loramux.engine.layers.weight_pool import AdapterWeightPool
 from loramux.engine.layers.lora_patch import patch_model, wrap_layer
 from loramux.engine.adapters.lora_validation import AdapterValidator
+from loramux.engine.adapters.placement import AdapterPlacement
+from loramux.engine.adapters.slot_copies import SlotCopies
 from loramux.engine.adapters.slots import SlotTable
-from loramux.errors import CacheFullError, LoRAError
+from loramux.errors import LoRAError
 from loramux.registry import AdapterHandle, CacheStats, LoRAAdapter, LoRAConfig
 from loramux.registry.handle import memory_handle
 
 __all__ = ["LoRAModelManager", "patch_model", "wrap_layer"]  # the latter two: lora_patch.py
 
-#: Footprints `LoRAModelManager` keeps before it starts over (a few KB each at 8B).
-MAX_FOOTPRINTS = 4096
-
 
 class LoRAModelManager:
-    """Patches ``model`` in place for multi-LoRA and keeps its ``max_loras`` GPU slots.
+    """Patches ``model`` in place for multi-LoRA and keeps its GPU adapter slots.
 
     :param model: a transformers model (or any ``nn.Module``), already on its device and dtype.
-    :param lora_config: ``max_loras`` slots of rank up to ``max_lora_rank``. Slot tensors take
-        each layer's own dtype (adapter weights are cast on copy); ``max_gpu_lora_bytes`` sizes
-        the pools.
+    :param lora_config: adapters of rank up to ``max_lora_rank``; ``max_gpu_lora_bytes`` sizes
+        the pools and ``max_loras``, if set, caps the slots (`AdapterWeightPool`). Slot tensors
+        take each layer's own dtype (adapter weights are cast on copy).
     :param target_modules: wrap only these modules (PEFT's rule: a list of names matched as
         dotted suffixes, or one regex matched against the full name); None wraps every
         supported layer. Narrowing saves slot memory.
@@ -68,30 +70,28 @@ class LoRAModelManager:
         self.model = model
         self.lora_config = lora_config
         self.target_modules = target_modules
-        self.context = LoRAContext(lora_config.max_loras)
+        self.context = LoRAContext()
         module_types = {name: type(module) for name, module in model.named_modules() if name}  # before patching
         self.layers = patch_model(model, lora_config, self.context, target_modules=target_modules)
         self.validator = AdapterValidator(type(model).__name__, module_types, self.layers, target_modules)
         self.workers = workers
         self.pool = AdapterWeightPool(self.layers, lora_config)
+        self.context.num_slots = self.pool.num_slots
         self._touches_big: dict[int, bool] = {}  # slot -> whether its adapter touches a big-GEMM layer
-        self._footprints: dict[int, Footprint] = {}  # handle id -> _footprint
-        self._fit_answers: tuple[int, dict] = (-1, {})  # (the slot table's version, its answers)
-        self._slots = SlotTable(lora_config.max_loras)
+        self._slots = SlotTable(self.pool.num_slots)
+        self.placement = AdapterPlacement(self.pool, self._slots)
         # resident handles by id: not the adapters, so a slot keeps no host memory alive (the CPU
         # tier owns the weights, and an arena piece comes back once the tier lets it go)
         self._handles: dict[int, AdapterHandle] = {}
         self._lock = threading.RLock()
         self.stats = CacheStats()  # the GPU tier's counters, as the CPU tier keeps them
-        if self.layers:
-            self.device = self.pool.device
-        else:
-            self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        # prefetch copies run on a side stream (created here, at engine start, never while a
-        # graph is captured); the compute stream waits on a copy's event when its slot is held
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._copies: dict[int, torch.cuda.Event] = {}  # handle id -> its side-stream copy
-        self.on_host_copies = on_host_copies
+        self.device = self.pool.device if self.layers else next((p.device for p in model.parameters()),
+                                                                 torch.device("cpu"))
+        self.copies = SlotCopies(self.device, on_host_copies)  # prefetches on a side stream (CUDA)
+
+    @property
+    def on_host_copies(self) -> Callable[[torch.cuda.Event], None] | None:
+        return self.copies.on_host_copies
 
     @property
     def capacity_bytes(self) -> int:
@@ -102,6 +102,17 @@ class LoRAModelManager:
     def pool_units(self) -> int:
         """Rank rows in each wrapped layer's pool (0 without wrapped layers)."""
         return self.pool.units
+
+    @property
+    def num_slots(self) -> int:
+        """Adapters that may be resident at once (`AdapterWeightPool.num_slots`)."""
+        return self.pool.num_slots
+
+    @property
+    def usage(self) -> float:
+        """The GPU tier's pressure, 0 to 1 (`AdapterPlacement.usage`)."""
+        with self._lock:
+            return self.placement.usage
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -121,11 +132,9 @@ class LoRAModelManager:
     # -- slots (keyed by handle id) ---------------------------------------------------------------
 
     def prefetch(self, adapter: LoRAAdapter, keep: Collection[int] = ()) -> int | None:
-        """Copy ``adapter`` into a free (or least recently used, not held) slot ahead of its use,
-        on the side stream on CUDA, so the step that admits its request does not wait for the
-        host-to-device copy; synchronous on CPU. The compute stream waits for the copy when the
-        slot is held (:meth:`hold`). A held slot (in use by the running batch) is never written,
-        nor is one of the handle ids in ``keep`` (adapters prefetched for requests ahead of it).
+        """Copy ``adapter`` into a slot ahead of its use, on the side stream on CUDA
+        (`SlotCopies`), synchronously on CPU. Evicts as `activate` does, but never the handle
+        ids in ``keep`` (adapters prefetched for requests ahead of it).
 
         :returns: its slot, or None when there is no room for it beside the adapters held or
             kept (nothing changes).
@@ -135,23 +144,17 @@ class LoRAModelManager:
                 return self._slots.slot_of(adapter.handle.id)
             if not self.can_place(adapter, keep=keep):
                 return None
-            return self._activate(adapter, side_stream=self._copy_stream is not None, keep=keep)
+            return self._activate(adapter, side_stream=self.copies.stream is not None, keep=keep)
 
     def activate(self, adapter: LoRAAdapter) -> int:
         """Make ``adapter`` usable in the next forward and return its slot.
 
-        Slots are keyed by ``adapter.handle.id``: an adapter already resident keeps its slot (it
-        becomes the most recently used); a reload is a new handle, so it gets a slot of its own
-        while the old one finishes its requests. Otherwise a free slot, or the least recently
-        used one nobody holds, receives a copy (asynchronous from pinned host memory).
-
-        An adapter with a handle was validated by the registry, once, at the border; one without
-        (this manager used on its own) is validated here and given a handle, and an adapter
-        without a handle whose name is resident already is a hit on it.
-
-        A slot takes pool rows by rank in every pooled layer (`loramux.engine.adapters.rank_pool`): the
-        least recently used adapters not in use are evicted until a slot is free and the new
-        adapter's rows fit.
+        Slots are keyed by ``adapter.handle.id``: a resident adapter keeps its slot (and becomes
+        the most recently used); a reload is a new handle, with a slot of its own while the old
+        one finishes its requests. Otherwise a free slot and pool rows by rank receive a copy
+        (asynchronous from pinned host memory), once `AdapterPlacement` made room. An adapter
+        without a handle (this manager used on its own) is validated here and given one, or is a
+        hit on a resident one of its name.
 
         :raises IncompatibleAdapterError: ``adapter`` does not fit this model (nothing changes).
         :raises CacheFullError: every slot is held, or the adapters in use leave no room for its
@@ -172,17 +175,16 @@ class LoRAModelManager:
             if adapter.handle is None:
                 self.validate(adapter)
                 adapter = replace(adapter, handle=handle)
-            footprint = self._footprint(adapter)
-            self._make_room(footprint, adapter.name, keep)
+            footprint = self.placement.footprint(adapter)
+            self.placement.make_room(footprint, adapter.name, keep, self._evict, lambda i: self._handles[i].name)
             slot, evicted = self._slots.allocate(handle.id, label=adapter.name)
-            assert evicted is None, "_make_room leaves a free slot"
+            assert evicted is None, "make_room leaves a free slot"
             try:
                 if side_stream:
-                    self._write_slot_aside(handle.id, slot, adapter)
+                    self.copies.write_aside(handle.id, lambda: self._write_slot(slot, adapter))
                 else:
                     self._write_slot(slot, adapter)
-                    if self.device.type == "cuda" and self.on_host_copies is not None:
-                        self._fence_host_copies(torch.cuda.current_stream(self.device))
+                    self.copies.written_in_line()
             except BaseException:
                 self._clear_slot(slot)
                 self._slots.drop(handle.id)  # a half-written slot is never used
@@ -193,96 +195,29 @@ class LoRAModelManager:
             self.stats.loads += 1
             return slot
 
-    def _footprint(self, adapter: LoRAAdapter) -> Footprint:
-        """The pool rows ``adapter`` takes in each layer it touches. Kept per handle (a handle's
-        weights never change): the scheduler asks `can_place` every step an adapter waits."""
-        key = adapter.handle.id if adapter.handle is not None else None
-        footprint = self._footprints.get(key) if key is not None else None
-        if footprint is None:
-            footprint = self.pool.footprint(adapter.modules)
-            if key is not None:
-                if len(self._footprints) >= MAX_FOOTPRINTS:
-                    self._footprints.clear()  # handles come and go; this only bounds the table
-                self._footprints[key] = footprint
-        return footprint
-
-    def _make_room(self, footprint: Footprint, label: str,
-                   keep: Collection[int] = ()) -> None:
-        """Evict the least recently used adapters not in use (nor in ``keep``) until a slot is
-        free and every layer of ``footprint`` has its rows free.
-
-        :raises CacheFullError: the adapters in use leave no room (checked first: nothing is evicted).
-        """
-        if len(self._slots.held()) >= self._slots.num_slots:
-            raise self._slots.full_error(label)
-        if not self._rows_fit_once_evicted(footprint, keep):
-            held = [self._handles[i].name for i in self._slots.held()]
-            raise CacheFullError(
-                f"the adapters in use ({', '.join(held)}) leave no room for its weights in the GPU "
-                f"LoRA memory ({self.pool_units} rank rows per layer).",
-                adapter=label,
-                fix="Retry when a request finishes, or raise max_gpu_lora_bytes (--max-gpu-lora-bytes).",
-            )
-        while True:
-            short = [layer for layer, units in footprint if not layer.slots.rows.fits(units)]
-            if self._slots.free_slots and not short:
-                return
-            # least recently used first; for rows, only an adapter that owns some where they are short
-            self._evict(next(i for i in self._slots.ids() if not self._slots.is_held(i) and i not in keep
-                             and (not self._slots.free_slots
-                                  or any(self._slots.slot_of(i) in layer.slots.rows for layer in short))))
-
-    def _kept(self, keep: Collection[int]) -> set[int]:
-        """Resident handle ids that may not be evicted: the held ones and those in ``keep``."""
-        return set(self._slots.held()) | {i for i in keep if i in self._slots}
-
-    def _rows_fit_once_evicted(self, footprint: Footprint,
-                               keep: Collection[int] = (), handle_id: int | None = None) -> bool:
-        """Whether ``footprint`` fits every layer's rows left by the held adapters and ``keep``.
-        The answer stands until the slot table changes, so it is kept per handle: the scheduler
-        asks it for a waiting adapter every step, and at 8B with 64 adapters in use one answer
-        walks 225 layers' blocks."""
-        kept_ids = self._kept(keep)
-        key = (handle_id, frozenset(kept_ids))
-        if self._fit_answers[0] != self._slots.version:
-            self._fit_answers = (self._slots.version, {})
-        answer = self._fit_answers[1].get(key) if handle_id is not None else None
-        if answer is None:
-            kept = {self._slots.slot_of(i) for i in kept_ids}
-            answer = self.pool.fits_keeping(footprint, kept)
-            if handle_id is not None:
-                self._fit_answers[1][key] = answer
-        return answer
-
     def can_place(self, adapter: LoRAAdapter, keep: Collection[int] = ()) -> bool:
         """Whether `activate` would find ``adapter`` a slot and its pool rows now, evicting only
         adapters not in use, nor in ``keep`` (handle ids) (True when it is resident)."""
         with self._lock:
             if adapter.handle is not None and adapter.handle.id in self._slots:
                 return True
-            if len(self._kept(keep)) >= self._slots.num_slots:
-                return False
-            footprint = self._footprint(adapter)
-            if self._slots.free_slots and self.pool.fits(footprint):
-                return True  # room now: the common case, without walking what is resident
-            return self._rows_fit_once_evicted(footprint, keep, adapter.handle and adapter.handle.id)
+            return self.placement.can_place(adapter, keep)
 
     def fits_beside(self, adapter: LoRAAdapter, handle_ids: Collection[int]) -> bool:
         """Whether ``adapter`` would find a slot and its rows if only ``handle_ids`` stayed
         resident (the scheduler asks it of the user-pinned ones: if not, it can never run)."""
         with self._lock:
-            kept = {i for i in handle_ids if i in self._slots}
-            if len(kept) >= self._slots.num_slots:
-                return False
-            slots = {self._slots.slot_of(i) for i in kept}
-            return self.pool.fits_keeping(self._footprint(adapter), slots)
+            return self.placement.fits_beside(adapter, handle_ids)
 
     def _evict(self, handle_id: int) -> None:
+        self._free(handle_id)
+        self.stats.evictions += 1
+
+    def _free(self, handle_id: int) -> None:
         """Free the slot and pool rows of a resident adapter nobody holds."""
-        self._await_copy(handle_id)  # its own prefetch must land before its rows are written again
+        self.copies.wait(handle_id)  # its own prefetch must land before its rows are written again
         self._clear_slot(self._slots.deallocate(handle_id))
         del self._handles[handle_id]
-        self.stats.evictions += 1
 
     def _standalone_handle(self, adapter: LoRAAdapter) -> AdapterHandle:
         """The handle of a resident handle-less adapter of this name, or a new one (no registry)."""
@@ -290,30 +225,6 @@ class LoRAModelManager:
         if resident is not None and resident.source == "memory":
             return resident
         return memory_handle(adapter, adapter.name)
-
-    def _write_slot_aside(self, handle_id: int, slot: int, adapter: LoRAAdapter) -> None:
-        """The copy on the side stream, after everything the compute stream has queued so far
-        (the slot's last readers: the batch of the step that released it)."""
-        stream = self._copy_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            self._write_slot(slot, adapter)
-        self._copies[handle_id] = self._fence_host_copies(stream)
-
-    def _fence_host_copies(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        """An event after the copies queued on ``stream``, told to `on_host_copies` while the
-        caller still holds the adapter copied from (its host memory is not released before)."""
-        event = torch.cuda.Event()
-        event.record(stream)
-        if self.on_host_copies is not None:
-            self.on_host_copies(event)
-        return event
-
-    def _await_copy(self, handle_id: int) -> None:
-        """Make the compute stream wait for ``handle_id``'s side-stream copy, if one is pending."""
-        event = self._copies.pop(handle_id, None)
-        if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
 
     def _write_slot(self, slot: int, adapter: LoRAAdapter) -> None:
         """Write ``adapter`` into ``slot`` of every layer (`AdapterWeightPool.write`); with tensor
@@ -364,9 +275,7 @@ class LoRAModelManager:
                     adapter=self._handles[handle_id].name,
                     fix="Free it when the scheduler releases it (its last request ends).",
                 )
-            self._await_copy(handle_id)
-            self._clear_slot(self._slots.deallocate(handle_id))
-            del self._handles[handle_id]
+            self._free(handle_id)
             return True
 
     def hold(self, key: int | str) -> int:
@@ -380,7 +289,7 @@ class LoRAModelManager:
             if handle_id not in self._slots:
                 raise ValueError(f"adapter {key!r} holds no GPU slot; activate it before holding it")
             self._slots.hold(handle_id)
-            self._await_copy(handle_id)  # before the first forward that reads this slot
+            self.copies.wait(handle_id)  # before the first forward that reads this slot
             return self._slots.slot_of(handle_id)
 
     def release(self, key: int | str) -> None:
@@ -393,8 +302,7 @@ class LoRAModelManager:
 
     def is_held(self, key: int | str) -> bool:
         with self._lock:
-            handle_id = self._id(key)
-            return handle_id is not None and self._slots.is_held(handle_id)
+            return self._slots.is_held(self._id(key))
 
     def slot_of(self, key: int | str) -> int | None:
         """The slot of a handle id (or of the resident adapter of a name), or None."""

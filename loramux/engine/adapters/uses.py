@@ -29,7 +29,7 @@ class Fit(enum.Enum):
 
     READY = "ready"  # room, and its weights sit in a slot already: it may run
     COPYING = "copying"  # room, but not placed yet: the copy beside the step puts it there
-    NO_ROOM = "no_room"  # no room beside the adapters in use: it waits for one to end
+    NO_ROOM = "no_room"  # no room (rows, or max_loras) beside the adapters in use: it waits for one to end
     NEVER = "never"  # no room even beside the user-pinned adapters alone: it can never run
 
 
@@ -55,10 +55,11 @@ class AdapterUse:
 class AdapterUses:
     """The reference counts of the adapters in use, and what the scheduler asks of them.
 
-    :param max_loras: GPU slots: adapters that may be in use in one step, pins included.
+    :param max_loras: a cap on the adapters in use in one step, pins included (None: no count
+        binds; the tiers behind the hooks say whether there is room, `_has_room`).
     """
 
-    def __init__(self, max_loras: int) -> None:
+    def __init__(self, max_loras: int | None) -> None:
         self.max_loras = max_loras
         self._uses: dict[int, AdapterUse] = {}  # handle id -> its uses; absent = no reference
 
@@ -90,7 +91,7 @@ class AdapterUses:
 
     def has_room(self, handle: AdapterHandle, in_slots: set[int]) -> bool:
         """Whether ``handle``, not in a slot, would find room beside the handles in ``in_slots``."""
-        return len(in_slots) < self.max_loras and self._has_room(handle)
+        return (self.max_loras is None or len(in_slots) < self.max_loras) and self._has_room(handle)
 
     def fit(self, handle: AdapterHandle, in_slots: set[int], pinned: set[int]) -> Fit:
         """Whether a queued ``handle`` that holds no slot may run now (see `Fit`)."""

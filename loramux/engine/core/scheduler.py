@@ -37,12 +37,15 @@ its CPU-tier pin goes, and a handle whose name was rebound or unbound retires.
 Loading overlaps compute: a request's adapter is resolved and read into the CPU tier from the
 moment it arrives (bounded by the tier's budget: when the tier is full of adapters in use, it
 waits for room, oldest first), and the adapters of the oldest queued requests are copied into
-free GPU slots (a side CUDA stream) while the GPU computes a step, as many as admission could
-start now (``max_loras`` less the slots in use), never into a slot in use. Admission itself
+free GPU slots (a side CUDA stream) while the GPU computes a step, as many as fit beside the
+adapters in use (and ``max_loras`` less those, when set), never into a slot in use. Admission itself
 copies nothing (`Fit.COPYING`): a request whose adapter has room but no slot yet is passed over
 until the copy beside the step has put it there, so no step waits on the host work of placing
-adapters (placements at admission made the slowest steps of a many-adapter trace). What
-admission below guarantees, with that:
+adapters (placements at admission made the slowest steps of a many-adapter trace). So a request
+whose adapter is in host memory runs from the step after its copy was queued, while the copy may
+still run (the step's forward waits for it on the GPU, not the host); a request whose adapter is
+still loading from disk (cold) is not in the queue until it loaded, so it holds up no request
+behind it. What admission below guarantees, with that:
 
 - FIFO among blocked adapters: the first request in turn whose adapter needs a slot is admitted
   first, and nothing behind it takes a slot before it (base-model and pinned-adapter requests aside).
@@ -59,7 +62,9 @@ admission below guarantees, with that:
 - Slots stay busy: a slot freed by a finished adapter is refilled by the next queued adapter,
   whose weights are usually already there (prefetched).
 
-A step holds at most ``max_loras`` distinct adapters, counting the ones the user pinned to the GPU.
+The distinct adapters of a step are bounded by memory, not by a count: they are those whose rows
+fit the GPU adapter pool together, beside the ones the user pinned (`AdapterPlacement`); an
+explicit ``max_loras`` caps their number too.
 
 Async scheduling: the engine schedules a step before the last one's tokens are read back, so a
 running sequence may end in a token the host does not know yet (``seq.num_pending``). It decodes
@@ -202,7 +207,7 @@ class Scheduler:
             handle = seq.handle
             if handle is not None:
                 if handle.id not in pinned:  # a pinned adapter's requests never wait for a slot
-                    if len(pinned) >= adapters.max_loras:
+                    if adapters.max_loras is not None and len(pinned) >= adapters.max_loras:
                         self._fail(seq, CacheFullError(
                             f"all {adapters.max_loras} GPU slots hold pinned adapters ({self._names(pinned)}).",
                             adapter=handle.name,

@@ -26,6 +26,7 @@ class TierStats:
     max_adapters: int | None = None  # adapters the tier may hold at once
     bytes_resident: int | None = None  # bytes of the resident adapters' weights
     bytes_capacity: int | None = None  # bytes the tier may hold (its budget)
+    usage: float | None = None  # its pressure, 0 to 1 (1: full), as the KV cache's usage
     pinned_bytes_capacity: int | None = None  # its page-locked arena's bytes (CPU tier on CUDA)
     pinned_bytes_in_use: int | None = None  # of those, in pieces not freed yet
     pageable_fallbacks: int | None = None  # loads that found the arena full and took pageable memory
@@ -64,21 +65,24 @@ def read_tiers(registry: Registry | None, lora_manager) -> dict[str, TierStats]:
 
     The CPU tier is the registry's ``CPUAdapterCache`` and, on CUDA, its page-locked arena (the
     registry's ``host_memory``); the GPU tier is the ``LoRAModelManager``. An engine without LoRA
-    has neither (both None).
+    has neither (both None). Each tier's ``usage`` is its pressure: the CPU tier's bytes (or count)
+    against its bounds, the GPU tier's fullest layer of pool rows (or its slots).
     """
     tiers: dict[str, TierStats] = {}
     if registry is not None:
         cache = registry.cache
         cpu = tiers["cpu"] = _tier(cache.stats, cache.names(), cache.nbytes, cache.max_bytes)
         cpu.max_adapters = cache.max_loras
+        cpu.usage = cache.usage
         if isinstance(registry.host_memory, PageLockedArena):
             arena = registry.host_memory.stats
             cpu.pinned_bytes_capacity = arena.capacity_bytes
             cpu.pinned_bytes_in_use = arena.in_use_bytes
             cpu.pageable_fallbacks = arena.fallbacks
     if lora_manager is not None:
-        tiers["gpu"] = _tier(lora_manager.stats, lora_manager.resident(), lora_manager.nbytes,
-                             lora_manager.capacity_bytes)
+        gpu = tiers["gpu"] = _tier(lora_manager.stats, lora_manager.resident(), lora_manager.nbytes,
+                                   lora_manager.capacity_bytes)
+        gpu.usage = lora_manager.usage
     return tiers
 
 

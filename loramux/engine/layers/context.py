@@ -18,7 +18,8 @@ __all__ = ["LoRAContext"]
 class LoRAContext:
     """Which slot each token of the current forward uses, as kernel metadata.
 
-    :param num_slots: the number of GPU slots (``max_loras``).
+    :param num_slots: the number of GPU slots (the adapter weight pool's; its owner may set it
+        once the pool is sized).
 
     Layers see inputs of one of three row counts:
 
@@ -28,7 +29,7 @@ class LoRAContext:
       on a ``[B, S]`` batch), the last ``k`` tokens of every row of ``token_slots``.
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int = 1) -> None:
         self.num_slots = num_slots
         self.token_slots: torch.Tensor | None = None  # [T] int32, -1 = no adapter
         self.meta: LoRABatchMeta | None = None

@@ -7,10 +7,10 @@ Every resident adapter's weights share one pool of rank rows per layer (S-LoRA's
                                          (slice-major in memory: a view of [n_slices, U, in])
     lora_b       [U, N]                  N = sum(output_sizes); a slot's B is one [N, w] block
                                          from element start * N of its flat storage (`block`)
-    pool_starts  [max_loras] int32       each slot's first row (start)
-    scales       [max_loras, n_slices]   float32: the adapter's scaling times the layer's
+    pool_starts  [S] int32               each slot's first row (start); S slots (the pool's)
+    scales       [S, n_slices]           float32: the adapter's scaling times the layer's
                                          ``scale_multiplier``; 0 for a slice it leaves alone
-    ranks        [max_loras] int32       0: the slot's adapter does not touch this layer
+    ranks        [S] int32               0: the slot's adapter does not touch this layer
 
 A slot owns ``w = pool_rows(r)`` rows, its rank r on this layer rounded up to `POOL_ROW_ALIGN`
 (the rows and columns past the rank zero), so B's blocks stay aligned for vector loads. ``rows``
@@ -38,14 +38,15 @@ class LayerSlots(nn.Module):
     Buffers, so ``model.to(device)`` moves them with the model; not persistent, so a model's
     ``state_dict`` holds its own weights only.
 
+    :param num_slots: adapters resident at once (S).
     :param units: rank rows in the pool (U).
     :param region: give slot k the fixed rows from ``k * region`` instead of sharing them.
     """
 
-    def __init__(self, *, max_loras: int, max_lora_rank: int, in_features: int, output_sizes: Sequence[int],
+    def __init__(self, *, num_slots: int, max_lora_rank: int, in_features: int, output_sizes: Sequence[int],
                  units: int, region: int | None, dtype: torch.dtype, device: torch.device | None) -> None:
         super().__init__()
-        self.max_loras, self.max_lora_rank = max_loras, max_lora_rank
+        self.num_slots, self.max_lora_rank = num_slots, max_lora_rank
         self.in_features, self.output_sizes = in_features, tuple(output_sizes)
         self.n_slices, self.out_features = len(self.output_sizes), sum(self.output_sizes)
         # A is slice-major in memory ([n_slices, U, in], viewed as the [U, n_slices, in] the kernels
@@ -55,12 +56,12 @@ class LayerSlots(nn.Module):
         self.register_buffer("lora_b", torch.zeros(units, self.out_features, dtype=dtype, device=device),
                              persistent=False)
         int32 = dict(dtype=torch.int32, device=device)
-        self.register_buffer("pool_starts", torch.zeros(max_loras, **int32), persistent=False)
-        self.register_buffer("scales", torch.zeros(max_loras, self.n_slices, dtype=torch.float32, device=device),
+        self.register_buffer("pool_starts", torch.zeros(num_slots, **int32), persistent=False)
+        self.register_buffer("scales", torch.zeros(num_slots, self.n_slices, dtype=torch.float32, device=device),
                              persistent=False)
-        self.register_buffer("ranks", torch.zeros(max_loras, **int32), persistent=False)
+        self.register_buffer("ranks", torch.zeros(num_slots, **int32), persistent=False)
         self.rows = RankPool(units, region)
-        self.host_ranks = [0] * max_loras
+        self.host_ranks = [0] * num_slots
 
     @staticmethod
     def row_bytes(in_features: int, output_sizes: Sequence[int], dtype: torch.dtype) -> int:

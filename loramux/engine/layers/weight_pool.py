@@ -1,14 +1,20 @@
 """`AdapterWeightPool`: the GPU memory of a model's adapters, and the one way adapters get into it.
 
 The pool gives every wrapped layer its `LayerSlots` (rank-pooled rows, one block per output
-slice), sized together: by ``LoRAConfig.max_gpu_lora_bytes``, every layer the same number of
-shared rows; without it, each slot a fixed region of ``max_lora_rank`` rows in every layer (no
-sharing, no fragmentation, as slots were before pooling). It writes an adapter into a slot of
-every layer at once (`write`: `loramux.engine.layers.write_plan` computes the write,
-`loramux.engine.layers.slot_copy` runs it), clears a slot (`clear`), answers whether an
-adapter's rows fit (`footprint`, `fits`, `fits_keeping`), and splits an adapter for the ranks of a
-tensor-parallel model (`shard`). Which adapter sits in which slot, and which to evict, is the
-model manager's (`loramux.engine.adapters.lora_model`); the pool holds no adapter, only their weights.
+slice), sized together by bytes: ``LoRAConfig.max_gpu_lora_bytes`` (default
+`default_gpu_lora_bytes`), every layer the same number of rows, shared by rank. Its slot count
+(the per-slot buffers, the kernels' slot vector) follows from what the rows can hold: one slot
+per `POOL_ROW_ALIGN` rows (the smallest adapter's), at most `MAX_LORA_SLOTS`, so no count binds
+before the bytes do. An explicit ``max_loras`` caps the slots instead; with it and no byte
+budget each slot is a fixed region of ``max_lora_rank`` rows in every layer (no sharing, no
+fragmentation).
+
+It writes an adapter into a slot of every layer at once (`write`: `loramux.engine.layers.write_plan`
+computes the write, `loramux.engine.layers.slot_copy` runs it), clears a slot (`clear`), answers
+whether an adapter's rows fit (`footprint`, `fits`, `fits_keeping`), and splits an adapter for
+the ranks of a tensor-parallel model (`shard`). Which adapter sits in which slot, and which to
+evict, is the model manager's (`loramux.engine.adapters.lora_model`, `placement`); the pool holds
+no adapter, only their weights.
 """
 
 from __future__ import annotations
@@ -22,10 +28,32 @@ from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.engine.layers.slot_copy import copy_one_by_one, launch_table, zero_all
 from loramux.engine.layers.write_plan import WritePlanner
-from loramux.kernels.pool import pool_rows
+from loramux.kernels.pool import POOL_ROW_ALIGN, pool_rows
 from loramux.registry import LoRAConfig, LoRAModuleWeights
 
-__all__ = ["AdapterWeightPool", "Footprint"]
+__all__ = ["AdapterWeightPool", "Footprint", "MAX_LORA_SLOTS", "default_gpu_lora_bytes"]
+
+#: The default budget on CUDA: this share of the device's memory, as the CPU tier takes 10% of the
+#: host's. Taken before the KV cache is sized (the blocks get what ``gpu_memory_utilization``
+#: leaves after it). On an 80 GB GPU with Llama-3.1-8B (a rank row over its 130 wrapped layers
+#: is 5.8 MB) it holds about 90 adapters of rank 16, q/v-only or on every projection alike:
+#: every wrapped layer keeps the same number of rows.
+GPU_LORA_BYTES_FRACTION = 0.10
+#: ... and on a CPU: the embedded 135M model in float32 (a rank row is 1.6 MB) then holds ten
+#: rank-8 adapters on every layer, a step on a CPU runs few more
+CPU_LORA_BYTES = 128 << 20
+#: Slots when ``max_loras`` is not set: the most adapters resident at once. A step holds at most
+#: ``max_num_seqs`` of them; the rest stay as a cache. The kernels' slot vector and a CUDA graph's
+#: step metadata grow with it (not their grids: those follow the step's tokens).
+MAX_LORA_SLOTS = 256
+
+
+def default_gpu_lora_bytes(device: torch.device) -> int:
+    """The adapter pool's default budget on ``device``: `GPU_LORA_BYTES_FRACTION` of a CUDA
+    device's memory, `CPU_LORA_BYTES` elsewhere."""
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory * GPU_LORA_BYTES_FRACTION)
+    return CPU_LORA_BYTES
 
 #: the pool rows an adapter takes in each layer it touches
 Footprint = list[tuple[BaseLayerWithLoRA, int]]
@@ -46,26 +74,37 @@ class AdapterWeightPool:
                  use_table: bool | None = None) -> None:
         self.layers = dict(layers)
         self.lora_config = lora_config
-        S, R = lora_config.max_loras, lora_config.max_lora_rank
-        if lora_config.max_gpu_lora_bytes is None:  # one region of the largest rank per slot
-            units, region = S * pool_rows(R), pool_rows(R)
+        first = next(iter(self.layers.values()), None)
+        self.device = first.lora_device if first is not None else torch.device("cpu")
+        cap, R = lora_config.max_loras, lora_config.max_lora_rank
+        budget = lora_config.max_gpu_lora_bytes
+        if budget is None and cap is not None:  # one region of the largest rank per slot
+            units, region = cap * pool_rows(R), pool_rows(R)
         else:  # every layer the same number of rows, shared by rank
-            units, region = self._units_in(lora_config.max_gpu_lora_bytes), None
+            if budget is None:  # no more than MAX_LORA_SLOTS adapters of the largest rank can use
+                most = MAX_LORA_SLOTS * pool_rows(R) * self.row_bytes
+                budget = max(min(default_gpu_lora_bytes(self.device), most), pool_rows(R) * self.row_bytes)
+            units, region = self._units_in(budget), None
+        #: slots: adapters resident at once (the per-slot buffers' length)
+        self.num_slots = cap if cap is not None else max(1, min(units // POOL_ROW_ALIGN, MAX_LORA_SLOTS))
         for layer in self.layers.values():
-            layer.slots = LayerSlots(max_loras=S, max_lora_rank=R, in_features=layer.in_features,
+            layer.slots = LayerSlots(num_slots=self.num_slots, max_lora_rank=R, in_features=layer.in_features,
                                      output_sizes=layer.output_sizes, units=units, region=region,
                                      dtype=layer.lora_dtype, device=layer.lora_device)
         self._planner = WritePlanner(list(self.layers.values()))
         #: the tensor-parallel rank of these layers' shards (None: not sharded): `write` takes
         #: that rank's part of an adapter (`shard`)
         self.tp_rank = next((layer.tp_shard.rank for layer in self.layers.values() if layer.tp_shard), None)
-        first = next(iter(self.layers.values()), None)
-        self.device = first.lora_device if first is not None else torch.device("cpu")
         self.use_table = self.device.type == "cuda" if use_table is None else use_table
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one rank row in every layer's pool together."""
+        return sum(LayerSlots.row_bytes(layer.in_features, layer.output_sizes, layer.lora_dtype)
+                   for layer in self.layers.values())
+
     def _units_in(self, budget: int) -> int:
-        row_bytes = sum(LayerSlots.row_bytes(layer.in_features, layer.output_sizes, layer.lora_dtype)
-                        for layer in self.layers.values())
+        row_bytes = self.row_bytes
         rank = self.lora_config.max_lora_rank
         if row_bytes and budget // row_bytes < pool_rows(rank):
             raise ValueError(
@@ -84,6 +123,12 @@ class AdapterWeightPool:
     def capacity_bytes(self) -> int:
         """Bytes of GPU memory the pools take: the GPU tier's budget."""
         return sum(layer.slots.nbytes for layer in self.layers.values())
+
+    @property
+    def rows_usage(self) -> float:
+        """The fullest layer's share of its pool rows in use, 0 to 1 (0 without layers)."""
+        return max(((rows.units - rows.free_units) / rows.units
+                    for rows in (layer.slots.rows for layer in self.layers.values()) if rows.units), default=0.0)
 
     # -- room ----------------------------------------------------------------------------------
 

@@ -218,7 +218,7 @@ def warm_up_kernels(runner: ModelRunner) -> int:
             max_num_batched_tokens=runner.config.max_num_batched_tokens, max_num_seqs=runner.config.max_num_seqs,
             num_heads=config.num_attention_heads, num_kv_heads=kv_heads, head_dim=head_dim,
             block_size=runner.config.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
-            num_slots=manager.lora_config.max_loras if manager is not None else 1,
+            num_slots=manager.num_slots if manager is not None else 1,
             min_tokens=runner.graphs.sizes[-1] + 1 if runner.graphs is not None else 1,
         )
     except Exception as exc:  # host arithmetic only: the engine serves without it, slower on first use

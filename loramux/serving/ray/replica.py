@@ -60,7 +60,8 @@ class LoramuxReplica:
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         cpu = self.engine.tier_stats().get("cpu")
-        self.cpu_tier_size = cpu.max_adapters if cpu is not None else 1
+        # Ray's -1: no count (the CPU tier is bounded by bytes alone)
+        self.cpu_tier_size = (cpu.max_adapters or -1) if cpu is not None else 1
 
         async def hold_adapter(name: str) -> str:  # the engine loads it; this only tells Ray it is here
             return name
@@ -69,7 +70,8 @@ class LoramuxReplica:
         self._directory = directory
         self._version = 0  # the directory's version this replica has replayed up to
         self._catch_up_lock = asyncio.Lock()
-        logger.info("Replica %s ready: CPU tier of %d adapters", self.replica_id, self.cpu_tier_size)
+        logger.info("Replica %s ready: CPU tier of %s adapters", self.replica_id,
+                    self.cpu_tier_size if self.cpu_tier_size > 0 else "any number of")
 
     # -- what the ingress calls -------------------------------------------------------------------
 
