@@ -119,8 +119,8 @@ def test_the_prefetch_runs_while_a_step_computes(engine_adapters, monkeypatch):
         runner, adapters = eng.runner, eng.adapters
         real_run, real_prefetch = runner.execute_model, adapters.prefetch
         monkeypatch.setattr(runner, "execute_model", lambda batch, _run=real_run: events.append("run") or _run(batch))
-        monkeypatch.setattr(adapters, "prefetch", lambda *a, _prefetch=real_prefetch: (
-            events.append("prefetch") or _prefetch(*a)))
+        monkeypatch.setattr(adapters, "prefetch", lambda *a, _prefetch=real_prefetch, **kw: (
+            events.append("prefetch") or _prefetch(*a, **kw)))
         launched_before = int(eng._in_flight is not None)  # a step launched before the recording
         admitted = []  # whether 'second' runs once its adapter is copied
         copies = adapters.prefetches

@@ -283,11 +283,13 @@ class LLMEngine(EngineAdapterAPI):
     def _prefetch(self, *, beside_step: bool) -> None:
         """Copy the adapters of queued requests into free GPU slots ahead of their admission (the
         host work, milliseconds an adapter, hides while the GPU computes a step: beyond the first
-        copy only while it does; see `AdapterLifecycle.prefetch`)."""
+        copy only while it does; with no step beside, every one that fits: see
+        `AdapterLifecycle.prefetch`)."""
         if self.adapters is not None:
             computing = beside_step and self.config.device.type == "cuda"
             with self.clock["prefetch"]:
-                failed = self.adapters.prefetch(self.scheduler.in_turn(), self.runner.computing if computing else None)
+                failed = self.adapters.prefetch(self.scheduler.in_turn(), self.runner.computing if computing else None,
+                                                idle=not beside_step)
             for handle, error in failed:  # only its queued requests fail (the next step reports them)
                 self.scheduler.fail_waiting(handle, error)
 

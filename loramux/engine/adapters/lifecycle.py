@@ -180,7 +180,7 @@ class AdapterLifecycle(AdapterUses):
 
     # -- placement beside the step ---------------------------------------------------------------
 
-    def prefetch(self, queue: Iterable[Sequence], busy: Callable[[], bool] | None = None,
+    def prefetch(self, queue: Iterable[Sequence], busy: Callable[[], bool] | None = None, *, idle: bool = False,
                  ) -> list[tuple[AdapterHandle, LoRAError]]:
         """Copy the adapters of the oldest requests in ``queue`` (the scheduler's, in admission
         order) into GPU slots, the only place where they get one: admission starts a request only
@@ -201,7 +201,9 @@ class AdapterLifecycle(AdapterUses):
         `PREFETCH_PER_STEP`: with hundreds of slots free (a fresh engine, a burst after a quiet
         spell) one step would otherwise place every queued adapter at once and last as long as
         all those copies; placed at admission instead, before the step's forward, each copy
-        would lengthen the step (docs/benchmarks/many_adapters.md).
+        would lengthen the step (docs/benchmarks/many_adapters.md). With ``idle`` (no step runs:
+        there is none to keep short) every adapter that fits is copied at once, so a burst of
+        distinct adapters on an idle engine starts in one step, as a burst on one adapter does.
         """
         failed: list[tuple[AdapterHandle, LoRAError]] = []
         in_slots = self.in_slots()
@@ -209,7 +211,7 @@ class AdapterLifecycle(AdapterUses):
         copies = 0
         seen: set[int] = set()
         for seq in queue:
-            if room <= 0 or copies >= PREFETCH_PER_STEP or (copies and busy is not None and not busy()):
+            if room <= 0 or (not idle and (copies >= PREFETCH_PER_STEP or (copies and busy is not None and not busy()))):
                 break
             handle = seq.handle
             if handle is None or handle.id in in_slots or handle.id in seen:
