@@ -174,6 +174,52 @@ def test_reference_rejects_a_table_too_short_for_seq_len():
                                                 batch.query_start_loc, scale=0.25)
 
 
+
+def random_mixed_case(seed: int, sliding_window=None, softcap=None) -> Case:
+    """Decodes, prefill chunks of varied lengths and a seq_len-0 padding row, shuffled, with GQA."""
+    gen = torch.Generator().manual_seed(seed)
+    ri = lambda lo, hi: int(torch.randint(lo, hi + 1, (1,), generator=gen))  # noqa: E731
+    seqs = [(ri(1, 40), 1) for _ in range(ri(3, 6))]  # decodes
+    for _ in range(ri(2, 3)):  # prefills and chunks of a longer prompt
+        L = ri(2, 45)
+        seqs.append((L, ri(2, L)))
+    seqs.append((0, 1))
+    order = torch.randperm(len(seqs), generator=gen).tolist()
+    return Case(f"random{seed}", tuple(seqs[i] for i in order), H=6, Hkv=2, D=16,
+                sliding_window=sliding_window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+@pytest.mark.parametrize("seed, sliding_window, softcap", [(0, None, None), (1, 7, None), (2, None, 2.5), (3, 11, 4.0)])
+def test_batched_reference_matches_per_sequence_oracle_on_random_mixed_batches(seed, sliding_window, softcap, dtype):
+    case = random_mixed_case(seed, sliding_window, softcap)
+    batch = make_batch(case, dtype, seed=seed)
+    T = batch.q.shape[0]
+    q = torch.cat([batch.q, torch.randn(3, case.H, case.D, dtype=dtype)])  # rows past query_start_loc[B]
+    out = torch.full_like(q, float("nan"))
+    attention_reference.paged_attention_ref(q, *batch.args()[1:], scale=0.3, sliding_window=sliding_window,
+                                            softcap=softcap, out=out)
+    assert torch.isnan(out[T:]).all()
+    want = dense_attention(batch, 0.3, sliding_window, softcap)
+    assert rel_err(out[:T], want) < (1e-12 if dtype == torch.float64 else 1e-6)
+    qsl = batch.query_start_loc.tolist()
+    for b, (L, _) in enumerate(case.seqs):
+        if L == 0:
+            assert not out[qsl[b] : qsl[b + 1]].any()
+
+
+def test_buckets_bound_the_padding_and_keep_every_sequence():
+    gen = torch.Generator().manual_seed(0)
+    rows = [(1, int(torch.randint(1, 2000, (1,), generator=gen)), b) for b in range(40)]  # decodes
+    rows += [(n, n + 5 * b, 40 + b) for b, n in enumerate((3, 17, 64, 512))]  # prefill chunks
+    buckets = attention_reference._buckets(rows)
+    assert sorted(b for _, _, ids in buckets for b in ids) == list(range(44))
+    assert 1 < len(buckets) < len(rows)
+    by_id = {b: (n, L) for n, L, b in rows}
+    for n_max, l_max, ids in buckets:
+        assert (n_max, l_max) == (max(by_id[b][0] for b in ids), max(by_id[b][1] for b in ids))
+        assert len(ids) * n_max * l_max <= 2 * sum(by_id[b][0] * by_id[b][1] for b in ids)
+
 # ---------------------------------------------------------------------------------------------
 # Triton under the interpreter (CPU)
 
