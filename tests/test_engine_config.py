@@ -100,7 +100,8 @@ def test_device_defaults_are_resolved_once_in_place_at_setup():
     assert config.max_num_seqs is None and config.max_model_len is None and config.device is None
     engine = LLMEngine(config=config)
     assert engine.config is config  # the one object the engine's parts read
-    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_shared_prefill_tokens) == (16, 1024, 16)
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_shared_prefill_tokens) == (16, 1024, 8)
+    assert config.async_scheduling is False  # a CPU forward returns once computed: nothing to overlap
     assert config.max_model_len == 128 and config.device == torch.device("cpu")  # the model's, on the CPU
     assert engine.runner.config is config and engine.scheduler.max_num_seqs == 16
     engine.close()

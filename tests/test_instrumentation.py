@@ -84,7 +84,7 @@ def test_without_a_listener_no_clock_is_read_and_a_removed_one_hears_nothing(mon
 
 
 def test_a_listener_added_while_a_forward_is_in_flight_is_told_only_what_it_saw_launch():
-    llm = engine(enable_lora=False)
+    llm = engine(enable_lora=False, async_scheduling=True)
     add_requests(llm, {}, n=2, max_tokens=6)
     llm.step()  # launches the first forward (async: its tokens are read in the next step)
     seen: list[StepTimings] = []

@@ -228,7 +228,7 @@ class TestOneSharedEngine:
     @pytest.fixture(scope="class")
     @classmethod
     def tp_engine(cls, model_dir):
-        engine = build(model_dir, 2)
+        engine = build(model_dir, 2, async_scheduling=True)  # off by default on CPU: the path on test
         pids = engine.workers.pids
         yield engine
         engine.close()

@@ -17,12 +17,14 @@ field (None: the default)     CUDA                        CPU
 ``max_num_seqs``              64                          16
 ``max_model_len``             min(model's, 4096)          min(model's, 2048)
 ``max_num_batched_tokens``    4096                        1024
-``max_shared_prefill_tokens`` no bound                    16
+``max_shared_prefill_tokens`` no bound                    8
+``async_scheduling``          on                          off
 ============================  ==========================  ======================
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import os
@@ -48,7 +50,7 @@ DEVICE_DEFAULTS: dict[str, tuple[int | None, int | None]] = {
     "max_num_batched_tokens": (4096, 1024),
     # on a CPU a step's time grows with its tokens from the first, so a request decoding beside
     # another's prompts would wait for them too; a GPU takes thousands for the time of one
-    "max_shared_prefill_tokens": (None, 16),
+    "max_shared_prefill_tokens": (None, 8),
 }
 #: max_model_len's default: the model's, at most this (CUDA, CPU)
 MAX_MODEL_LEN_CAP = (4096, 2048)
@@ -134,7 +136,7 @@ class EngineConfig:
     on CPU)."""
     max_shared_prefill_tokens: int | None = flag(None, group="engine")
     """Prompt tokens a step carries beside its decodes while requests of more than one API request
-    share it (default: no bound on CUDA, 16 on CPU)."""
+    share it (default: no bound on CUDA, 8 on CPU)."""
     block_size: int = flag(16, group="engine")
     """Tokens per KV-cache block (a power of two >= 8)."""
     gpu_memory_utilization: float = flag(0.9, metavar="FRACTION", group="engine")
@@ -157,9 +159,10 @@ class EngineConfig:
     """The padded token counts to capture step graphs for, in place of the default (2, 4, 8, steps
     of 16 up to ``max_num_seqs``, then powers of two up to ``max_graph_tokens``); a step replays the
     smallest graph that holds it."""
-    async_scheduling: bool = flag(True, group="engine")
+    async_scheduling: bool | None = flag(None, action=argparse.BooleanOptionalAction, group="engine")
     """Launch each step before reading the last one's tokens back, so the host's work between steps
-    overlaps the GPU's (off under tensor parallelism)."""
+    overlaps the GPU's (default: on CUDA; off on CPU, whose forward returns only once computed:
+    nothing overlaps, and a request would learn it finished one step late)."""
     seed: int | None = flag(0, group="engine")
     """Seed for sampling."""
     structured_output_limits: StructuredOutputLimits | None = flag(
@@ -239,6 +242,8 @@ class EngineConfig:
         for name, defaults in DEVICE_DEFAULTS.items():
             if getattr(self, name) is None:
                 setattr(self, name, defaults[0 if cuda else 1])
+        if self.async_scheduling is None:
+            self.async_scheduling = cuda
         if self.max_model_len is None:
             self.max_model_len = min(model_max_len or MAX_MODEL_LEN_CAP[0], MAX_MODEL_LEN_CAP[0 if cuda else 1])
         self.validate()

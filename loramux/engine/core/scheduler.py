@@ -16,7 +16,7 @@ own (first come first served, as ``LLM.generate`` adds them).
 
 A step that several API requests share carries at most ``max_shared_prefill_tokens`` prompt
 tokens beside its decodes. On a CPU a step's time grows with every token it carries, so a request
-decoding beside another's prompts would take their time too: the CPU's default (16) keeps a
+decoding beside another's prompts would take their time too: the CPU's default (8) keeps a
 shared step within a small multiple of a lone decode. On a GPU a step carries thousands of tokens
 for about the time of one, and the default is no bound.
 
