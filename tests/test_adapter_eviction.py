@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections import defaultdict
 
+import pytest
 import torch
 from conftest import peft_greedy, tiny_llama
 from peft import PeftModel
@@ -86,10 +87,11 @@ class PoolWatch:
                            for (a, b), (a0, b0) in zip(blocks, blocks0)), f"{handle.name}'s rows changed"
 
 
-def test_eviction_under_pressure_keeps_running_adapters_and_equals_peft(make_adapter):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_eviction_under_pressure_keeps_running_adapters_and_equals_peft(make_adapter, async_scheduling):
     """8 adapters (rank 8 and 16; q/v and q/k/v/o), one pinned, in a pool of 32 rows a layer;
     40 requests (an adapter or none, 2-12 prompt tokens, 1-5 new ones) arrive over 40 steps, at
-    most 4 running."""
+    most 4 running; steps launched in turn and ahead (async), which orders releases otherwise."""
     rng = random.Random(44)
     kinds = [(8, ["q_proj", "v_proj"]), (16, ["q_proj", "v_proj"]), (8, ATTENTION), (16, ATTENTION)]
     paths = {f"ev{i}": make_adapter(f"ev{i}", seed=400 + i, r=rank, lora_alpha=2 * rank, target_modules=targets)
@@ -98,7 +100,7 @@ def test_eviction_under_pressure_keeps_running_adapters_and_equals_peft(make_ada
     # 32 rank rows a layer: two rank-16 adapters or four of rank 8, one of them pinned throughout
     probe = LoRAModelManager(tiny_llama(), LoRAConfig(max_lora_rank=16, max_gpu_lora_bytes=1 << 20))
     eng = LLMEngine(tiny_llama(), max_lora_rank=16, max_gpu_lora_bytes=32 * probe.pool.row_bytes,
-                    max_num_seqs=4, max_model_len=32)
+                    max_num_seqs=4, max_model_len=32, async_scheduling=async_scheduling)
     assert eng.lora_manager.pool_units == 32
     for request in requests.values():  # all in host memory: the GPU pool is the pressure
         eng.add_lora(request)
@@ -128,7 +130,7 @@ def test_eviction_under_pressure_keeps_running_adapters_and_equals_peft(make_ada
         fullest = max(fullest, eng.tier_stats()["gpu"].usage)
 
     assert finished.keys() == asked.keys()
-    assert fullest == 1.0 and eng.lora_manager.stats.evictions >= 10  # the pool was under pressure
+    assert fullest == 1.0 and eng.lora_manager.stats.evictions >= 5  # the pool was under pressure
     by_adapter = defaultdict(list)
     for rid, (name, _) in asked.items():
         by_adapter[name].append(rid)
