@@ -208,10 +208,11 @@ class AdapterLifecycle(AdapterUses):
         failed: list[tuple[AdapterHandle, LoRAError]] = []
         in_slots = self.in_slots()
         room = math.inf if self.max_loras is None else self.max_loras - len(in_slots)  # pool rows decide
+        most = math.inf if idle else PREFETCH_PER_STEP
         copies = 0
         seen: set[int] = set()
         for seq in queue:
-            if room <= 0 or (not idle and (copies >= PREFETCH_PER_STEP or (copies and busy is not None and not busy()))):
+            if room <= 0 or copies >= most or (copies and busy is not None and not busy()):
                 break
             handle = seq.handle
             if handle is None or handle.id in in_slots or handle.id in seen:
