@@ -38,6 +38,9 @@ class Envs:
     kernel_config_dir: Path | None = None
     """``LORAMUX_KERNEL_CONFIG_DIR``: where tuned kernel launch shapes are read (default: the
     package's ``data/kernel_configs``)."""
+    symm_mem_all_reduce: bool = False
+    """``LORAMUX_SYMM_MEM_ALL_REDUCE``: ``1`` sends a tensor-parallel step's small all-reduces on
+    CUDA through a symmetric-memory buffer instead of NCCL (`loramux.engine.tensor_parallel.group`)."""
     kernel_warmup: bool = True
     """``LORAMUX_KERNEL_WARMUP``: ``0`` skips compiling every kernel configuration at start."""
     kernel_warmup_threads: int = 8
@@ -140,6 +143,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "meta_kernel": ("LORAMUX_META_KERNEL", _zero_or_one),
     "pdl": ("LORAMUX_PDL", _zero_or_one),
     "kernel_config_dir": ("LORAMUX_KERNEL_CONFIG_DIR", _path),
+    "symm_mem_all_reduce": ("LORAMUX_SYMM_MEM_ALL_REDUCE", _zero_or_one),
     "kernel_warmup": ("LORAMUX_KERNEL_WARMUP", _on_unless_false),
     "kernel_warmup_threads": ("LORAMUX_KERNEL_WARMUP_THREADS", _threads),
     "cache_dir": ("LORAMUX_CACHE_DIR", _path),

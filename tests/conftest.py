@@ -295,6 +295,12 @@ def registered():
                 get_plugin_manager().unregister(name=name)
 
 
+def pytest_runtest_setup(item):
+    needs = item.get_closest_marker("gpus")  # before any fixture builds what the test would use
+    if needs is not None and torch.cuda.device_count() < needs.args[0]:
+        pytest.skip(f"needs {needs.args[0]} CUDA GPUs")
+
+
 @pytest.fixture(autouse=True)
 def _gpu_share(request, tmp_path_factory):
     """GPU tests run side by side under pytest-xdist (``pytest -m gpu -n 6``: their Triton compiles

@@ -210,7 +210,7 @@ def test_the_memory_fp8_weights_free_goes_to_the_kv_cache(tmp_path):
     assert blocks["fp8"] - blocks[None] >= 0.75 * freed / block_bytes  # less the FP8 GEMMs' activation buffers
 
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+two_gpus = pytest.mark.gpus(2)
 
 
 @two_gpus

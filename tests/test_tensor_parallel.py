@@ -22,7 +22,7 @@ from conftest import TINY_LLAMA, char_tokenizer, step_to_end, tiny_llama, tiny_m
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.tensor_parallel.group import rank_device
+from loramux.engine.tensor_parallel.group import rank_device, symmetric_buffer, use_symmetric_memory
 from loramux.engine.tensor_parallel.sharding import RowParallelLinear, shard_model
 from loramux.engine.tensor_parallel.workers import WorkerError
 
@@ -156,6 +156,11 @@ def test_sharded_lora_adds_up_to_the_whole_layers_lora(style):
         got = parts[0] + parts[1]
     torch.testing.assert_close(got, want)
     assert not torch.allclose(want, full(x))  # the adapter changes the output
+
+
+def test_cpu_groups_sum_through_gloo_not_a_symmetric_buffer():
+    assert not use_symmetric_memory(1 << 20, torch.bfloat16, torch.device("cpu"))
+    assert symmetric_buffer() is None
 
 
 def test_ranks_need_as_many_gpus_as_ranks_from_gpu_0():
@@ -293,7 +298,7 @@ class TestOneSharedEngine:
 
 # -- two GPUs (NCCL), the same checks --------------------------------------------------------------
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+two_gpus = pytest.mark.gpus(2)
 #: a fixed KV cache, so these engines run beside other tests instead of sizing it from free memory
 GPU_BLOCKS = dict(num_gpu_blocks_override=64)
 
@@ -310,6 +315,20 @@ def test_gpu_tp2_greedy_equals_tp1(model_dir, engine_adapters, enforce_eager):
             assert engine.runner.graph_steps > 0  # the decode steps replayed graphs on both ranks
         engine.close()
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_all_reduce_sums_through_the_symmetric_buffer_and_nccl_exactly():
+    """Every rank maps the buffer; what fits it is summed through it, eagerly and replayed in a
+    graph over new values, the rest through NCCL, each exactly (`tests/all_reduce_driver.py`)."""
+    driver = Path(__file__).with_name("all_reduce_driver.py")
+    done = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(driver.parent.parent)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.rsplit("RESULT ", 1)[1])
+    assert result["mapped"] and result["buffer_bytes"] == 1 << 20
+    assert len(result["errors"]) == 6 and all(error == 0 for error in result["errors"].values()), result
 
 
 @pytest.mark.gpu

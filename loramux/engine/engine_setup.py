@@ -96,6 +96,7 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
 
         # before fusing: each rank fuses its own heads
         shard_model(hf_model, tp_rank, tp_size, prebuilt=config.load_format == "dummy")
+        _share_all_reduce_memory(config, hf_model, device)
     if config.fuse_projections:
         fuse_siblings(hf_model)  # before LoRA wraps the layers: one wrapper per fused group
 
@@ -130,6 +131,17 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
         registry_validates=config.enable_lora and config.registry is None,
         lora_modules=requests,
     )
+
+
+def _share_all_reduce_memory(config: EngineConfig, model: torch.nn.Module, device: torch.device) -> None:
+    """Map the all-reduce buffer every rank shares (a collective: each rank builds its setup in
+    the same order), sized for a step's largest all-reduce: one row of the hidden width per
+    token. Made before the KV cache is sized from what memory is left."""
+    from loramux.engine.tensor_parallel.group import use_symmetric_memory
+
+    dtype = model.get_input_embeddings().weight.dtype  # what the row-parallel layers write
+    hidden = model.config.get_text_config().hidden_size
+    use_symmetric_memory(config.max_num_batched_tokens * hidden * dtype.itemsize, dtype, device)
 
 
 def _default_device() -> torch.device:

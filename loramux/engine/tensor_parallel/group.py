@@ -5,24 +5,52 @@ NCCL between GPUs (rank ``r`` on ``cuda:r``), gloo on CPU; the ranks meet at
 tensor-parallel engine is open per process at a time.
 
 The all-reduce is a torch custom op, ``loramux::all_reduce`` (in place), so ``torch.compile``
-treats it as an opaque call and a CUDA graph records NCCL's kernel like any other (NCCL
+treats it as an opaque call and a CUDA graph records its kernels like any other (NCCL
 collectives are capturable once the communicator exists; the warm-up runs before capture create
 it).
+
+With ``LORAMUX_SYMM_MEM_ALL_REDUCE=1`` an all-reduce of up to `SYMMETRIC_MAX_BYTES` on CUDA goes
+through a buffer every rank maps (torch's symmetric memory, `use_symmetric_memory`): the tensor
+is copied in, one two-shot kernel has each rank sum its share of the elements straight from its
+peers' buffers over NVLink and write the sums back to every peer, and the result is copied out.
+A decode step's all-reduces are small (64 rows of 4,096 bf16 values: 512 KiB), where NCCL's
+fixed cost dominates: on 2 x H200 the TP=2 decode step of Llama-3.1-8B shapes at batch 64 took
+1.8% less time this way (4.41 ms against 4.49 ms), 4.1% less with an adapter (4.96 ms against
+5.17 ms). It is off by default because NCCL's communicator can be aborted when a worker dies
+mid-step (`destroy_group`), while a two-shot kernel waiting for a dead peer cannot. Larger
+tensors, other dtypes and CPU groups always go through NCCL or gloo. No NVLink multicast is
+used: the kernel reads and writes its peers' memory directly.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce", "destroy_group", "free_port", "init_group", "rank_device", "share_sampled"]
+from loramux import envs
+
+__all__ = ["SYMMETRIC_MAX_BYTES", "all_reduce", "destroy_group", "free_port", "init_group", "rank_device",
+           "share_sampled", "symmetric_buffer", "use_symmetric_memory"]
+
+logger = logging.getLogger(__name__)
 
 #: how long a collective (and the rendezvous) may wait for a peer before failing; generous, since
 #: the first forward compiles. A dead worker is noticed sooner, by its process sentinel.
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)
+
+
+#: the largest all-reduce that goes through the symmetric-memory buffer (and the buffer's size at
+#: most): a decode or short mixed step's; a prefill of thousands of tokens moves enough bytes that
+#: NCCL's bandwidth, not its latency, sets its time.
+SYMMETRIC_MAX_BYTES = 32 << 20
+#: the dtypes torch's two-shot kernel sums
+SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
+
+_symmetric: torch.Tensor | None = None  # this rank's symmetric buffer, once `use_symmetric_memory` made it
 
 
 def free_port() -> int:
@@ -69,9 +97,40 @@ def init_group(init_method: str, rank: int, world_size: int, device: torch.devic
     )
 
 
+def use_symmetric_memory(max_bytes: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Send this group's all-reduces of ``dtype`` up to ``min(max_bytes, SYMMETRIC_MAX_BYTES)``
+    through a symmetric-memory buffer of that size; returns whether they will. Every rank calls it
+    with the same arguments (the buffer's rendezvous is a collective), after `init_group`.
+
+    Off (NCCL for all) unless ``LORAMUX_SYMM_MEM_ALL_REDUCE=1``, and on CPU, for other dtypes and
+    where torch cannot map the peers' memory (the warning says why).
+    """
+    global _symmetric
+    if device.type != "cuda" or dtype not in SYMMETRIC_DTYPES or not envs.current().symm_mem_all_reduce:
+        return False
+    numel = min(max_bytes, SYMMETRIC_MAX_BYTES) // dtype.itemsize
+    try:
+        import torch.distributed._symmetric_memory as symmetric_memory
+
+        buffer = symmetric_memory.empty(numel, dtype=dtype, device=device)
+        symmetric_memory.rendezvous(buffer, dist.group.WORLD.group_name)
+    except (ImportError, RuntimeError) as exc:
+        logger.warning("tensor-parallel all-reduces go through NCCL: no symmetric memory on %s (%s)", device, exc)
+        return False
+    _symmetric = buffer
+    return True
+
+
+def symmetric_buffer() -> torch.Tensor | None:
+    """This rank's symmetric-memory buffer, or None while every all-reduce goes through NCCL."""
+    return _symmetric
+
+
 def destroy_group(*, abort: bool = False) -> None:
     """Leave the group. A clean NCCL shutdown waits for every rank to shut down too, so after a
     rank died or was killed (``abort``) the communicator is aborted instead, which waits for no one."""
+    global _symmetric
+    _symmetric = None  # its memory is mapped by the group's peers: released with the group
     if not dist.is_initialized():
         return
     abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.5
@@ -84,8 +143,19 @@ def destroy_group(*, abort: bool = False) -> None:
 
 @torch.library.custom_op("loramux::all_reduce", mutates_args=("tensor",))
 def _all_reduce_op(tensor: torch.Tensor) -> None:
-    """Sum ``tensor`` over the ranks, in place."""
-    dist.all_reduce(tensor)
+    """Sum ``tensor`` over the ranks, in place: through the symmetric buffer where it fits
+    (a graph records the path its shapes take), else NCCL (gloo on CPU)."""
+    buffer = _symmetric
+    numel = tensor.numel()
+    # the two-shot kernel moves 16 bytes a load: a tensor of another size goes through NCCL
+    if buffer is not None and tensor.dtype == buffer.dtype and numel <= buffer.numel() \
+            and numel * tensor.element_size() % 16 == 0 and tensor.is_contiguous():
+        part = buffer[:numel]
+        part.copy_(tensor.view(-1))
+        torch.ops.symm_mem.two_shot_all_reduce_(part, "sum", dist.group.WORLD.group_name)
+        tensor.view(-1).copy_(part)
+    else:
+        dist.all_reduce(tensor)
 
 
 @_all_reduce_op.register_fake

@@ -119,6 +119,8 @@ class WorkerGroup:
                 raise self._fail(f"the workers did not join the process group within {START_TIMEOUT_S:.0f} s")
         if failure:
             raise failure[0]
+        if self.device.type == "cuda":  # init_group set it in the thread above; each thread has its own
+            torch.cuda.set_device(self.device)
 
     # -- sending -----------------------------------------------------------------------------
 
