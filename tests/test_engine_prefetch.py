@@ -50,6 +50,25 @@ def test_a_queued_requests_adapter_is_in_a_slot_before_it_is_admitted(engine_ada
     assert finished["second"] == peft_greedy(engine_adapters["mlp"], PROMPT, 6)
 
 
+def test_an_engine_at_rest_runs_a_request_in_the_step_that_collects_its_adapter(engine_adapters):
+    """Nothing runs, nothing is in flight: the copy comes before scheduling, so the request whose
+    adapter just loaded is admitted (and, on the CPU, gets its first token) in that very step,
+    not one step later; again for a second adapter once the engine is at rest again."""
+    import threading
+
+    eng = engine(max_loras=2)
+    for number, name in enumerate(("attn", "mlp"), start=1):
+        ready = threading.Event()
+        eng.add_event_listener(lambda event, _ready=ready: event.kind == "ready" and _ready.set())
+        eng.add_request(name, {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest(name, number, str(engine_adapters[name])))
+        assert ready.wait(30)  # loaded beside the loop
+        outputs = {out.request_id: out for out in eng.step()}
+        assert outputs[name].outputs[0].token_ids == peft_greedy(engine_adapters[name], PROMPT, 1)
+        finished = step_to_end(eng)
+        assert finished[name] == peft_greedy(engine_adapters[name], PROMPT, 6)
+    assert eng.adapters.prefetches == 2
+
+
 def test_a_prefetch_never_evicts_a_slot_in_use(engine_adapters):
     """One slot, held by the running request: the queued adapter waits for it instead."""
     eng = engine(max_loras=1, max_cpu_loras=2, max_num_seqs=2)  # room to prefetch into the CPU tier

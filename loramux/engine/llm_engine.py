@@ -232,9 +232,11 @@ class LLMEngine(EngineAdapterAPI):
         returns are those of the previous launch, and a request whose adapter this call copies
         is admitted in it. A running request whose sampling reads its earlier tokens on the host
         (penalties, structured outputs) makes the step read them back before scheduling, as
-        without it; then the adapters are copied beside the step launched. A step that has
-        nothing to launch reads back the step in flight and copies adapters: the next one
-        schedules what that freed.
+        without it; then the adapters are copied beside the step launched. On an engine at rest
+        (nothing running, no step in flight) the adapters are copied before scheduling, as
+        nothing computes beside them: a request whose adapter just loaded runs in the step that
+        collects it. A step that has nothing to launch reads back the step in flight and copies
+        adapters: the next one schedules what that freed.
         """
         clock = self.clock
         with self._step_lock, clock.step:
@@ -250,8 +252,11 @@ class LLMEngine(EngineAdapterAPI):
             if previous is not None and not self._overlaps():
                 self._receive(previous, touched)  # the tokens first: this step's sampling reads them
                 previous = None
-            if previous is not None:  # admission below can take what this copies
-                self._prefetch(beside_step=True)  # while the GPU computes the step in flight
+            # at rest nothing computes but what admission takes now: no work to hide the copies
+            # behind, none they hold up, so they come first
+            at_rest = previous is None and not self.scheduler.running
+            if previous is not None or at_rest:  # admission below can take what this copies
+                self._prefetch(beside_step=not at_rest)  # (or while the GPU computes the step in flight)
             with clock["schedule"]:
                 scheduled = self.scheduler.schedule()
             for seq in scheduled.failed:
@@ -272,7 +277,8 @@ class LLMEngine(EngineAdapterAPI):
             else:  # nothing runs until tokens arrive or adapters take slots: the next step schedules them
                 if previous is not None:
                     self._receive(previous, touched)
-                self._prefetch(beside_step=False)
+                if not at_rest:
+                    self._prefetch(beside_step=False)
             outputs = []
             for seq in touched.values():
                 if seq.is_finished:
