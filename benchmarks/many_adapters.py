@@ -519,21 +519,29 @@ def calibrate(engine, args, root: Path, vocab: int) -> dict:
 def cold_alone(engine, args, root: Path, vocab: int, disk_bytes_per_s: float) -> dict:
     """One request at a time on the idle engine, ``--cold-alone`` adapters of the mix: each first
     cold (in no tier, its files out of the page cache), then again, resident: the cold TTFT target
-    (read time + 10 ms) for a load that has the disk to itself."""
+    (read time + 10 ms) for a load that has the disk to itself. Beside each load: its weights file
+    read alone from the disk just before (``file_read_ms``, the floor of that very file) and the
+    registry's own time for it (``registry_load_ms``: resolve, read, checks, validation; the rest
+    of ``load_ms`` is the hand-off to a loading thread and back)."""
     probe = make_trace(args.cold_alone, args.cold_alone, rate=math.inf, prompt_len=args.prompt_len, vocab_size=vocab,
                        seed=args.seed + 55, mix=args.mix, zipf_exponent=0, name_prefix="alone", first_id=90_001)
     paths = write_adapter_files(probe.adapters, engine.model.config, root / "alone", args.weights_dtype)
     sizes = {a.name: adapter_nbytes(engine.model.config, a.rank, a.targets, args.weights_dtype) for a in probe.adapters}
     rng, each = random.Random(args.seed + 56), []
     for adapter in probe.adapters:
-        drop_from_page_cache(*(paths[adapter.name] / f for f in ("adapter_model.safetensors", "adapter_config.json")))
+        files = [paths[adapter.name] / f for f in ("adapter_model.safetensors", "adapter_config.json")]
+        drop_from_page_cache(*files)
+        file_read_s = read_seconds(files[0])
+        drop_from_page_cache(*files)
         cold, warm = (run_trace(engine, Trace([adapter], [TraceRequest(f"{adapter.name}-{label}", 0.0, adapter,
                                                                        [rng.randrange(1, vocab) for _ in range(args.prompt_len)])]),
                                 paths, max_tokens=1, adapter_bytes=lambda a: sizes[a.name])[0] for label in ("cold", "warm"))
         if cold.error or warm.error or not cold.cold or warm.cold:
             raise RuntimeError(f"cold-alone probe of {adapter.name}: cold {cold}, warm {warm}")
         each.append({"adapter": adapter.name, "bytes": sizes[adapter.name], "cold_ttft_ms": 1e3 * cold.ttft_s,
-                     "warm_ttft_ms": 1e3 * warm.ttft_s, "load_ms": 1e3 * (cold.adapter_ready_s - cold.arrival_s)})
+                     "warm_ttft_ms": 1e3 * warm.ttft_s, "load_ms": 1e3 * (cold.adapter_ready_s - cold.arrival_s),
+                     "file_read_ms": 1e3 * file_read_s,
+                     "registry_load_ms": 1e3 * engine.registry.handle(adapter.name).load_seconds})
     unload(engine, probe.adapters, paths)
     shutil.rmtree(root / "alone")
     p50 = {key: stats.median(e[key] for e in each) for key in ("bytes", "cold_ttft_ms", "warm_ttft_ms", "load_ms")}

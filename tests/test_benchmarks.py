@@ -158,6 +158,8 @@ def test_many_adapters_smoke(tmp_path):
     assert report_["copy_bandwidth_GBps"] is None and mixed["vs_floor_p50"] is None
     assert set(report_["targets"]) >= {"zipf: no_failed_requests", "uniform: no_failed_requests",
                                        "cold_ttft_at_most_read_plus_10ms_alone"}
+    alone = report_["cold_alone"]["each"][0]  # the load beside its file's own read and the registry's part
+    assert 0 < alone["file_read_ms"] and 0 < alone["registry_load_ms"] <= alone["load_ms"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("many-adapters-")] == []  # files cleaned up
     text = rendered("many_adapters", tmp_path)
     assert "| uniform | 6 |" in text and "- zipf: no_failed_requests: **met**" in text
