@@ -14,12 +14,11 @@ through a buffer every rank maps (torch's symmetric memory, `use_symmetric_memor
 is copied in, one two-shot kernel has each rank sum its share of the elements straight from its
 peers' buffers over NVLink and write the sums back to every peer, and the result is copied out.
 A decode step's all-reduces are small (64 rows of 4,096 bf16 values: 512 KiB), where NCCL's
-fixed cost dominates: on 2 x H200 the TP=2 decode step of Llama-3.1-8B shapes at batch 64 took
-1.8% less time this way (4.41 ms against 4.49 ms), 4.1% less with an adapter (4.96 ms against
-5.17 ms). It is off by default because NCCL's communicator can be aborted when a worker dies
-mid-step (`destroy_group`), while a two-shot kernel waiting for a dead peer cannot. Larger
-tensors, other dtypes and CPU groups always go through NCCL or gloo. No NVLink multicast is
-used: the kernel reads and writes its peers' memory directly.
+fixed cost dominates (the gain measured: docs/architecture.md). It is off by default because
+NCCL's communicator can be aborted when a worker dies mid-step (`destroy_group`), while a
+two-shot kernel waiting for a dead peer cannot. Larger tensors, other dtypes and CPU groups
+always go through NCCL or gloo. No NVLink multicast is used: the kernel reads and writes its
+peers' memory directly.
 """
 
 from __future__ import annotations
