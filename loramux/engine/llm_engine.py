@@ -252,11 +252,12 @@ class LLMEngine(EngineAdapterAPI):
             if previous is not None and not self._overlaps():
                 self._receive(previous, touched)  # the tokens first: this step's sampling reads them
                 previous = None
-            # at rest nothing computes but what admission takes now: no work to hide the copies
-            # behind, none they hold up, so they come first
+            # admission below can take what this copies
             at_rest = previous is None and not self.scheduler.running
-            if previous is not None or at_rest:  # admission below can take what this copies
-                self._prefetch(beside_step=not at_rest)  # (or while the GPU computes the step in flight)
+            if previous is not None:
+                self._prefetch(beside_step=True)  # while the GPU computes the step in flight
+            elif at_rest:  # nothing computes: no work to hide the copies behind, none they hold up
+                self._prefetch(beside_step=False)
             with clock["schedule"]:
                 scheduled = self.scheduler.schedule()
             for seq in scheduled.failed:
