@@ -295,6 +295,12 @@ def registered():
                 get_plugin_manager().unregister(name=name)
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests that need several GPUs first: each holds them for a while, so under pytest-xdist they
+    start beside the others instead of trailing after them."""
+    items.sort(key=lambda item: item.get_closest_marker("gpus") is None)  # stable: otherwise as collected
+
+
 def pytest_runtest_setup(item):
     needs = item.get_closest_marker("gpus")  # before any fixture builds what the test would use
     if needs is not None and torch.cuda.device_count() < needs.args[0]:
@@ -304,18 +310,25 @@ def pytest_runtest_setup(item):
 @pytest.fixture(autouse=True)
 def _gpu_share(request, tmp_path_factory):
     """GPU tests run side by side under pytest-xdist (``pytest -m gpu -n 6``: their Triton compiles
-    take the host's cores); a `whole_gpu` test holds the GPU alone. A lock file shared by the
-    workers: other gpu tests take it shared, a `whole_gpu` test exclusively."""
+    take the host's cores); a `whole_gpu` test holds the GPU alone. Lock files shared by the
+    workers: other gpu tests take the GPU lock shared, a `whole_gpu` test exclusively. A test
+    passes a turnstile before it waits, which a waiting `whole_gpu` test holds: the shared tests
+    running finish, no new one starts, and it gets its turn (flock alone would let a stream of
+    shared holders starve it)."""
     if request.node.get_closest_marker("gpu") is None:
         yield
         return
     import fcntl
 
-    lock_path = tmp_path_factory.getbasetemp().parent / "loramux-gpu.lock"  # one for all workers
+    locks = tmp_path_factory.getbasetemp().parent  # one place for all workers
     exclusive = request.node.get_closest_marker("whole_gpu") is not None
-    with open(lock_path, "a") as lock:
+    with open(locks / "loramux-gpu.turnstile", "a") as turnstile, open(locks / "loramux-gpu.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not exclusive:  # through it at once, unless a whole_gpu test waits there
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
         fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)

@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,7 +23,7 @@ from conftest import TINY_LLAMA, char_tokenizer, step_to_end, tiny_llama, tiny_m
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
-from loramux.engine.tensor_parallel.group import rank_device, symmetric_buffer, use_symmetric_memory
+from loramux.engine.tensor_parallel.group import destroy_group, rank_device, symmetric_buffer, use_symmetric_memory
 from loramux.engine.tensor_parallel.sharding import RowParallelLinear, shard_model
 from loramux.engine.tensor_parallel.workers import WorkerError
 
@@ -161,6 +162,46 @@ def test_sharded_lora_adds_up_to_the_whole_layers_lora(style):
 def test_cpu_groups_sum_through_gloo_not_a_symmetric_buffer():
     assert not use_symmetric_memory(1 << 20, torch.bfloat16, torch.device("cpu"))
     assert symmetric_buffer() is None
+
+
+def _aborting_as_nccl(monkeypatch, graphs_dropped: threading.Event, *, returns: bool) -> dict:
+    """torch's NCCL abort as it behaves with a collective captured in a CUDA graph: the collectives
+    stop at once, and the abort returns once the graph is dropped (or, ``returns=False``, never)."""
+    from torch import distributed as dist
+
+    state = {"open": True}
+
+    def abort() -> None:
+        if returns and graphs_dropped.wait(10):
+            state["open"] = False
+        else:
+            threading.Event().wait(10)
+
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group", abort)
+    monkeypatch.setattr(dist, "is_initialized", lambda: state["open"])
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    return state
+
+
+def test_an_aborted_group_drops_the_graphs_while_the_abort_waits_for_them(monkeypatch):
+    dropped = threading.Event()
+    state = _aborting_as_nccl(monkeypatch, dropped, returns=True)
+    start = time.monotonic()
+    destroy_group(abort=True, release=dropped.set)
+    assert dropped.is_set() and not state["open"]  # left, instead of waiting for graphs never dropped
+    assert time.monotonic() - start < 5
+
+
+def test_an_abort_that_never_returns_is_left_behind_with_a_warning(monkeypatch, caplog):
+    import loramux.engine.tensor_parallel.group as group
+
+    dropped = threading.Event()
+    state = _aborting_as_nccl(monkeypatch, dropped, returns=False)
+    monkeypatch.setattr(group, "ABORT_STOP_S", 0.05)
+    monkeypatch.setattr(group, "ABORT_WAIT_S", 0.05)
+    destroy_group(abort=True, release=dropped.set)
+    assert dropped.is_set() and state["open"]  # the device memory went back all the same
+    assert "cannot start another tensor-parallel engine" in caplog.text
 
 
 def test_ranks_need_as_many_gpus_as_ranks_from_gpu_0():

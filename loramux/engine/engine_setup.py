@@ -237,7 +237,9 @@ def close_engine_parts(runner: ModelRunner, adapters: AdapterLifecycle | None, s
     if own_registry is not None:
         own_registry.close()
     structured.close()
-    runner.close(release_weights=owns_model)
-    if workers is not None:
-        workers.shutdown()
+    release = functools.partial(runner.close, release_weights=owns_model)
+    if workers is None:
+        release()
+    else:  # between stopping the workers and leaving their group (see WorkerGroup.shutdown)
+        workers.shutdown(release=release)
     release_frozen_heap()

@@ -81,6 +81,7 @@ class LLMEngine(EngineAdapterAPI):
             from loramux.engine.tensor_parallel.workers import WorkerGroup
 
             self.workers = WorkerGroup(config)
+        runner = None
         try:
             setup: EngineSetup = build_engine_setup(config, workers=self.workers)
             self.setup = setup
@@ -94,8 +95,9 @@ class LLMEngine(EngineAdapterAPI):
             self.eos_token_ids = setup.eos_token_ids
             if self.workers is not None:
                 self.workers.wait_ready()
-            self.runner = ModelRunner(config, setup.model, sampler=Sampler(config.device, config.seed, setup.eos_token_ids),
-                                      lora_manager=setup.lora_manager, workers=self.workers)
+            sampler = Sampler(config.device, config.seed, setup.eos_token_ids)
+            self.runner = runner = ModelRunner(config, setup.model, sampler=sampler, lora_manager=setup.lora_manager,
+                                               workers=self.workers)
             num_blocks = num_kv_blocks(config, setup.model, self.runner.profile_peak_bytes)
             self.kv_cache = self.runner.allocate_kv_cache(num_blocks)
             if self.registry is not None and isinstance(self.registry.host_memory, PageLockedArena):
@@ -103,8 +105,9 @@ class LLMEngine(EngineAdapterAPI):
             self.runner.capture_graphs()  # every step graph, now: none is captured while serving
             self.runner.warm_up_kernels()  # every other step's kernel shapes, now: none compiles while serving
         except BaseException:
-            if self.workers is not None:  # healthy workers leave the group with us; stuck ones are killed
-                self.workers.shutdown()
+            if self.workers is not None:  # healthy workers leave the group with us, stuck ones are
+                # killed; our graphs are dropped before we leave (WorkerGroup.shutdown)
+                self.workers.shutdown(release=runner.close if runner is not None else None)
             raise
         self.block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
         tokens = (num_blocks - 1) * config.block_size

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -48,6 +50,12 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=10)
 SYMMETRIC_MAX_BYTES = 32 << 20
 #: the dtypes torch's two-shot kernel sums
 SYMMETRIC_DTYPES = (torch.bfloat16, torch.float32)
+
+#: an aborted group's collectives stop within this (NCCL's kernels poll its abort flag); the
+#: abort itself may take longer: it returns once no CUDA graph holds one of them
+ABORT_STOP_S = 1.0
+#: how long closing waits for the abort to return once the graphs are dropped
+ABORT_WAIT_S = 30.0
 
 _symmetric: torch.Tensor | None = None  # this rank's symmetric buffer, once `use_symmetric_memory` made it
 
@@ -125,19 +133,33 @@ def symmetric_buffer() -> torch.Tensor | None:
     return _symmetric
 
 
-def destroy_group(*, abort: bool = False) -> None:
-    """Leave the group. A clean NCCL shutdown waits for every rank to shut down too, so after a
-    rank died or was killed (``abort``) the communicator is aborted instead, which waits for no one."""
+def destroy_group(*, abort: bool = False, release: Callable[[], None] | None = None) -> None:
+    """Leave the group, calling ``release`` (what holds this rank's device memory: its CUDA graphs
+    and KV cache) once this rank's collectives have stopped.
+
+    A clean NCCL shutdown waits for every rank to shut down too, so after a rank died or was killed
+    (``abort``) the communicator is aborted instead, in a thread: the abort stops at once the
+    collectives stuck waiting for the dead rank, but NCCL frees a collective captured in a CUDA
+    graph only with its graph, so the abort returns only after ``release`` dropped the graphs.
+    """
     global _symmetric
     _symmetric = None  # its memory is mapped by the group's peers: released with the group
-    if not dist.is_initialized():
-        return
     abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)  # torch >= 2.5
-    if abort and abort_group is not None and dist.get_backend() == "nccl":
-        abort_group()
-        if not dist.is_initialized():
-            return
-    dist.destroy_process_group()
+    if abort and abort_group is not None and dist.is_initialized() and dist.get_backend() == "nccl":
+        aborting = threading.Thread(target=abort_group, name="loramux-tp-abort", daemon=True)
+        aborting.start()
+        aborting.join(ABORT_STOP_S)  # where no graph holds a collective, the abort is done by now
+        if release is not None:
+            release()
+        aborting.join(ABORT_WAIT_S)
+        if aborting.is_alive():
+            logger.warning("the tensor-parallel group's NCCL abort did not finish within %.0f s; this process "
+                           "cannot start another tensor-parallel engine", ABORT_STOP_S + ABORT_WAIT_S)
+        return
+    if release is not None:
+        release()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @torch.library.custom_op("loramux::all_reduce", mutates_args=("tensor",))

@@ -24,6 +24,7 @@ import multiprocessing.connection
 import pickle
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed
@@ -239,9 +240,11 @@ class WorkerGroup:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, *, release: Callable[[], None] | None = None) -> None:
         """Stop every worker (politely, within ``timeout`` seconds, then by force; at once after a
-        failure, when they may be stuck in a collective) and leave the process group. Idempotent."""
+        failure, when they may be stuck in a collective) and leave the process group, calling
+        ``release`` (rank 0's graphs and KV cache) once rank 0's collectives have stopped
+        (`destroy_group`: an aborted group is left only after its graphs are). Idempotent."""
         if self._error is not None:
             timeout = 0.0
         message = _message("shutdown")
@@ -264,7 +267,9 @@ class WorkerGroup:
         self._conns, self._procs = [], []
         if self._in_group:  # only ours: a later engine's group must outlive this one's finalizer
             self._in_group = False
-            destroy_group(abort=lost)
+            destroy_group(abort=lost, release=release)
+        elif release is not None:
+            release()
 
 
 def _message(method: str, *args, reply: bool = False, sampled: int = 0, **kwargs) -> bytes:
