@@ -8,8 +8,8 @@ mix prefill chunks with decodes over many adapters against the bytes they must r
         --warm-replays 1 --cold-alone 1 --disk-probe-mb 16 --out /tmp     # CPU smoke (a tiny random Llama)
 
 For each popularity (``--popularity``: Zipf(1) and uniform) and each N (1, 32, 256, 1,000, 2,000 on
-CUDA) one trace: N adapters of a mix of ranks (8-64) and target sets (q/v, q/k/v/o, all seven),
-requests choosing among them by that popularity, Poisson arrivals, every request 128 prompt + 64
+CUDA) one trace: N adapters of a mix of ranks (8-64) and target sets (q/v, q/k/v/o, all seven;
+``--mix`` names other kinds), requests choosing among them by that popularity, Poisson arrivals, every request 128 prompt + 64
 generated tokens (``ignore_eos``). The adapters a trace uses are written as PEFT files on local
 disk, dropped from the page cache and named by path, so a cold load reads the disk. One engine with
 the engine's default adapter memory (no ``max_loras`` or ``max_cpu_loras``, GPU adapter memory as
@@ -98,6 +98,32 @@ class AdapterKind:
     rank: int
     targets: str  # a key of TARGET_SETS
     share: float
+
+
+def parse_mix(text: str) -> tuple[AdapterKind, ...]:
+    """``--mix``: ``TARGETS:RANK[:SHARE]`` kinds, comma-separated (``all7`` stands for "all 7"; a
+    missing share splits what the others leave evenly)."""
+    kinds, open_kinds = [], []
+    for item in text.split(","):
+        parts = item.strip().split(":")
+        targets = "all 7" if parts[0] == "all7" else parts[0]
+        if targets not in TARGET_SETS or len(parts) not in (2, 3) or not parts[1].isdigit() or int(parts[1]) < 1:
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: give TARGETS:RANK[:SHARE], TARGETS one of q/v, q/k/v/o, all7 and RANK an integer >= 1")
+        share = float(parts[2]) if len(parts) == 3 else None
+        (kinds if share is not None else open_kinds).append((targets, int(parts[1]), share))
+    left = 1.0 - sum(share for _, _, share in kinds)
+    if left < -1e-9 or (open_kinds and left <= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: the shares add up to more than 1")
+    kinds += [(targets, rank, left / len(open_kinds)) for targets, rank, _ in open_kinds]
+    return tuple(AdapterKind(rank, targets, share) for targets, rank, share in kinds)
+
+
+def mix_text(mix: list[dict]) -> str:
+    """The adapter kinds of a report, in words: the default mix by its ranks, another kind by kind."""
+    if mix == [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in DEFAULT_MIX]:
+        return f"ranks {sorted({k['rank'] for k in mix})} on q/v, q/k/v/o and all seven projections"
+    return ", ".join(f"{k['share']:.0%} rank {k['rank']} on {k['targets']}" for k in mix)
 
 
 # Most adapters of a fleet are small; the big ones (rank 64 on all seven projections) are a small share
@@ -722,6 +748,9 @@ def parse_args(argv=None):
     parser.add_argument("--adapter-dir", default=None, help="where adapter files go (default: the temp dir)")
     parser.add_argument("--cold-alone", type=int, default=8 if cuda else 2, metavar="K",
                         help="adapters whose cold and warm TTFT are measured alone on the idle engine (0 skips)")
+    parser.add_argument("--mix", type=parse_mix, default=DEFAULT_MIX, metavar="KINDS",
+                        help="the adapter kinds, TARGETS:RANK[:SHARE] comma-separated, TARGETS one of "
+                             "q/v, q/k/v/o, all7 (e.g. 'q/v:16' for one kind; default: ranks 8-64 on all three)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=default_out(), help="folder for many_adapters.json")
     args = parser.parse_args(argv)
@@ -748,7 +777,6 @@ def parse_args(argv=None):
         parser.error(f"--dtype {args.dtype!r}: give a torch dtype name, e.g. bfloat16, float16 or float32")
     args.device = torch.device("cuda" if cuda else "cpu")
     args.weights_dtype = getattr(torch, args.dtype)
-    args.mix = DEFAULT_MIX
     return args
 
 
@@ -817,8 +845,8 @@ def markdown(report: dict) -> str:
              f"{limits or 'the engine default adapter memory'}, max_num_seqs={options['max_num_seqs']}; "
              f"{options['num_requests']} requests per N ({options['prompt_len']} prompt + {options['output_len']} "
              f"generated tokens), Poisson arrivals at {report['rate_req_s']:.1f} req/s ({options['load']:.2f} x the "
-             f"capacity of {report['capacity_req_s']:.1f} req/s measured in a burst), {popularity} popularity, ranks "
-             f"{sorted({k['rank'] for k in options['mix']})} on q/v, q/k/v/o and all seven projections. Disk "
+             f"capacity of {report['capacity_req_s']:.1f} req/s measured in a burst), {popularity} popularity, "
+             f"{mix_text(options['mix'])}. Disk "
              f"({disk['filesystem']}): fresh adapter files read at {disk['adapter_files_read_bytes_per_s'] / GB:.2f} GB/s"
              + (f"; device copy bandwidth {bandwidth:.0f} GB/s." if bandwidth else "."), "",
              "| popularity | N | used | GB on disk | tokens/s (Poisson) | saturated, cold tiers | saturated, host-warm | "

@@ -320,7 +320,7 @@ def test_the_markdown_report_names_the_device_and_every_n():
     results.append(dict(results[1], popularity="uniform", tokens_per_s=800.0))
     options = dict(dtype="bfloat16", max_loras=32, max_cpu_loras=None, max_gpu_lora_bytes=2 * 10**9, max_num_seqs=64,
                    num_requests=512, prompt_len=128, output_len=64, load=0.75, popularity=["zipf", "uniform"],
-                   mix=[{"rank": 8}, {"rank": 64}])
+                   mix=[{"rank": 8, "targets": "q/v", "share": 0.75}, {"rank": 64, "targets": "all 7", "share": 0.25}])
     report = {"model": "llama-3.1-8b", "dtype": "bfloat16", "mode": "compiled + graphs", "copy_bandwidth_GBps": 3000.0,
               "options": options, "rate_req_s": 20.0, "capacity_req_s": 26.7, "results": results,
               "disk": {"filesystem": "ext4", "adapter_files_read_bytes_per_s": 1e9, "disk_bytes_per_s": 2e9},
@@ -335,7 +335,8 @@ def test_the_markdown_report_names_the_device_and_every_n():
     assert "| uniform | 256 | 256 | 2.56 | 800 |" in text and "| 1.000x |" in text.split("| uniform | 256 | 256 |")[1]
     assert "| zipf | 256 | Poisson | - | 5: 30 / 41 | 3: 150 / 180 |" in text and "| zipf | 4 | Poisson |" not in text
     assert "| zipf N=256 Poisson | 40 | 12.00 | 30% | 10% | 5 | 1 | 12 | 9 | 14.00 | 10.00 | 1.40x | 1.90x | 1.10x |" in text
-    assert "zipf: cold_ttft_at_most_read_plus_10ms: **not met**" in text and "ranks [8, 64]" in text  # 150 > 1 + 10 ms
+    assert "zipf: cold_ttft_at_most_read_plus_10ms: **not met**" in text  # 150 > 1 + 10 ms
+    assert "75% rank 8 on q/v, 25% rank 64 on all 7." in text
     assert '- zipf: n1000_tokens_per_s_at_least_0.90x: not measured {"not_measured": "N = 1,000 is not in the run"}' in text
     assert "- zipf: n2000_no_failed_request: not measured" in text and "at least 0.90x the saturated host-warm" in text
     assert '- zipf: host_warm_p99_ttft_at_most_1.5x: **met** {"n": 256, "base_n": 4, "base": "no N = 1' in text
@@ -378,6 +379,9 @@ def test_forwards_against_their_read_floor():
         (["--saturated-repeats", "0"], "--saturated-repeats 0: must be >= 1"),
         (["--cold-alone", "-1"], "--cold-alone -1: must be >= 0 \\(0 skips it\\)"),
         (["--dtype", "bfloat17"], "--dtype 'bfloat17': give a torch dtype name"),
+        (["--mix", "q/v:16,mlp:8"], "'mlp:8': give TARGETS:RANK\\[:SHARE\\], TARGETS one of q/v, q/k/v/o, all7"),
+        (["--mix", "q/v:0"], "'q/v:0': give TARGETS:RANK"),
+        (["--mix", "q/v:16:0.7,all7:8:0.6"], "the shares add up to more than 1"),
     ],
 )
 def test_bad_benchmark_options_are_refused_with_the_fix(argv, message, capsys):
@@ -387,3 +391,15 @@ def test_bad_benchmark_options_are_refused_with_the_fix(argv, message, capsys):
         parse_args(argv)
     assert exit_info.value.code == 2
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_the_mix_option_names_kinds_and_splits_what_shares_leave():
+    from benchmarks.many_adapters import AdapterKind, DEFAULT_MIX, mix_text, parse_args
+
+    assert parse_args([]).mix == DEFAULT_MIX
+    assert parse_args(["--mix", "q/v:16"]).mix == (AdapterKind(16, "q/v", 1.0),)
+    kinds = parse_args(["--mix", "all7:64:0.1,q/v:8,q/k/v/o:16"]).mix
+    assert kinds == (AdapterKind(64, "all 7", 0.1), AdapterKind(8, "q/v", 0.45), AdapterKind(16, "q/k/v/o", 0.45))
+    assert mix_text([{"rank": 16, "targets": "q/v", "share": 1.0}]) == "100% rank 16 on q/v"
+    default = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in DEFAULT_MIX]
+    assert mix_text(default) == "ranks [8, 16, 32, 64] on q/v, q/k/v/o and all seven projections"
