@@ -9,8 +9,8 @@ mix prefill chunks with decodes over many adapters against the bytes they must r
 
 For each popularity (``--popularity``: Zipf(1) and uniform) and each N (1, 32, 256, 1,000, 2,000 on
 CUDA) one trace: N adapters of a mix of ranks (8-64) and target sets (q/v, q/k/v/o, all seven;
-``--mix`` names other kinds), requests choosing among them by that popularity, Poisson arrivals, every request 128 prompt + 64
-generated tokens (``ignore_eos``). The adapters a trace uses are written as PEFT files on local
+``--mix`` names other kinds), requests choosing among them by that popularity, Poisson arrivals,
+every request 128 prompt + 64 generated tokens (``ignore_eos``). The adapters a trace uses are written as PEFT files on local
 disk, dropped from the page cache and named by path, so a cold load reads the disk. One engine with
 the engine's default adapter memory (no ``max_loras`` or ``max_cpu_loras``, GPU adapter memory as
 the engine sizes it; the flags set them) serves every trace; each has fresh adapter names and the
@@ -110,7 +110,12 @@ def parse_mix(text: str) -> tuple[AdapterKind, ...]:
         if targets not in TARGET_SETS or len(parts) not in (2, 3) or not parts[1].isdigit() or int(parts[1]) < 1:
             raise argparse.ArgumentTypeError(
                 f"{item!r}: give TARGETS:RANK[:SHARE], TARGETS one of q/v, q/k/v/o, all7 and RANK an integer >= 1")
-        share = float(parts[2]) if len(parts) == 3 else None
+        try:
+            share = float(parts[2]) if len(parts) == 3 else None
+        except ValueError:
+            share = math.nan
+        if share is not None and not 0 < share <= 1:
+            raise argparse.ArgumentTypeError(f"{item!r}: a SHARE is a fraction in (0, 1]")
         (kinds if share is not None else open_kinds).append((targets, int(parts[1]), share))
     left = 1.0 - sum(share for _, _, share in kinds)
     if left < -1e-9 or (open_kinds and left <= 0):
@@ -119,9 +124,14 @@ def parse_mix(text: str) -> tuple[AdapterKind, ...]:
     return tuple(AdapterKind(rank, targets, share) for targets, rank, share in kinds)
 
 
+def mix_records(mix: Sequence[AdapterKind]) -> list[dict]:
+    """The adapter kinds as a report's JSON holds them."""
+    return [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in mix]
+
+
 def mix_text(mix: list[dict]) -> str:
     """The adapter kinds of a report, in words: the default mix by its ranks, another kind by kind."""
-    if mix == [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in DEFAULT_MIX]:
+    if mix == mix_records(DEFAULT_MIX):
         return f"ranks {sorted({k['rank'] for k in mix})} on q/v, q/k/v/o and all seven projections"
     return ", ".join(f"{k['share']:.0%} rank {k['rank']} on {k['targets']}" for k in mix)
 
@@ -804,7 +814,7 @@ def main(argv=None) -> Path:
         options = {key: getattr(args, key) for key in (
             "load_format", "num_requests", "prompt_len", "output_len", "load", "popularity", *ADAPTER_LIMITS,
             "max_num_seqs", "max_num_batched_tokens", "seed")}
-        options["mix"] = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in args.mix]
+        options["mix"] = mix_records(args.mix)
         report = {"model": args.model, "dtype": args.dtype, "mode": mode, "options": options, "disk": disk,
                   "copy_bandwidth_GBps": bandwidth and bandwidth / GB, **calibration, "rate_req_s": args.rate,
                   "engine_start": engine_stages(engine, engine_seconds), "cold_alone": alone, "results": []}

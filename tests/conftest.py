@@ -74,6 +74,7 @@ needs_interpreter = pytest.mark.skipif(
     not INTERPRET, reason="CPU Triton tests need TRITON_INTERPRET=1 before triton loads (conftest sets it without CUDA)"
 )
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+two_gpus = pytest.mark.gpus(2)  # skipped with fewer (`pytest_runtest_setup`)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

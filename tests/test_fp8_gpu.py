@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-from conftest import rel_err, tiny_llama
+from conftest import rel_err, tiny_llama, two_gpus
 from test_fp8 import INPUT, LOGITS_TOLERANCE, fp8_layers, peft_logprobs, peft_on_fp8_base, prompt_logprobs
 from test_fp8_checkpoint import compressed_tensors, write_fp8_checkpoint
 from torch import nn
@@ -208,9 +208,6 @@ def test_the_memory_fp8_weights_free_goes_to_the_kv_cache(tmp_path):
         del engine, model
     freed = weights[None] - weights["fp8"]
     assert blocks["fp8"] - blocks[None] >= 0.75 * freed / block_bytes  # less the FP8 GEMMs' activation buffers
-
-
-two_gpus = pytest.mark.gpus(2)
 
 
 @two_gpus

@@ -382,6 +382,8 @@ def test_forwards_against_their_read_floor():
         (["--mix", "q/v:16,mlp:8"], "'mlp:8': give TARGETS:RANK\\[:SHARE\\], TARGETS one of q/v, q/k/v/o, all7"),
         (["--mix", "q/v:0"], "'q/v:0': give TARGETS:RANK"),
         (["--mix", "q/v:16:0.7,all7:8:0.6"], "the shares add up to more than 1"),
+        (["--mix", "q/v:16:half"], "'q/v:16:half': a SHARE is a fraction in \\(0, 1\\]"),
+        (["--mix", "q/v:16:0"], "'q/v:16:0': a SHARE is a fraction in"),
     ],
 )
 def test_bad_benchmark_options_are_refused_with_the_fix(argv, message, capsys):
@@ -394,12 +396,11 @@ def test_bad_benchmark_options_are_refused_with_the_fix(argv, message, capsys):
 
 
 def test_the_mix_option_names_kinds_and_splits_what_shares_leave():
-    from benchmarks.many_adapters import AdapterKind, DEFAULT_MIX, mix_text, parse_args
+    from benchmarks.many_adapters import DEFAULT_MIX, AdapterKind, mix_records, mix_text, parse_args
 
     assert parse_args([]).mix == DEFAULT_MIX
     assert parse_args(["--mix", "q/v:16"]).mix == (AdapterKind(16, "q/v", 1.0),)
     kinds = parse_args(["--mix", "all7:64:0.1,q/v:8,q/k/v/o:16"]).mix
     assert kinds == (AdapterKind(64, "all 7", 0.1), AdapterKind(8, "q/v", 0.45), AdapterKind(16, "q/k/v/o", 0.45))
     assert mix_text([{"rank": 16, "targets": "q/v", "share": 1.0}]) == "100% rank 16 on q/v"
-    default = [{"rank": k.rank, "targets": k.targets, "share": k.share} for k in DEFAULT_MIX]
-    assert mix_text(default) == "ranks [8, 16, 32, 64] on q/v, q/k/v/o and all seven projections"
+    assert mix_text(mix_records(DEFAULT_MIX)) == "ranks [8, 16, 32, 64] on q/v, q/k/v/o and all seven projections"

@@ -19,7 +19,7 @@ import time
 
 import pytest
 import torch
-from conftest import TINY_LLAMA, char_tokenizer, step_to_end, tiny_llama, tiny_model
+from conftest import TINY_LLAMA, char_tokenizer, step_to_end, tiny_llama, tiny_model, two_gpus
 
 from loramux import LoRARequest, SamplingParams
 from loramux.engine.llm_engine import LLMEngine
@@ -339,7 +339,6 @@ class TestOneSharedEngine:
 
 # -- two GPUs (NCCL), the same checks --------------------------------------------------------------
 
-two_gpus = pytest.mark.gpus(2)
 #: a fixed KV cache, so these engines run beside other tests instead of sizing it from free memory
 GPU_BLOCKS = dict(num_gpu_blocks_override=64)
 
