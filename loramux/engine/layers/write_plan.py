@@ -8,9 +8,9 @@ Every number of that follows from a few per layer (its pools' addresses and stri
 and a few per module of the adapter (its rank, its weights' addresses and row strides, its
 scaling), so the plan is numpy over arrays, never Python per block: the Python left per write is
 one pass over the adapter's modules and each touched layer's rank-pool allocation. An 8B model
-has 128 pooled projections; described layer by layer and block by block, a write for a rank-16
-adapter on all seven took 6.5 ms of the engine's thread on an H100 host, all of it before the
-step that admits the adapter's request could launch.
+has 128 pooled projections: described layer by layer and block by block, a write is hundreds of
+Python steps per adapter on the engine's thread, all of them before the step that admits the
+adapter's request can launch.
 
 The plan is run by `loramux.engine.layers.slot_copy`: as one `copy_blocks` table on CUDA
 (`WritePlanner.table`), or block by block where a table cannot say it (the CPU, a cast, weights
