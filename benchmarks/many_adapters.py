@@ -10,11 +10,11 @@ mix prefill chunks with decodes over many adapters against the bytes they must r
 For each popularity (``--popularity``: Zipf(1) and uniform) and each N (1, 32, 256, 1,000, 2,000 on
 CUDA) one trace: N adapters of a mix of ranks (8-64) and target sets (q/v, q/k/v/o, all seven;
 ``--mix`` names other kinds), requests choosing among them by that popularity, Poisson arrivals,
-every request 128 prompt + 64 generated tokens (``ignore_eos``). The adapters a trace uses are written as PEFT files on local
-disk, dropped from the page cache and named by path, so a cold load reads the disk. One engine with
-the engine's default adapter memory (no ``max_loras`` or ``max_cpu_loras``, GPU adapter memory as
-the engine sizes it; the flags set them) serves every trace; each has fresh adapter names and the
-last one's are unloaded, so each trace starts cold.
+every request 128 prompt + 64 generated tokens (``ignore_eos``). The adapters a trace uses are
+written as PEFT files on local disk, dropped from the page cache and named by path, so a cold load
+reads the disk. One engine with the engine's default adapter memory (no ``max_loras`` or
+``max_cpu_loras``, GPU adapter memory as the engine sizes it; the flags set them) serves every
+trace; each has fresh adapter names and the last one's are unloaded, so each trace starts cold.
 
 The arrival rate is ``--load`` (0.75) times the capacity measured first on the same engine (a
 saturated burst over 4 warm adapters). Per trace: the Poisson arrivals; the same arrivals again with
