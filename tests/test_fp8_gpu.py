@@ -1,9 +1,10 @@
-"""FP8 base models on CUDA: the per-token quantize kernel and cuBLASLt's FP8 GEMM
-(``torch._scaled_mm``) against the torch reference, LoRA on top against PEFT, step graphs
-against eager steps, and the memory the FP8 weights leave to the KV cache. Needs a GPU of
-compute capability 8.9 or newer; run on the GPU machine: ``pytest -m gpu tests/test_fp8_gpu.py``.
+"""FP8 base models on CUDA: the per-token quantize kernel, the decode-sized FP8 GEMM
+(`loramux.kernels.fp8_gemm`) and cuBLASLt's (``torch._scaled_mm``) against the torch reference,
+LoRA on top against PEFT, step graphs against eager steps, and the memory the FP8 weights leave
+to the KV cache. Needs a GPU of compute capability 8.9 or newer; run on the GPU machine: ``pytest
+-m gpu tests/test_fp8_gpu.py``.
 
-The GEMM writes bfloat16, so a float32 model's FP8 layer differs from the float32 reference by
+cuBLASLt's GEMM writes bfloat16, so a float32 model's FP8 layer differs from the float32 reference by
 bfloat16 rounding (2^-9 relative) on top of the order of its sums.
 """
 
@@ -66,6 +67,17 @@ def test_the_fp8_gemm_equals_the_reference_to_bfloat16_rounding(dtype):
         expected = fp8_matmul_ref(xq, x_scale, layer.weight, layer.weight_scale, torch.float32)
         assert got.dtype == dtype and got.shape == (tokens, 1024)
         assert rel_err(got, expected) < BF16_ROUNDING
+
+
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)])
+def test_the_decode_gemm_at_8b_shapes_equals_the_reference(n, k):
+    torch.manual_seed(3)
+    layer = Fp8Linear.from_linear(nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16))
+    for tokens in (1, 16, 17, 64):  # each block height (16, 32, 64 rows)
+        x = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+        xq, x_scale = quantize_per_token_ref(x)
+        expected = fp8_matmul_ref(xq, x_scale, layer.weight, layer.weight_scale, torch.float32)
+        assert rel_err(dispatch.fp8_linear(x, layer.weight, layer.weight_scale), expected) < BF16_ROUNDING, tokens
 
 
 def test_the_fp8_layer_compiles_and_replays_in_a_graph_as_it_runs_eagerly():

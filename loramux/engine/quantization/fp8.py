@@ -2,8 +2,9 @@
 projections into it as they load.
 
 vLLM's default FP8 scheme: one float32 scale per output channel of the weight, the activations
-quantized per token when they arrive, one FP8 GEMM (`loramux.kernels.dispatch.fp8_linear`:
-cuBLASLt's ``torch._scaled_mm`` on CUDA, the torch reference elsewhere). The layer takes and
+quantized per token when they arrive, one FP8 GEMM (`loramux.kernels.dispatch.fp8_linear`: on
+CUDA our decode-sized Triton GEMM up to 64 rows, cuBLASLt's ``torch._scaled_mm`` past them; the
+torch reference elsewhere). The layer takes and
 returns activations in the model's dtype (``activation_dtype``), so everything around it, LoRA
 included, reads what it would read from an ``nn.Linear``: a LoRA wrapper's shrink reads the same
 activations the GEMM quantizes, and an adapter trained on the unquantized model adds the same delta.
