@@ -38,13 +38,38 @@ def test_column_and_row_blocks_past_the_edges_write_nothing():
     torch.testing.assert_close(got, fp8_matmul_ref(xq, x_scale, wq, w_scale, torch.float32), rtol=1e-5, atol=1e-5)
 
 
-def test_the_launch_gives_every_multiprocessor_a_column_block():
-    # Llama-3.1-8B's projections at 64 tokens on 132 multiprocessors (an H100)
-    assert fp8_gemm_config(64, 28672, 4096, 132) == Fp8GemmConfig(64, 128, 128, 4, 4)  # gate_up: 224 blocks
-    assert fp8_gemm_config(64, 6144, 4096, 132).block_n == 32  # q/k/v: 192 blocks
-    assert fp8_gemm_config(64, 4096, 14336, 132).block_n == 16  # down: 256 blocks
-    assert fp8_gemm_config(1, 4096, 4096, 132).block_m == 16  # the tensor cores' smallest tile
+@needs_interpreter
+@pytest.mark.parametrize("split_k", [2, 3, 5])
+def test_k_parts_add_up_in_the_last_program_and_leave_the_counters_zero(split_k):
+    from loramux.kernels import fp8_gemm
+
+    xq, x_scale, wq, w_scale = operands(7, 80, 256, seed=2)  # 8 K blocks of 32: parts of 4, 3 and 2 blocks
+    config = Fp8GemmConfig(block_m=16, block_n=32, block_k=32, num_stages=2, num_warps=4, split_k=split_k)
+    expected = fp8_matmul_ref(xq, x_scale, wq, w_scale, torch.float32)
+    for _ in range(2):  # the second launch finds the counters as the first left them
+        got = fp8_gemm_triton(xq, x_scale, wq, w_scale, torch.float32, config=config)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        assert not fp8_gemm._COUNTERS[torch.device("cpu")].any()
+
+
+@needs_interpreter
+def test_more_k_parts_than_k_blocks_leave_the_extra_parts_empty():
+    xq, x_scale, wq, w_scale = operands(4, 32, 64, seed=3)
+    config = Fp8GemmConfig(block_m=16, block_n=32, block_k=32, num_stages=2, num_warps=4, split_k=4)
+    got = fp8_gemm_triton(xq, x_scale, wq, w_scale, torch.float32, config=config)
+    torch.testing.assert_close(got, fp8_matmul_ref(xq, x_scale, wq, w_scale, torch.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_the_launch_puts_a_program_on_every_multiprocessor():
+    # Llama-3.1-8B's projections on 132 multiprocessors (an H100): 64 rows in 128 columns a block,
+    # K parts where the blocks are too few
+    assert fp8_gemm_config(64, 28672, 4096, 132) == Fp8GemmConfig(64, 128, 128, 4, 4, split_k=1)  # gate_up
+    assert fp8_gemm_config(64, 6144, 4096, 132).split_k == 4  # q/k/v: 48 blocks
+    assert fp8_gemm_config(64, 4096, 14336, 132).split_k == 8  # down: 32 blocks
+    # 16 rows or fewer: 64 columns a block (the activations are few bytes to re-read)
+    assert fp8_gemm_config(1, 6144, 4096, 132) == Fp8GemmConfig(16, 64, 128, 4, 4, split_k=2)
     assert fp8_gemm_config(MAX_ROWS, 4096, 48, 132).block_k == 16
+    assert fp8_gemm_config(MAX_ROWS, 4096, 48, 132).split_k == 1  # 3 K blocks: too few to part
 
 
 def test_operands_it_cannot_take_are_refused():

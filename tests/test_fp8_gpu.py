@@ -101,6 +101,30 @@ def test_the_fp8_layer_compiles_and_replays_in_a_graph_as_it_runs_eagerly():
     assert torch.equal(out, layer(x * 2))
 
 
+def test_a_graph_replays_the_k_parted_decode_gemm_over_new_inputs():
+    from loramux.kernels.fp8_gemm import fp8_gemm_config, reserve_counters
+
+    torch.manual_seed(4)
+    layer = Fp8Linear.from_linear(nn.Linear(14336, 4096, bias=False, device="cuda", dtype=torch.bfloat16))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert fp8_gemm_config(64, 4096, 14336, sms).split_k > 1  # down_proj of an 8B model at 64 tokens
+    reserve_counters("cuda")
+    static = torch.randn(64, 14336, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(static)
+    for _ in range(3):  # each replay finds the tile counters zero, as the last one left them
+        x = torch.randn(64, 14336, device="cuda", dtype=torch.bfloat16)
+        static.copy_(x)
+        graph.replay()
+        assert torch.equal(out, layer(x))  # the parts are added in one order: the same bits
+
+
 def test_a_tiny_model_on_cuda_is_close_to_the_unquantized_and_to_the_cpu_reference():
     base = tiny_llama().cuda()
     model = copy.deepcopy(base)
