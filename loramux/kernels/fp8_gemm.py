@@ -14,7 +14,9 @@ activations from L2 (at 64 rows and K = 14,336 a column block of 16 reads as man
 as weight bytes); K parts give more programs at no such cost: each part's program writes its
 float32 sums to a scratch buffer and counts itself done on the tile's counter, and the last one
 adds the parts, applies the scales and writes the tile (the counters start and end at zero, so a
-CUDA graph replays the launch as is). `fp8_gemm_config` picks both.
+CUDA graph replays the launch as is). `fp8_gemm_config` picks both. The counters are one set per
+device, so two K-parted launches must not run at once on one device: the engine runs its
+projections on one stream, one after the other.
 
 K must be a multiple of 16 (every FP8 layer's is, `Fp8Linear`); N any.
 """
