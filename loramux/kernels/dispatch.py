@@ -217,11 +217,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     quantized per token first (`quantize_per_token`); out ``[M, N]`` in x's dtype.
 
     On CUDA one FP8 GEMM: up to `fp8_gemm.MAX_ROWS` rows (a decode step) ours
-    (`fp8_gemm_triton`, sized for the multiprocessors a carveout leaves it), larger ones through
-    cuBLASLt (``torch._scaled_mm``, row-wise scales: x's [M, 1] and the weight's [1, N], both
-    float32; weight.t() is the column-major operand it takes), written in bfloat16 (the one output
-    dtype every device's row-wise kernel takes) and cast to x's dtype. K and N must be multiples
-    of 16. Elsewhere the torch reference (`fp8_matmul_ref`).
+    (`fp8_gemm_triton`, sized for every multiprocessor: it does not read a `gemm_carveout`), larger
+    ones through cuBLASLt (``torch._scaled_mm``, row-wise scales: x's [M, 1] and the weight's [1, N],
+    both float32; weight.t() is the column-major operand it takes), written in bfloat16 (the one
+    output dtype every device's row-wise kernel takes) and cast to x's dtype. K and N must be
+    multiples of 16. Elsewhere the torch reference (`fp8_matmul_ref`).
     """
     xq, x_scale = quantize_per_token(x)
     if not (x.is_cuda and _use_triton(x)):
