@@ -21,7 +21,7 @@ def operands(m: int, n: int, k: int, seed: int = 0):
 
 
 @needs_interpreter
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 32, 64), (5, 48, 96), (16, 64, 128), (33, 80, 256), (64, 16, 48)])
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 32, 64), (5, 48, 96), (16, 64, 128), (33, 80, 256), (64, 16, 96)])
 def test_the_gemm_sums_as_the_reference_does(m, n, k):
     xq, x_scale, wq, w_scale = operands(m, n, k)
     got = fp8_gemm_triton(xq, x_scale, wq, w_scale, torch.float32)
@@ -60,21 +60,22 @@ def test_more_k_parts_than_k_blocks_leave_the_extra_parts_empty():
     torch.testing.assert_close(got, fp8_matmul_ref(xq, x_scale, wq, w_scale, torch.float32), rtol=1e-5, atol=1e-5)
 
 
-def test_the_launch_puts_a_program_on_every_multiprocessor():
-    # Llama-3.1-8B's projections on 132 multiprocessors (an H100): 64 rows in 128 columns a block,
-    # K parts where the blocks are too few
-    assert fp8_gemm_config(64, 28672, 4096, 132) == Fp8GemmConfig(64, 128, 128, 4, 4, split_k=1)  # gate_up
-    assert fp8_gemm_config(64, 6144, 4096, 132).split_k == 4  # q/k/v: 48 blocks
-    assert fp8_gemm_config(64, 4096, 14336, 132).split_k == 8  # down: 32 blocks
-    # 16 rows or fewer: 64 columns a block (the activations are few bytes to re-read)
-    assert fp8_gemm_config(1, 6144, 4096, 132) == Fp8GemmConfig(16, 64, 128, 4, 4, split_k=2)
-    assert fp8_gemm_config(MAX_ROWS, 4096, 48, 132).block_k == 16
-    assert fp8_gemm_config(MAX_ROWS, 4096, 48, 132).split_k == 1  # 3 K blocks: too few to part
+def test_the_launch_parts_k_by_the_rows_a_tile_holds():
+    # Llama-3.1-8B's projections on 132 multiprocessors (an H100), 64 columns a block: 64-row tiles
+    # part K only up to half the multiprocessors (their float32 parts are costly to add up)...
+    assert fp8_gemm_config(64, 28672, 4096, 132) == Fp8GemmConfig(64, 64, 128, 5, 4, split_k=1)  # gate_up
+    assert fp8_gemm_config(64, 6144, 4096, 132).split_k == 1  # q/k/v: 96 tiles
+    assert fp8_gemm_config(64, 4096, 14336, 132).split_k == 2  # down: 64 tiles
+    # ...16-row tiles up to twice them, in 4 parts at most
+    assert fp8_gemm_config(1, 6144, 4096, 132) == Fp8GemmConfig(16, 64, 128, 5, 4, split_k=4)
+    assert fp8_gemm_config(16, 28672, 4096, 132).split_k == 1  # gate_up: 448 tiles
+    assert fp8_gemm_config(MAX_ROWS, 4096, 96, 132).block_k == 32
+    assert fp8_gemm_config(MAX_ROWS, 4096, 96, 132).split_k == 1  # 3 K blocks: too few to part
 
 
 def test_operands_it_cannot_take_are_refused():
     xq, x_scale, wq, w_scale = operands(4, 32, 64)
     with pytest.raises(ValueError, match="must be torch.float8_e4m3fn"):
         fp8_gemm_triton(xq.float(), x_scale, wq, w_scale, torch.float32)
-    with pytest.raises(ValueError, match="K a multiple of 16"):
-        fp8_gemm_triton(xq[:, :40], x_scale, wq[:, :40], w_scale, torch.float32)
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        fp8_gemm_triton(xq[:, :48], x_scale, wq[:, :48], w_scale, torch.float32)

@@ -216,8 +216,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """``x [M, K] @ W.T`` for the FP8 weight ``W = weight [N, K] * weight_scale [N, None]``, x
     quantized per token first (`quantize_per_token`); out ``[M, N]`` in x's dtype.
 
-    On CUDA one FP8 GEMM: up to `fp8_gemm.MAX_ROWS` rows (a decode step) ours
-    (`fp8_gemm_triton`, sized for every multiprocessor: it does not read a `gemm_carveout`), larger
+    On CUDA one FP8 GEMM: up to `fp8_gemm.MAX_ROWS` rows (a decode step) and K a multiple of
+    `fp8_gemm.K_MULTIPLE` ours (`fp8_gemm_triton`, sized for every multiprocessor: it does not read a `gemm_carveout`), larger
     ones through cuBLASLt (``torch._scaled_mm``, row-wise scales: x's [M, 1] and the weight's [1, N],
     both float32; weight.t() is the column-major operand it takes), written in bfloat16 (the one
     output dtype every device's row-wise kernel takes) and cast to x's dtype. K and N must be
@@ -228,7 +228,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         return fp8_reference.fp8_matmul_ref(xq, x_scale, weight, weight_scale, x.dtype)
     from . import fp8_gemm
 
-    if x.shape[0] <= fp8_gemm.MAX_ROWS:
+    if x.shape[0] <= fp8_gemm.MAX_ROWS and weight.shape[1] % fp8_gemm.K_MULTIPLE == 0:
         return fp8_gemm.fp8_gemm_triton(xq, x_scale, weight, weight_scale, x.dtype)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                            out_dtype=torch.bfloat16)

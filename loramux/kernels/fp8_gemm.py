@@ -11,14 +11,15 @@ which leaves most multiprocessors of an H100 idle for a projection of 4,096 to 6
 Here a program holds all the rows (up to `MAX_ROWS`) and a block of columns, over the whole K or
 one of ``split_k`` parts of it. Narrower column blocks give more programs, but each re-reads the
 activations from L2 (at 64 rows and K = 14,336 a column block of 16 reads as many activation bytes
-as weight bytes); K parts give more programs at no such cost: each part's program writes its
-float32 sums to a scratch buffer and counts itself done on the tile's counter, and the last one
+as weight bytes); K parts give more programs for the cost of their float32 sums: each part's
+program writes its sums to a scratch buffer and counts itself done on the tile's counter, and the last one
 adds the parts, applies the scales and writes the tile (the counters start and end at zero, so a
 CUDA graph replays the launch as is). `fp8_gemm_config` picks both. The counters are one set per
 device, so two K-parted launches must not run at once on one device: the engine runs its
 projections on one stream, one after the other.
 
-K must be a multiple of 16 (every FP8 layer's is, `Fp8Linear`); N any.
+K must be a multiple of `K_MULTIPLE` (the tensor cores' FP8 dot takes 32 at least); N any.
+`loramux.kernels.dispatch.fp8_linear` sends other K (a shard of a small model) to cuBLASLt.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ import triton.language as tl
 from .fp8_reference import FP8_DTYPE
 from .tiles import cdiv, interpreting, next_pow2, num_sms
 
-__all__ = ["MAX_ROWS", "Fp8GemmConfig", "block_rows", "fp8_gemm_config", "fp8_gemm_triton", "reserve_counters"]
+__all__ = ["K_MULTIPLE", "MAX_ROWS", "Fp8GemmConfig", "block_rows", "fp8_gemm_config", "fp8_gemm_triton", "reserve_counters"]
 
 #: the most rows (tokens) one program holds; larger steps are compute-bound, where cuBLASLt's
 #: tiles are the right ones
 MAX_ROWS = 64
+#: what K must be a multiple of: the FP8 dot's smallest K block
+K_MULTIPLE = 32
 #: tiles the split-K counters cover (`reserve_counters`): the widest projection's at the narrowest
 #: split column block, with room
 MAX_TILES = 4096
@@ -108,20 +111,22 @@ def block_rows(m: int) -> int:
 @functools.lru_cache(maxsize=256)
 def fp8_gemm_config(m: int, n: int, k: int, programs: int) -> Fp8GemmConfig:
     """The launch shape for ``m`` rows of ``n`` columns over ``k``, for ``programs`` programs in
-    flight at once (the multiprocessors the launch may use): `block_rows`; column blocks of 64 at
-    16 rows, where the activations are few bytes, of 128 past them; the longest K block that
-    divides K; then as many K parts (up to 8, each of 2 K blocks at least) as it takes to give
-    ``programs`` programs."""
+    flight at once (the multiprocessors the launch may use): `block_rows`; column blocks of 64; the
+    longest K block that divides K; then K parts (up to 4, each of 2 K blocks at least) until the
+    programs reach ``programs x 32 / block rows``. Each part's float32 sums are written and read
+    back, which costs more the more rows a tile holds, so 16-row tiles split to twice the
+    multiprocessors and 64-row tiles only to half of them. Five pipeline stages: a multiprocessor
+    running one program needs that many loads in flight to reach the bandwidth."""
     block_m = block_rows(m)
-    block_n = 64 if block_m <= 16 else 128
-    block_k = next(b for b in (128, 64, 32, 16) if k % b == 0)
+    block_n = 64
+    block_k = next(b for b in (128, 64, K_MULTIPLE) if k % b == 0)
     tiles = cdiv(n, block_n) * cdiv(m, block_m)
     split_k = 1
-    while split_k < 8 and tiles * split_k < programs and k // block_k >= 4 * split_k:
+    while split_k < 4 and tiles * split_k < programs * 32 // block_m and k // block_k >= 4 * split_k:
         split_k *= 2
     if tiles > MAX_TILES:
         split_k = 1
-    return Fp8GemmConfig(block_m, block_n, block_k, num_stages=4, num_warps=4, split_k=split_k)
+    return Fp8GemmConfig(block_m, block_n, block_k, num_stages=5, num_warps=4, split_k=split_k)
 
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
@@ -155,10 +160,10 @@ def fp8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w
     that varies by step, which the kernel warm-up covers by token count."""
     M, K = xq.shape
     N = wq.shape[0]
-    if xq.dtype != FP8_DTYPE or wq.dtype != FP8_DTYPE or wq.shape[1] != K or K % 16 or xq.stride(1) != 1 \
+    if xq.dtype != FP8_DTYPE or wq.dtype != FP8_DTYPE or wq.shape[1] != K or K % K_MULTIPLE or xq.stride(1) != 1 \
             or wq.stride(1) != 1:
         raise ValueError(f"fp8_gemm: xq [M, K] and wq [N, K] must be {FP8_DTYPE} of unit column stride and K a "
-                         f"multiple of 16, got {xq.dtype} {list(xq.shape)} and {wq.dtype} {list(wq.shape)}")
+                         f"multiple of {K_MULTIPLE}, got {xq.dtype} {list(xq.shape)} and {wq.dtype} {list(wq.shape)}")
     out = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     if M == 0:
         return out
