@@ -85,6 +85,25 @@ def test_the_layer_multiplies_per_token_quantized_activations_by_its_fp8_weight(
     assert rel_err(got, linear(x).detach()) < LOGITS_TOLERANCE
 
 
+def test_compiled_the_quantize_is_torch_ops_in_the_graph_and_the_gemm_one_op():
+    """Traced, the layer hands its quantize to the compiler as torch ops (which inductor fuses into
+    the kernel that made the activations: the RMSNorm here) and its GEMM as one opaque op."""
+    torch.manual_seed(4)
+    norm, layer = nn.RMSNorm(64), Fp8Linear.from_linear(nn.Linear(64, 48, bias=True))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(3, 5, 64)
+    compiled = torch.compile(lambda x: layer(norm(x)), backend=backend, fullgraph=True)(x)
+    assert torch.equal(compiled, layer(norm(x)))
+    calls = [str(node.target) for node in graphs[0].graph.nodes if node.op in ("call_function", "call_method")]
+    assert calls.count("loramux.fp8_gemm") == 1
+    assert "amax" in calls and "to" in calls  # the per-token scale and the cast to e4m3, traced
+
+
 def test_a_quantized_model_keeps_embeddings_norms_and_lm_head_and_is_close_to_the_unquantized():
     base = tiny_llama()
     model = quantized_tiny_llama()

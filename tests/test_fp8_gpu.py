@@ -98,7 +98,9 @@ def test_the_fp8_layer_compiles_and_replays_in_a_graph_as_it_runs_eagerly():
         out = layer(static)
     static.copy_(x * 2)
     graph.replay()
-    assert torch.equal(compiled, eager)
+    # compiled, inductor fuses the quantize and divides as Triton's ``/`` does (not IEEE-rounded):
+    # a value on the edge of two e4m3 values may round to the other
+    assert rel_err(compiled, eager) < 2**-6
     assert torch.equal(out, layer(x * 2))
 
 

@@ -19,7 +19,7 @@ device, so two K-parted launches must not run at once on one device: the engine 
 projections on one stream, one after the other.
 
 K must be a multiple of `K_MULTIPLE` (the tensor cores' FP8 dot takes 32 at least); N any.
-`loramux.kernels.dispatch.fp8_linear` sends other K (a shard of a small model) to cuBLASLt.
+`loramux.kernels.dispatch.fp8_gemm` sends other K (a shard of a small model) to cuBLASLt.
 """
 
 from __future__ import annotations
