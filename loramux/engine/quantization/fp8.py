@@ -10,9 +10,10 @@ reference elsewhere). The layer takes and returns activations in the model's dty
 adapter trained on the unquantized model adds the same delta.
 
 The GEMM is one opaque op (``loramux::fp8_gemm``). The quantize before it is one launch of its
-own when the layer runs eagerly (inside a LoRA layer's op too); in a ``torch.compile`` trace it is
-torch ops (`quantize_per_token_ref`), which inductor fuses into the kernel that wrote the
-activations, so they are read once, not twice.
+own when the layer runs eagerly; in a ``torch.compile`` trace it is torch ops
+(`quantize_per_token_ref`), which inductor fuses into the kernel that wrote the activations, so
+they are read once, not twice. A LoRA wrapper's op takes the quantized activations from the
+traced code too (`BaseLayerWithLoRA.base_inputs`).
 
 Which layers: every plain ``nn.Linear`` but the model's output embeddings (``lm_head``), whose
 widths are multiples of 16 (what cuBLASLt's FP8 GEMM takes); embeddings, norms and ``lm_head``
@@ -105,11 +106,19 @@ class Fp8Linear(nn.Module):
         return self.weight.float() * self.weight_scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.apply_quantized(x, *self.quantize_input(x))
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., in]`` quantized per token: ``(xq [M, in] FP8, x_scale [M, 1] float32)``.
+        Compiled, torch ops, which inductor fuses into the kernel that made x (the RMSNorm, the
+        SiLU-mul), so x is read once less than by a quantize launch of its own (eagerly)."""
         x2d = x.reshape(-1, x.shape[-1])
-        # compiled, the quantize is torch ops, which inductor fuses into the kernel that made x
-        # (the RMSNorm, the SiLU-mul): x is read once less than by a quantize launch of its own
-        quantize = quantize_per_token_ref if torch.compiler.is_compiling() else quantize_per_token
-        xq, x_scale = quantize(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
+        if torch.compiler.is_compiling():
+            return quantize_per_token_ref(x2d)
+        return quantize_per_token(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
+
+    def apply_quantized(self, x: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The layer's output for ``x``, from its `quantize_input`."""
         y = torch.ops.loramux.fp8_gemm(xq, x_scale, self.weight, self.weight_scale, x.dtype)
         # [..., N] as a tensor of its own, not a view, as F.linear returns it: callers write into
         # a layer's output in place (the LoRA delta, a tensor-parallel all-reduce)
