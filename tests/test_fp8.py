@@ -85,6 +85,30 @@ def test_the_layer_multiplies_per_token_quantized_activations_by_its_fp8_weight(
     assert rel_err(got, linear(x).detach()) < LOGITS_TOLERANCE
 
 
+def compiled_calls(fn, *args) -> tuple[torch.Tensor, list]:
+    """``fn(*args)`` compiled whole, and the targets of the calls in its traced graph, in order."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    out = torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return out, [str(node.target) for node in graphs[0].graph.nodes if node.op in ("call_function", "call_method")]
+
+
+def test_compiled_the_quantize_is_torch_ops_in_the_graph_and_the_gemm_one_op():
+    """Traced, the layer hands its quantize to the compiler as torch ops (which inductor fuses into
+    the kernel that made the activations: the RMSNorm here) and its GEMM as one opaque op."""
+    torch.manual_seed(4)
+    norm, layer = nn.RMSNorm(64), Fp8Linear.from_linear(nn.Linear(64, 48, bias=True))
+    x = torch.randn(3, 5, 64)
+    compiled, calls = compiled_calls(lambda x: layer(norm(x)), x)
+    assert torch.equal(compiled, layer(norm(x)))
+    assert calls.count("loramux.fp8_gemm") == 1
+    assert "amax" in calls and "to" in calls  # the per-token scale and the cast to e4m3, traced
+
+
 def test_a_quantized_model_keeps_embeddings_norms_and_lm_head_and_is_close_to_the_unquantized():
     base = tiny_llama()
     model = quantized_tiny_llama()
@@ -237,6 +261,24 @@ def test_greedy_with_adapters_on_an_fp8_base_equals_peft_on_the_same_fp8_base(al
             expected = oracles[name].generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt)),
                                               max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert out.outputs[0].token_ids == expected[0, len(prompt):].tolist(), name
+
+
+def test_compiled_a_lora_layers_op_takes_the_quantized_activations_from_the_traced_code():
+    """A step graph's route (the delta apart, beside the GEMM): the quantize is traced before the
+    LoRA op, for inductor to fuse, and the op's GEMM reads it: the eager layer's output."""
+    from test_layer_side_stream import CONFIG, SLOTS, in_graphs, with_adapters
+
+    from loramux.engine.layers import LinearWithLoRA, Route
+
+    torch.manual_seed(5)
+    layer = with_adapters(LinearWithLoRA(Fp8Linear.from_linear(nn.Linear(16, 12)), "proj", CONFIG))
+    in_graphs(layer, Route.DELTA_BESIDE)
+    layer.lora_context.set(SLOTS, static=True)
+    x = torch.randn(6, 16)
+    compiled, calls = compiled_calls(layer, x)
+    assert torch.equal(compiled, layer(x))
+    assert not torch.equal(compiled, layer.base_layer(x))  # the adapters' deltas are in it
+    assert calls.index("amax") < calls.index("loramux.lora_delta") and "loramux.fp8_gemm" not in calls
 
 
 # -- tensor parallelism ------------------------------------------------------------------------------

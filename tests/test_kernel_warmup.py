@@ -113,6 +113,16 @@ def test_plan_without_lora_has_attention_keys_only(h100_heuristics):
     assert plan[0] == WarmupStep(1, 1, False)
 
 
+def test_an_eager_fp8_plan_reaches_each_block_height_of_the_decode_sized_gemm(h100_heuristics):
+    _, without = plan_warmup(max_num_batched_tokens=512, max_num_seqs=8, **EIGHT_B)
+    plan, reached = plan_warmup(max_num_batched_tokens=512, max_num_seqs=8, fp8=True, **EIGHT_B)
+    assert {key for key in reached if key[0] == "fp8_gemm"} == {("fp8_gemm", rows) for rows in (16, 32, 64)}
+    assert reached - without == {("fp8_gemm", rows) for rows in (16, 32, 64)}
+    # past the graphs' sizes (64 tokens and more) no step runs it
+    assert not any(key[0] == "fp8_gemm" for key in plan_warmup(max_num_batched_tokens=512, max_num_seqs=8,
+                                                               min_tokens=65, fp8=True, **EIGHT_B)[1])
+
+
 def test_plan_leaves_the_steps_graphs_serve_to_them(h100_heuristics):
     everything, _ = plan_warmup(max_num_batched_tokens=1024, max_num_seqs=8, **EIGHT_B)
     eager, reached = plan_warmup(max_num_batched_tokens=1024, max_num_seqs=8, min_tokens=513, **EIGHT_B)

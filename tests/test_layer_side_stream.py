@@ -210,7 +210,7 @@ def test_a_projection_forks_its_delta_beside_the_base_gemm_and_joins_before_retu
     assert got.dtype == base_dtype and got.shape == (2, 3, 12) and got.is_contiguous()
     # the same kernels, and one rounding of base + delta: exactly the sequential path's sum
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
-    output, delta = torch.ops.loramux.lora_delta(x, layer.layer_id, (2, 3, 12), base_dtype, (2, 3, 12), torch.float32)
+    output, delta = torch.ops.loramux.lora_delta(x, [], layer.layer_id, (2, 3, 12), base_dtype, (2, 3, 12), torch.float32)
     assert torch.equal(output, layer.base_layer(x)) and delta.dtype == torch.float32
     assert torch.equal(delta.view(6, 12)[SLOTS < 0], torch.zeros(2, 12))  # base rows: no delta
 

@@ -213,17 +213,30 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ W.T`` for the FP8 weight ``W = weight [N, K] * weight_scale [N, None]``, x
-    quantized per token first (`quantize_per_token`); out ``[M, N]`` in x's dtype.
-
-    On CUDA one FP8 GEMM through cuBLASLt (``torch._scaled_mm``, row-wise scales: x's [M, 1] and
-    the weight's [1, N], both float32; weight.t() is the column-major operand it takes), written in
-    bfloat16 (the one output dtype every device's row-wise kernel takes) and cast to x's dtype.
-    K and N must be multiples of 16. Elsewhere the torch reference (`fp8_matmul_ref`).
-    """
+    """``x [M, K] @ W.T`` for the FP8 weight ``W = weight [N, K] * weight_scale [N, None]``: x
+    quantized per token (`quantize_per_token`), then `fp8_gemm`; out ``[M, N]`` in x's dtype."""
     xq, x_scale = quantize_per_token(x)
-    if not (x.is_cuda and _use_triton(x)):
-        return fp8_reference.fp8_matmul_ref(xq, x_scale, weight, weight_scale, x.dtype)
+    return fp8_gemm(xq, x_scale, weight, weight_scale, x.dtype)
+
+
+def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+             out_dtype: torch.dtype) -> torch.Tensor:
+    """``(xq @ weight.T) * x_scale * weight_scale`` in ``out_dtype``: ``xq [M, K]`` and ``weight
+    [N, K]`` FP8, ``x_scale [M, 1]`` and ``weight_scale [N]`` float32 (`fp8_matmul_ref`'s scheme).
+
+    On CUDA one FP8 GEMM: up to `fp8_gemm.MAX_ROWS` rows (a decode step) and K a multiple of
+    `fp8_gemm.K_MULTIPLE` ours (`fp8_gemm_triton`, sized for every multiprocessor: it does not
+    read a `gemm_carveout`), others through cuBLASLt (``torch._scaled_mm``, row-wise scales:
+    x's [M, 1] and the weight's [1, N], both float32; weight.t() is the column-major operand it
+    takes), written in bfloat16 (the one output dtype every device's row-wise kernel takes) and
+    cast to ``out_dtype``. K and N must be multiples of 16. Elsewhere the torch reference.
+    """
+    if not (xq.is_cuda and _use_triton(xq)):
+        return fp8_reference.fp8_matmul_ref(xq, x_scale, weight, weight_scale, out_dtype)
+    from . import fp8_gemm as gemm
+
+    if xq.shape[0] <= gemm.MAX_ROWS and weight.shape[1] % gemm.K_MULTIPLE == 0:
+        return gemm.fp8_gemm_triton(xq, x_scale, weight, weight_scale, out_dtype)
     out = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, -1),
                            out_dtype=torch.bfloat16)
-    return out if out.dtype == x.dtype else out.to(x.dtype)
+    return out if out.dtype == out_dtype else out.to(out_dtype)

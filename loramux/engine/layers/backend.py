@@ -173,9 +173,10 @@ def delta_then_gemm(layer, x: torch.Tensor, meta: LoRABatchMeta) -> torch.Tensor
     return delta.view(*layer.rows_shape(x), layer.out_features)
 
 
-def run_apart(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def run_apart(layer, x: torch.Tensor, base_inputs: list[torch.Tensor] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """The body of ``loramux::lora_delta``: ``(base_layer(x), delta)``, both contiguous, the delta
-    ``[*rows_shape(x), out_features]`` in the slot dtype (`Route.DELTA_APART`).
+    ``[*rows_shape(x), out_features]`` in the slot dtype (`Route.DELTA_APART`); the base output
+    is ``layer.run_base(x, base_inputs)``.
 
     `Route.DELTA_BESIDE` computes the delta on the side stream while the main stream runs the
     base GEMM, which leaves `lora_sms_beside` multiprocessors to it (`gemm_carveout`):
@@ -191,7 +192,7 @@ def run_apart(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     meta = lora_meta(layer, x)
     rows = (*layer.rows_shape(x), layer.out_features)
     if meta is None:  # no token of this (eager) step uses an adapter touching this layer
-        output = layer.base_layer(x).contiguous()
+        output = layer.run_base(x, base_inputs).contiguous()
         return output, torch.zeros(rows, dtype=layer.lora_dtype, device=output.device)
     T, device, slots = meta.num_tokens, x.device, layer.slots
     # made on the main stream, before the fork, so the main stream owns their memory
@@ -206,7 +207,7 @@ def run_apart(layer, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # the GEMM first: enqueued after the delta it waited for the side stream's launches, and the
     # decode step is as slow as its GEMMs (docs/benchmarks/throughput.md, the decode rows)
     with gemm_carveout(sms or 0):
-        output = layer.base_layer(x).contiguous()  # on the main stream, beside the delta
+        output = layer.run_base(x, base_inputs).contiguous()  # on the main stream, beside the delta
     with torch.cuda.stream(side) if streams is not None else nullcontext():
         # what this allocates (x cast to the slot dtype, split-K scratch) is used on this stream only
         delta.zero_()  # rows of tokens without an adapter here stay zero

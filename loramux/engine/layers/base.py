@@ -179,6 +179,16 @@ class BaseLayerWithLoRA(nn.Module):
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else x.dtype
         return (*self.rows_shape(x), self.out_features), dtype
 
+    def base_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """*Hook.* What the base layer computes from ``x`` first, computed in traced code before
+        the LoRA op, so a compiled layer fuses it into the kernel that made x, and handed to
+        `run_base` inside the op (default: nothing; an FP8 base: its quantized activations)."""
+        return []
+
+    def run_base(self, x: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """*Hook.* ``base_layer(x)``, given ``inputs = base_inputs(x)``."""
+        return self.base_layer(x)
+
     def lora_input(self, x: torch.Tensor) -> torch.Tensor:
         """*Hook.* ``x`` as the rows ``[T, in_features]`` the shrink reads, in the slot dtype."""
         return x.reshape(-1, self.in_features).to(self.lora_dtype)
@@ -243,7 +253,8 @@ class BaseLayerWithLoRA(nn.Module):
             # the sum is traced, so a compiled layer folds it into the pointwise kernel that reads
             # the output next (no launch of its own)
             delta_shape = (*self.rows_shape(x), self.out_features)
-            output, delta = torch.ops.loramux.lora_delta(x, self.layer_id, shape, dtype, delta_shape, self.lora_dtype)
+            output, delta = torch.ops.loramux.lora_delta(x, self.base_inputs(x), self.layer_id, shape, dtype,
+                                                         delta_shape, self.lora_dtype)
             delta = self.delta_as_output(delta)
             return output + delta if delta.dtype == dtype else (output + delta).to(dtype)
         # one opaque op for the whole layer: torch.compile traces no per-step Python state

@@ -12,6 +12,7 @@ wrapper reads the base layer's weight, never a copy.
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from loramux.engine.layers.base import BaseLayerWithLoRA
@@ -55,6 +56,14 @@ class LinearWithLoRA(BaseLayerWithLoRA):
             else self.support.without(Route.DELTA_THEN_GEMM),
             dtype=getattr(base_layer, "activation_dtype", None),
         )
+
+    def base_inputs(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """An FP8 base's quantized activations (`Fp8Linear.quantize_input`): traced, the
+        quantize fuses into the kernel that made x."""
+        return list(self.base_layer.quantize_input(x)) if isinstance(self.base_layer, Fp8Linear) else []
+
+    def run_base(self, x: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+        return self.base_layer.apply_quantized(x, *inputs) if inputs else self.base_layer(x)
 
 
 class Conv1DWithLoRA(BaseLayerWithLoRA):

@@ -6,9 +6,10 @@ base layer's GEMM away from the LoRA work forked beside it on a side stream. Two
 
 - ``loramux::lora_layer(x, ...)``: base output plus delta in one tensor (`backend.run_in_order`):
   the base layer then its delta, or a prefill's delta then its GEMM;
-- ``loramux::lora_delta(x, ...)``: the base output and the delta apart (`backend.run_apart`),
-  the delta computed beside the base GEMM on CUDA; the layer adds them in traced code, so the
-  compiled layer folds the sum into its next kernel.
+- ``loramux::lora_delta(x, base_inputs, ...)``: the base output and the delta apart
+  (`backend.run_apart`), the delta computed beside the base GEMM on CUDA; the layer adds them in
+  traced code, so the compiled layer folds the sum into its next kernel. ``base_inputs``: what
+  the base layer computes from x first, traced (`BaseLayerWithLoRA.base_inputs`).
 
 An op finds its layer by an integer id handed out when the wrapper is built, and the layer reads
 the step's mapping from its `LoRAContext`. The ops run in eager mode too; under a CUDA-graph
@@ -58,16 +59,17 @@ def _(x, layer_id, out_shape, out_dtype) -> torch.Tensor:
 
 
 @torch.library.custom_op("loramux::lora_delta", mutates_args=())
-def _lora_delta(x: torch.Tensor, layer_id: int, out_shape: Sequence[int], out_dtype: torch.dtype,
-                delta_shape: Sequence[int], delta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _lora_delta(x: torch.Tensor, base_inputs: list[torch.Tensor], layer_id: int, out_shape: Sequence[int],
+                out_dtype: torch.dtype, delta_shape: Sequence[int],
+                delta_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     layer = _layers[layer_id]
-    output, delta = backend.run_apart(layer, x)
+    output, delta = backend.run_apart(layer, x, base_inputs)
     _check_output(layer, x, output, out_shape, out_dtype)
     return output, delta
 
 
 @_lora_delta.register_fake
-def _(x, layer_id, out_shape, out_dtype, delta_shape, delta_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _(x, base_inputs, layer_id, out_shape, out_dtype, delta_shape, delta_dtype) -> tuple[torch.Tensor, torch.Tensor]:
     # contiguous, as `backend.run_apart` returns them
     return x.new_empty(out_shape, dtype=out_dtype), x.new_empty(delta_shape, dtype=delta_dtype)
 

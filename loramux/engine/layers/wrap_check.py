@@ -151,7 +151,7 @@ def _runs_here(layer: BaseLayerWithLoRA, route: Route, x: torch.Tensor) -> bool:
 
 def _run(layer: BaseLayerWithLoRA, route: Route, x: torch.Tensor, meta) -> torch.Tensor:
     if route in backend.APART_ROUTES:
-        output, delta = backend.run_apart(layer, x)
+        output, delta = backend.run_apart(layer, x, layer.base_inputs(x))
         return output + layer.delta_as_output(delta)
     return backend.ROUTE_BODIES[route](layer, x, meta)
 

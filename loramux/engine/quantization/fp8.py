@@ -2,14 +2,18 @@
 projections into it as they load.
 
 vLLM's default FP8 scheme: one float32 scale per output channel of the weight, the activations
-quantized per token when they arrive, one FP8 GEMM (`loramux.kernels.dispatch.fp8_linear`:
-cuBLASLt's ``torch._scaled_mm`` on CUDA, the torch reference elsewhere). The layer takes and
-returns activations in the model's dtype (``activation_dtype``), so everything around it, LoRA
-included, reads what it would read from an ``nn.Linear``: a LoRA wrapper's shrink reads the same
-activations the GEMM quantizes, and an adapter trained on the unquantized model adds the same delta.
+quantized per token when they arrive, one FP8 GEMM (`loramux.kernels.dispatch.fp8_gemm`: on CUDA
+our decode-sized Triton GEMM up to 64 rows, cuBLASLt's ``torch._scaled_mm`` past them; the torch
+reference elsewhere). The layer takes and returns activations in the model's dtype
+(``activation_dtype``), so everything around it, LoRA included, reads what it would read from an
+``nn.Linear``: a LoRA wrapper's shrink reads the same activations the GEMM quantizes, and an
+adapter trained on the unquantized model adds the same delta.
 
-The GEMM is one opaque op (``loramux::fp8_linear``): ``torch.compile`` traces a call, and inside a
-LoRA layer's op it runs eagerly as one quantize launch and one GEMM.
+The GEMM is one opaque op (``loramux::fp8_gemm``). The quantize before it is one launch of its
+own when the layer runs eagerly; in a ``torch.compile`` trace it is torch ops
+(`quantize_per_token_ref`), which inductor fuses into the kernel that wrote the activations, so
+they are read once, not twice. A LoRA wrapper's op takes the quantized activations from the
+traced code too (`BaseLayerWithLoRA.base_inputs`).
 
 Which layers: every plain ``nn.Linear`` but the model's output embeddings (``lm_head``), whose
 widths are multiples of 16 (what cuBLASLt's FP8 GEMM takes); embeddings, norms and ``lm_head``
@@ -24,8 +28,8 @@ import torch
 from torch import nn
 
 from loramux.errors import QuantizationError
-from loramux.kernels.dispatch import fp8_linear, quantize_per_token
-from loramux.kernels.fp8_reference import FP8_DTYPE
+from loramux.kernels.dispatch import fp8_gemm, quantize_per_token
+from loramux.kernels.fp8_reference import FP8_DTYPE, quantize_per_token_ref
 
 __all__ = ["Fp8Linear", "check_fp8_device", "quantizable", "quantize_model", "release_cached", "require_fp8_layers"]
 
@@ -102,7 +106,23 @@ class Fp8Linear(nn.Module):
         return self.weight.float() * self.weight_scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.loramux.fp8_linear(x, self.weight, self.weight_scale)
+        return self.apply_quantized(x, *self.quantize_input(x))
+
+    def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., in]`` quantized per token: ``(xq [M, in] FP8, x_scale [M, 1] float32)``.
+        Compiled, torch ops, which inductor fuses into the kernel that made x (the RMSNorm, the
+        SiLU-mul), so x is read once less than by a quantize launch of its own (eagerly)."""
+        x2d = x.reshape(-1, x.shape[-1])
+        if torch.compiler.is_compiling():
+            return quantize_per_token_ref(x2d)
+        return quantize_per_token(x2d if x2d.stride(-1) == 1 else x2d.contiguous())
+
+    def apply_quantized(self, x: torch.Tensor, xq: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """The layer's output for ``x``, from its `quantize_input`."""
+        y = torch.ops.loramux.fp8_gemm(xq, x_scale, self.weight, self.weight_scale, x.dtype)
+        # [..., N] as a tensor of its own, not a view, as F.linear returns it: callers write into
+        # a layer's output in place (the LoRA delta, a tensor-parallel all-reduce)
+        y = torch.ops.aten._unsafe_view(y, (*x.shape[:-1], self.out_features))
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -110,20 +130,15 @@ class Fp8Linear(nn.Module):
                 f"bias={self.bias is not None}, activation_dtype={self.activation_dtype}")
 
 
-@torch.library.custom_op("loramux::fp8_linear", mutates_args=())
-def _fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    x2d = x.reshape(-1, x.shape[-1])
-    if x2d.stride(-1) != 1:
-        x2d = x2d.contiguous()
-    out = fp8_linear(x2d, weight, weight_scale)  # [M, N]
-    # [..., N] as a tensor of its own, not a view, as F.linear returns it (matmul does the same):
-    # callers write into a layer's output in place (the LoRA delta, a tensor-parallel all-reduce)
-    return torch.ops.aten._unsafe_view(out, (*x.shape[:-1], weight.shape[0]))
+@torch.library.custom_op("loramux::fp8_gemm", mutates_args=())
+def _fp8_gemm_op(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    return fp8_gemm(xq, x_scale, weight, weight_scale, out_dtype)
 
 
-@_fp8_linear_op.register_fake
-def _(x, weight, weight_scale) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+@_fp8_gemm_op.register_fake
+def _(xq, x_scale, weight, weight_scale, out_dtype) -> torch.Tensor:
+    return xq.new_empty((xq.shape[0], weight.shape[0]), dtype=out_dtype)
 
 
 def check_fp8_device(device: torch.device | str) -> None:

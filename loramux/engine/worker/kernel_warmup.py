@@ -53,7 +53,8 @@ from loramux import envs
 from loramux.engine.worker.kv_cache import kv_cache_geometry
 from loramux.engine.layers.lora_patch import matches_target
 from loramux.engine.adapters.lora_validation import adapter_sizes
-from loramux.kernels import LoRABatchMeta, build_lora_meta
+from loramux.engine.quantization.fp8 import Fp8Linear
+from loramux.kernels import LoRABatchMeta, build_lora_meta, fp8_gemm
 from loramux.kernels.attention import attention_config
 from loramux.kernels.expand import expand_launch
 from loramux.kernels.shrink import shrink_launch
@@ -62,7 +63,7 @@ from loramux.kernels.tiles import cdiv, next_pow2, slot_lanes
 if TYPE_CHECKING:
     from loramux.engine.worker.model_runner import ModelRunner
 
-__all__ = ["ENV_VAR", "LoRAModuleShape", "WarmupStep", "attention_keys", "lora_keys", "plan_warmup",
+__all__ = ["ENV_VAR", "LoRAModuleShape", "WarmupStep", "attention_keys", "fp8_keys", "lora_keys", "plan_warmup",
            "run_warmup", "warm_up_kernels"]
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,15 @@ def lora_keys(step: WarmupStep, modules: Iterable[LoRAModuleShape], *, num_slots
     return keys
 
 
+def fp8_keys(step: WarmupStep) -> set[Hashable]:
+    """The FP8 GEMM launches of ``step`` whose shape varies by step: the decode-sized kernel's
+    block rows (its column and K blocks are fixed per projection; cuBLASLt's larger GEMMs need
+    no Triton compile)."""
+    if step.padded_tokens > fp8_gemm.MAX_ROWS:
+        return set()
+    return {("fp8_gemm", fp8_gemm.block_rows(step.padded_tokens))}
+
+
 def _one_adapter_meta(step: WarmupStep, num_slots: int) -> LoRABatchMeta:
     """What `build_lora_meta` makes of ``step``'s slots (one adapter, then the runner's padding
     row), on its host side, which is all the launch heuristics read; built from the T = 1 meta
@@ -152,9 +162,10 @@ _ONE_ADAPTER_META: dict[int, LoRABatchMeta] = {}
 def plan_warmup(*, max_num_batched_tokens: int, max_num_seqs: int, num_heads: int, num_kv_heads: int,
                 head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device,
                 lora_modules: Iterable[LoRAModuleShape] = (), num_slots: int = 1,
-                min_tokens: int = 1) -> tuple[list[WarmupStep], set]:
+                min_tokens: int = 1, fp8: bool = False) -> tuple[list[WarmupStep], set]:
     """The warm-up steps (see the module docstring) and the launch keys they reach together:
-    steps of ``min_tokens`` tokens or more (the smaller ones replay graphs).
+    steps of ``min_tokens`` tokens or more (the smaller ones replay graphs); ``fp8``: the model's
+    projections run FP8 GEMMs.
 
     A candidate is kept when it reaches a key no earlier candidate did, so every key any
     candidate reaches is reached by the plan, with one step per new key at most.
@@ -179,7 +190,7 @@ def plan_warmup(*, max_num_batched_tokens: int, max_num_seqs: int, num_heads: in
             continue
         if step.num_tokens not in by_tokens:
             by_tokens[step.num_tokens] = lora_keys(step, lora_modules, num_slots=num_slots, device=device)
-        keys = attention_keys(step, **geometry) | by_tokens[step.num_tokens]
+        keys = attention_keys(step, **geometry) | by_tokens[step.num_tokens] | (fp8_keys(step) if fp8 else set())
         if not keys <= reached:
             plan.append(step)
             reached |= keys
@@ -220,6 +231,7 @@ def warm_up_kernels(runner: ModelRunner) -> int:
             block_size=runner.config.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
             num_slots=manager.num_slots if manager is not None else 1,
             min_tokens=runner.graphs.sizes[-1] + 1 if runner.graphs is not None else 1,
+            fp8=runner.device.type == "cuda" and any(isinstance(m, Fp8Linear) for m in runner.model.modules()),
         )
     except Exception as exc:  # host arithmetic only: the engine serves without it, slower on first use
         logger.warning(
