@@ -348,6 +348,7 @@ def _build_dummy(config: PretrainedConfig, dtype: torch.dtype, device: torch.dev
     # quantized, in turn: the unquantized model never exists whole. The seeded values are the
     # same either way (the same tensors, in the same order).
     from loramux.engine.quantization import Fp8Linear, check_fp8_device, quantizable, require_fp8_layers
+    from loramux.engine.quantization.fp8 import release_cached
     from loramux.engine.quantization.checkpoint import parameters_on_meta
 
     if quantize:
@@ -376,6 +377,7 @@ def _build_dummy(config: PretrainedConfig, dtype: torch.dtype, device: torch.dev
         if quantize and module is not output and quantizable(module):
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent), child, Fp8Linear.from_linear(module))
+            release_cached(device)  # else the next weights are carved from this one's freed block
     model.tie_weights()  # a tied output layer made on the meta device takes its made embeddings
     if quantize:
         require_fp8_layers(model)
