@@ -377,7 +377,8 @@ def _build_dummy(config: PretrainedConfig, dtype: torch.dtype, device: torch.dev
         if quantize and module is not output and quantizable(module):
             parent, _, child = module_name.rpartition(".")
             setattr(model.get_submodule(parent), child, Fp8Linear.from_linear(module))
-            release_cached(device)  # else the next weights are carved from this one's freed block
+            module = param = None  # the unquantized weight's last references: it is freed here, and
+            release_cached(device)  # its block given back whole, not carved into for later weights
     model.tie_weights()  # a tied output layer made on the meta device takes its made embeddings
     if quantize:
         require_fp8_layers(model)
