@@ -12,11 +12,11 @@ Here a program holds all the rows (up to `MAX_ROWS`) and a block of columns, ove
 one of ``split_k`` parts of it. Narrower column blocks give more programs, but each re-reads the
 activations from L2 (at 64 rows and K = 14,336 a column block of 16 reads as many activation bytes
 as weight bytes); K parts give more programs for the cost of their float32 sums: each part's
-program writes its sums to a scratch buffer and counts itself done on the tile's counter, and the last one
-adds the parts, applies the scales and writes the tile (the counters start and end at zero, so a
-CUDA graph replays the launch as is). `fp8_gemm_config` picks both. The counters are one set per
-device, so two K-parted launches must not run at once on one device: the engine runs its
-projections on one stream, one after the other.
+program writes its sums to a scratch buffer and counts itself done on the tile's counter, and the
+last one adds the parts, applies the scales and writes the tile (the counters start and end at
+zero, so a CUDA graph replays the launch as is). `fp8_gemm_config` picks both. The counters are
+one set per device, so two K-parted launches must not run at once on one device: the engine runs
+its projections on one stream, one after the other.
 
 K must be a multiple of `K_MULTIPLE` (the tensor cores' FP8 dot takes 32 at least); N any.
 `loramux.kernels.dispatch.fp8_gemm` sends other K (a shard of a small model) to cuBLASLt.
