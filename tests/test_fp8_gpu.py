@@ -207,7 +207,7 @@ def test_fp8_weights_take_half_the_memory_and_are_made_a_layer_at_a_time(tmp_pat
 
     config = tmp_path / "medium.json"
     config.write_text(json.dumps(MEDIUM))
-    weights, peaks, stranded = {}, {}, {}
+    weights, peaks = {}, {}
     for quantization in (None, "fp8"):
         gc.collect()
         torch.cuda.empty_cache()
@@ -217,18 +217,12 @@ def test_fp8_weights_take_half_the_memory_and_are_made_a_layer_at_a_time(tmp_pat
                               quantization=quantization)
         weights[quantization] = torch.cuda.memory_allocated() - before
         peaks[quantization] = torch.cuda.max_memory_allocated() - before
-        torch.cuda.empty_cache()  # what it cannot give back lies in blocks a weight holds part of
-        stranded[quantization] = torch.cuda.memory_reserved() - torch.cuda.memory_allocated()
         del model
     projections = 8 * (2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192)  # parameters, 2 bytes each in bf16
     assert abs(weights[None] - weights["fp8"] - projections) < 0.02 * projections  # less the float32 scales
     # the FP8 weights (half) and one bf16 layer with its quantization scratch at a time: the whole
     # bf16 model never is on the GPU (quantizing it after loading would peak at 1.5x)
     assert peaks["fp8"] < weights[None]
-    # no FP8 weight is carved from a freed bf16 weight's block, so the memory the bf16 weights took
-    # goes back to the device whole (for the KV cache): at most part of one 20 MiB block of the
-    # allocator's and its small-tensor blocks stay reserved
-    assert stranded["fp8"] < 32 * 2**20, stranded
 
 
 @pytest.mark.whole_gpu  # the KV cache is sized from the device's free memory: no other test may hold any
