@@ -212,13 +212,6 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return fp8_reference.quantize_per_token_ref(x)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] @ W.T`` for the FP8 weight ``W = weight [N, K] * weight_scale [N, None]``: x
-    quantized per token (`quantize_per_token`), then `fp8_gemm`; out ``[M, N]`` in x's dtype."""
-    xq, x_scale = quantize_per_token(x)
-    return fp8_gemm(xq, x_scale, weight, weight_scale, x.dtype)
-
-
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
              out_dtype: torch.dtype) -> torch.Tensor:
     """``(xq @ weight.T) * x_scale * weight_scale`` in ``out_dtype``: ``xq [M, K]`` and ``weight
