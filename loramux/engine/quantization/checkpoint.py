@@ -33,7 +33,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from loramux.engine.quantization.fp8 import Fp8Linear, check_fp8_device
+from loramux.engine.quantization.fp8 import Fp8Linear, check_fp8_device, has_fp8_layers
 from loramux.errors import QuantizationError
 
 __all__ = ["SUPPORTED_CHECKPOINTS", "Fp8Checkpoint", "checkpoint_format", "load_fp8_checkpoint",
@@ -176,7 +176,7 @@ def load_fp8_checkpoint(source, checkpoint: Fp8Checkpoint, dtype: torch.dtype,
         problems += [f"weights missing from it: {', '.join(missing[:6])}"] if missing else []
         raise ValueError(f"{source}: the checkpoint does not match the model its config.json describes ("
                          f"{'; '.join(problems)}).")
-    if not any(isinstance(module, Fp8Linear) for module in model.modules()):
+    if not has_fp8_layers(model):
         raise QuantizationError(
             f"its config.json's quantization_config says {checkpoint.method!r}, but none of its weights is "
             "float8_e4m3fn.", path=source,

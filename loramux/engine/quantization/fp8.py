@@ -31,7 +31,8 @@ from loramux.errors import QuantizationError
 from loramux.kernels.dispatch import fp8_gemm, quantize_per_token
 from loramux.kernels.fp8_reference import FP8_DTYPE, quantize_per_token_ref
 
-__all__ = ["Fp8Linear", "check_fp8_device", "quantizable", "quantize_model", "release_cached", "require_fp8_layers"]
+__all__ = ["Fp8Linear", "check_fp8_device", "has_fp8_layers", "quantizable", "quantize_model", "release_cached",
+           "require_fp8_layers"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,12 +209,17 @@ def release_cached(device: torch.device | str) -> None:
         torch.cuda.empty_cache()
 
 
+def has_fp8_layers(model: nn.Module) -> bool:
+    """Whether any layer of ``model`` is an `Fp8Linear`."""
+    return any(isinstance(module, Fp8Linear) for module in model.modules())
+
+
 def require_fp8_layers(model: nn.Module) -> None:
     """Refuse a model asked to run in FP8 that has no FP8 layer (it would run unquantized).
 
     :raises QuantizationError: naming the model and the layers FP8 takes.
     """
-    if not any(isinstance(module, Fp8Linear) for module in model.modules()):
+    if not has_fp8_layers(model):
         raise QuantizationError(
             f"{type(model).__name__} has no projection to run in FP8: FP8 takes plain torch.nn.Linear layers "
             f"(not the output embeddings) whose widths are multiples of {FP8_ALIGNMENT}.",

@@ -53,7 +53,7 @@ from loramux import envs
 from loramux.engine.worker.kv_cache import kv_cache_geometry
 from loramux.engine.layers.lora_patch import matches_target
 from loramux.engine.adapters.lora_validation import adapter_sizes
-from loramux.engine.quantization.fp8 import Fp8Linear
+from loramux.engine.quantization.fp8 import has_fp8_layers
 from loramux.kernels import LoRABatchMeta, build_lora_meta, fp8_gemm
 from loramux.kernels.attention import attention_config
 from loramux.kernels.expand import expand_launch
@@ -231,7 +231,7 @@ def warm_up_kernels(runner: ModelRunner) -> int:
             block_size=runner.config.block_size, dtype=runner.kv.k.dtype, device=runner.device, lora_modules=shapes,
             num_slots=manager.num_slots if manager is not None else 1,
             min_tokens=runner.graphs.sizes[-1] + 1 if runner.graphs is not None else 1,
-            fp8=runner.device.type == "cuda" and any(isinstance(m, Fp8Linear) for m in runner.model.modules()),
+            fp8=runner.device.type == "cuda" and has_fp8_layers(runner.model),
         )
     except Exception as exc:  # host arithmetic only: the engine serves without it, slower on first use
         logger.warning(

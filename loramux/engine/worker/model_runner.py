@@ -40,7 +40,7 @@ from loramux.engine.worker.prompt_logprobs import plan_prompt_logprobs, record_p
 from loramux.engine.worker.sampler import Sampler, SamplerOutput
 from loramux.engine.core.sequence import Sequence
 from loramux.engine.core.step_outputs import ModelRunnerOutput, SchedulerOutput
-from loramux.engine.quantization.fp8 import Fp8Linear
+from loramux.engine.quantization.fp8 import has_fp8_layers
 from loramux.engine.tensor_parallel.group import share_sampled
 from loramux.kernels.dispatch import uses_triton
 
@@ -233,7 +233,7 @@ class ModelRunner:
             return
         assert self.kv is not None, "allocate the KV cache before capturing graphs"
         started = time.perf_counter()
-        if any(isinstance(module, Fp8Linear) for module in self.model.modules()):
+        if has_fp8_layers(self.model):
             from loramux.kernels.fp8_gemm import reserve_counters
 
             reserve_counters(self.device)  # the decode FP8 GEMM's split-K counters, made outside a capture
