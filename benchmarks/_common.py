@@ -22,8 +22,8 @@ import torch
 
 __all__ = [
     "ALL_SEVEN", "QV", "QKVO", "RESULTS_DIR", "TINY_CONFIG", "cell", "compiles_watched", "copy_bandwidth", "default_out", "device_name",
-    "disk_bandwidth", "drop_from_page_cache", "engine_stages", "filesystem_of", "load_bench_model",
-    "projection_shapes", "random_adapter", "read_seconds", "save_peft_files", "sync", "write_result",
+    "disk_bandwidth", "drop_from_page_cache", "engine_stages", "filesystem_of", "forward_weight_bytes", "load_bench_model",
+    "matmul_flops", "projection_shapes", "random_adapter", "read_seconds", "save_peft_files", "sync", "write_result",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,6 +129,34 @@ def copy_bandwidth(device: torch.device) -> float | None:
         sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * src.nbytes / min(times)
+
+
+def matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, n: int = 8192) -> float | None:
+    """Dense matmul throughput in FLOP/s (``n`` x ``n`` by ``n`` x ``n`` in ``dtype``, the best of
+    10), the compute ceiling; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    sync(device)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        a @ b
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * n**3 / min(times)
+
+
+def forward_weight_bytes(model) -> int:
+    """Bytes of weights one forward reads: every parameter, but an input embedding table that the
+    output layer does not share, of which a lookup reads only its tokens' rows (a few KB)."""
+    embedding = model.get_input_embeddings()
+    table = getattr(embedding, "base_layer", embedding).weight
+    output = model.get_output_embeddings()
+    output_weight = getattr(output, "base_layer", output).weight if output is not None else None
+    return sum(p.nbytes for p in model.parameters()) - (0 if output_weight is table else table.nbytes)
 
 
 def engine_stages(engine, engine_seconds: float) -> dict:

@@ -24,9 +24,12 @@ tiers, and again host-warm (``--saturated-repeats``, the median): throughput at 
 Poisson arrivals at a rate the engine keeps up with cannot show. Also ``--cold-alone`` adapters
 loaded one at a time on the idle engine. Step time by point comes from the engine's step listener,
 and each forward's batch from the scheduler's output: a forward with decodes and prefill chunks is
-a mixed step, whose read floor is the model's weights, its distinct adapters' weights and the K/V
-of its tokens' contexts over the copy bandwidth measured in the run; its time is the period from
-the previous forward's tokens on the host to its own. The targets, against N = 1 (the smallest N
+a mixed step, whose read floor is the model's weights (the input embedding by its tokens' rows),
+its distinct adapters' weights and the K/V of its tokens' contexts over the copy bandwidth measured
+in the run, and whose compute floor is the base model's FLOPs for its tokens (projections,
+attention over each token's context, the logits of each sequence) over the dense matmul throughput
+measured in the run; its time is the period from the previous forward's tokens on the host to its
+own, reported against the read floor and against the larger of the two (the roofline). The targets, against N = 1 (the smallest N
 where the run has none): saturated host-warm throughput at N = 1,000 (Zipf) at least 0.90x N = 1's
 (the cold tiers' ratio reported beside it); N = 2,000 completes with no failed request, and no
 request fails anywhere; host-warm TTFT p99 at the largest N at most 1.5x N = 1's; a cold adapter's
@@ -70,7 +73,9 @@ from benchmarks._common import (  # noqa: E402
     drop_from_page_cache,
     engine_stages,
     filesystem_of,
+    forward_weight_bytes,
     load_bench_model,
+    matmul_flops,
     module_name,
     projection_shapes,
     read_seconds,
@@ -322,8 +327,8 @@ def adapter_tier(engine, name: str) -> str:
 class Forward:
     """One forward of a trace: its batch as the step listener timed it, its period (from the previous
     forward's tokens on the host, or its own launch if later, to its own tokens on the host), its
-    decodes and prefill chunks, its distinct adapters, and the bytes it must read: the model's
-    weights, those adapters' weights and the K/V of its tokens' contexts."""
+    decodes and prefill chunks, its distinct adapters, the bytes it must read (the model's weights,
+    those adapters' weights and the K/V of its tokens' contexts) and the base model's FLOPs."""
 
     batch: BatchTimings
     seconds: float
@@ -331,10 +336,36 @@ class Forward:
     prefills: int
     adapters: int
     read_bytes: int
+    flops: float = 0.0
 
     @property
     def mixed(self) -> bool:
         return self.decodes > 0 and self.prefills > 0
+
+
+@dataclass(frozen=True)
+class ForwardCost:
+    """What a forward costs the base model beyond its adapters: the weights it reads, the K/V bytes
+    of each token of context, and FLOPs per token (the projections), per sequence (its logits) and
+    per (query, key) pair of attention."""
+
+    model_bytes: int = 0
+    kv_bytes_per_token: int = 0
+    flops_per_token: float = 0.0
+    flops_per_seq: float = 0.0
+    flops_per_pair: float = 0.0
+
+    @classmethod
+    def of(cls, model, kv_dtype: torch.dtype) -> ForwardCost:
+        """The cost of a Llama-style ``model`` with its K/V cache in ``kv_dtype``."""
+        config = model.config
+        c = config.get_text_config()
+        layers, kv_heads, head_dim = kv_cache_geometry(config)
+        projections = sum(i * o for i, o in projection_shapes(config).values()) * c.num_hidden_layers
+        query_width = projection_shapes(config)["q_proj"][1]
+        return cls(forward_weight_bytes(model), 2 * layers * kv_heads * head_dim * kv_dtype.itemsize,
+                   flops_per_token=2 * projections, flops_per_seq=2 * c.vocab_size * c.hidden_size,
+                   flops_per_pair=4 * layers * query_width)  # QK^T and PV: 2 FLOPs a multiply-add each
 
 
 class StepRecorder:
@@ -342,13 +373,13 @@ class StepRecorder:
     listener tells how many sequences and tokens a forward ran, not whose: the recorder reads each
     forward's chunks from the scheduler's output as the step schedules them."""
 
-    def __init__(self, adapter_bytes: dict[str, int] | None = None, model_bytes: int = 0,
-                 kv_bytes_per_token: int = 0) -> None:
+    def __init__(self, adapter_bytes: dict[str, int] | None = None, cost: ForwardCost = ForwardCost()) -> None:
         self.steps: list[StepTimings] = []
         self.forwards: list[Forward] = []
-        self._adapter_bytes, self._model_bytes, self._kv_bytes = adapter_bytes or {}, model_bytes, kv_bytes_per_token
-        self._scheduled: tuple[int, int, set[str]] = (0, 0, set())  # the last schedule's decodes, prefills, adapters
-        self._launched: dict[float, tuple[int, int, set[str]]] = {}  # by launch time, until read back
+        self._adapter_bytes, self._cost = adapter_bytes or {}, cost
+        # the last schedule's decodes, prefills, adapters and attention pairs; then by launch time
+        self._scheduled: tuple[int, int, set[str], int] = (0, 0, set(), 0)
+        self._launched: dict[float, tuple[int, int, set[str], int]] = {}  # until read back
         self._last_received = 0.0
 
     @contextlib.contextmanager
@@ -359,7 +390,10 @@ class StepRecorder:
         def schedule_and_record():
             output = schedule()  # before the launch: num_computed is the context before each chunk
             decodes = sum(n == 1 and seq.num_computed >= seq.num_prompt_tokens for seq, n in output.chunks)
-            self._scheduled = (decodes, len(output) - decodes, {seq.lora_name for seq, _ in output.chunks} - {None})
+            # each of a chunk's n queries attends to the context before it and to itself and the ones before
+            pairs = sum(n * seq.num_computed + n * (n + 1) // 2 for seq, n in output.chunks)
+            self._scheduled = (decodes, len(output) - decodes, {seq.lora_name for seq, _ in output.chunks} - {None},
+                               pairs)
             return output
 
         scheduler.schedule = schedule_and_record
@@ -375,11 +409,14 @@ class StepRecorder:
         if timings.launched is not None:
             self._launched[timings.launched.launched_at] = self._scheduled
         for batch in timings.received:
-            decodes, prefills, names = self._launched.pop(batch.launched_at)
+            decodes, prefills, names, pairs = self._launched.pop(batch.launched_at)
             seconds = batch.received_at - max(self._last_received, batch.launched_at)
             self._last_received = batch.received_at
-            read = self._model_bytes + sum(self._adapter_bytes.get(n, 0) for n in names) + batch.kv_tokens * self._kv_bytes
-            self.forwards.append(Forward(batch, seconds, decodes, prefills, len(names), read))
+            cost = self._cost
+            read = cost.model_bytes + sum(self._adapter_bytes.get(n, 0) for n in names) + batch.kv_tokens * cost.kv_bytes_per_token
+            flops = (cost.flops_per_token * batch.num_tokens + cost.flops_per_seq * batch.num_seqs
+                     + cost.flops_per_pair * pairs)
+            self.forwards.append(Forward(batch, seconds, decodes, prefills, len(names), read, flops))
 
 
 def run_trace(engine, trace: Trace, paths: dict[str, Path], *, max_tokens: int,
@@ -459,12 +496,21 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
             "adapters_used": len({r.adapter for r in records})}
 
 
+@dataclass(frozen=True)
+class Ceilings:
+    """The device's ceilings measured in the run: copy bandwidth (bytes/s) and dense matmul
+    throughput (FLOP/s); None where not measured (off CUDA)."""
+
+    bytes_per_s: float | None = None
+    flops_per_s: float | None = None
+
+
 def summarize_steps(steps: Sequence[StepTimings], forwards: Sequence[Forward] = (),
-                    bandwidth: float | None = None) -> dict:
+                    ceilings: Ceilings = Ceilings()) -> dict:
     """Where a trace's step time went: the steps that launched a forward, their mean time, the share
     that computed prompt tokens, the padding share of the forwards' tokens, the milliseconds at each
     timing point in all, the steps by the tokens their forward ran (a graph's padded size); and the
-    mixed and the decode-only forwards against their read floor at ``bandwidth`` (bytes/s)."""
+    mixed and the decode-only forwards against their floors at the ``ceilings``."""
     from loramux.engine.core.instrumentation import POINTS
 
     ran = [t for t in steps if t.launched is not None]
@@ -479,21 +525,26 @@ def summarize_steps(steps: Sequence[StepTimings], forwards: Sequence[Forward] = 
             "by_padded_tokens": {size: {"steps": len(group), "ms_mean": 1e3 * sum(t.seconds for t in group) / len(group),
                                         "tokens_mean": sum(t.launched.num_tokens for t in group) / len(group)}
                                  for size, group in sorted(by_size.items())},
-            "mixed": against_floor([f for f in forwards if f.mixed], bandwidth),
-            "decode_only": against_floor([f for f in forwards if not f.prefills], bandwidth)}
+            "mixed": against_floor([f for f in forwards if f.mixed], ceilings),
+            "decode_only": against_floor([f for f in forwards if not f.prefills], ceilings)}
 
 
-def against_floor(forwards: Sequence[Forward], bandwidth: float | None) -> dict:
-    """Forwards' count, distinct adapters, period and read floor (p50), and period / floor (p50, p90;
-    None without a measured bandwidth)."""
+def against_floor(forwards: Sequence[Forward], ceilings: Ceilings) -> dict:
+    """Forwards' count, distinct adapters, period, read floor and compute floor (p50), and period /
+    read floor and period / roofline (the larger floor) (p50, p90; None where a ceiling was not
+    measured)."""
+    bandwidth, flops = ceilings.bytes_per_s, ceilings.flops_per_s
     ratios = [f.seconds * bandwidth / f.read_bytes for f in forwards] if bandwidth else []
+    roofline = [f.seconds / max(f.read_bytes / bandwidth, f.flops / flops) for f in forwards] if bandwidth and flops else []
     return {"forwards": len(forwards), "adapters_p50": stats.median(f.adapters for f in forwards),
             "adapters_max": max((f.adapters for f in forwards), default=None),
             "tokens_p50": stats.median(f.batch.num_tokens for f in forwards),
             "ms_p50": stats.median(1e3 * f.seconds for f in forwards),
             "read_mb_p50": stats.median(f.read_bytes / 1e6 for f in forwards),
             "floor_ms_p50": stats.median(1e3 * f.read_bytes / bandwidth for f in forwards) if bandwidth else None,
-            "vs_floor_p50": stats.percentile(ratios, 50), "vs_floor_p90": stats.percentile(ratios, 90)}
+            "compute_floor_ms_p50": stats.median(1e3 * f.flops / flops for f in forwards) if flops else None,
+            "vs_floor_p50": stats.percentile(ratios, 50), "vs_floor_p90": stats.percentile(ratios, 90),
+            "vs_roofline_p50": stats.percentile(roofline, 50), "vs_roofline_p90": stats.percentile(roofline, 90)}
 
 
 # -- the benchmark ---------------------------------------------------------------------------------
@@ -605,10 +656,10 @@ def wave_adapter_bytes(burst: Trace, sizes: dict[str, int], batch: int) -> float
 
 
 def run_one(engine, args, root: Path, n: int, popularity: str, vocab: int, index: int,
-            bandwidth: float | None = None) -> dict:
+            ceilings: Ceilings = Ceilings()) -> dict:
     """``n`` adapters chosen by ``popularity``: the Poisson trace, its host-warm replays, then (from
     cold tiers and page cache again) a saturated burst and its host-warm repeats; unload them,
-    delete the files. ``bandwidth``: the copy bandwidth the forwards' read floors use."""
+    delete the files. ``ceilings``: what the forwards' floors are measured against."""
     config = engine.model.config
     common = dict(prompt_len=args.prompt_len, vocab_size=vocab, seed=args.seed + index, mix=args.mix,
                   zipf_exponent=POPULARITY[popularity], name_prefix=f"{popularity[0]}{n}-",
@@ -623,9 +674,7 @@ def run_one(engine, args, root: Path, n: int, popularity: str, vocab: int, index
     paths = write_adapter_files(used, config, root / f"{popularity}{n}", args.weights_dtype, workers=args.write_workers)
     print(f"N={n} ({popularity}): {len(used)} adapter files ({sum(sizes.values()) / GB:.2f} GB); replaying "
           f"{len(trace.requests)} requests over {trace.requests[-1].arrival_s:.1f} s", flush=True)
-    layers, kv_heads, head_dim = kv_cache_geometry(config)
-    floor = dict(adapter_bytes=sizes, model_bytes=sum(p.nbytes for p in engine.model.parameters()),
-                 kv_bytes_per_token=2 * layers * kv_heads * head_dim * args.weights_dtype.itemsize)
+    floor = dict(adapter_bytes=sizes, cost=ForwardCost.of(engine.model, args.weights_dtype))
     before, recorder = tier_counts(engine), StepRecorder(**floor)
     with compiles_watched() as compiled:
         records = run_trace(engine, trace, paths, max_tokens=args.output_len, adapter_bytes=lambda a: sizes[a.name],
@@ -634,7 +683,7 @@ def run_one(engine, args, root: Path, n: int, popularity: str, vocab: int, index
     result = {"adapters": n, "popularity": popularity, **summarize(records), "adapter_bytes_written": sum(sizes.values()),
               **{key: after[key] - before.get(key, 0) for key in after},
               "load_average_1m": os.getloadavg()[0],  # other work on the host skews every number
-              "poisson_steps": summarize_steps(recorder.steps, recorder.forwards, bandwidth),
+              "poisson_steps": summarize_steps(recorder.steps, recorder.forwards, ceilings),
               "compiled_while_serving": {k: v for k, v in compiled.items() if k != "kernels"}}
     # the same arrivals again, new prompts, the adapters now in host memory but mostly not resident:
     # near capacity one replay's p99 is a few requests' waits, so the median of several is reported
@@ -659,7 +708,7 @@ def run_one(engine, args, root: Path, n: int, popularity: str, vocab: int, index
         result.update(saturated_requests=saturated["requests"], saturated_failed=failed,
                       saturated_tokens_per_s=saturated["tokens_per_s"], saturated_warm_tokens_per_s=stats.median(warm_tps),
                       saturated_warm_tokens_per_s_each=warm_tps,
-                      saturated_warm_steps=summarize_steps(warm_recorder.steps, warm_recorder.forwards, bandwidth))
+                      saturated_warm_steps=summarize_steps(warm_recorder.steps, warm_recorder.forwards, ceilings))
         result["failed"] += failed
         unload(engine, used, paths)
     shutil.rmtree(root / f"{popularity}{n}")
@@ -794,7 +843,8 @@ def main(argv=None) -> Path:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     started = time.perf_counter()
-    bandwidth = copy_bandwidth(args.device)  # before the engine: its KV cache takes the free memory
+    # before the engine: its KV cache takes the free memory
+    ceilings = Ceilings(copy_bandwidth(args.device), matmul_flops(args.device))
     torch.cuda.empty_cache() if args.device.type == "cuda" else None
     engine = build_engine(args)
     sync(args.device)
@@ -816,12 +866,13 @@ def main(argv=None) -> Path:
             "max_num_seqs", "max_num_batched_tokens", "seed")}
         options["mix"] = mix_records(args.mix)
         report = {"model": args.model, "dtype": args.dtype, "mode": mode, "options": options, "disk": disk,
-                  "copy_bandwidth_GBps": bandwidth and bandwidth / GB, **calibration, "rate_req_s": args.rate,
+                  "copy_bandwidth_GBps": ceilings.bytes_per_s and ceilings.bytes_per_s / GB,
+                  "matmul_tflops": ceilings.flops_per_s and ceilings.flops_per_s / 1e12, **calibration, "rate_req_s": args.rate,
                   "engine_start": engine_stages(engine, engine_seconds), "cold_alone": alone, "results": []}
-        model_bytes = sum(p.nbytes for p in engine.model.parameters())
+        model_bytes = forward_weight_bytes(engine.model)
         results = report["results"]
         for index, (popularity, n) in enumerate((p, n) for p in args.popularity for n in args.adapters):
-            results.append(run_one(engine, args, root, n, popularity, vocab, index, bandwidth))
+            results.append(run_one(engine, args, root, n, popularity, vocab, index, ceilings))
             report["targets"] = {f"{p}: {name}": check for p in dict.fromkeys(r["popularity"] for r in results)
                                  for name, check in check_targets([r for r in results if r["popularity"] == p],
                                                                   disk["adapter_files_read_bytes_per_s"],
@@ -850,7 +901,7 @@ def markdown(report: dict) -> str:
     limits = ", ".join(f"{key}={value / GB:.1f} GB" if key.endswith("bytes") else f"{key}={value}"
                        for key in ADAPTER_LIMITS if (value := options.get(key)) is not None)
     popularity = " and ".join({"zipf": "Zipf(1)"}.get(p, p) for p in options.get("popularity", ["zipf"]))
-    bandwidth = report.get("copy_bandwidth_GBps")
+    bandwidth, tflops = report.get("copy_bandwidth_GBps"), report.get("matmul_tflops")
     lines = [f"{report['model']} ({report['dtype']}, {report['mode']}); one engine, "
              f"{limits or 'the engine default adapter memory'}, max_num_seqs={options['max_num_seqs']}; "
              f"{options['num_requests']} requests per N ({options['prompt_len']} prompt + {options['output_len']} "
@@ -858,7 +909,8 @@ def markdown(report: dict) -> str:
              f"capacity of {report['capacity_req_s']:.1f} req/s measured in a burst), {popularity} popularity, "
              f"{mix_text(options['mix'])}. Disk "
              f"({disk['filesystem']}): fresh adapter files read at {disk['adapter_files_read_bytes_per_s'] / GB:.2f} GB/s"
-             + (f"; device copy bandwidth {bandwidth:.0f} GB/s." if bandwidth else "."), "",
+             + (f"; device copy bandwidth {bandwidth:.0f} GB/s" if bandwidth else "")
+             + (f", bfloat16 matmul {tflops:.0f} TFLOP/s." if tflops else "."), "",
              "| popularity | N | used | GB on disk | tokens/s (Poisson) | saturated, cold tiers | saturated, host-warm | "
              "vs first N | TTFT p50 (ms) | p99 | host-warm p50 | p99 | CPU evictions | GPU evictions | failed |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -888,18 +940,22 @@ def markdown(report: dict) -> str:
                   "tier's timing points; the mixed steps (a forward with prefill chunks and decodes), their distinct "
                   "adapters and their period (from the previous forward's tokens on the host to their own) against "
                   "their read floor (the model's weights, their adapters' weights and their tokens' K/V over the copy "
-                  "bandwidth), and the decode-only steps' against theirs:", "",
+                  "bandwidth) and against the roofline (the larger of the read floor and the compute floor: the base "
+                  "model's FLOPs over the matmul throughput), and the decode-only steps' against their read floor:", "",
                   "| trace | steps | mean ms | with prompt tokens | padding | lora.place ms | lora.can_place ms | "
-                  "mixed | adapters p50 | ms p50 | floor ms p50 | / floor p50 | p90 | decode-only / floor p50 |",
-                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                  "mixed | adapters p50 | ms p50 | read floor ms p50 | compute floor ms p50 | / read floor p50 | p90 | "
+                  "/ roofline p50 | decode-only / read floor p50 |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+                  "| ---: |"]
         for name, s in steps:
             mixed, decodes = s.get("mixed") or {}, s.get("decode_only") or {}
             lines.append(f"| {name} | {s['steps']} | {s['step_ms_mean']:.2f} | {s['with_prompt_share']:.0%} | "
                          f"{s['padding_share']:.0%} | {s['point_ms_total']['lora.place']:.0f} | "
                          f"{s['point_ms_total']['lora.can_place']:.0f} | {mixed.get('forwards', '')} | "
                          f"{_cell(mixed.get('adapters_p50'))} | {_cell(mixed.get('ms_p50'), '{:.2f}')} | "
-                         f"{_cell(mixed.get('floor_ms_p50'), '{:.2f}')} | {_cell(mixed.get('vs_floor_p50'), '{:.2f}x')} | "
-                         f"{_cell(mixed.get('vs_floor_p90'), '{:.2f}x')} | "
+                         f"{_cell(mixed.get('floor_ms_p50'), '{:.2f}')} | "
+                         f"{_cell(mixed.get('compute_floor_ms_p50'), '{:.2f}')} | {_cell(mixed.get('vs_floor_p50'), '{:.2f}x')} | "
+                         f"{_cell(mixed.get('vs_floor_p90'), '{:.2f}x')} | {_cell(mixed.get('vs_roofline_p50'), '{:.2f}x')} | "
                          f"{_cell(decodes.get('vs_floor_p50'), '{:.2f}x')} |")
     lines += ["", "Targets, against N = 1 (the smallest N where the run has none): N = 1,000 (Zipf) at least 0.90x the "
               "saturated host-warm tokens/s (the cold tiers' ratio beside it), N = 2,000 and every trace with no failed "

@@ -50,6 +50,7 @@ from benchmarks._common import (  # noqa: E402
     device_name,
     drop_from_page_cache,
     engine_stages,
+    forward_weight_bytes,
     load_bench_model,
     projection_shapes,
     random_adapter,
@@ -315,11 +316,13 @@ def peft_run(args, model, prompts, rank: int, n: int, device) -> dict:
 
 
 def per_rank_bytes(config, dtype: torch.dtype, tp: int, adapter_bytes: int, fp8: bool = False) -> int:
-    """Bytes of weights (projections sharded) and adapters one rank reads per decode step."""
+    """Bytes of weights (projections sharded) and adapters one rank reads per decode step: the
+    output layer's table whole (replicated), the input embedding's only by its tokens' rows (none
+    counted: a few KB)."""
     c = config.get_text_config()
     projections = sum(i * o for i, o in projection_shapes(config).values()) * c.num_hidden_layers
-    embeddings = c.vocab_size * c.hidden_size * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-    return projections // tp * (1 if fp8 else dtype.itemsize) + embeddings * dtype.itemsize + adapter_bytes // tp
+    output_table = c.vocab_size * c.hidden_size
+    return projections // tp * (1 if fp8 else dtype.itemsize) + output_table * dtype.itemsize + adapter_bytes // tp
 
 
 def compare_runs(args, variants: dict[str, dict]) -> dict:
@@ -436,7 +439,7 @@ def main(argv=None) -> Path:
     result = {"model": args.model or "SmolLM2-135M-Instruct (embedded)", "dtype": args.dtype,
               "num_requests": args.num_requests, "prompt_len": args.prompt_len, "output_len": args.output_len,
               "mode": "eager" if args.enforce_eager or not cuda else "compiled + graphs",
-              "copy_bandwidth_GBps": bandwidth and bandwidth / 1e9, "model_bytes": sum(p.nbytes for p in model.parameters()),
+              "copy_bandwidth_GBps": bandwidth and bandwidth / 1e9, "model_bytes": forward_weight_bytes(model),
               "startup": {"load_s": time.perf_counter() - t0}, "ttft_ms": {}, "runs": [],
               "flow": {"requests": args.flow_requests, "prompt_len": args.prompt_len, "output_len": args.flow_output_len,
                        "max_num_seqs": args.num_requests, "runs": []}}

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the benchmarks package lives beside tests/
@@ -166,6 +167,32 @@ def test_many_adapters_smoke(tmp_path):
     assert "- zipf: n2000_no_failed_request: not measured" in text  # a run without N = 2,000 does not pass it
     assert f"| uniform N=6 host-warm burst | {uniform['saturated_warm_steps']['steps']} |" in text
     assert "| uniform | 6 | host-warm |" in text
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_a_forward_reads_the_output_table_whole_and_the_input_embedding_by_its_rows(tied):
+    """The floors' weight bytes: every parameter but an input embedding table of its own (a lookup
+    reads only its tokens' rows); the same through an engine's LoRA wrappers and from the config
+    alone (which leaves out the norms)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from benchmarks._common import forward_weight_bytes
+    from benchmarks.throughput import per_rank_bytes
+    from loramux.engine.llm_engine import LLMEngine
+
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config).eval()
+    table = model.get_input_embeddings().weight.nbytes
+    weights = forward_weight_bytes(model)
+    assert weights == sum(p.nbytes for p in model.parameters()) - (0 if tied else table)
+    norms = sum(p.nbytes for name, p in model.named_parameters() if "norm" in name)
+    assert per_rank_bytes(config, torch.float32, 1, 0) == weights - norms
+    engine = LLMEngine(model, enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=2, max_model_len=16)
+    try:
+        assert forward_weight_bytes(engine.model) == weights
+    finally:
+        engine.close()
 
 
 def test_cold_load_smoke(tmp_path):

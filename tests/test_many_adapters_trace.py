@@ -20,7 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the benchmarks l
 from benchmarks.many_adapters import (  # noqa: E402
     DEFAULT_MIX,
     AdapterKind,
+    Ceilings,
     Forward,
+    ForwardCost,
     RequestRecord,
     StepRecorder,
     adapter_nbytes,
@@ -123,7 +125,8 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     assert len(used) > 5  # more than both tiers hold
     paths = write_adapter_files(used, model.config, tmp_path, torch.float32, workers=2)
     sizes = {a.name: adapter_nbytes(model.config, a.rank, a.targets, torch.float32) for a in used}
-    recorder = StepRecorder(sizes, model_bytes=1000, kv_bytes_per_token=10)
+    cost = ForwardCost(model_bytes=1000, kv_bytes_per_token=10, flops_per_token=100, flops_per_seq=7, flops_per_pair=3)
+    recorder = StepRecorder(sizes, cost)
     records = run_trace(engine, trace, paths, max_tokens=4, adapter_bytes=lambda a: sizes[a.name], recorder=recorder)
     steps = recorder.steps
 
@@ -146,6 +149,9 @@ def test_the_trace_over_more_adapters_than_tiers_completes_every_request(tmp_pat
     # a forward reads the model, its distinct adapters once each, and its tokens' K/V
     assert all(1000 + 10 * f.batch.kv_tokens < f.read_bytes for f in forwards)
     assert min(f.read_bytes - 1000 - 10 * f.batch.kv_tokens for f in forwards) >= min(sizes.values())
+    # its FLOPs: per token, per sequence, and per (query, key) pair: each request's 9 tokens attend
+    # to 1 + 2 + ... + 9 = 45 keys in all, however its prompt was chunked
+    assert sum(f.flops for f in forwards) == 100 * 30 * 9 + 7 * sum(f.batch.num_seqs for f in forwards) + 3 * 30 * 45
     assert engine.scheduler.schedule.__func__ is type(engine.scheduler).schedule  # the scheduler's own again
     assert sum(g["steps"] for g in timed["by_padded_tokens"].values()) == len(launched)
     summary = summarize(records)
@@ -307,8 +313,8 @@ def test_the_markdown_report_names_the_device_and_every_n():
 
     tiers = {"gpu": {"requests": 0, "p50_ms": None, "p99_ms": None}, "cpu": {"requests": 5, "p50_ms": 30.0, "p99_ms": 41.0},
              "disk": {"requests": 3, "p50_ms": 150.0, "p99_ms": 180.0}}
-    mixed = {"forwards": 12, "adapters_p50": 9.0, "ms_p50": 14.0, "floor_ms_p50": 10.0, "vs_floor_p50": 1.4,
-             "vs_floor_p90": 1.9}
+    mixed = {"forwards": 12, "adapters_p50": 9.0, "ms_p50": 14.0, "floor_ms_p50": 10.0, "compute_floor_ms_p50": 11.0,
+             "vs_floor_p50": 1.4, "vs_floor_p90": 1.9, "vs_roofline_p50": 1.27}
     steps = {"steps": 40, "step_ms_mean": 12.0, "with_prompt_share": 0.3, "padding_share": 0.1,
              "point_ms_total": {"lora.place": 5.0, "lora.can_place": 1.0}, "mixed": mixed,
              "decode_only": dict(mixed, vs_floor_p50=1.1)}
@@ -322,19 +328,21 @@ def test_the_markdown_report_names_the_device_and_every_n():
                    num_requests=512, prompt_len=128, output_len=64, load=0.75, popularity=["zipf", "uniform"],
                    mix=[{"rank": 8, "targets": "q/v", "share": 0.75}, {"rank": 64, "targets": "all 7", "share": 0.25}])
     report = {"model": "llama-3.1-8b", "dtype": "bfloat16", "mode": "compiled + graphs", "copy_bandwidth_GBps": 3000.0,
+              "matmul_tflops": 700.0,
               "options": options, "rate_req_s": 20.0, "capacity_req_s": 26.7, "results": results,
               "disk": {"filesystem": "ext4", "adapter_files_read_bytes_per_s": 1e9, "disk_bytes_per_s": 2e9},
               "targets": {f"zipf: {k}": v for k, v in check_targets(results[:2], 1e9).items()}}
     text = markdown(report)
     assert text.startswith("llama-3.1-8b (bfloat16, compiled + graphs); one engine, max_loras=32, "
                            "max_gpu_lora_bytes=2.0 GB, max_num_seqs=64")
-    assert "Zipf(1) and uniform popularity" in text and "copy bandwidth 3000 GB/s" in text
+    assert "Zipf(1) and uniform popularity" in text and "copy bandwidth 3000 GB/s, bfloat16 matmul 700 TFLOP/s." in text
     rows = [line for line in text.splitlines() if line.startswith(("| zipf | 4 | 4 |", "| zipf | 256 | 256 |"))]
     assert len(rows) == 2 and "| 0.04 |" in rows[0] and "| 2000 |" in rows[1] and "| 2.000x |" in rows[1]
     # each popularity against its own first N
     assert "| uniform | 256 | 256 | 2.56 | 800 |" in text and "| 1.000x |" in text.split("| uniform | 256 | 256 |")[1]
     assert "| zipf | 256 | Poisson | - | 5: 30 / 41 | 3: 150 / 180 |" in text and "| zipf | 4 | Poisson |" not in text
-    assert "| zipf N=256 Poisson | 40 | 12.00 | 30% | 10% | 5 | 1 | 12 | 9 | 14.00 | 10.00 | 1.40x | 1.90x | 1.10x |" in text
+    assert ("| zipf N=256 Poisson | 40 | 12.00 | 30% | 10% | 5 | 1 | 12 | 9 | 14.00 | 10.00 | 11.00 | 1.40x | 1.90x "
+            "| 1.27x | 1.10x |") in text
     assert "zipf: cold_ttft_at_most_read_plus_10ms: **not met**" in text  # 150 > 1 + 10 ms
     assert "75% rank 8 on q/v, 25% rank 64 on all 7." in text
     assert '- zipf: n1000_tokens_per_s_at_least_0.90x: not measured {"not_measured": "N = 1,000 is not in the run"}' in text
@@ -345,23 +353,30 @@ def test_the_markdown_report_names_the_device_and_every_n():
 
 
 def test_forwards_against_their_read_floor():
-    """A forward's period over its read bytes at the copy bandwidth; mixed and decode-only apart."""
-    def forward(seconds, decodes, prefills, adapters, read_bytes):
+    """A forward's period over its read bytes at the copy bandwidth, and over the larger of that and
+    its FLOPs at the matmul throughput (the roofline); mixed and decode-only apart."""
+    def forward(seconds, decodes, prefills, adapters, read_bytes, flops=1e6):
         batch = BatchTimings(decodes + prefills, decodes + 4 * prefills, 4 * prefills, 16, True, 100, 0.0)
-        return Forward(batch, seconds, decodes, prefills, adapters, read_bytes)
+        return Forward(batch, seconds, decodes, prefills, adapters, read_bytes, flops)
 
-    forwards = [forward(0.002, 3, 1, 4, 1e6), forward(0.004, 2, 2, 3, 1e6), forward(0.001, 4, 0, 2, 1e6),
+    forwards = [forward(0.002, 3, 1, 4, 1e6, flops=2e9), forward(0.004, 2, 2, 3, 1e6), forward(0.001, 4, 0, 2, 1e6),
                 forward(0.009, 0, 1, 1, 1e6)]
     assert [f.mixed for f in forwards] == [True, True, False, False]
-    mixed = against_floor([f for f in forwards if f.mixed], bandwidth=1e9)  # 1 MB at 1 GB/s: a 1 ms floor
+    ceilings = Ceilings(bytes_per_s=1e9, flops_per_s=1e12)  # 1 MB: a 1 ms read floor; 2 GFLOP: a 2 ms compute floor
+    mixed = against_floor([f for f in forwards if f.mixed], ceilings)
     assert mixed["forwards"] == 2 and mixed["adapters_p50"] == 3.5 and mixed["adapters_max"] == 4
     assert mixed["floor_ms_p50"] == pytest.approx(1.0) and mixed["ms_p50"] == pytest.approx(3.0)
     assert mixed["vs_floor_p50"] == pytest.approx(3.0) and mixed["vs_floor_p90"] == pytest.approx(3.8)
-    assert against_floor(forwards, bandwidth=None)["vs_floor_p50"] is None  # no bandwidth measured: no floor
-    assert against_floor([], bandwidth=1e9) == {"forwards": 0, "adapters_p50": None, "adapters_max": None,
-                                                "tokens_p50": None, "ms_p50": None, "read_mb_p50": None,
-                                                "floor_ms_p50": None, "vs_floor_p50": None, "vs_floor_p90": None}
-    summary = summarize_steps([], forwards, bandwidth=1e9)
+    assert mixed["compute_floor_ms_p50"] == pytest.approx(1.0005)  # 2 ms and 1 us
+    assert mixed["vs_roofline_p50"] == pytest.approx(2.5)  # 2 ms over 2 ms, 4 ms over 1 ms
+    no_ceiling = against_floor(forwards, Ceilings())  # nothing measured: no floor
+    assert no_ceiling["vs_floor_p50"] is None and no_ceiling["vs_roofline_p50"] is None
+    assert against_floor(forwards, Ceilings(bytes_per_s=1e9))["vs_roofline_p50"] is None
+    assert against_floor([], ceilings) == {"forwards": 0, "adapters_p50": None, "adapters_max": None,
+                                           "tokens_p50": None, "ms_p50": None, "read_mb_p50": None,
+                                           "floor_ms_p50": None, "compute_floor_ms_p50": None, "vs_floor_p50": None,
+                                           "vs_floor_p90": None, "vs_roofline_p50": None, "vs_roofline_p90": None}
+    summary = summarize_steps([], forwards, ceilings)
     assert summary["mixed"] == mixed and summary["decode_only"]["forwards"] == 1  # a prefill alone is neither
 
 
