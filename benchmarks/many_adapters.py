@@ -19,23 +19,24 @@ trace; each has fresh adapter names and the last one's are unloaded, so each tra
 The arrival rate is ``--load`` (0.75) times the capacity measured first on the same engine (a
 saturated burst over 4 warm adapters). Per trace: the Poisson arrivals; the same arrivals again with
 new prompts while the adapters sit in host memory (``--warm-replays``, the median reported: the TTFT
-cliff past the GPU tier without the disk); then ``--saturated-requests`` all at once from cold
-tiers, and again host-warm (``--saturated-repeats``, the median): throughput at saturation, which
-Poisson arrivals at a rate the engine keeps up with cannot show. Also ``--cold-alone`` adapters
-loaded one at a time on the idle engine. Step time by point comes from the engine's step listener,
-and each forward's batch from the scheduler's output: a forward with decodes and prefill chunks is
-a mixed step, whose read floor is the model's weights (the input embedding by its tokens' rows),
-its distinct adapters' weights and the K/V of its tokens' contexts over the copy bandwidth measured
-in the run, and whose compute floor is the base model's FLOPs for its tokens (projections,
-attention over each token's context, the logits of each sequence) over the dense matmul throughput
-measured in the run; its time is the period from the previous forward's tokens on the host to its
-own, reported against the read floor and against the larger of the two (the roofline). The targets, against N = 1 (the smallest N
-where the run has none): saturated host-warm throughput at N = 1,000 (Zipf) at least 0.90x N = 1's
-(the cold tiers' ratio reported beside it); N = 2,000 completes with no failed request, and no
-request fails anywhere; host-warm TTFT p99 at the largest N at most 1.5x N = 1's; a cold adapter's
-TTFT (p50 of each trace's cold requests, and alone on the idle engine) at most its read time
-(adapter bytes / the disk's read bandwidth measured in the run) + 10 ms. Each is judged for each
-popularity but the throughput one, Zipf's only; one that names an N the run lacks is not measured.
+cliff past the GPU tier without the disk; the first one's steps too: the same mixed steps with no
+adapter loading); then ``--saturated-requests`` all at once from cold tiers, and again host-warm
+(``--saturated-repeats``, the median): throughput at saturation, which Poisson arrivals at a rate
+the engine keeps up with cannot show. Also ``--cold-alone`` adapters loaded one at a time on the
+idle engine. Step time by point comes from the engine's step listener, and each forward's batch from
+the scheduler's output: a forward with decodes and prefill chunks is a mixed step, whose read floor
+is the model's weights (the input embedding by its tokens' rows), its distinct adapters' weights and
+the K/V of its tokens' contexts over the copy bandwidth measured in the run, and whose compute floor
+is the base model's FLOPs for its tokens (projections, attention over each token's context, the
+logits of each sequence) over the dense matmul throughput measured in the run; its time is the
+period from the previous forward's tokens on the host to its own, reported against the read floor
+and against the larger of the two (the roofline). The targets, against N = 1 (the smallest N where
+the run has none): saturated host-warm throughput at N = 1,000 (Zipf) at least 0.90x N = 1's (the
+cold tiers' ratio reported beside it); N = 2,000 completes with no failed request, and no request
+fails anywhere; host-warm TTFT p99 at the largest N at most 1.5x N = 1's; a cold adapter's TTFT (p50
+of each trace's cold requests, and alone on the idle engine) at most its read time (adapter bytes /
+the disk's read bandwidth measured in the run) + 10 ms. Each is judged for each popularity but the
+throughput one, Zipf's only; one that names an N the run lacks is not measured.
 """
 from __future__ import annotations
 
@@ -687,12 +688,16 @@ def run_one(engine, args, root: Path, n: int, popularity: str, vocab: int, index
               "compiled_while_serving": {k: v for k, v in compiled.items() if k != "kernels"}}
     # the same arrivals again, new prompts, the adapters now in host memory but mostly not resident:
     # near capacity one replay's p99 is a few requests' waits, so the median of several is reported
+    # the first one's steps too: the same mixed steps over as many distinct adapters, none loading
+    warm_steps = StepRecorder(**floor)
     replays = [run_trace(engine, with_new_prompts(trace, vocab, args.seed + index + 7 + 100 * rep), paths,
-                         max_tokens=args.output_len) for rep in range(args.warm_replays)]
+                         max_tokens=args.output_len, recorder=warm_steps if rep == 0 else None)
+               for rep in range(args.warm_replays)]
     summaries, keys = [summarize(r) for r in replays], ("tokens_per_s", "ttft_p50_ms", "ttft_p99_ms")
     result["host_warm_poisson"] = {key: stats.median(r[key] or 0.0 for r in summaries) for key in keys} | {
         "failed": sum(r["failed"] for r in summaries), "each": [{key: r[key] for key in keys} for r in summaries],
-        "ttft_by_tier": summarize([record for replay in replays for record in replay])["ttft_by_tier"]}
+        "ttft_by_tier": summarize([record for replay in replays for record in replay])["ttft_by_tier"],
+        "steps": summarize_steps(warm_steps.steps, warm_steps.forwards, ceilings)}
     result["failed"] += result["host_warm_poisson"]["failed"]
     unload(engine, used, paths)
     if burst is not None:  # throughput at saturation: cold tiers, then host-warm (one stall moves a short burst)
@@ -932,11 +937,15 @@ def markdown(report: dict) -> str:
                   "cold (only its files on disk); requests: p50 / p99 ms, in the Poisson trace and its host-warm "
                   "replays:", "", "| popularity | N | trace | resident | host | cold |",
                   "| --- | ---: | --- | ---: | ---: | ---: |", *by_tier]
-    steps = [(f"{r.get('popularity', 'zipf')} N={r['adapters']} {trace}", r.get(key_)) for trace, key_ in
-             (("Poisson", "poisson_steps"), ("host-warm burst", "saturated_warm_steps")) for r in results]
+    steps = [(f"{r.get('popularity', 'zipf')} N={r['adapters']} {trace}", steps_of(r)) for trace, steps_of in
+             (("Poisson", lambda r: r.get("poisson_steps")),
+              ("host-warm Poisson", lambda r: (r.get("host_warm_poisson") or {}).get("steps")),
+              ("host-warm burst", lambda r: r.get("saturated_warm_steps"))) for r in results]
     steps = [(name, s) for name, s in steps if s and s["steps"]]
     if steps:
-        lines += ["", "Steps: mean wall time of `engine.step()`, the engine's thread's milliseconds in all at the GPU "
+        lines += ["", "Steps of the Poisson trace, of its first host-warm replay (the same arrivals, no adapter loading) "
+                  "and of the last host-warm burst: mean wall time of `engine.step()`, the engine's thread's milliseconds "
+                  "in all at the GPU "
                   "tier's timing points; the mixed steps (a forward with prefill chunks and decodes), their distinct "
                   "adapters and their period (from the previous forward's tokens on the host to their own) against "
                   "their read floor (the model's weights, their adapters' weights and their tokens' K/V over the copy "

@@ -167,6 +167,9 @@ def test_many_adapters_smoke(tmp_path):
     assert "- zipf: n2000_no_failed_request: not measured" in text  # a run without N = 2,000 does not pass it
     assert f"| uniform N=6 host-warm burst | {uniform['saturated_warm_steps']['steps']} |" in text
     assert "| uniform | 6 | host-warm |" in text
+    warm_steps = uniform["host_warm_poisson"]["steps"]  # the first replay's: the same arrivals, no loading
+    assert warm_steps["steps"] > 0 and warm_steps["mixed"]["forwards"] >= 0
+    assert f"| uniform N=6 host-warm Poisson | {warm_steps['steps']} |" in text
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
