@@ -40,9 +40,9 @@ class PoolWatch:
             write(slot, modules)
             self.written[slot] = self.weights(slot)
 
-        def watched_clear(slot, layers=None):
+        def watched_clear(slot):
             self._check_free(slot, "clear")
-            clear(slot, layers)
+            clear(slot)
 
         pool.write, pool.clear = watched_write, watched_clear
 

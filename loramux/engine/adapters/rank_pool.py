@@ -86,8 +86,11 @@ class RankPool:
             start = key * self.region
             assert start + self.region <= self.units, f"key {key} has no region in {self.units} rows"
         else:
-            best = min((i for i, (_, free) in enumerate(self._free) if free >= size),
-                       key=lambda i: self._free[i][1], default=None)
+            if len(self._free) == 1:  # a pool not fragmented: no search (the engine's thread asks per layer)
+                best = 0 if self._free[0][1] >= size else None
+            else:
+                best = min((i for i, (_, free) in enumerate(self._free) if free >= size),
+                           key=lambda i: self._free[i][1], default=None)
             if best is None:
                 return None
             start, free = self._free[best]
@@ -126,13 +129,3 @@ class RankPool:
         if self.region is None:
             assert self._owned_units + sum(n for _, n in self._free) == self.units, "rows lost or gained"
             assert all(a + n < b for (a, n), (b, _) in zip(self._free, self._free[1:])), "free ranges not merged"
-
-    def fits_instead(self, key: int, size: int) -> bool:
-        """Whether ``key`` could hold ``size`` rows once its own rows are freed (a rewrite)."""
-        if self.fits(size):
-            return True
-        block = self._owned.get(key)
-        if block is None or self.region is not None:  # nothing of its own to add (a region is fixed)
-            return False
-        start, owned = block  # its rows, joined by the free ranges on either side
-        return owned + sum(free for at, free in self._free if at + free == start or at == start + owned) >= size

@@ -96,6 +96,9 @@ class AdapterWeightPool:
         #: that rank's part of an adapter (`shard`)
         self.tp_rank = next((layer.tp_shard.rank for layer in self.layers.values() if layer.tp_shard), None)
         self.use_table = self.device.type == "cuda" if use_table is None else use_table
+        # slot -> the layers (indices into the planner's) where it owns rows or has a rank: a
+        # clear visits those, not every layer (the engine's thread clears a slot per eviction)
+        self._holding: dict[int, list[int]] = {}
 
     @property
     def row_bytes(self) -> int:
@@ -156,15 +159,17 @@ class AdapterWeightPool:
 
     @torch.no_grad()
     def write(self, slot: int, modules: Mapping[str, LoRAModuleWeights]) -> None:
-        """Write an adapter's ``modules`` into ``slot`` of every layer, on the current stream;
-        the layers it has no weights for are cleared there. Nothing blocks the host (copies from
-        page-locked memory are asynchronous). ``modules`` were validated against this model
-        (`AdapterValidator`); on a tensor-parallel rank they are that rank's part (`shard`).
+        """Write an adapter's ``modules`` into ``slot`` of every layer, on the current stream,
+        in place of what the slot held; the layers it has no weights for are cleared there.
+        Nothing blocks the host (copies from page-locked memory are asynchronous). ``modules``
+        were validated against this model (`AdapterValidator`); on a tensor-parallel rank they
+        are that rank's part (`shard`).
 
-        :raises RuntimeError: a layer's pool has no room (make room first); nothing changed.
+        :raises RuntimeError: a layer's pool has no room (make room first); the slot is empty then.
         """
+        self.clear(slot)
         plan = self._planner.plan(slot, modules)
-        self.clear(slot, [self._planner.layers[j] for j in plan.untouched])
+        self._holding[slot] = plan.touched.tolist()
         if len(plan.touched):
             table = self._planner.table(plan) if self.use_table else None
             if table is not None:
@@ -172,18 +177,24 @@ class AdapterWeightPool:
             else:
                 copy_one_by_one(plan, [layer.slots for layer in self._planner.layers])
 
-    def clear(self, slot: int, layers: Collection[BaseLayerWithLoRA] | None = None) -> None:
-        """Free ``slot``'s rows in ``layers`` (default: every layer): tokens mapped to it get the
-        base output there. Its scales and ranks are zeroed in one call per dtype; the rows keep
-        their contents, which no kernel reads at rank 0."""
-        cells = []
-        for layer in self.layers.values() if layers is None else layers:
-            slots = layer.slots
+    def clear(self, slot: int) -> None:
+        """Free ``slot``'s rows in every layer: tokens mapped to it get the base output. Its scales
+        and ranks are zeroed in one call per dtype; the rows keep their contents, which no kernel
+        reads at rank 0."""
+        ranked = []  # else zero already: padding is always zero past a slot's rank
+        every = self._planner.layers
+        for j in self._holding.pop(slot, ()):
+            slots = every[j].slots
             slots.rows.free(slot)
-            if slots.host_ranks[slot]:  # else zero already: padding is always zero past a slot's rank
+            if slots.host_ranks[slot]:
                 slots.host_ranks[slot] = 0
-                cells += (slots.scales[slot], slots.ranks[slot : slot + 1])
-        zero_all(cells)
+                ranked.append(j)
+        if not ranked:
+            return
+        if self.use_table:
+            launch_table(self._planner.clear_table(slot, ranked), self.device, stage=self.device.type == "cuda")
+        else:
+            zero_all([cell for j in ranked for cell in (every[j].slots.scales[slot], every[j].slots.ranks[slot : slot + 1])])
 
     # -- tensor parallelism ---------------------------------------------------------------------
 

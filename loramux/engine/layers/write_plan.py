@@ -60,8 +60,8 @@ class WritePlanner:
 
     def plan(self, slot: int, modules: Mapping[str, LoRAModuleWeights]) -> WritePlan:
         """Give ``modules`` (an adapter's, validated against this model; a tensor-parallel rank's
-        part) rows in ``slot`` of every layer they touch (the slot's last rows freed first) and
-        return the plan that writes them there.
+        part) rows in ``slot`` of every layer they touch and return the plan that writes them
+        there. ``slot`` must own no rows (the pool clears a slot before it is written again).
 
         :raises RuntimeError: a layer's pool has no room (the model manager makes room first);
             nothing changed.
@@ -111,19 +111,23 @@ class WritePlanner:
 
     def _take_rows(self, slot: int, touched: np.ndarray, width: np.ndarray, rank: np.ndarray,
                    start: np.ndarray) -> None:
-        """Give ``slot`` ``width[j]`` rows of every touched layer's pool, checked first for all."""
-        # the check: a fixed region holds what it is wide enough for, shared rows are asked
-        region = self.geometry()["region"][touched]
-        for j in [*touched[(region > 0) & (width[touched] > region)].tolist(), *touched[region == 0].tolist()]:
-            rows = self._slots[j].rows
-            if not rows.fits_instead(slot, int(width[j])):
+        """Give ``slot`` (owning no rows) ``width[j]`` rows of every touched layer's pool, or none:
+        allocated layer by layer, those taken given back when one layer has no room (one pass, not
+        a check of every layer and then the allocations: the engine's thread runs it per adapter)."""
+        taken = []
+        for j in touched.tolist():
+            slots = self._slots[j]
+            at = slots.rows.allocate(slot, int(width[j]))
+            if at is None:
+                for k in taken:
+                    self._slots[k].rows.free(slot)
+                    self._slots[k].host_ranks[slot] = 0
+                rows = slots.rows
                 raise RuntimeError(
                     f"{self.layers[j].module_name}: no {int(width[j])} free rows in its LoRA pool of "
                     f"{rows.units} ({rows.free_units} free); the model manager makes room before it writes")
-        for j in touched.tolist():
-            slots = self._slots[j]
-            slots.rows.free(slot)
-            start[j] = slots.rows.allocate(slot, int(width[j])) or 0
+            taken.append(j)
+            start[j] = at
             slots.host_ranks[slot] = int(rank[j])  # until the write completes, a failure's clear zeroes it
 
     def _blocks(self, g, s, per_slice, rank, width, start) -> tuple[np.ndarray, np.ndarray]:
@@ -159,6 +163,15 @@ class WritePlanner:
             np.stack([g["starts"][t] + slot * 4, np.ones_like(t)], axis=1)])
         values = np.concatenate([plan.scales.view(np.int32), plan.ranks.astype(np.int32), plan.starts.astype(np.int32)])
         return Table(plan.copies[:, :6], plan.zeros[:, :6], cells, values, host)
+
+    def clear_table(self, slot: int, layers: Sequence[int]) -> Table:
+        """Zeroing ``slot``'s scales and rank in ``layers`` (indices) as one `copy_blocks` table:
+        a clear on CUDA in one launch, not two tensor views and a zero per layer."""
+        g, t = self.geometry(), np.asarray(layers, dtype=np.int64)
+        cells = np.concatenate([np.stack([g["scales"][t] + slot * g["scales_row"][t], g["slices"][t]], axis=1),
+                                np.stack([g["ranks"][t] + slot * 4, np.ones_like(t)], axis=1)])
+        empty = np.zeros((0, 6), dtype=np.int64)
+        return Table(empty, empty, cells, np.zeros(int(cells[:, 1].sum()), dtype=np.int32), None)
 
     def geometry(self) -> dict[str, np.ndarray]:
         """Each layer's pools as numbers (addresses in bytes, strides in elements) and its
