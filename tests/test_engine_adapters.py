@@ -197,7 +197,9 @@ def test_requests_for_an_adapter_in_the_cpu_tier_settle_in_the_submitting_thread
     rec = Recorder(eng)
     eng.add_request("first", {"prompt_token_ids": PROMPT}, GREEDY, request)
     rec.until(lambda: not eng.has_unfinished_requests())
-    assert reads == ready_threads == ["loramux-load-1"]  # a loading thread read it and said so
+    assert reads == ["loramux-load-1"]  # a loading thread read it
+    # and said so, unless it ended before add_request's thread asked to hear of it: then that thread
+    assert len(ready_threads) == 1 and ready_threads[0] in ("loramux-load-1", "MainThread")
     for i in range(3):
         eng.add_request(f"again{i}", {"prompt_token_ids": PROMPT}, GREEDY, request)
     assert ready_threads[1:] == [threading.current_thread().name] * 3  # settled before add_request returned
