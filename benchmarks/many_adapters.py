@@ -414,7 +414,8 @@ class StepRecorder:
             seconds = batch.received_at - max(self._last_received, batch.launched_at)
             self._last_received = batch.received_at
             cost = self._cost
-            read = cost.model_bytes + sum(self._adapter_bytes.get(n, 0) for n in names) + batch.kv_tokens * cost.kv_bytes_per_token
+            read = (cost.model_bytes + sum(self._adapter_bytes.get(n, 0) for n in names)
+                    + batch.kv_tokens * cost.kv_bytes_per_token)
             flops = (cost.flops_per_token * batch.num_tokens + cost.flops_per_seq * batch.num_seqs
                      + cost.flops_per_pair * pairs)
             self.forwards.append(Forward(batch, seconds, decodes, prefills, len(names), read, flops))
@@ -536,7 +537,8 @@ def against_floor(forwards: Sequence[Forward], ceilings: Ceilings) -> dict:
     measured)."""
     bandwidth, flops = ceilings.bytes_per_s, ceilings.flops_per_s
     ratios = [f.seconds * bandwidth / f.read_bytes for f in forwards] if bandwidth else []
-    roofline = [f.seconds / max(f.read_bytes / bandwidth, f.flops / flops) for f in forwards] if bandwidth and flops else []
+    roofline = ([f.seconds / max(f.read_bytes / bandwidth, f.flops / flops) for f in forwards]
+                if bandwidth and flops else [])
     return {"forwards": len(forwards), "adapters_p50": stats.median(f.adapters for f in forwards),
             "adapters_max": max((f.adapters for f in forwards), default=None),
             "tokens_p50": stats.median(f.batch.num_tokens for f in forwards),

@@ -179,9 +179,9 @@ class AdapterWeightPool:
 
     def clear(self, slot: int) -> None:
         """Free ``slot``'s rows in every layer: tokens mapped to it get the base output. Its scales
-        and ranks are zeroed in one call per dtype; the rows keep their contents, which no kernel
-        reads at rank 0."""
-        ranked = []  # else zero already: padding is always zero past a slot's rank
+        and ranks are zeroed in one `copy_blocks` table (without one: one call per dtype); the
+        rows keep their contents, which no kernel reads at rank 0."""
+        ranked = []  # the layers where it has a rank: elsewhere its scales and rank are zero already
         every = self._planner.layers
         for j in self._holding.pop(slot, ()):
             slots = every[j].slots
@@ -194,7 +194,8 @@ class AdapterWeightPool:
         if self.use_table:
             launch_table(self._planner.clear_table(slot, ranked), self.device, stage=self.device.type == "cuda")
         else:
-            zero_all([cell for j in ranked for cell in (every[j].slots.scales[slot], every[j].slots.ranks[slot : slot + 1])])
+            zero_all([cell for j in ranked for cell in (every[j].slots.scales[slot],
+                                                         every[j].slots.ranks[slot : slot + 1])])
 
     # -- tensor parallelism ---------------------------------------------------------------------
 

@@ -157,21 +157,24 @@ class WritePlanner:
         if plan.sources and host is None:
             return None
         g, t, slot = self.geometry(), plan.touched, plan.slot
-        cells = np.concatenate([  # each touched layer's scales row, rank cell and pool start cell at the slot
-            np.stack([g["scales"][t] + slot * g["scales_row"][t], g["slices"][t]], axis=1),
-            np.stack([g["ranks"][t] + slot * 4, np.ones_like(t)], axis=1),
-            np.stack([g["starts"][t] + slot * 4, np.ones_like(t)], axis=1)])
+        cells = np.concatenate([self._scale_and_rank_cells(slot, t),  # and each touched layer's pool start
+                                np.stack([g["starts"][t] + slot * 4, np.ones_like(t)], axis=1)])
         values = np.concatenate([plan.scales.view(np.int32), plan.ranks.astype(np.int32), plan.starts.astype(np.int32)])
         return Table(plan.copies[:, :6], plan.zeros[:, :6], cells, values, host)
 
     def clear_table(self, slot: int, layers: Sequence[int]) -> Table:
         """Zeroing ``slot``'s scales and rank in ``layers`` (indices) as one `copy_blocks` table:
         a clear on CUDA in one launch, not two tensor views and a zero per layer."""
-        g, t = self.geometry(), np.asarray(layers, dtype=np.int64)
-        cells = np.concatenate([np.stack([g["scales"][t] + slot * g["scales_row"][t], g["slices"][t]], axis=1),
-                                np.stack([g["ranks"][t] + slot * 4, np.ones_like(t)], axis=1)])
+        cells = self._scale_and_rank_cells(slot, np.asarray(layers, dtype=np.int64))
         empty = np.zeros((0, 6), dtype=np.int64)
         return Table(empty, empty, cells, np.zeros(int(cells[:, 1].sum()), dtype=np.int32), None)
+
+    def _scale_and_rank_cells(self, slot: int, layers: np.ndarray) -> np.ndarray:
+        """(device address, count of 4-byte values) of ``slot``'s scales row in each of ``layers``,
+        then of its rank cell in each."""
+        g, t = self.geometry(), layers
+        return np.concatenate([np.stack([g["scales"][t] + slot * g["scales_row"][t], g["slices"][t]], axis=1),
+                               np.stack([g["ranks"][t] + slot * 4, np.ones_like(t)], axis=1)])
 
     def geometry(self) -> dict[str, np.ndarray]:
         """Each layer's pools as numbers (addresses in bytes, strides in elements) and its
