@@ -15,8 +15,8 @@ decode step holds the whole batch). Per scenario: tokens/s over the whole run an
 of the decode steps that hold the full batch, taken from the engine's step listener (a step's
 period runs from the host having the last step's tokens to having this one's: its GPU work and the
 host work the GPU did not hide). The floor of a decode step is the bytes it must read (weights, the
-active adapters, the KV in use at the median step) over the device-copy bandwidth measured in this
-run. Adapters are random, bound in memory and warmed into GPU slots before the clock starts.
+input embedding by its tokens' rows alone, the active adapters, the KV in use at the median step)
+over the device-copy bandwidth measured in this run. Adapters are random, bound in memory and warmed into GPU slots before the clock starts.
 
 The flow: ``--flow-requests`` requests (128 + 64 tokens on CUDA) through the same engines'
 ``max_num_seqs`` sequences, so prefill chunks mix with decodes as in a server: the base engine, the
