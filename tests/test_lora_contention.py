@@ -128,6 +128,68 @@ def test_a_runtime_load_waits_for_room_that_running_requests_release(make_adapte
     assert all(outputs[f"r{i}"].error is None and len(outputs[f"r{i}"].outputs[0].token_ids) == 3 for i in range(2))
 
 
+def test_a_runtime_load_waits_for_room_that_other_runtime_loads_release(make_adapter, monkeypatch):
+    """Two loads hold the whole CPU tier (each its adapter's pin, until it ends) and no request
+    holds it: a third load with a wait waits for them, not fails at once (a server's concurrent
+    load_lora_adapter calls got 503 so); with no wait it fails at once, as two loads that only
+    wait for each other do, and nothing of theirs is bound."""
+    import threading
+    import time
+
+    from loramux import LoRARequest
+    from loramux.engine.llm_engine import LLMEngine
+    from loramux.errors import CacheBusyError
+
+    model = tiny_llama()
+    paths = [make_adapter(f"add-{i}", model=model, seed=i) for i in range(5)]
+    requests = [LoRARequest(f"add-{i}", i + 1, str(path)) for i, path in enumerate(paths)]
+    engine = LLMEngine(tiny_llama(), max_loras=2, max_cpu_loras=2, max_lora_rank=16, max_num_seqs=4, max_model_len=64)
+    holding, finish = threading.Semaphore(0), threading.Event()
+    rebind = engine.registry.rebind
+
+    def rebind_and_hold(request, **kwargs):  # the first two loads keep their pin until told
+        adapter = rebind(request, **kwargs)
+        if request.lora_name in ("add-0", "add-1"):
+            holding.release()
+            assert finish.wait(30)
+        return adapter
+
+    monkeypatch.setattr(engine.registry, "rebind", rebind_and_hold)
+    holders = [threading.Thread(target=engine.add_lora, args=(request,)) for request in requests[:2]]
+    for thread in holders:
+        thread.start()
+    for _ in holders:
+        assert holding.acquire(timeout=30)
+    assert engine.registry.cache.num_pinned() == 2
+    with pytest.raises(CacheBusyError, match="full of adapters in use"):
+        engine.add_lora(requests[2])  # no wait asked
+    threading.Timer(0.3, finish.set).start()
+    started = time.monotonic()
+    assert engine.add_lora(requests[3], wait_s=30)  # waits for the two to end
+    assert 0.25 < time.monotonic() - started < 20
+    for thread in holders:
+        thread.join(30)
+    assert [engine.lora_handle(r.lora_name) is not None for r in requests] == [True, True, False, True, False]
+
+    # two loads that wait only for each other (the tier held by user pins): both fail, soon
+    assert engine.pin_lora("add-0") and engine.pin_lora("add-3")
+    errors, started = [], time.monotonic()
+
+    def load(request):
+        try:
+            engine.add_lora(request, wait_s=30)
+        except CacheBusyError as error:
+            errors.append(error)
+
+    waiters = [threading.Thread(target=load, args=(request,)) for request in (requests[2], requests[4])]
+    for thread in waiters:
+        thread.start()
+    for thread in waiters:
+        thread.join(30)
+    assert len(errors) == 2 and time.monotonic() - started < 10
+    assert engine.lora_handle("add-2") is None and engine.lora_handle("add-4") is None
+
+
 def test_an_adapter_larger_than_the_whole_tier_fails_at_once_however_long_the_load_may_wait(make_adapter):
     import time
 

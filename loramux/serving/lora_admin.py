@@ -38,9 +38,9 @@ logger = logging.getLogger("loramux.serving")
 router = APIRouter()
 
 #: How long a runtime load waits for room when the CPU tier is full of adapters that running or
-#: queued requests hold: they release it as they finish, so the load waits its turn (as a
-#: completion naming a cold adapter does) rather than failing; an adapter that can never fit (larger
-#: than the whole tier) fails at once.
+#: queued requests, or other runtime loads, hold: they release it as they finish, so the load waits
+#: its turn (as a completion naming a cold adapter does) rather than failing; an adapter that can
+#: never fit (larger than the whole tier) fails at once.
 RUNTIME_LOAD_WAIT_S = 300.0
 
 

@@ -75,8 +75,11 @@ class AdapterLifecycle(AdapterUses):
         # LOADING_ADAPTER) and load again as references are released, oldest first
         self._deferred: list[Sequence] = []
         self._room_freed = False
-        self._room = threading.Condition(lock)  # notified as requests release CPU-tier references
-        self._released_count = 0
+        self._room = threading.Condition(lock)  # notified as requests and adds release CPU-tier pins
+        self._released_count = 0  # bumped each time they do
+        # add() calls not waiting for room: each holds, or is loading towards, a CPU-tier pin that
+        # it releases as it ends (another add may wait for it, as for a request's)
+        self._adding = 0
         self.prefetches = 0  # adapters copied into a GPU slot before their request was admitted
         registry.add_unbind_listener(self._on_unbind)
 
@@ -140,11 +143,12 @@ class AdapterLifecycle(AdapterUses):
                 self._unpin_cpu(result.adapter)  # the load's own pin: the references hold it now
         return failed
 
-    def _room_will_free(self) -> bool:
-        """Whether some queued or running request, or a load not collected yet, holds the CPU tier:
-        room comes back when it ends. (Only user pins left: nothing will free; the request fails
-        with the error.)"""
-        return any(use.sequences for use in self._uses.values()) or self.loader.in_flight() > 0
+    def _room_will_free(self, adding: int | None = None) -> bool:
+        """Whether some queued or running request, a load not collected yet, or one of ``adding``
+        add() calls (default: all in progress) holds the CPU tier: room comes back when it ends.
+        (Only user pins left: nothing will free; the request fails with the error.)"""
+        return (any(use.sequences for use in self._uses.values()) or self.loader.in_flight() > 0
+                or (self._adding if adding is None else adding) > 0)
 
     def _retry_deferred(self) -> None:
         """Load again, oldest first, as many deferred adapters as the CPU tier has unpinned room."""
@@ -306,21 +310,31 @@ class AdapterLifecycle(AdapterUses):
         old = self.registry.handle(name)
         with self._lock:  # before the name moves: registering another path unbinds it already
             was_pinned = old is not None and old.id in self.pinned()
-        if request.lora_path:
-            self.registry.register(name, request.lora_path, request.base_model_name, replace=True)
-        adapter = self._rebind_when_room(request, time.monotonic() + wait_s)
+            self._adding += 1
         try:
-            if self._validate:
-                self.manager.validate(adapter)
-            if was_pinned and adapter.handle != old:
-                self.pin_adapter(adapter)
+            if request.lora_path:
+                self.registry.register(name, request.lora_path, request.base_model_name, replace=True)
+            adapter = self._rebind_when_room(request, time.monotonic() + wait_s)
+            try:
+                if self._validate:
+                    self.manager.validate(adapter)
+                if was_pinned and adapter.handle != old:
+                    self.pin_adapter(adapter)
+            finally:
+                self._unpin_cpu(adapter)
         finally:
-            self._unpin_cpu(adapter)
+            with self._room:  # its pin is released (or it never got one): room may be back
+                self._adding -= 1
+                self._room_freed = True
+                self._released_count += 1
+                self._room.notify_all()
         return adapter.handle
 
     def _rebind_when_room(self, request: LoRARequest, deadline: float) -> LoRAAdapter:
-        """``registry.rebind(request, pin=True)``, again each time a request releases the CPU tier,
-        while it is full of adapters in use that will be released, until ``deadline``."""
+        """``registry.rebind(request, pin=True)``, again each time a request or another add
+        releases the CPU tier, while it is full of adapters in use that will be released, until
+        ``deadline``. Called by an add in progress (counted in ``_adding``): while it waits it
+        holds no pin, so it does not count, and two adds waiting for each other both fail."""
         while True:
             with self._lock:
                 released = self._released_count
@@ -330,9 +344,13 @@ class AdapterLifecycle(AdapterUses):
                 with self._room:
                     while released == self._released_count:
                         remaining = deadline - time.monotonic()
-                        if remaining <= 0 or not self._room_will_free():
+                        if remaining <= 0 or not self._room_will_free(adding=self._adding - 1):
                             raise
-                        self._room.wait(remaining)
+                        self._adding -= 1
+                        try:
+                            self._room.wait(remaining)
+                        finally:
+                            self._adding += 1
 
     def remove(self, name: str) -> bool:
         """Unload: unbind ``name`` and return at once; its handle retires when unused (event)."""
