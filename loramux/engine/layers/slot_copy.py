@@ -60,7 +60,6 @@ class WritePlan(NamedTuple):
     starts: np.ndarray  # int64 [k]
     sources: list[torch.Tensor]  # the weights copied from: each module's A then B
     table_ok: bool  # no cast, rows of contiguous columns, in host memory (`WritePlanner.table`)
-    untouched: list[int]  # the layers it has no weights for (their part of the slot is cleared)
 
 
 class Table(NamedTuple):

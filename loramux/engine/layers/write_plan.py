@@ -105,9 +105,7 @@ class WritePlanner:
         s = np.flatnonzero(np.isin(self._layer, touched))  # the touched layers' slices, in order
         copies, zeros = self._blocks(g, s, per_slice, rank, width, start)
         scales = np.where(per_slice[s, 1] > 0, scalings[s] * g["multiplier"][self._layer[s]], 0.0).astype(np.float32)
-        untouched = np.flatnonzero(rank == 0).tolist()
-        return WritePlan(slot, copies, zeros, touched, scales, rank[touched], start[touched], tensors, table_ok,
-                         untouched)
+        return WritePlan(slot, copies, zeros, touched, scales, rank[touched], start[touched], tensors, table_ok)
 
     def _take_rows(self, slot: int, touched: np.ndarray, width: np.ndarray, rank: np.ndarray,
                    start: np.ndarray) -> None:
