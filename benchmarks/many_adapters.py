@@ -362,8 +362,9 @@ class ForwardCost:
         config = model.config
         c = config.get_text_config()
         layers, kv_heads, head_dim = kv_cache_geometry(config)
-        projections = sum(i * o for i, o in projection_shapes(config).values()) * c.num_hidden_layers
-        query_width = projection_shapes(config)["q_proj"][1]
+        shapes = projection_shapes(config)
+        projections = sum(i * o for i, o in shapes.values()) * c.num_hidden_layers
+        query_width = shapes["q_proj"][1]
         return cls(forward_weight_bytes(model), 2 * layers * kv_heads * head_dim * kv_dtype.itemsize,
                    flops_per_token=2 * projections, flops_per_seq=2 * c.vocab_size * c.hidden_size,
                    flops_per_pair=4 * layers * query_width)  # QK^T and PV: 2 FLOPs a multiply-add each
