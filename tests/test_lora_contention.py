@@ -79,8 +79,13 @@ def test_ten_adapters_over_tiers_of_two_through_llm_generate_all_finish(make_ada
     assert all(len(o.outputs[0].token_ids) == 5 for o in outputs)
 
 
-def _busy_engine(make_adapter, **tiers):
-    """An engine whose CPU tier is held by two queued requests' adapters (or as many as fit)."""
+def _busy_engine(make_adapter, ready: int = 2, **tiers):
+    """An engine whose CPU tier is held by two queued requests' adapters (or as many as fit: the
+    ``ready`` loads that succeed). The first step waits for those loads, so both requests are
+    queued before either runs: one must not finish (and release its adapter) before the other's
+    load ends."""
+    import threading
+
     from loramux import LoRARequest, SamplingParams
     from loramux.engine.llm_engine import LLMEngine
 
@@ -88,9 +93,15 @@ def _busy_engine(make_adapter, **tiers):
     paths = [make_adapter(f"busy-{i}", model=model, seed=i) for i in range(3)]
     engine = LLMEngine(tiny_llama(), max_loras=2, max_cpu_loras=2, max_lora_rank=16, max_num_seqs=4,
                        max_model_len=64, **tiers)
+    loaded = threading.Semaphore(0)
+    listener = lambda event: event.kind == "ready" and loaded.release()  # noqa: E731
+    engine.add_event_listener(listener)
     for i in range(2):
         engine.add_request(f"r{i}", {"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=3, ignore_eos=True),
                            LoRARequest(f"busy-{i}", i + 1, str(paths[i])))
+    for _ in range(ready):
+        assert loaded.acquire(timeout=30)
+    engine.remove_event_listener(listener)
     engine.step()
     while len(engine.adapters.loader):  # their loads end and pin the tier
         engine.step()
@@ -196,7 +207,7 @@ def test_an_adapter_larger_than_the_whole_tier_fails_at_once_however_long_the_lo
     from loramux import LoRARequest
     from loramux.errors import CacheBusyError, CacheFullError
 
-    engine, _ = _busy_engine(make_adapter, max_cpu_lora_bytes=10_000)  # one 7 KB rank-8 adapter fits
+    engine, _ = _busy_engine(make_adapter, ready=1, max_cpu_lora_bytes=10_000)  # one 7 KB rank-8 adapter fits
     big = make_adapter("too-big", model=tiny_llama(), r=16)  # 14 KB
     started = time.monotonic()
     with pytest.raises(CacheFullError) as raised:
