@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from loramux.engine.adapters.rank_pool import RankPool
 from loramux.engine.layers import BaseLayerWithLoRA
 from loramux.kernels.pool import pool_rows
 from loramux.registry import LoRAModuleWeights
@@ -24,8 +25,9 @@ def write_layer(layer: BaseLayerWithLoRA, slot: int, weights_by_slice: Sequence[
         clear_layer(layer, slot)
         return
     width = pool_rows(rank)
-    s.rows.free(slot)
-    start = s.rows.allocate(slot, width)
+    rows = own_rows(layer)
+    rows.free(slot)
+    start = rows.allocate(slot, width)
     rows_a, block_b = s.block(start, width)
     offset = 0
     for i, (size, w) in enumerate(zip(layer.output_sizes, weights_by_slice)):
@@ -41,9 +43,18 @@ def write_layer(layer: BaseLayerWithLoRA, slot: int, weights_by_slice: Sequence[
     s.ranks[slot], s.pool_starts[slot], s.host_ranks[slot] = rank, start, rank
 
 
+def own_rows(layer: BaseLayerWithLoRA) -> RankPool:
+    """The layer's rank pool as a table of its own: the oracle allocates layer by layer, where the
+    adapter weight pool shares one table between layers that every write treats alike."""
+    s = layer.slots
+    if not getattr(s, "oracle_owns_rows", False):
+        s.rows, s.oracle_owns_rows = s.rows.copy(), True
+    return s.rows
+
+
 def clear_layer(layer: BaseLayerWithLoRA, slot: int) -> None:
     s = layer.slots
-    s.rows.free(slot)
+    own_rows(layer).free(slot)
     if s.host_ranks[slot]:
         s.host_ranks[slot] = 0
         s.scales[slot].zero_()

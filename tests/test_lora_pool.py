@@ -12,6 +12,7 @@ import itertools
 import random
 import threading
 
+import numpy as np
 import pytest
 import torch
 from conftest import peft_greedy, save_peft_adapter, step_to_end, tiny_llama, tiny_model
@@ -24,7 +25,7 @@ from loramux import LoRARequest, SamplingParams
 from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.engine.llm_engine import LLMEngine
 from loramux.engine.adapters.lora_model import LoRAModelManager
-from loramux.engine.adapters.rank_pool import RankPool
+from loramux.engine.adapters.rank_pool import RankPool, RowGroups
 from loramux.engine.core.scheduler import Scheduler
 from loramux.engine.core.sequence import Sequence
 from loramux.errors import CacheFullError
@@ -167,6 +168,98 @@ def test_random_allocations_agree_with_a_row_by_row_model():
         assert pool.free_units == rows.count(None)
         pool.check()
     assert failures > 10  # the model was exercised when full, too
+
+
+# --------------------------------------------------------------------------------------------------
+# RowGroups: the pools of many layers, shared by layers written alike
+# --------------------------------------------------------------------------------------------------
+
+
+class Owner:
+    """A layer's slots as `RowGroups` sees them: something with ``rows``."""
+
+    rows: RankPool | None = None
+
+
+def test_row_groups_split_by_what_a_write_asks_and_merge_when_equal_again():
+    """One pool for six layers until a write asks different rows of them: each count's layers
+    then share a copy; when the tables are equal again (the write that split them freed) the
+    groups merge back into one."""
+    owners = [Owner() for _ in range(6)]
+    groups = RowGroups(owners, 64)
+    assert len(groups.pools) == 1 and all(o.rows is groups.pools[0] for o in owners)
+    both = np.array([8, 8, 8, 8, 8, 8])
+    assert groups.allocate(0, both).tolist() == [0] * 6 and len(groups.pools) == 1
+    qv = np.array([16, 0, 16, 0, 16, 0])
+    assert groups.allocate(1, qv).tolist() == [8, 0, 8, 0, 8, 0]
+    assert len(groups.pools) == 2 and owners[0].rows is owners[2].rows is not owners[1].rows
+    assert 1 in owners[0].rows and 1 not in owners[1].rows and 0 in owners[1].rows
+    mixed = np.array([8, 24, 16, 24, 8, 0])
+    assert groups.allocate(2, mixed).tolist() == [24, 8, 24, 8, 24, 0]  # each group split in two
+    assert len({id(o.rows) for o in owners}) == len(groups.pools) == 4
+    needs = {id(pool): n for pool, n in groups.needs(np.array([1, 2, 3, 4, 5, 6]))}  # a group's most
+    assert needs == {id(owners[j].rows): n for j, n in ((0, 5), (1, 4), (2, 3), (5, 6))}
+    groups.free(2)
+    assert len(groups.pools) == 2  # back to the q/v split
+    groups.free(1)
+    assert len(groups.pools) == 1 and all(o.rows is groups.pools[0] for o in owners)
+    assert groups.pools[0].start_of(0) == 0 and groups.pools[0].free_units == 56
+    groups.pools[0].check()
+
+
+def test_a_row_groups_allocation_without_room_takes_nothing():
+    owners = [Owner() for _ in range(3)]
+    groups = RowGroups(owners, 16)
+    groups.allocate(0, np.array([8, 16, 8]))
+    before = [(o.rows.free_units, o.rows.start_of(0)) for o in owners]
+    assert groups.allocate(1, np.array([8, 8, 8])) is None  # the middle layer has no 8 rows
+    assert [(o.rows.free_units, o.rows.start_of(0)) for o in owners] == before and all(1 not in o.rows for o in owners)
+    assert not groups.fits(np.array([8, 8, 8])) and groups.fits(np.array([8, 0, 0]))
+    assert groups.short(np.array([8, 8, 8])) == [owners[1].rows]
+    assert groups.fits_keeping(np.array([16, 16, 16]), set()) and not groups.fits_keeping(np.array([16, 16, 16]), {0})
+
+
+@pytest.mark.parametrize("region", [None, 8])
+def test_random_row_groups_agree_with_a_pool_per_layer(region):
+    """Random writes over eight layers (each asking rows of a few layers, by a few patterns or
+    at random) and frees: every layer's table equals the one a pool of its own keeps, every
+    answer of room too; the groups stay as few as the writes make them."""
+    rng = random.Random(1)
+    n, units = 8, 96  # twelve keys' regions of 8 rows
+    owners = [Owner() for _ in range(n)]
+    groups, alone = RowGroups(owners, units, region), [RankPool(units, region) for _ in range(n)]
+    sizes = [0, 8] if region else [0, 8, 16, 24]
+    patterns = [np.array([8, 0] * 4), np.array([8] * 8), np.array([0, 0, 0, 0, 8, 8, 8, 8])]
+    failures, most = 0, 1
+    for _ in range(600):
+        owned = [k for k in range(12) if any(k in pool for pool in alone)]
+        if owned and rng.random() < 0.4:
+            key = rng.choice(owned)
+            groups.free(key)
+            for pool in alone:
+                pool.free(key)
+        else:
+            key = rng.choice([k for k in range(12) if k not in owned] or [None])
+            if key is None:
+                continue
+            rows = rng.choice(patterns) if rng.random() < 0.7 else np.array([rng.choice(sizes) for _ in range(n)])
+            fits = all(pool.fits(int(r)) for pool, r in zip(alone, rows))
+            assert groups.fits(rows) == fits
+            keep = set(rng.sample(owned, len(owned) // 2))
+            assert groups.fits_keeping(rows, keep) == all(p.fits_keeping(int(r), keep) for p, r in zip(alone, rows))
+            start = groups.allocate(key, rows)
+            if not fits:
+                assert start is None
+                failures += 1
+                continue
+            expected = [pool.allocate(key, int(r)) or 0 for pool, r in zip(alone, rows)]
+            assert start.tolist() == expected
+        for owner, pool in zip(owners, alone):
+            assert owner.rows.same_rows(pool)
+            owner.rows.check()
+        assert len(groups.pools) == len({tuple(sorted(pool._owned.items())) for pool in alone})
+        most = max(most, len(groups.pools))
+    assert (failures > 10 if region is None else failures == 0) and most >= 4  # full, and split into several
 
 
 # --------------------------------------------------------------------------------------------------
@@ -315,8 +408,9 @@ def test_a_slot_owns_its_rank_rounded_up_to_8_rows(pool_setup):
     layers = qv_layers(manager)
     weights = {name: [[adapters[name].modules.get(m) for m in layer.slice_names] for layer in layers]
                for name in ("qv3", "qv9", "qv16")}
-    assert {units for _, units in manager.pool.footprint(adapters["qv3"].modules)} == {8}
-    assert {units for _, units in manager.pool.footprint(adapters["qv9"].modules)} == {16}
+    for name, units in (("qv3", 8), ("qv9", 16)):
+        rows = manager.pool.footprint(adapters[name].modules).rows
+        assert set(rows.tolist()) == {0, units} and len(rows[rows > 0]) == len(layers)
     manager.activate(adapters["qv3"])
     manager.activate(adapters["qv9"])
     for layer in layers:

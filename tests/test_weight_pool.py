@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import random
 
+import numpy as np
 import pytest
 import torch
 from conftest import needs_cuda, needs_interpreter
@@ -149,7 +150,7 @@ def test_shards_are_views_of_the_adapters_buffer():
     assert set(part) == {"col", "row"}  # a module of no layer is left out
     assert torch.equal(part["col"].lora_b, modules["col"].lora_b[6:]) and part["col"].lora_a is modules["col"].lora_a
     assert torch.equal(part["row"].lora_a, modules["row"].lora_a[:, 8:]) and part["row"].lora_b is modules["row"].lora_b
-    assert shared_buffer([t for w in part.values() for t in (w.lora_a, w.lora_b)]) is not None
+    assert shared_buffer(*spans([t for w in part.values() for t in (w.lora_a, w.lora_b)])) is not None
     pool.write(0, part)
     (a, b), = layers["row"].slots.slot_weights(0)
     assert torch.equal(a, modules["row"].lora_a[:, 8:]) and torch.equal(b, modules["row"].lora_b)
@@ -158,13 +159,21 @@ def test_shards_are_views_of_the_adapters_buffer():
 def test_the_shared_buffer_is_the_one_host_buffer_the_weights_lie_in():
     modules = fused_adapter((4, 4, 4), 0)
     weights = [t for w in modules.values() for t in (w.lora_a, w.lora_b)]
-    buffer = shared_buffer(weights)
+    buffer = shared_buffer(*spans(weights))
     assert buffer is not None and buffer.dtype == torch.uint8
     start = buffer.data_ptr()
     assert all(start <= t.data_ptr() and t.data_ptr() + t.nbytes <= start + buffer.numel() for t in weights)
-    assert shared_buffer([w.clone() for w in weights]) is None  # no shared buffer: copied one by one
+    assert shared_buffer(*spans([w.clone() for w in weights])) is None  # no shared buffer: copied one by one
+    assert shared_buffer(*spans(weights[:1] + [weights[1].clone()])) is None  # one of them elsewhere
     huge = torch.zeros(1 << 22)  # a buffer mostly of something else (a saved base embedding)
-    assert shared_buffer([huge[:64].view(8, 8)]) is None
+    assert shared_buffer(*spans([huge[:64].view(8, 8)])) is None
+
+
+def spans(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """`shared_buffer`'s arguments for these matrices: the first, and each one's (address, bytes
+    from its first element to past its last)."""
+    return tensors[0], np.array([(t.data_ptr(), ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) * t.element_size())
+                                 for t in tensors], dtype=np.int64)
 
 
 def test_zero_all_zeroes_mixed_dtypes_in_one_call_per_dtype(monkeypatch):

@@ -191,7 +191,7 @@ class LoRAModelManager:
                 self.stats.load_failures += 1
                 raise
             self._handles[handle.id] = handle
-            self._touches_big[slot] = any(layer.big_gemm for layer, _ in footprint)
+            self._touches_big[slot] = footprint.big_gemm
             self.stats.loads += 1
             return slot
 

@@ -81,8 +81,8 @@ class AdapterPlacement:
     def _fits_once_evicted(self, footprint: Footprint, keep: Collection[int] = (),
                            handle_id: int | None = None) -> bool:
         """Whether ``footprint`` fits every layer's rows left by the held adapters and ``keep``;
-        kept per handle while the slot table stands (at 8B with 64 adapters in use one answer
-        walks 225 layers' blocks)."""
+        kept per handle while the slot table stands (one answer walks the blocks of every
+        adapter in use, in each group of layers)."""
         kept_ids = self.kept(keep)
         key = (handle_id, frozenset(kept_ids))
         if self._fit_answers[0] != self.slots.version:
@@ -112,13 +112,12 @@ class AdapterPlacement:
                 fix="Retry when a request finishes, or raise max_gpu_lora_bytes (--max-gpu-lora-bytes).",
             )
         while True:
-            short = [layer for layer, units in footprint if not layer.slots.rows.fits(units)]
+            short = self.pool.rows.short(footprint.rows)
             if self.slots.free_slots and not short:
                 return
             # least recently used first; for rows, only an adapter that owns some where they are short
             evict(next(i for i in self.slots.ids() if not self.slots.is_held(i) and i not in keep
-                       and (not self.slots.free_slots
-                            or any(self.slots.slot_of(i) in layer.slots.rows for layer in short))))
+                       and (not self.slots.free_slots or any(self.slots.slot_of(i) in pool for pool in short))))
 
     @property
     def usage(self) -> float:

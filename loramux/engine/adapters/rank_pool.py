@@ -16,13 +16,23 @@ the adapters between them leave. A pool with ``region`` set instead gives key k 
 ``[k * region, (k + 1) * region)``: no sharing and no fragmentation, every key able to take
 ``region`` rows (the model manager's default pool, sized ``max_loras`` regions of the largest
 rank, as slots were before pooling).
+
+`RowGroups` keeps the pools of a model's layers: every layer's pool has the same rows, and layers
+that every write so far gave the same rows (all q/v projections, under q/v adapters) hold the same
+table, so a group of them shares one `RankPool`. A write, a clear and a question of room then cost
+a few Python steps per group, not per layer (an 8B model has 128 pooled layers, and the engine's
+thread places adapters between steps); a write that gives a group's layers different rows splits
+it, and groups whose tables are equal again merge.
 """
 
 from __future__ import annotations
 
 from bisect import bisect
+from collections.abc import Collection, Sequence
 
-__all__ = ["RankPool"]
+import numpy as np
+
+__all__ = ["RankPool", "RowGroups"]
 
 
 class RankPool:
@@ -120,6 +130,16 @@ class RankPool:
         else:
             self._free.insert(i, (start, size))
 
+    def copy(self) -> RankPool:
+        """A pool with the same rows owned and free, apart from this one."""
+        twin = RankPool(self.units, self.region)
+        twin._free, twin._owned, twin._owned_units = list(self._free), dict(self._owned), self._owned_units
+        return twin
+
+    def same_rows(self, other: RankPool) -> bool:
+        """Whether ``other`` holds the same table (its free ranges follow from the owned ones)."""
+        return self._owned == other._owned and self.region == other.region and self.units == other.units
+
     def check(self) -> None:
         """Assert the bookkeeping is whole: free and owned ranges apart, together every row once
         (tests call it; the hot path does not, it would walk every range)."""
@@ -129,3 +149,99 @@ class RankPool:
         if self.region is None:
             assert self._owned_units + sum(n for _, n in self._free) == self.units, "rows lost or gained"
             assert all(a + n < b for (a, n), (b, _) in zip(self._free, self._free[1:])), "free ranges not merged"
+
+
+class RowGroups:
+    """The rank pools of ``len(owners)`` layers, each of ``units`` rows (``region``: `RankPool`'s),
+    one pool per group of layers every write gave the same rows (see the module docstring).
+
+    :param owners: one per layer (its `LayerSlots`): each one's ``rows`` is kept pointing at its
+        group's pool, so a layer reads its own table.
+    """
+
+    def __init__(self, owners: Sequence, units: int, region: int | None = None) -> None:
+        self._owners = list(owners)
+        self.units = units
+        self._pools = [RankPool(units, region)]
+        self._members = [np.arange(len(self._owners))]  # per group: its layers
+        self._point(0)
+
+    @property
+    def pools(self) -> list[RankPool]:
+        """The distinct pools, one per group."""
+        return list(self._pools)
+
+    def needs(self, rows: np.ndarray) -> list[tuple[RankPool, int]]:
+        """Per group where ``rows`` (per layer) asks for any: its pool and the most rows a layer
+        of it asks for (a group's layers hold one table, so that many fit in all of them or none)."""
+        return [(pool, n) for pool, members in zip(self._pools, self._members) if (n := int(rows[members].max(initial=0)))]
+
+    def fits(self, rows: np.ndarray) -> bool:
+        """Whether every layer has ``rows[j]`` rows free now."""
+        return all(pool.fits(n) for pool, n in self.needs(rows))
+
+    def fits_keeping(self, rows: np.ndarray, keep: Collection[int]) -> bool:
+        """Whether every layer would have ``rows[j]`` rows free if only the keys in ``keep`` held rows."""
+        return all(pool.fits_keeping(n, keep) for pool, n in self.needs(rows))
+
+    def short(self, rows: np.ndarray) -> list[RankPool]:
+        """The pools without ``rows`` free now (of a layer asking for them)."""
+        return [pool for pool, n in self.needs(rows) if not pool.fits(n)]
+
+    def allocate(self, key: int, rows: np.ndarray) -> np.ndarray | None:
+        """Give ``key`` (owning none) ``rows[j]`` rows in each layer j, one range per group;
+        returns each layer's first row (0 where it takes none), or None when a group has no
+        room (nothing is taken then)."""
+        self._split(rows)
+        start = np.zeros(len(self._owners), dtype=np.int64)
+        taken = []
+        for pool, members in zip(self._pools, self._members):
+            n = int(rows[members[0]]) if len(members) else 0
+            if not n:
+                continue
+            at = pool.allocate(key, n)
+            if at is None:
+                for other in taken:
+                    other.free(key)
+                return None
+            taken.append(pool)
+            start[members] = at
+        return start
+
+    def free(self, key: int) -> None:
+        """Give ``key``'s rows back in every layer; groups whose tables are equal again merge."""
+        for pool in self._pools:
+            pool.free(key)
+        i = 0
+        while i < len(self._pools):
+            j = i + 1
+            while j < len(self._pools):
+                if self._pools[i].same_rows(self._pools[j]):
+                    self._members[i] = np.concatenate([self._members[i], self._members.pop(j)])
+                    del self._pools[j]
+                    self._point(i)
+                else:
+                    j += 1
+            i += 1
+
+    def _split(self, rows: np.ndarray) -> None:
+        """Split every group whose layers ``rows`` gives different counts: each count's layers
+        get a copy of the group's pool."""
+        for g in range(len(self._pools)):  # the groups split off here are whole already
+            members = self._members[g]
+            asked = rows[members]
+            if asked.min() == asked.max():
+                continue
+            counts = np.unique(asked)
+            self._members[g] = members[asked == counts[0]]
+            for n in counts[1:]:
+                self._pools.append(self._pools[g].copy())
+                self._members.append(members[asked == n])
+                self._point(len(self._pools) - 1)
+
+    def _point(self, g: int) -> None:
+        pool = self._pools[g]
+        for j in self._members[g].tolist():
+            # into the instance's dict: a module's __setattr__ type-checks every value (a split
+            # points a hundred layers between two steps)
+            self._owners[j].__dict__["rows"] = pool

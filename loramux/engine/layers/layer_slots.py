@@ -14,9 +14,10 @@ Every resident adapter's weights share one pool of rank rows per layer (S-LoRA's
 
 A slot owns ``w = pool_rows(r)`` rows, its rank r on this layer rounded up to `POOL_ROW_ALIGN`
 (the rows and columns past the rank zero), so B's blocks stay aligned for vector loads. ``rows``
-(a `RankPool`) says which rows each slot owns; ``host_ranks`` is ``ranks`` on the host, so the
-forward skips a layer no active slot touches without a sync. The adapter weight pool
-(`loramux.engine.layers.weight_pool`) makes and writes these; the kernel backend reads them.
+(a `RankPool`, shared with the layers of its `RowGroups` group) says which rows each slot owns;
+``host_ranks`` is ``ranks`` on the host, so the forward skips a layer no active slot touches
+without a sync. The adapter weight pool (`loramux.engine.layers.weight_pool`) makes and writes
+these; the kernel backend reads them.
 """
 
 from __future__ import annotations
@@ -40,11 +41,10 @@ class LayerSlots(nn.Module):
 
     :param num_slots: adapters resident at once (S).
     :param units: rank rows in the pool (U).
-    :param region: give slot k the fixed rows from ``k * region`` instead of sharing them.
     """
 
     def __init__(self, *, num_slots: int, max_lora_rank: int, in_features: int, output_sizes: Sequence[int],
-                 units: int, region: int | None, dtype: torch.dtype, device: torch.device | None) -> None:
+                 units: int, dtype: torch.dtype, device: torch.device | None) -> None:
         super().__init__()
         self.num_slots, self.max_lora_rank = num_slots, max_lora_rank
         self.in_features, self.output_sizes = in_features, tuple(output_sizes)
@@ -60,7 +60,7 @@ class LayerSlots(nn.Module):
         self.register_buffer("scales", torch.zeros(num_slots, self.n_slices, dtype=torch.float32, device=device),
                              persistent=False)
         self.register_buffer("ranks", torch.zeros(num_slots, **int32), persistent=False)
-        self.rows = RankPool(units, region)
+        self.rows: RankPool | None = None  # which slot owns which rows: given by the pool's `RowGroups`
         self.host_ranks = [0] * num_slots
 
     @staticmethod
@@ -98,4 +98,4 @@ class LayerSlots(nn.Module):
         return [(rows_a[:r, i], block_b[off : off + size, :r]) for i, (off, size) in enumerate(zip(offsets, self.output_sizes))]
 
     def extra_repr(self) -> str:
-        return f"rows={self.rows.units}, dtype={self.dtype}"
+        return f"rows={self.lora_b.shape[0]}, dtype={self.dtype}"

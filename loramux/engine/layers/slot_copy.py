@@ -122,21 +122,20 @@ def launch_table(table: Table, device: torch.device, stage: bool = True) -> None
     copy_blocks(on_device[:table_bytes].view(torch.int64).view(-1, TABLE_FIELDS))
 
 
-def shared_buffer(weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """The one host buffer (a uint8 tensor over its storage) every tensor of ``weights`` lies in,
-    or None: they lie in several, on a device, or in one far larger than they are."""
-    first = weights[0]
+def shared_buffer(first: torch.Tensor, spans: np.ndarray) -> torch.Tensor | None:
+    """The one host buffer (a uint8 tensor over ``first``'s storage) that every span of
+    ``spans`` (int64 ``[n, 2]``: address, bytes) lies in, or None: they lie in several, on a
+    device, or in one far larger than they are. Spans, not tensors: a plan has its blocks'
+    addresses as numbers already, and a walk over an 8B adapter's 448 tensors is Python on the
+    engine's thread."""
     if first.device.type != "cpu":
         return None
     storage = first.untyped_storage()
     start, nbytes = storage.data_ptr(), storage.nbytes()
-    needed = 0
-    for t in weights:
-        at, size = t.data_ptr(), t.nbytes
-        if not start <= at <= start + nbytes - size:
-            return None
-        needed += size
-    if nbytes > MAX_STAGED_OVERHEAD * needed + (1 << 20):
+    at, size = spans[:, 0], spans[:, 1]
+    if len(spans) and (at.min() < start or (at + size).max() > start + nbytes):
+        return None
+    if nbytes > MAX_STAGED_OVERHEAD * int(size.sum()) + (1 << 20):
         return None
     return torch.empty(0, dtype=torch.uint8).set_(storage)
 

@@ -20,10 +20,12 @@ no adapter, only their weights.
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
+from loramux.engine.adapters.rank_pool import RowGroups
 from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.engine.layers.layer_slots import LayerSlots
 from loramux.engine.layers.slot_copy import copy_one_by_one, launch_table, zero_all
@@ -55,8 +57,15 @@ def default_gpu_lora_bytes(device: torch.device) -> int:
         return int(torch.cuda.get_device_properties(device).total_memory * GPU_LORA_BYTES_FRACTION)
     return CPU_LORA_BYTES
 
-#: the pool rows an adapter takes in each layer it touches
-Footprint = list[tuple[BaseLayerWithLoRA, int]]
+
+@dataclass(frozen=True)
+class Footprint:
+    """The pool rows an adapter takes in each wrapped layer: its largest rank there rounded up
+    to `POOL_ROW_ALIGN`, 0 where it has no module (in the pool's layer order)."""
+
+    rows: np.ndarray
+    #: whether a layer it touches runs its LoRA beside a big base GEMM (`BaseLayerWithLoRA.big_gemm`)
+    big_gemm: bool
 
 
 class AdapterWeightPool:
@@ -89,9 +98,12 @@ class AdapterWeightPool:
         self.num_slots = cap if cap is not None else max(1, min(units // POOL_ROW_ALIGN, MAX_LORA_SLOTS))
         for layer in self.layers.values():
             layer.slots = LayerSlots(num_slots=self.num_slots, max_lora_rank=R, in_features=layer.in_features,
-                                     output_sizes=layer.output_sizes, units=units, region=region,
+                                     output_sizes=layer.output_sizes, units=units,
                                      dtype=layer.lora_dtype, device=layer.lora_device)
-        self._planner = WritePlanner(list(self.layers.values()))
+        #: which slot owns which rows of every layer's pool
+        self.rows = RowGroups([layer.slots for layer in self.layers.values()], units, region)
+        self._planner = WritePlanner(list(self.layers.values()), self.rows)
+        self._big_gemm = np.array([layer.big_gemm for layer in self.layers.values()], dtype=bool)
         #: the tensor-parallel rank of these layers' shards (None: not sharded): `write` takes
         #: that rank's part of an adapter (`shard`)
         self.tp_rank = next((layer.tp_shard.rank for layer in self.layers.values() if layer.tp_shard), None)
@@ -119,8 +131,7 @@ class AdapterWeightPool:
     @property
     def units(self) -> int:
         """Rank rows in each layer's pool (0 without layers)."""
-        first = next(iter(self.layers.values()), None)
-        return first.slots.rows.units if first is not None else 0
+        return self.rows.units if self.layers else 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -130,30 +141,23 @@ class AdapterWeightPool:
     @property
     def rows_usage(self) -> float:
         """The fullest layer's share of its pool rows in use, 0 to 1 (0 without layers)."""
-        return max(((rows.units - rows.free_units) / rows.units
-                    for rows in (layer.slots.rows for layer in self.layers.values()) if rows.units), default=0.0)
+        return max(((pool.units - pool.free_units) / pool.units for pool in self.rows.pools if pool.units),
+                   default=0.0)
 
     # -- room ----------------------------------------------------------------------------------
 
     def footprint(self, modules: Mapping[str, LoRAModuleWeights]) -> Footprint:
-        """The pool rows an adapter with these modules takes in each layer it touches: its
-        largest rank there, rounded up to `POOL_ROW_ALIGN`."""
-        rank: dict[BaseLayerWithLoRA, int] = {}
-        for name, weights in modules.items():
-            found = self._planner.layer_of(name)
-            if found is not None:
-                rank[found[0]] = max(rank.get(found[0], 0), weights.rank)
-        return [(layer, pool_rows(r)) for layer, r in rank.items() if r]
+        """The pool rows an adapter with these modules takes in each layer."""
+        rows = self._planner.rows_for(modules)
+        return Footprint(rows, bool(self._big_gemm[rows > 0].any()))
 
-    @staticmethod
-    def fits(footprint: Footprint) -> bool:
-        """Whether every layer of ``footprint`` has its rows free now."""
-        return all(layer.slots.rows.fits(units) for layer, units in footprint)
+    def fits(self, footprint: Footprint) -> bool:
+        """Whether every layer has ``footprint``'s rows free now."""
+        return self.rows.fits(footprint.rows)
 
-    @staticmethod
-    def fits_keeping(footprint: Footprint, kept_slots: Collection[int]) -> bool:
+    def fits_keeping(self, footprint: Footprint, kept_slots: Collection[int]) -> bool:
         """Whether ``footprint`` would fit if only the adapters in ``kept_slots`` held rows."""
-        return all(layer.slots.rows.fits_keeping(units, kept_slots) for layer, units in footprint)
+        return self.rows.fits_keeping(footprint.rows, kept_slots)
 
     # -- writing and clearing -----------------------------------------------------------------
 
@@ -181,11 +185,11 @@ class AdapterWeightPool:
         """Free ``slot``'s rows in every layer: tokens mapped to it get the base output. Its scales
         and ranks are zeroed in one `copy_blocks` table (without one: one call per dtype); the
         rows keep their contents, which no kernel reads at rank 0."""
+        self.rows.free(slot)
         ranked = []  # the layers where it has a rank: elsewhere its scales and rank are zero already
         every = self._planner.layers
         for j in self._holding.pop(slot, ()):
             slots = every[j].slots
-            slots.rows.free(slot)
             if slots.host_ranks[slot]:
                 slots.host_ranks[slot] = 0
                 ranked.append(j)

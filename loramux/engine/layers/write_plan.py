@@ -7,10 +7,10 @@ slice, and B's columns up to its rows), and per layer the scales, the rank and t
 Every number of that follows from a few per layer (its pools' addresses and strides, read once)
 and a few per module of the adapter (its rank, its weights' addresses and row strides, its
 scaling), so the plan is numpy over arrays, never Python per block: the Python left per write is
-one pass over the adapter's modules and each touched layer's rank-pool allocation. An 8B model
-has 128 pooled projections: described layer by layer and block by block, a write is hundreds of
-Python steps per adapter on the engine's thread, all of them before the step that admits the
-adapter's request can launch.
+one pass over the adapter's modules and a rank-pool allocation per group of layers written alike
+(`RowGroups`). An 8B model has 128 pooled projections: described layer by layer and block by
+block, a write is hundreds of Python steps per adapter on the engine's thread, all of them before
+the step that admits the adapter's request can launch.
 
 The plan is run by `loramux.engine.layers.slot_copy`: as one `copy_blocks` table on CUDA
 (`WritePlanner.table`), or block by block where a table cannot say it (the CPU, a cast, weights
@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from loramux.engine.adapters.rank_pool import RowGroups
 from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.engine.layers.slot_copy import COPY_FIELDS, Table, WritePlan, shared_buffer
 from loramux.kernels.pool import POOL_ROW_ALIGN
@@ -35,10 +36,12 @@ class WritePlanner:
     """Plans slot writes into ``layers`` (their `LayerSlots` given already).
 
     :param layers: the wrapped layers, in the pool's order.
+    :param rows: their pools' rows, which a plan allocates.
     """
 
-    def __init__(self, layers: Sequence[BaseLayerWithLoRA]) -> None:
+    def __init__(self, layers: Sequence[BaseLayerWithLoRA], rows: RowGroups) -> None:
         self.layers = list(layers)
+        self.rows = rows
         self._slots = [layer.slots for layer in self.layers]  # read once: a module's lookup is slow
         self._slice: dict[str, int] = {}  # module name -> its row in the slice arrays
         slices = []  # (layer index, slice index, output rows, output rows of the slices before it)
@@ -57,6 +60,17 @@ class WritePlanner:
         """The layer a module's weights fill, and its slice there."""
         row = self._slice.get(module)
         return None if row is None else (self.layers[int(self._layer[row])], int(self._index[row]))
+
+    def rows_for(self, modules: Mapping[str, LoRAModuleWeights]) -> np.ndarray:
+        """The pool rows ``modules`` take in each layer: their largest rank there rounded up to
+        `POOL_ROW_ALIGN`, 0 where they have none."""
+        slice_of = self._slice.get
+        found = [(row, w.rank) for name, w in modules.items() if (row := slice_of(name)) is not None]
+        rank = np.zeros(len(self.layers), dtype=np.int64)
+        if found:
+            rows, ranks = np.array(found, dtype=np.int64).T
+            np.maximum.at(rank, self._layer[rows], ranks)
+        return _pool_rows(rank)
 
     def plan(self, slot: int, modules: Mapping[str, LoRAModuleWeights]) -> WritePlan:
         """Give ``modules`` (an adapter's, validated against this model; a tensor-parallel rank's
@@ -98,35 +112,21 @@ class WritePlanner:
             per_slice[rows] = found
             scalings[rows] = scaling
             np.maximum.at(rank, self._layer[rows], per_slice[rows, 1])
-        width = -(-rank // POOL_ROW_ALIGN) * POOL_ROW_ALIGN
+        width = _pool_rows(rank)
         touched = np.flatnonzero(rank)
-        start = np.zeros(n_layers, dtype=np.int64)
-        self._take_rows(slot, touched, width, rank, start)
+        start = self.rows.allocate(slot, width)
+        if start is None:
+            j = next(j for j in touched.tolist() if self._slots[j].rows in self.rows.short(width))
+            rows = self._slots[j].rows
+            raise RuntimeError(
+                f"{self.layers[j].module_name}: no {int(width[j])} free rows in its LoRA pool of "
+                f"{rows.units} ({rows.free_units} free); the model manager makes room before it writes")
+        for j, r in zip(touched.tolist(), rank[touched].tolist()):
+            self._slots[j].host_ranks[slot] = r  # until the write completes, a failure's clear zeroes it
         s = np.flatnonzero(np.isin(self._layer, touched))  # the touched layers' slices, in order
         copies, zeros = self._blocks(g, s, per_slice, rank, width, start)
         scales = np.where(per_slice[s, 1] > 0, scalings[s] * g["multiplier"][self._layer[s]], 0.0).astype(np.float32)
         return WritePlan(slot, copies, zeros, touched, scales, rank[touched], start[touched], tensors, table_ok)
-
-    def _take_rows(self, slot: int, touched: np.ndarray, width: np.ndarray, rank: np.ndarray,
-                   start: np.ndarray) -> None:
-        """Give ``slot`` (owning no rows) ``width[j]`` rows of every touched layer's pool, or none:
-        allocated layer by layer, those taken given back when one layer has no room (one pass, not
-        a check of every layer and then the allocations: the engine's thread runs it per adapter)."""
-        taken = []
-        for j in touched.tolist():
-            slots = self._slots[j]
-            at = slots.rows.allocate(slot, int(width[j]))
-            if at is None:
-                for k in taken:
-                    self._slots[k].rows.free(slot)
-                    self._slots[k].host_ranks[slot] = 0
-                rows = slots.rows
-                raise RuntimeError(
-                    f"{self.layers[j].module_name}: no {int(width[j])} free rows in its LoRA pool of "
-                    f"{rows.units} ({rows.free_units} free); the model manager makes room before it writes")
-            taken.append(j)
-            start[j] = at
-            slots.host_ranks[slot] = int(rank[j])  # until the write completes, a failure's clear zeroes it
 
     def _blocks(self, g, s, per_slice, rank, width, start) -> tuple[np.ndarray, np.ndarray]:
         """The blocks to copy and to zero, as `copy_blocks` rows (addresses in bytes, the rest in
@@ -151,7 +151,9 @@ class WritePlanner:
     def table(self, plan: WritePlan) -> Table | None:
         """``plan`` as one `copy_blocks` table, or None where a table cannot say it (a cast,
         weights in device memory or in several host buffers)."""
-        host = shared_buffer(plan.sources) if plan.table_ok and plan.sources else None
+        c = plan.copies  # a block's span: its rows but the last at the source's stride, then the last
+        spans = np.stack([c[:, 1], 2 * ((c[:, 2] - 1) * c[:, 5] + c[:, 3])], axis=1)
+        host = shared_buffer(plan.sources[0], spans) if plan.table_ok and plan.sources else None
         if plan.sources and host is None:
             return None
         g, t, slot = self.geometry(), plan.touched, plan.slot
@@ -201,6 +203,11 @@ class WritePlanner:
         geometry = {name: np.array(values, dtype=np.int64) for name, values in columns.items()}
         geometry["multiplier"] = np.array([layer.scale_multiplier() for layer in self.layers], dtype=np.float64)
         return geometry
+
+
+def _pool_rows(rank: np.ndarray) -> np.ndarray:
+    """`pool_rows` of every rank in an array."""
+    return -(-rank // POOL_ROW_ALIGN) * POOL_ROW_ALIGN
 
 
 def _stack(*columns) -> np.ndarray:
