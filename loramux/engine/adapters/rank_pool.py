@@ -203,6 +203,7 @@ class RowGroups:
             if at is None:
                 for other in taken:
                     other.free(key)
+                self._merge()  # the groups split for it hold equal tables again
                 return None
             taken.append(pool)
             start[members] = at
@@ -210,19 +211,31 @@ class RowGroups:
 
     def free(self, key: int) -> None:
         """Give ``key``'s rows back in every layer; groups whose tables are equal again merge."""
-        for pool in self._pools:
+        held = [pool for pool in self._pools if key in pool]
+        for pool in held:
             pool.free(key)
-        i = 0
-        while i < len(self._pools):
-            j = i + 1
-            while j < len(self._pools):
-                if self._pools[i].same_rows(self._pools[j]):
-                    self._members[i] = np.concatenate([self._members[i], self._members.pop(j)])
-                    del self._pools[j]
-                    self._point(i)
-                else:
-                    j += 1
-            i += 1
+        if held and len(self._pools) > 1:
+            self._merge()
+
+    def _merge(self) -> None:
+        """Merge the groups whose tables are equal (compared within a cheap signature's bucket:
+        with per-layer ranks there may be a group per layer)."""
+        buckets: dict[tuple, list[int]] = {}
+        for g, pool in enumerate(self._pools):
+            buckets.setdefault((pool.free_units, len(pool._owned), tuple(pool._free[:1])), []).append(g)
+        gone: set[int] = set()
+        for same in buckets.values():
+            for i, g in enumerate(same):
+                if g in gone:
+                    continue
+                twins = [h for h in same[i + 1:] if h not in gone and self._pools[g].same_rows(self._pools[h])]
+                if not twins:
+                    continue
+                self._members[g] = np.concatenate([self._members[g], *(self._members[h] for h in twins)])
+                gone.update(twins)
+                self._point(g)
+        for h in sorted(gone, reverse=True):
+            del self._pools[h], self._members[h]
 
     def _split(self, rows: np.ndarray) -> None:
         """Split every group whose layers ``rows`` gives different counts: each count's layers
