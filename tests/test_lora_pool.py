@@ -217,6 +217,8 @@ def test_a_row_groups_allocation_without_room_takes_nothing():
     assert not groups.fits(np.array([8, 8, 8])) and groups.fits(np.array([8, 0, 0]))
     assert groups.short(np.array([8, 8, 8])) == [owners[1].rows]
     assert groups.fits_keeping(np.array([16, 16, 16]), set()) and not groups.fits_keeping(np.array([16, 16, 16]), {0})
+    none = np.zeros(0, dtype=np.int64)  # a model without wrapped layers: nothing to take, always room
+    assert RowGroups([], 0).allocate(0, none).tolist() == [] and RowGroups([], 0).fits(none)
 
 
 @pytest.mark.parametrize("region", [None, 8])

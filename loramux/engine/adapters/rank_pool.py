@@ -136,6 +136,10 @@ class RankPool:
         twin._free, twin._owned, twin._owned_units = list(self._free), dict(self._owned), self._owned_units
         return twin
 
+    def table_key(self) -> tuple:
+        """A key that pools holding the same table share (cheap: not the table itself)."""
+        return self.free_units, len(self._owned), tuple(self._free[:1])
+
     def same_rows(self, other: RankPool) -> bool:
         """Whether ``other`` holds the same table (its free ranges follow from the owned ones)."""
         return self._owned == other._owned and self.region == other.region and self.units == other.units
@@ -174,7 +178,8 @@ class RowGroups:
     def needs(self, rows: np.ndarray) -> list[tuple[RankPool, int]]:
         """Per group where ``rows`` (per layer) asks for any: its pool and the most rows a layer
         of it asks for (a group's layers hold one table, so that many fit in all of them or none)."""
-        return [(pool, n) for pool, members in zip(self._pools, self._members) if (n := int(rows[members].max(initial=0)))]
+        asked = ((pool, int(rows[members].max(initial=0))) for pool, members in zip(self._pools, self._members))
+        return [(pool, n) for pool, n in asked if n]
 
     def fits(self, rows: np.ndarray) -> bool:
         """Whether every layer has ``rows[j]`` rows free now."""
@@ -222,7 +227,7 @@ class RowGroups:
         with per-layer ranks there may be a group per layer)."""
         buckets: dict[tuple, list[int]] = {}
         for g, pool in enumerate(self._pools):
-            buckets.setdefault((pool.free_units, len(pool._owned), tuple(pool._free[:1])), []).append(g)
+            buckets.setdefault(pool.table_key(), []).append(g)
         gone: set[int] = set()
         for same in buckets.values():
             for i, g in enumerate(same):
@@ -243,7 +248,7 @@ class RowGroups:
         for g in range(len(self._pools)):  # the groups split off here are whole already
             members = self._members[g]
             asked = rows[members]
-            if asked.min() == asked.max():
+            if not len(asked) or asked.min() == asked.max():
                 continue
             counts = np.unique(asked)
             self._members[g] = members[asked == counts[0]]
