@@ -179,7 +179,7 @@ class AdapterWeightPool:
             if table is not None:
                 launch_table(table, self.device, stage=self.device.type == "cuda")
             else:
-                copy_one_by_one(plan, [layer.slots for layer in self._planner.layers])
+                copy_one_by_one(plan, self._planner.slots)
 
     def clear(self, slot: int) -> None:
         """Free ``slot``'s rows in every layer: tokens mapped to it get the base output. Its scales
@@ -187,9 +187,9 @@ class AdapterWeightPool:
         rows keep their contents, which no kernel reads at rank 0."""
         self.rows.free(slot)
         ranked = []  # the layers where it has a rank: elsewhere its scales and rank are zero already
-        every = self._planner.layers
+        every = self._planner.slots
         for j in self._holding.pop(slot, ()):
-            slots = every[j].slots
+            slots = every[j]
             if slots.host_ranks[slot]:
                 slots.host_ranks[slot] = 0
                 ranked.append(j)
@@ -198,8 +198,7 @@ class AdapterWeightPool:
         if self.use_table:
             launch_table(self._planner.clear_table(slot, ranked), self.device, stage=self.device.type == "cuda")
         else:
-            zero_all([cell for j in ranked for cell in (every[j].slots.scales[slot],
-                                                         every[j].slots.ranks[slot : slot + 1])])
+            zero_all([cell for j in ranked for cell in (every[j].scales[slot], every[j].ranks[slot : slot + 1])])
 
     # -- tensor parallelism ---------------------------------------------------------------------
 

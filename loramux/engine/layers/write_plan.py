@@ -42,7 +42,9 @@ class WritePlanner:
     def __init__(self, layers: Sequence[BaseLayerWithLoRA], rows: RowGroups) -> None:
         self.layers = list(layers)
         self.rows = rows
-        self._slots = [layer.slots for layer in self.layers]  # read once: a module's lookup is slow
+        #: each layer's `LayerSlots`, read once: a submodule's lookup is slow, and a write or a clear
+        #: visits a hundred of them
+        self.slots = [layer.slots for layer in self.layers]
         self._slice: dict[str, int] = {}  # module name -> its row in the slice arrays
         slices = []  # (layer index, slice index, output rows, output rows of the slices before it)
         for j, layer in enumerate(self.layers):
@@ -116,13 +118,13 @@ class WritePlanner:
         touched = np.flatnonzero(rank)
         start = self.rows.allocate(slot, width)
         if start is None:
-            j = next(j for j in touched.tolist() if self._slots[j].rows in self.rows.short(width))
-            rows = self._slots[j].rows
+            j = next(j for j in touched.tolist() if self.slots[j].rows in self.rows.short(width))
+            rows = self.slots[j].rows
             raise RuntimeError(
                 f"{self.layers[j].module_name}: no {int(width[j])} free rows in its LoRA pool of "
                 f"{rows.units} ({rows.free_units} free); the model manager makes room before it writes")
         for j, r in zip(touched.tolist(), rank[touched].tolist()):
-            self._slots[j].host_ranks[slot] = r  # until the write completes, a failure's clear zeroes it
+            self.slots[j].host_ranks[slot] = r  # until the write completes, a failure's clear zeroes it
         s = np.flatnonzero(np.isin(self._layer, touched))  # the touched layers' slices, in order
         copies, zeros = self._blocks(g, s, per_slice, rank, width, start)
         scales = np.where(per_slice[s, 1] > 0, scalings[s] * g["multiplier"][self._layer[s]], 0.0).astype(np.float32)
@@ -180,13 +182,13 @@ class WritePlanner:
         """Each layer's pools as numbers (addresses in bytes, strides in elements) and its
         scale multiplier. Read again when the pools were replaced: ``module.to`` moves them all,
         so the first layer's A pool tells."""
-        if self._slots and self._slots[0].lora_a is not self._sentinel:
-            self._sentinel = self._slots[0].lora_a
+        if self.slots and self.slots[0].lora_a is not self._sentinel:
+            self._sentinel = self.slots[0].lora_a
             self._geometry = self._read_geometry()
         return self._geometry
 
     def _read_geometry(self) -> dict[str, np.ndarray]:
-        slots = self._slots
+        slots = self.slots
         for s in slots:
             assert s.lora_a.stride(2) == 1 and s.lora_b.is_contiguous() and s.ranks.stride(0) == s.pool_starts.stride(0) == 1
         self._dtype = [slots[j].dtype for j in self._layer.tolist()]  # per slice
