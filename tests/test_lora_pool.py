@@ -1,4 +1,5 @@
-"""GPU LoRA memory pooled by rank: `RankPool`'s bookkeeping, the model manager sizing
+"""GPU LoRA memory pooled by rank: `RankPool`'s bookkeeping, `RowGroups` sharing one table
+between layers written alike (against a pool per layer), the model manager sizing
 every pool by ``max_gpu_lora_bytes`` and evicting by rows (PEFT the oracle through churn), a
 slot owning its rank rounded up to `POOL_ROW_ALIGN` rows (B's columns past the rank zero), held
 adapters never evicted for rows, the scheduler's room question (``AdapterUses.fit``), and an engine serving more
