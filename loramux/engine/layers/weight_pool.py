@@ -108,8 +108,8 @@ class AdapterWeightPool:
         #: that rank's part of an adapter (`shard`)
         self.tp_rank = next((layer.tp_shard.rank for layer in self.layers.values() if layer.tp_shard), None)
         self.use_table = self.device.type == "cuda" if use_table is None else use_table
-        # slot -> the layers (indices into the planner's) where it owns rows or has a rank: a
-        # clear visits those, not every layer (the engine's thread clears a slot per eviction)
+        # slot -> the layers (indices into the planner's) where it has a rank: a clear zeroes
+        # those, not every layer (the engine's thread clears a slot per eviction)
         self._holding: dict[int, list[int]] = {}
 
     @property
