@@ -24,7 +24,7 @@ from loramux.engine.core.structured_output import (  # noqa: E402
     UnsupportedStructuredOutput,
 )
 
-LIMITS = StructuredOutputLimits(compile_timeout=1, cache_bytes=400_000, max_bytes=4096, max_depth=8,
+LIMITS = StructuredOutputLimits(compile_timeout=1, cache_bytes=150_000, max_bytes=4096, max_depth=8,
                                 max_enum_values=10, max_choices=10)
 # 26 s to compile on the 2-core CPU machine with the 128-token test vocabulary: far past the 1 s limit
 SLOW = Format(json={"type": "string", "pattern": "(ab|cd){1,10000}"})
@@ -82,19 +82,29 @@ def test_a_format_at_the_limits_compiles(formats):
     formats.compile(Format(json={"enum": list(range(10))}))
 
 
+def fields(k: int) -> Format:
+    """An object of ``k`` required string properties: its compiled grammar grows with ``k`` (about
+    2.5-3.5 kB a property, by the xgrammar version), its spec stays small (34 bytes a property)."""
+    names = [f"p{i}" for i in range(k)]
+    return Format(json={"type": "object", "properties": {n: {"type": "string"} for n in names}, "required": names})
+
+
 def test_compiled_grammars_are_kept_within_the_byte_bound_least_recently_used_first_out(formats):
-    sized = [Format(json={"type": "string", "maxLength": 20 + i}) for i in range(15)]  # about 36 kB each
+    sized = [fields(k) for k in range(10, 25)]  # 25-85 kB each: a few fit the 150 kB cache
     first = formats.compile(sized[0])
+    compiled = first.memory_size_bytes
     for spec in sized[1:]:
-        formats.compile(spec)
+        compiled += formats.compile(spec).memory_size_bytes
         assert formats.cache_bytes <= LIMITS.cache_bytes
+    assert compiled > 2 * LIMITS.cache_bytes  # so the cache had to let some go
     assert formats.compile(sized[-1]) is formats.compile(sized[-1])  # kept
     assert formats.compile(sized[0]) is not first  # pushed out, compiled again
 
 
 def test_a_grammar_larger_than_the_cache_alone_is_refused(formats):
-    with pytest.raises(StructuredOutputLimitError, match="over the limit cache_bytes=400000"):
-        formats.compile(Format(json={"type": "string", "maxLength": 2000}))  # 422 kB
+    with pytest.raises(StructuredOutputLimitError, match=f"over the limit cache_bytes={LIMITS.cache_bytes}"):
+        formats.compile(fields(100))  # 245-325 kB compiled, from a spec of 3.4 kB
+    assert formats.compile(fields(10)) is formats.compile(fields(10))  # the cache still serves
 
 
 def test_the_grammar_engines_errors_carry_no_source_paths(formats):
