@@ -96,7 +96,7 @@ class RankPool:
             start = key * self.region
             assert start + self.region <= self.units, f"key {key} has no region in {self.units} rows"
         else:
-            if len(self._free) == 1:  # a pool not fragmented: no search (the engine's thread asks per layer)
+            if len(self._free) == 1:  # a pool not fragmented: no search (the engine's thread asks per group)
                 best = 0 if self._free[0][1] >= size else None
             else:
                 best = min((i for i, (_, free) in enumerate(self._free) if free >= size),

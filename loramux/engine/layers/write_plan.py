@@ -68,11 +68,14 @@ class WritePlanner:
         `POOL_ROW_ALIGN`, 0 where they have none."""
         slice_of = self._slice.get
         found = [(row, w.rank) for name, w in modules.items() if (row := slice_of(name)) is not None]
+        rows, ranks = np.array(found, dtype=np.int64).reshape(-1, 2).T
+        return _pool_rows(self._layer_ranks(rows, ranks))
+
+    def _layer_ranks(self, rows: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """Each layer's largest rank over the slices ``rows`` (of ranks ``ranks``), 0 where none."""
         rank = np.zeros(len(self.layers), dtype=np.int64)
-        if found:
-            rows, ranks = np.array(found, dtype=np.int64).T
-            np.maximum.at(rank, self._layer[rows], ranks)
-        return _pool_rows(rank)
+        np.maximum.at(rank, self._layer[rows], ranks)
+        return rank
 
     def plan(self, slot: int, modules: Mapping[str, LoRAModuleWeights]) -> WritePlan:
         """Give ``modules`` (an adapter's, validated against this model; a tensor-parallel rank's
@@ -105,24 +108,23 @@ class WritePlanner:
             found.append((row, a.shape[0], a.data_ptr(), b.data_ptr(), a_rows, b_rows, 2 * len(scaling)))
             tensors += (a, b)
             scaling.append(float(w.scaling))
-        n_layers = len(self.layers)
         per_slice = np.zeros((len(self._layer), 7), dtype=np.int64)  # (row), rank, A and B addresses, strides, source
         scalings = np.zeros(len(self._layer))
-        rank = np.zeros(n_layers, dtype=np.int64)
+        rows = np.array([f[0] for f in found], dtype=np.int64)
         if found:
-            rows = np.array([f[0] for f in found], dtype=np.int64)
             per_slice[rows] = found
             scalings[rows] = scaling
-            np.maximum.at(rank, self._layer[rows], per_slice[rows, 1])
+        rank = self._layer_ranks(rows, per_slice[rows, 1])
         width = _pool_rows(rank)
         touched = np.flatnonzero(rank)
         start = self.rows.allocate(slot, width)
         if start is None:
-            j = next(j for j in touched.tolist() if self.slots[j].rows in self.rows.short(width))
-            rows = self.slots[j].rows
+            short = self.rows.short(width)
+            j = next(j for j in touched.tolist() if self.slots[j].rows in short)
+            pool = self.slots[j].rows
             raise RuntimeError(
                 f"{self.layers[j].module_name}: no {int(width[j])} free rows in its LoRA pool of "
-                f"{rows.units} ({rows.free_units} free); the model manager makes room before it writes")
+                f"{pool.units} ({pool.free_units} free); the model manager makes room before it writes")
         for j, r in zip(touched.tolist(), rank[touched].tolist()):
             self.slots[j].host_ranks[slot] = r  # until the write completes, a failure's clear zeroes it
         s = np.flatnonzero(np.isin(self._layer, touched))  # the touched layers' slices, in order
@@ -200,7 +202,6 @@ class WritePlanner:
             "scales": [s.scales.data_ptr() for s in slots], "scales_row": [4 * s.scales.stride(0) for s in slots],
             "slices": [s.n_slices for s in slots],
             "ranks": [s.ranks.data_ptr() for s in slots], "starts": [s.pool_starts.data_ptr() for s in slots],
-            "region": [s.rows.region or 0 for s in slots],
         }
         geometry = {name: np.array(values, dtype=np.int64) for name, values in columns.items()}
         geometry["multiplier"] = np.array([layer.scale_multiplier() for layer in self.layers], dtype=np.float64)
