@@ -113,6 +113,11 @@ def test_decode_graphs_match_eager_and_the_oracle(engine_adapters, big_gemms, mo
             # prefill chunks and mixed steps replay them too (16 tokens = max_num_batched_tokens)
             assert captured == (12 if big_gemms else 8) and runner.num_graphs == captured and runner.graph_steps > 10
             assert runner.graph_steps == steps[0]
+            # the graphs above max_num_seqs (4) write their logits into one tensor
+            outputs = {T: {logits.data_ptr() for (size, _), (_, logits) in runner.graphs._graphs.items() if size == T}
+                       for T in runner.graph_sizes}
+            assert outputs[8] == outputs[16] == {runner.graphs._shared_logits.data_ptr()}
+            assert len(outputs[2] | outputs[4]) == len(runner.graphs.variants) * 2
     assert runs[False] == runs[True]
     for name, prompt, tokens in zip(names, prompts, runs[False]):
         path = None if name is None else engine_adapters[name]

@@ -16,11 +16,23 @@ from loramux.engine.worker.model_runner import StepShape
 from loramux.engine.core.step_outputs import SchedulerOutput
 
 
-def test_graph_token_sizes_cover_decodes_then_powers_of_two():
-    assert graph_token_sizes(64, 512) == [2, 4, 8, 16, 32, 48, 64, 128, 256, 512]
-    assert graph_token_sizes(48, 300) == [2, 4, 8, 16, 32, 48, 64, 128, 256, 300]
+def test_graph_token_sizes_cover_decodes_then_quarters_of_powers_of_two():
+    assert graph_token_sizes(64, 512) == [2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                                          320, 384, 448, 512]
+    assert graph_token_sizes(48, 300) == [2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 300]
+    assert graph_token_sizes(100, 160) == [2, 4, 8, 16, 32, 48, 64, 80, 96, 100, 112, 128, 160]
     assert graph_token_sizes(4, 16) == [2, 4, 8, 16]
     assert graph_token_sizes(64, 64) == graph_token_sizes(64, 1) == [2, 4, 8, 16, 32, 48, 64]
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 64, 256])
+def test_a_step_pads_by_less_than_a_quarter_of_its_tokens_past_16(max_num_seqs):
+    """A compute-bound step pays for its padding tokens: less than max(16, t / 4) of them."""
+    sizes = graph_token_sizes(max_num_seqs, 4096)
+    assert sizes[-1] == 4096 and sizes == sorted(set(sizes))
+    for t in range(1, 4097):
+        padded = next(T for T in sizes if T >= t)
+        assert padded - t < max(16, t / 4), (t, padded)
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +76,19 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter, big_
     if big_gemms:
         seen.update({LORA: 0, LORA_SMALL_GEMMS: 0, "skip checked": 0})
 
+    outputs = {}  # the tensor each graph size returns
+
     def checked_run(batch: SchedulerOutput):
         assert graphs.fits(batch)  # every step of this engine fits the 16-token graph
         sampled = [seq for seq, n in batch.chunks if seq.num_computed + n == seq.num_tokens]
         inputs = graphs.step_inputs(batch.chunks)
         graphs._load(inputs)
         # the LoRA variant, which must give base rows exactly the base model, and the step's own
-        by_variant = {variant: graphs.forward_fn(inputs.num_tokens, variant)()[: len(sampled)].clone()
-                      for variant in (LORA, inputs.variant)}
+        by_variant = {}
+        for variant in (LORA, inputs.variant):
+            logits = graphs.forward_fn(inputs.num_tokens, variant)()
+            outputs.setdefault(inputs.num_tokens, set()).add(logits.data_ptr())
+            by_variant[variant] = logits[: len(sampled)].clone()
         names = {seq.lora_request.lora_name for seq, _ in batch.chunks if seq.lora_request is not None}
         small = bool(names) and big_gemms and names <= {"attn"}
         assert inputs.variant == (BASE if not names else LORA_SMALL_GEMMS if small else LORA), (names, inputs.variant)
@@ -98,6 +115,10 @@ def test_graph_forward_equals_the_eager_step(engine_adapters, head_adapter, big_
     finished = step_to_end(engine)
     assert len(finished) == len(requests) and all(len(t) == 6 for t in finished.values())
     assert all(count > 0 for count in seen.values()), seen
+    # the graphs above max_num_seqs (4) return one tensor, whatever the size and variant
+    shared = set().union(*(ptrs for T, ptrs in outputs.items() if T > 4))
+    assert 16 in outputs and shared == {graphs._shared_logits.data_ptr()}
+    assert all(shared.isdisjoint(ptrs) for T, ptrs in outputs.items() if T <= 4)
 
 
 def test_graphs_do_not_take_prompt_logprob_steps_or_oversized_ones():

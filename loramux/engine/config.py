@@ -157,8 +157,8 @@ class EngineConfig:
     start; larger ones run eagerly (at most ``max_num_batched_tokens``)."""
     cuda_graph_sizes: list[int] | None = flag(None, nargs="+", metavar="T", group="engine")
     """The padded token counts to capture step graphs for, in place of the default (2, 4, 8, steps
-    of 16 up to ``max_num_seqs``, then powers of two up to ``max_graph_tokens``); a step replays the
-    smallest graph that holds it."""
+    of 16 up to ``max_num_seqs``, then four sizes per power of two, 160, 192, 224, 256, 320, ...,
+    up to ``max_graph_tokens``); a step replays the smallest graph that holds it."""
     async_scheduling: bool | None = flag(None, action=argparse.BooleanOptionalAction, group="engine")
     """Launch each step before reading the last one's tokens back, so the host's work between steps
     overlaps the GPU's (default: on CUDA; off on CPU, whose forward returns only once computed:

@@ -1,9 +1,12 @@
 """Steps as CUDA graphs, every one captured at start, none while serving.
 
 One graph per padded token count ``T``: the decode sizes (2, 4, 8, then steps of 16 up to
-``max_num_seqs``) and, above them, powers of two up to ``max_graph_tokens`` (default 4096, capped
-at ``max_num_batched_tokens``), so a prefill or a mixed step of prefill chunks and decodes replays a
-graph too (eagerly, the Python of a step's 32 layers costs several times the GPU's time for a
+``max_num_seqs``) and, above them, sizes a quarter of a power of two apart (..., 112, 128, 160, 192,
+224, 256, 320, ...) up to ``max_graph_tokens`` (default 4096, capped at
+``max_num_batched_tokens``), so a prefill or a mixed step of prefill chunks and decodes replays a
+graph too. A step above a few hundred tokens is compute-bound and pays for its padding tokens'
+GEMMs: the ladder keeps the padding under a quarter of the step, where powers of two would pad
+one up to double. Eagerly, the Python of a step's 32 layers costs several times the GPU's time for a
 128-token prompt, and that host time lands in every request's time to first token; see
 docs/benchmarks/many_adapters.md). With
 LoRA enabled each size has a second graph for steps that use adapters (the base graph launches no
@@ -22,7 +25,11 @@ they write no K/V, read no keys (attention gives zeros) and use no adapter; padd
 past them hold no token. The attention and LoRA kernels size their grids from shapes alone and
 the LoRA kernel metadata is built inside the graph from the adapter slots (no host sync), so one
 graph serves any mix of decodes, prefill chunks, adapters and base rows. Graphs share one memory
-pool. Steps that ask for prompt logprobs (logits for every prompt row) run eagerly.
+pool, and the graphs above ``max_num_seqs`` tokens (each samples at most ``max_num_seqs`` rows)
+copy their logits into one tensor: an output a graph keeps is memory no other graph can reuse, and
+``max_num_seqs`` rows of a large vocabulary are 16 MB a graph at 8B. Steps replay one at a time and
+sample before the next, so one output serves them all; decode graphs keep their own (no copy on
+the decode step). Steps that ask for prompt logprobs (logits for every prompt row) run eagerly.
 
 Captures run in ``thread_local`` error mode and only before the engine serves: loader threads
 (pinning host memory is a CUDA call) cannot invalidate a capture, and no capture ever meets a
@@ -81,13 +88,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 def graph_token_sizes(max_num_seqs: int, max_graph_tokens: int) -> list[int]:
-    """Every padded token count a graph is captured for: the decode sizes, then powers of two
-    above ``max_num_seqs`` and ``max_graph_tokens`` itself (a step of more tokens runs eagerly)."""
+    """Every padded token count a graph is captured for: the decode sizes, then above
+    ``max_num_seqs`` the ladder 2, 4, 8, 16, steps of 16 to 128, then four sizes between
+    consecutive powers of two (160, 192, 224, 256, 320, ...), and ``max_graph_tokens`` itself (a
+    step of more tokens runs eagerly). A step of ``t`` tokens pads by less than ``max(16, t / 4)``."""
     sizes = graph_batch_sizes(max_num_seqs)
-    size = 1 << sizes[-1].bit_length()  # the first power of two above the largest decode size
+    size = 2
     while size < max_graph_tokens:
-        sizes.append(size)
-        size *= 2
+        if size > sizes[-1]:
+            sizes.append(size)
+        # a quarter of the power of two at or below size, at least 16
+        size = 2 * size if size < 16 else size + max(16, (1 << (size.bit_length() - 1)) // 4)
     if max_graph_tokens > sizes[-1]:
         sizes.append(max_graph_tokens)
     return sizes
@@ -118,6 +129,7 @@ class StepGraphs:
         if manager is not None:
             self.variants += (LORA, LORA_SMALL_GEMMS) if manager.has_big_gemms else (LORA,)
         self._graphs: dict[tuple[int, str], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._shared_logits: torch.Tensor | None = None  # the output of every graph above max_num_seqs
         self._pool = None
         self.steps = 0  # steps served by a replay (tests and benchmarks read it)
 
@@ -229,6 +241,7 @@ class StepGraphs:
             seq_lens=lens, query_start_loc=self.query_start[: T + 1],
         )
         manager = runner.lora_manager
+        shared = T > runner.config.max_num_seqs
 
         def forward() -> torch.Tensor:
             if manager is not None:  # the kernel metadata is built inside the graph from the slots
@@ -238,9 +251,17 @@ class StepGraphs:
                 else:
                     manager.set_mapping(None)
             with forward_context(metadata):
-                return runner._model_forward(ids, pos, logits_rows)
+                logits = runner._model_forward(ids, pos, logits_rows)
+            return self._share(logits) if shared else logits
 
         return forward
+
+    def _share(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` copied into the one output of the graphs above ``max_num_seqs`` (all of
+        ``max_num_seqs`` rows), made by the first such forward: a warm-up, outside any capture."""
+        if self._shared_logits is None:
+            self._shared_logits = torch.empty_like(logits)
+        return self._shared_logits.copy_(logits)
 
     def _capture(self, T: int, variant: str) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         runner = self.runner
