@@ -1,20 +1,20 @@
 """Steps as CUDA graphs, every one captured at start, none while serving.
 
 One graph per padded token count ``T``: the decode sizes (2, 4, 8, then steps of 16 up to
-``max_num_seqs``) and, above them, sizes a quarter of a power of two apart (..., 112, 128, 160, 192,
-224, 256, 320, ...) up to ``max_graph_tokens`` (default 4096, capped at
+``max_num_seqs``) and, above them, sizes a quarter of a power of two apart (..., 112, 128, 160,
+192, 224, 256, 320, ...) up to ``max_graph_tokens`` (default 4096, capped at
 ``max_num_batched_tokens``), so a prefill or a mixed step of prefill chunks and decodes replays a
 graph too. A step above a few hundred tokens is compute-bound and pays for its padding tokens'
-GEMMs: the ladder keeps the padding under a quarter of the step, where powers of two would pad
-one up to double. Eagerly, the Python of a step's 32 layers costs several times the GPU's time for a
+GEMMs: the ladder keeps the padding under a quarter of the step, where powers of two would pad one
+up to double. (Eagerly, the Python of a step's 32 layers costs several times the GPU's time for a
 128-token prompt, and that host time lands in every request's time to first token; see
-docs/benchmarks/many_adapters.md). With
-LoRA enabled each size has a second graph for steps that use adapters (the base graph launches no
-LoRA kernel at all, so a LoRA engine serving base requests runs the base model's step), and, where
-some layers' GEMMs are big (`BaseLayerWithLoRA.big_gemm`: gate_up and down at 8B), a third for
-steps whose adapters all leave those layers alone (q/v adapters): there those layers run their
-base GEMM only, without the SMs a delta beside it would take. The variant is chosen per replay
-from the adapters in use, not their number: each of the three serves any mix of its kind.
+docs/benchmarks/many_adapters.md.) With LoRA enabled each size has a second graph for steps that
+use adapters (the base graph launches no LoRA kernel at all, so a LoRA engine serving base
+requests runs the base model's step), and, where some layers' GEMMs are big
+(`BaseLayerWithLoRA.big_gemm`: gate_up and down at 8B), a third for steps whose adapters all leave
+those layers alone (q/v adapters): there those layers run their base GEMM only, without the SMs a
+delta beside it would take. The variant is chosen per replay from the adapters in use, not their
+number: each of the three serves any mix of its kind.
 
 A graph of ``T`` tokens holds up to ``T`` sequences (each has at least one token). Its inputs are
 static device tensors filled before each replay in one transfer: per token the id, position,
