@@ -9,11 +9,17 @@ the reference and the layers import it without loading Triton.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+
 __all__ = ["POOL_ROW_ALIGN", "pool_rows"]
 
 POOL_ROW_ALIGN = 8
 
 
-def pool_rows(rank: int) -> int:
-    """The rows a slot of this rank owns in a layer's adapter pool (0 for rank 0)."""
+def pool_rows(rank: int | np.ndarray) -> int | np.ndarray:
+    """The rows a slot of this rank owns in a layer's adapter pool (0 for rank 0); elementwise
+    for an integer array of ranks."""
     return -(-rank // POOL_ROW_ALIGN) * POOL_ROW_ALIGN

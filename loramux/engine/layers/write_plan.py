@@ -26,7 +26,7 @@ import numpy as np
 from loramux.engine.adapters.rank_pool import RowGroups
 from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.engine.layers.slot_copy import COPY_FIELDS, Table, WritePlan, shared_buffer
-from loramux.kernels.pool import POOL_ROW_ALIGN
+from loramux.kernels.pool import pool_rows
 from loramux.registry import LoRAModuleWeights
 
 __all__ = ["WritePlanner"]
@@ -69,7 +69,7 @@ class WritePlanner:
         slice_of = self._slice.get
         found = [(row, w.rank) for name, w in modules.items() if (row := slice_of(name)) is not None]
         rows, ranks = np.array(found, dtype=np.int64).reshape(-1, 2).T
-        return _pool_rows(self._layer_ranks(rows, ranks))
+        return pool_rows(self._layer_ranks(rows, ranks))
 
     def _layer_ranks(self, rows: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         """Each layer's largest rank over the slices ``rows`` (of ranks ``ranks``), 0 where none."""
@@ -115,7 +115,7 @@ class WritePlanner:
             per_slice[rows] = found
             scalings[rows] = scaling
         rank = self._layer_ranks(rows, per_slice[rows, 1])
-        width = _pool_rows(rank)
+        width = pool_rows(rank)
         touched = np.flatnonzero(rank)
         start = self.rows.allocate(slot, width)
         if start is None:
@@ -206,11 +206,6 @@ class WritePlanner:
         geometry = {name: np.array(values, dtype=np.int64) for name, values in columns.items()}
         geometry["multiplier"] = np.array([layer.scale_multiplier() for layer in self.layers], dtype=np.float64)
         return geometry
-
-
-def _pool_rows(rank: np.ndarray) -> np.ndarray:
-    """`pool_rows` of every rank in an array."""
-    return -(-rank // POOL_ROW_ALIGN) * POOL_ROW_ALIGN
 
 
 def _stack(*columns) -> np.ndarray:
