@@ -143,12 +143,12 @@ class AdapterLifecycle(AdapterUses):
                 self._unpin_cpu(result.adapter)  # the load's own pin: the references hold it now
         return failed
 
-    def _room_will_free(self, adding: int | None = None) -> bool:
-        """Whether some queued or running request, a load not collected yet, or one of ``adding``
-        add() calls (default: all in progress) holds the CPU tier: room comes back when it ends.
-        (Only user pins left: nothing will free; the request fails with the error.)"""
+    def _room_will_free(self) -> bool:
+        """Whether some queued or running request, a load not collected yet, or an add() call not
+        waiting for room holds the CPU tier: room comes back when it ends. (Only user pins left:
+        nothing will free; the request fails with the error.)"""
         return (any(use.sequences for use in self._uses.values()) or self.loader.in_flight() > 0
-                or (self._adding if adding is None else adding) > 0)
+                or self._adding > 0)
 
     def _retry_deferred(self) -> None:
         """Load again, oldest first, as many deferred adapters as the CPU tier has unpinned room."""
@@ -344,10 +344,10 @@ class AdapterLifecycle(AdapterUses):
                 with self._room:
                     while released == self._released_count:
                         remaining = deadline - time.monotonic()
-                        if remaining <= 0 or not self._room_will_free(adding=self._adding - 1):
-                            raise
-                        self._adding -= 1
+                        self._adding -= 1  # this add holds no pin while it waits
                         try:
+                            if remaining <= 0 or not self._room_will_free():
+                                raise
                             self._room.wait(remaining)
                         finally:
                             self._adding += 1
