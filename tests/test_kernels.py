@@ -551,8 +551,8 @@ def run_throughput_launch(slots, H, N, R, dtype, device, seed, shrink_cfg=None, 
 # (scenario, shrink config, expand config): what shrink_config/expand_config choose on an H100/H200
 # (132 SMs) at R=64 for the throughput launches (tests/test_kernels.py::test_h200_heuristic_configs_at_r64 pins them)
 R64_LAUNCHES = [
-    ("1-prefill", (64, 64, 64, 2, 4, 4), (64, 64, 8, 4, 3)),
-    ("32-prefill", (64, 64, 64, 2, 4, 4), (64, 64, 2, 4, 3)),
+    ("1-prefill", (64, 64, 64, 2, 4, 4), (64, 128, 4, 4, 3)),
+    ("32-prefill", (64, 64, 64, 2, 4, 4), (64, 128, 4, 4, 3)),
     ("1-decode", (16, 16, 128, 16, 4, 4), (64, 32, 1, 4, 2)),
     ("32-decode", (16, 16, 128, 2, 4, 4), (16, 64, 2, 4, 3)),
     ("warmup", (16, 16, 128, 2, 4, 4), (16, 64, 8, 4, 3)),
@@ -722,6 +722,34 @@ def test_static_meta_rejects_a_non_bool_static():
         build_lora_meta(torch.tensor([0, 1]), 4, static=4)
 
 
+@pytest.mark.parametrize("kwargs", [dict(max_distinct=2), dict(static=True, max_distinct=0),
+                                    dict(static=True, max_distinct=2.0)], ids=["exact", "zero", "float"])
+def test_max_distinct_bounds_static_metas_only(kwargs):
+    slots = torch.tensor([0, 1, -1])
+    with pytest.raises(ValueError, match="max_distinct bounds a static meta"):
+        build_lora_meta(slots, 4, **kwargs)
+    assert build_lora_meta(slots, 4, static=True, max_distinct=2).num_active == 2  # the same slots, bounded
+
+
+def test_static_grids_hold_max_distinct_segments_not_one_per_slot(monkeypatch):
+    """640 tokens of at most 64 sequences over 256 slots: the grids hold 63 one-token segments and
+    one of the rest (82 tiles of 32 rows), not 255 and one (268), every mapping of at most 64
+    distinct slots the same launches; the segment scan reads 64 lanes, not 256."""
+    from loramux.kernels import expand, shrink
+    from loramux.kernels.tiles import slot_lanes
+
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 264)
+    monkeypatch.setattr(expand, "target_programs", lambda device, sms=None: 264)
+    T, S, gen = 640, 256, torch.Generator().manual_seed(0)
+    bounded = [build_lora_meta(slots, S, static=True, max_distinct=64) for slots in (
+        torch.zeros(T, dtype=torch.int32), torch.randperm(S, generator=gen)[:64].repeat(10).to(torch.int32))]
+    launches = {static_launches(meta, 4096, 64, (4096, 1024, 1024), torch.bfloat16) for meta in bounded}
+    assert len(launches) == 1
+    unbounded = build_lora_meta(torch.zeros(T, dtype=torch.int32), S, static=True)
+    assert [meta.num_tiles(32) for meta in (bounded[0], unbounded)] == [63 + 19, 255 + 13]
+    assert [slot_lanes(meta) for meta in (bounded[0], unbounded)] == [64, 256]
+
+
 @pytest.mark.parametrize("T", [1, 8, 64, 256])
 def test_static_launch_grid_depends_only_on_tokens_and_slots(T, monkeypatch):
     """Same T, S and module: the same launches (config and grid) for every mapping, at 8B shapes
@@ -782,7 +810,7 @@ def test_static_decode_blocks_split_k_at_rank_64(monkeypatch):
 def test_static_decode_expand_fills_half_the_target(monkeypatch):
     """A decode graph's expand (64 tokens, the two thirds of an H100 beside qkv and o) takes as
     many column blocks a program as keep its one-adapter grid at half the target: qkv 4 a program
-    (2 would fill it twice), o 2 (4 would leave it short). A prefill's still fills it twice."""
+    (2 would fill it twice), o 2 (4 would leave it short). A prefill's takes 512-column chunks."""
     from loramux.kernels import expand
 
     monkeypatch.setattr(expand, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
@@ -791,10 +819,10 @@ def test_static_decode_expand_fills_half_the_target(monkeypatch):
     o = expand.static_expand_config(64, (4096,), 16, torch.bfloat16, cpu, sms=88)
     assert (qkv.block_n, qkv.group, o.group) == (64, 4, 2)
     prefill = expand.static_expand_config(8192, (1024,), 64, torch.bfloat16, cpu)
-    assert prefill == expand._expand_shape(64, 128, (1024,), 264, 2) and prefill.group == 2
+    assert (prefill.block_m, prefill.block_n * prefill.group) == (64, 512)
 
 
-def run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, monkeypatch=None, poison=False):
+def run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, monkeypatch=None, poison=False, max_distinct=None):
     """lora_apply (Triton, static meta) into a copy of y0; with `poison`, buf and the split-K
     scratch are handed out NaN-filled (nothing may rely on them being zero)."""
     from loramux.kernels import lora_apply, shrink
@@ -802,7 +830,7 @@ def run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, monkeypatch=No
     if poison:
         monkeypatch.setattr(shrink, "_scratch", lambda *shape, device: torch.full(shape, float("nan"), device=device))
     try:
-        meta = build_lora_meta(slots, S, static=True)
+        meta = build_lora_meta(slots, S, static=True, max_distinct=max_distinct)
         y = y0.clone()
         lora_apply(y, x, A, B, scales, ranks, sizes, meta)
     finally:
@@ -871,6 +899,27 @@ def test_triton_interpreter_static_meta_more_tokens_than_slots(mapping, monkeypa
     slots = static_slots(mapping, T, S, ranks, gen)
     y0 = torch.randn(T, sum(sizes), generator=gen)
     y, _ = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S)
+    check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
+
+
+@needs_interpreter
+def test_triton_interpreter_static_meta_bounded_distinct_slots(monkeypatch):
+    """A static meta bounded to 5 distinct slots of 12 (its grid: 4 one-token tiles and the rest):
+    a mapping of 5 slots, one of them holding most of the 40 tokens, plus base rows, matches the
+    reference, split-K on."""
+    from loramux.kernels import shrink
+
+    setenv(monkeypatch, "LORAMUX_KERNELS", "triton")
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 64)  # K split, as on a GPU
+    T, H, S, R, sizes = 40, 520, 12, 8, (16, 8, 24)
+    x, A, B, scales, ranks, gen = per_slice_rank_inputs(T, H, S, R, sizes, torch.float32, seed=11)
+    used = torch.tensor([2, 5, 7, 9, 11], dtype=torch.int32)
+    slots = used[torch.randint(0, 5, (T,), generator=gen)]
+    slots[:20], slots[torch.rand(T, generator=gen) < 0.2] = 11, -1
+    y0 = torch.randn(T, sum(sizes), generator=gen)
+    y, meta = run_static_apply(x, A, B, scales, ranks, sizes, slots, y0, S, max_distinct=5)
+    assert meta.num_active == 5 and meta.num_tiles(16) < build_lora_meta(slots, S, static=True).num_tiles(16)
+    assert static_launches(meta, H, R, sizes, torch.float32)[0].split_k > 1
     check_static_against_reference(x, A, B, scales, ranks, sizes, slots, y0, y, torch.float32)
 
 

@@ -195,16 +195,27 @@ def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dty
 
 def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
                          device: torch.device, sms: int | None = None) -> ExpandConfig:
-    """Launch shape for a static meta, from T and the module's shape only: the column split is
-    sized for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that needs the most
-    programs per tile; a mixed batch fills more tiles of the same grid."""
+    """Launch shape for a static meta (and a prefill-sized batch), from T and the module's shape
+    only. At decode sizes the column split is sized for the one-adapter batch (ceil(T / BLOCK_M)
+    real tiles), the one that needs the most programs per tile; a mixed batch fills more tiles of
+    the same grid. Prefill-sized launches take fixed 512-column chunks."""
     block_m = min(static_block_m(num_tokens), 32 if R <= 32 else 64)
     # a decode graph's grid has a tile per adapter of the batch, and each program's start (its
     # segment, token ids, buf rows: dependent loads) is paid per tile: its one-adapter grid fills
     # `STATIC_DECODE_FILL` of the target, not twice the target, so a many-adapter batch runs
     # fewer, longer programs: the many-adapter step gains more than the one-adapter step loses
-    fill = STATIC_DECODE_FILL if num_tokens <= DECODE_MAX_TOKENS else 2
-    return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, target_programs(device, sms), fill)
+    if num_tokens <= DECODE_MAX_TOKENS:
+        return _expand_shape(block_m, max(1, cdiv(num_tokens, block_m)), slice_sizes, target_programs(device, sms),
+                             STATIC_DECODE_FILL)
+    # prefill-sized: 512 columns a program, whatever the count of tiles. A mixed step's grid holds
+    # a short tile per decode adapter beside the prompt chunks' tiles, and each program pays its
+    # start (the segment scan, the token ids, the buf tile) once: a split sized for the one
+    # adapter's few tiles ran the mixed step's many as many short programs
+    return ExpandConfig(block_m, PREFILL_BLOCK_N, PREFILL_GROUP, num_warps=4, num_stages=3)
+
+
+#: A prefill-sized static launch's column blocks and blocks a program (`static_expand_config`).
+PREFILL_BLOCK_N, PREFILL_GROUP = 128, 4
 
 
 @functools.lru_cache(maxsize=1024)

@@ -4,10 +4,11 @@ Every LoRA layer of one forward pass shares one `LoRABatchMeta`. Building it cos
 device->host copy (the per-slot counts); the kernels themselves never synchronise.
 
 ``build_lora_meta(..., static=True)`` builds a *static* meta instead, for CUDA-graph capture: no
-host sync, and host values that depend only on ``T`` and the number of slots ``S``, never on which
-slots the tokens use. Its host layout is the worst case over every mapping of ``T`` tokens to at
-most ``min(S, T)`` distinct slots, so the launch grids the kernels size from it hold every real
-tile of any mapping; the tiles past the real ones find a zero-token segment and exit at once.
+host sync, and host values that depend only on ``T``, the number of slots ``S`` and a bound on
+the distinct slots (``max_distinct``), never on which slots the tokens use. Its host layout is
+the worst case over every mapping of ``T`` tokens to at most ``min(S, T, max_distinct)`` distinct
+slots, so the launch grids the kernels size from it hold every real tile of any such mapping; the
+tiles past the real ones find a zero-token segment and exit at once.
 One graph captured with it therefore replays correctly for any mix of adapters and base rows
 (all -1, one slot, every token its own slot). Built inside the capture, its device tensors are
 recomputed from ``token_slots`` on every replay.
@@ -45,10 +46,11 @@ class LoRABatchMeta:
       num_tokens, num_slots, num_active, num_lora_tokens, max_segment,
       active_slots_host / active_counts_host / active_starts_host: tuples of length num_active.
     A static meta (``build_lora_meta(..., static=True)``) has no exact host layout: ``num_active =
-    min(S, T)``, ``max_segment = T`` and ``active_counts_host`` is a worst case whose tile count
-    bounds the real one for every tile height (``active_slots_host``/``active_starts_host`` are
-    empty); its device arrays are padded past the kernels' slot vector with a valid slot.
-    Everything on its host side is a function of (T, S) alone.
+    min(S, T, max_distinct)`` (the most distinct slots of a mapping it serves), ``max_segment =
+    T`` and ``active_counts_host`` is a worst case whose tile count bounds the real one for every
+    tile height (``active_slots_host``/``active_starts_host`` are empty); its device arrays are
+    padded past the kernels' slot vector with a valid slot.
+    Everything on its host side is a function of (T, S, max_distinct) alone.
     """
 
     token_slots: torch.Tensor
@@ -124,13 +126,19 @@ class LoRABatchMeta:
         return segs
 
 
-def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, static: bool = False) -> LoRABatchMeta:
+def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, static: bool = False,
+                    max_distinct: int | None = None) -> LoRABatchMeta:
     """Group the tokens of one batch by adapter slot.
 
     token_slots: [T] integer, slot index per token in [0, num_slots), -1 = no adapter.
     One device->host copy (the per-slot counts); everything else stays on token_slots' device.
     static: build a static meta instead (no host sync, capture-safe; launch grids that depend
-    only on T and num_slots). Its slots are not checked: one outside [0, num_slots) counts as -1.
+    only on T, num_slots and max_distinct). Its slots are not checked: one outside [0, num_slots)
+    counts as -1.
+    max_distinct (static only): the most distinct slots a mapping it serves holds (a step's
+    tokens belong to at most its sequences, one adapter each). Its grids hold that many segments,
+    not min(S, T): past a few hundred slots most of a prefill-sized grid would be programs that
+    exit. A mapping with more distinct slots loses the tiles past the bound (wrong deltas).
     """
     if not isinstance(token_slots, torch.Tensor):
         raise ValueError(f"build_lora_meta: token_slots must be a torch.Tensor, got {type(token_slots).__name__}")
@@ -144,8 +152,11 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, static: bool =
     if not isinstance(static, bool):
         raise ValueError(f"build_lora_meta: static must be a bool, got {static!r} (max_active=A was replaced "
                          "by static=True, whose grids hold any number of distinct slots)")
+    if max_distinct is not None and (not static or not isinstance(max_distinct, int) or max_distinct < 1):
+        raise ValueError(f"build_lora_meta: max_distinct bounds a static meta's distinct slots: a positive int "
+                         f"with static=True, got {max_distinct!r} (static={static})")
     if static:
-        return _build_static_meta(token_slots, num_slots)
+        return _build_static_meta(token_slots, num_slots, max_distinct)
 
     T = token_slots.numel()
     slots = token_slots.to(torch.int64)
@@ -201,7 +212,7 @@ def _slot_vector_pad(num_slots: int) -> int:
     return 2 * max(32, 1 << max(0, (num_slots - 1).bit_length())) + 1
 
 
-def _build_static_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMeta:
+def _build_static_meta(token_slots: torch.Tensor, num_slots: int, max_distinct: int | None) -> LoRABatchMeta:
     """The layout of build_lora_meta without a host sync: its device arrays from torch ops
     (`_static_arrays`) or, opted in on CUDA, one Triton launch (`loramux.kernels.static_meta`)."""
     from .static_meta import static_meta_arrays, use_meta_kernel  # imports triton: only when a step builds one
@@ -210,7 +221,7 @@ def _build_static_meta(token_slots: torch.Tensor, num_slots: int) -> LoRABatchMe
     build = static_meta_arrays if use_meta_kernel(token_slots.device) else _static_arrays
     sorted_token_ids, active_slots, active_counts, active_starts, tile_counts = build(
         token_slots, S, _slot_vector_pad(S))
-    a = min(S, T)
+    a = min(S, T, max_distinct or S)
     # worst case over batches of T tokens on <= a slots: a - 1 + ceil((T - a + 1) / m) tiles of
     # height m (every other split of T into a segments has at most as many tiles)
     counts_h = (1,) * (a - 1) + (T - a + 1,) if a else ()

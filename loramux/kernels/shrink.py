@@ -41,6 +41,15 @@ from .tuned import many_adapters, tuned_shrink_config
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
 MAX_SPLIT_K = 64
+#: Most K splits of a prefill-sized static launch. Its split is sized for the one-adapter batch,
+#: but a mixed step (decodes over many adapters beside prompt chunks) fills the grid with a
+#: short tile per decode adapter, each reading its adapter's weights: there the GPU is full
+#: without splits, and each split more writes and re-reads partials and waits on a counter.
+PREFILL_MAX_SPLIT_K = 4
+#: Prefill-sized static launches up to this many tokens take 16-row tiles: a mixed step's tiles
+#: of decode adapters (a row or two each) are a large share of its grid there, and 64-row tiles
+#: would run those programs mostly masked. Past it the prompt chunks' tiles dominate.
+PREFILL_SHORT_TILES_MAX = 1024
 #: Counters in a device's split-K table: one per (tile, rank block) of a launch. Split-K launches
 #: have a few thousand at most (decode: tiles <= min(S, T) + T / BLOCK_M); a launch needing more
 #: runs without split-K.
@@ -194,11 +203,12 @@ def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, d
     """Launch shape for a static meta: a function of T and the module's shape only (``rank``: R,
     each slice's rank columns; default NR, one slice).
 
-    The grid holds the worst-case tile count (T tokens over min(S, T) slots); its split count is
-    chosen for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that needs K split
-    most, at decode sizes to fill `STATIC_DECODE_FILL` of the target. Many adapters then fill
-    the same grid with more real tiles, each reading its own adapter's weights: more programs,
-    each as short as in the one-adapter case.
+    The grid holds the worst-case tile count (T tokens over the meta's ``num_active`` slots); its
+    split count is chosen for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that
+    needs K split most, at decode sizes to fill `STATIC_DECODE_FILL` of the target, at prefill
+    sizes at most `PREFILL_MAX_SPLIT_K` ways. Many adapters then fill the same grid with more real
+    tiles, each reading its own adapter's weights: more programs, each as short as in the
+    one-adapter case.
     """
     return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device, sms), rank or NR)
 
@@ -214,12 +224,16 @@ def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, 
         block_n, block_k = min(max(16, next_pow2(R)), 32), 128
     else:
         block_n, block_k = min(np2, 64), 64
+        if num_tokens <= PREFILL_SHORT_TILES_MAX:  # a mixed step's decode tiles are a row or two each
+            block_m = 16
     if dtype == torch.float32:
         block_k //= 2
     one_adapter_tiles = max(1, cdiv(num_tokens, block_m))
     if num_tokens <= DECODE_MAX_TOKENS:
         target = max(1, int(target * STATIC_DECODE_FILL))
     split_k = _split_for(one_adapter_tiles * cdiv(NR, block_n), target, H, block_k)
+    if num_tokens > DECODE_MAX_TOKENS:
+        split_k = min(split_k, PREFILL_MAX_SPLIT_K)
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
     return ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, 4)
 

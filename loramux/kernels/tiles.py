@@ -58,9 +58,9 @@ def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
 
 def slot_lanes(meta: LoRABatchMeta) -> int:
     """`segment_tile`'s A_PAD: lanes enough for every active slot of the batch, of which there are
-    at most min(S, T) (a static meta too). Sized from S alone, a decode step of 64 tokens with
-    256 slots loaded and scanned 256-lane vectors in every program."""
-    return max(32, next_pow2(min(meta.num_slots, meta.num_tokens)))
+    at most min(S, T), or a static meta's bound (its ``num_active``). Sized from S alone, a decode
+    step of 64 tokens with 256 slots loaded and scanned 256-lane vectors in every program."""
+    return max(32, next_pow2(meta.num_active if meta.static else min(meta.num_slots, meta.num_tokens)))
 
 
 def cdiv(a: int, b: int) -> int:

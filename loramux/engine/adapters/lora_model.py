@@ -375,6 +375,7 @@ class LoRAModelManager:
         *,
         static: bool = False,
         skip_big: bool = False,
+        max_distinct: int | None = None,
     ) -> None:
         """State the slot of every token of the next forward (``[T]``, -1 = base model).
 
@@ -388,6 +389,8 @@ class LoRAModelManager:
         are then not checked here; the caller states the slots each replay uses with
         :meth:`mark_used`. ``skip_big`` (with ``static``): a graph for adapters that leave every
         big-GEMM layer alone (:meth:`leaves_big_gemms`), whose base GEMMs then run alone.
+        ``max_distinct`` (with ``static``): the most distinct slots a replay's mapping holds (the
+        step's sequences), which bounds the static grids (`build_lora_meta`).
         """
         if token_slots is None:
             self.context.set(None)
@@ -395,7 +398,7 @@ class LoRAModelManager:
         token_slots = torch.as_tensor(token_slots).to(self.device, non_blocking=True)
         if logits_slots is not None:
             logits_slots = torch.as_tensor(logits_slots).to(self.device, non_blocking=True)
-        self.context.set(token_slots, logits_slots, static=static, skip_big=skip_big)
+        self.context.set(token_slots, logits_slots, static=static, skip_big=skip_big, max_distinct=max_distinct)
         if static:
             return
         try:

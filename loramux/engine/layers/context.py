@@ -53,13 +53,15 @@ class LoRAContext:
         *,
         static: bool = False,
         skip_big: bool = False,
+        max_distinct: int | None = None,
     ) -> None:
         """Build the metadata for the next forward; ``None`` means no adapter for any token.
 
         ``static``: a static meta for CUDA-graph capture (no host sync; launch grids from the
         token count and the number of slots only, so the graph replays for any mix of adapters),
-        see `build_lora_meta`. Layers then launch their kernels whatever the slots' ranks, since
-        the graph replays with other adapters than those present at capture.
+        see `build_lora_meta`; ``max_distinct``: the most distinct slots a mapping it replays for
+        holds (default: no bound but S and T). Layers then launch their kernels whatever the
+        slots' ranks, since the graph replays with other adapters than those present at capture.
 
         ``skip_big`` (with ``static``): the graph replays only for adapters that leave every
         big-GEMM layer alone, which then run their base GEMM only.
@@ -72,9 +74,9 @@ class LoRAContext:
             self.token_slots = self.meta = None
             return
         self.token_slots = token_slots
-        self.meta = build_lora_meta(token_slots, self.num_slots, static=static)
+        self.meta = build_lora_meta(token_slots, self.num_slots, static=static, max_distinct=max_distinct)
         if logits_slots is not None:
-            self._logits_meta = build_lora_meta(logits_slots, self.num_slots, static=static)
+            self._logits_meta = build_lora_meta(logits_slots, self.num_slots, static=static, max_distinct=max_distinct)
 
     def meta_for(self, rows_shape: tuple[int, ...]) -> LoRABatchMeta | None:
         """The metadata for a layer input whose leading (non-feature) dims are ``rows_shape``."""
@@ -111,6 +113,6 @@ class LoRAContext:
                 "per row of the logits when the model computes them on a subset of tokens"
             )
         # token_slots: [B, S] -> the last `keep` positions of every row, as HF's logits_to_keep
-        return build_lora_meta(
-            self.token_slots.reshape(batch, -1)[:, -keep:].reshape(-1), self.num_slots, static=self.meta.static
-        )
+        meta = self.meta
+        return build_lora_meta(self.token_slots.reshape(batch, -1)[:, -keep:].reshape(-1), self.num_slots,
+                               static=meta.static, max_distinct=meta.num_active if meta.static else None)

@@ -241,13 +241,15 @@ class StepGraphs:
             seq_lens=lens, query_start_loc=self.query_start[: T + 1],
         )
         manager = runner.lora_manager
-        shared = T > runner.config.max_num_seqs
+        max_seqs = runner.config.max_num_seqs
+        shared = T > max_seqs
 
         def forward() -> torch.Tensor:
             if manager is not None:  # the kernel metadata is built inside the graph from the slots
                 if variant != BASE:  # the logits rows' own slots only for a model whose LM head has LoRA
+                    # a step's tokens belong to at most max_num_seqs sequences, one adapter each
                     manager.set_mapping(lora_slots, logits_slots if manager.has_logits_layer else None, static=True,
-                                        skip_big=variant == LORA_SMALL_GEMMS)
+                                        skip_big=variant == LORA_SMALL_GEMMS, max_distinct=max_seqs)
                 else:
                     manager.set_mapping(None)
             with forward_context(metadata):
