@@ -477,7 +477,13 @@ def test_64_concurrent_requests_across_8_adapters_with_2_slots(server, offline):
 
 
 def test_metrics(http, client):
+    """The counters move for what this test asks (it runs alone under pytest-xdist too): every
+    filesystem adapter once, through 4 CPU-tier entries and 2 GPU slots, and a name no resolver has."""
     client.completions.create(model="static-a", prompt="count me", max_tokens=3, temperature=0)
+    for i in range(NUM_FS_ADAPTERS):
+        client.completions.create(model=f"fs-{i}", prompt="hi", max_tokens=1, temperature=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-resolver-has-this", prompt="hi", max_tokens=1)
     text = http.get("/metrics").text
     assert metric(http, 'loramux_requests_total{endpoint="completions",model="static-a",status="ok"}') >= 1
     assert metric(http, 'loramux_generation_tokens_total{model="static-a"}') >= 3
