@@ -155,11 +155,14 @@ class WritePlanner:
     def table(self, plan: WritePlan) -> Table | None:
         """``plan`` as one `copy_blocks` table, or None where a table cannot say it (a cast,
         weights in device memory or in several host buffers)."""
-        c = plan.copies  # a block's span: its rows but the last at the source's stride, then the last
-        spans = np.stack([c[:, 1], 2 * ((c[:, 2] - 1) * c[:, 5] + c[:, 3])], axis=1)
-        host = shared_buffer(plan.sources[0], spans) if plan.table_ok and plan.sources else None
-        if plan.sources and host is None:
-            return None
+        host = None
+        if plan.sources:
+            if not plan.table_ok:
+                return None
+            c = plan.copies  # a block's span: its rows but the last at the source's stride, then the last
+            host = shared_buffer(plan.sources[0], np.stack([c[:, 1], 2 * ((c[:, 2] - 1) * c[:, 5] + c[:, 3])], axis=1))
+            if host is None:
+                return None
         g, t, slot = self.geometry(), plan.touched, plan.slot
         cells = np.concatenate([self._scale_and_rank_cells(slot, t),  # and each touched layer's pool start
                                 np.stack([g["starts"][t] + slot * 4, np.ones_like(t)], axis=1)])
