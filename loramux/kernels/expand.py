@@ -175,10 +175,10 @@ class ExpandConfig:
 def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
                   device: torch.device, sms: int | None = None) -> ExpandConfig:
     """Launch shape, cached on the meta; a static meta and a prefill-sized batch get
-    `static_expand_config` (`shape_from_tokens_alone`). 64-column blocks; shorter tiles for small
-    ranks (buf rows are cheap) and taller ones for large ranks (fewer re-reads of B from L2);
-    several blocks per program once the grid is more than twice the GPU (prefill), one otherwise
-    (decode); sized for ``sms`` multiprocessors when given (`target_programs`)."""
+    `static_expand_config` (`shape_from_tokens_alone`). An eager decode-sized batch: 64-column
+    blocks; shorter tiles for small ranks (buf rows are cheap) and taller ones for large ranks
+    (fewer re-reads of B from L2); several blocks per program while the grid stays more than twice
+    the GPU; sized for ``sms`` multiprocessors when given (`target_programs`)."""
     key = ("expand", slice_sizes, R, dtype, device, sms)
     cfg = meta._cache.get(key)
     if cfg is not None:
