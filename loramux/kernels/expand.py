@@ -193,6 +193,10 @@ def expand_config(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dty
     return cfg
 
 
+#: A prefill-sized static launch's column blocks and blocks a program (`static_expand_config`).
+PREFILL_BLOCK_N, PREFILL_GROUP = 128, 4
+
+
 def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, dtype: torch.dtype,
                          device: torch.device, sms: int | None = None) -> ExpandConfig:
     """Launch shape for a static meta (and a prefill-sized batch), from T and the module's shape
@@ -212,10 +216,6 @@ def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, 
     # start (the segment scan, the token ids, the buf tile) once: a split sized for the one
     # adapter's few tiles ran the mixed step's many as many short programs
     return ExpandConfig(block_m, PREFILL_BLOCK_N, PREFILL_GROUP, num_warps=4, num_stages=3)
-
-
-#: A prefill-sized static launch's column blocks and blocks a program (`static_expand_config`).
-PREFILL_BLOCK_N, PREFILL_GROUP = 128, 4
 
 
 @functools.lru_cache(maxsize=1024)
