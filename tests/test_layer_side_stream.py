@@ -81,20 +81,37 @@ def test_a_layer_decides_once_and_again_when_moved(monkeypatch):
 
 
 @pytest.mark.parametrize(("tokens", "sms"), [(1, 0), (8, 0), (16, 44), (32, 44), (48, 88), (128, 88), (129, 44),
-                                             (256, 44), (512, 0)])
-def test_the_gemm_leaves_the_delta_a_share_of_the_multiprocessors_between_9_and_256_tokens(
+                                             (256, 44), (1024, 44), (1025, 0), (4096, 0)])
+def test_the_gemm_leaves_the_delta_a_share_of_the_multiprocessors_between_9_and_1024_tokens(
         tokens, sms, monkeypatch):
     monkeypatch.setattr(side_stream_module, "num_sms", lambda index: 132)
     assert lora_sms_beside(tokens, torch.device("cuda:0")) == sms  # a third, two thirds at 33-128
     assert lora_sms_beside(tokens, torch.device("cpu")) == 0
+    assert lora_sms_beside(tokens, torch.device("cuda:0"), fp8=True) == (sms if tokens <= 256 else 0)
 
 
-@pytest.mark.parametrize(("tokens", "sms"), [(8, 0), (32, 16), (64, 44), (128, 44), (129, 16), (256, 16), (512, 0)])
+@pytest.mark.parametrize(("tokens", "sms"), [(8, 0), (32, 16), (64, 44), (128, 44), (129, 16), (1024, 16),
+                                             (1025, 0)])
 def test_a_big_gemm_leaves_a_third_at_33_to_128_tokens_else_an_eighth(tokens, sms, monkeypatch):
     monkeypatch.setattr(side_stream_module, "num_sms", lambda index: 132)
     gate_up, o = 4096 * 2 * 14336, 4096 * 4096  # Llama-3.1-8B
     assert lora_sms_beside(tokens, torch.device("cuda:0"), gate_up) == sms
     assert lora_sms_beside(tokens, torch.device("cuda:0"), o) == lora_sms_beside(tokens, torch.device("cuda:0"))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_projection_asks_the_share_for_its_gemm_fp8_or_not(fp8, monkeypatch):
+    from loramux.engine.quantization import Fp8Linear
+
+    torch.manual_seed(0)
+    base = nn.Linear(16, 12)
+    layer = in_graphs(with_adapters(LinearWithLoRA(Fp8Linear.from_linear(base) if fp8 else base, "proj", CONFIG)),
+                      Route.DELTA_BESIDE)
+    layer.lora_context.set(SLOTS, static=True)
+    asked = []
+    monkeypatch.setattr(backend_module, "lora_sms_beside", lambda *args, **kwargs: asked.append((args, kwargs)) or 0)
+    layer(torch.randn(6, 16))
+    assert asked == [((6, torch.device("cpu"), 16 * 12), {"fp8": fp8})]
 
 
 def test_gemm_carveout_sets_and_puts_back_cublaslt_and_the_carveout(monkeypatch):
@@ -133,7 +150,7 @@ class Streams:
         self.current = "main"
         self.main, self.side = _Stream("main", self.log), _Stream("side", self.log)
         monkeypatch.setattr(backend_module, "beside_streams", lambda device: (self.main, self.side))
-        monkeypatch.setattr(backend_module, "lora_sms_beside", lambda tokens, device, gemm_weights: sms)
+        monkeypatch.setattr(backend_module, "lora_sms_beside", lambda tokens, device, gemm_weights, fp8: sms)
         monkeypatch.setattr(backend_module, "gemm_carveout", self._carveout)
         monkeypatch.setattr(torch.cuda, "stream", self._on)
         for name in ("lora_shrink", "lora_expand", "lora_apply"):

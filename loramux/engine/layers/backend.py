@@ -200,7 +200,8 @@ def run_apart(layer, x: torch.Tensor, base_inputs: list[torch.Tensor] = ()) -> t
     delta = torch.empty(T, layer.out_features, dtype=slots.dtype, device=device)  # [T, N]
     fork = (layer.route_plan.graph if meta.static else layer.route_plan.eager) is Route.DELTA_BESIDE
     streams = beside_streams(device) if fork else None
-    sms = lora_sms_beside(T, device, layer.in_features * layer.out_features) if fork else None
+    # base inputs are an FP8 base's quantized activations (`BaseLayerWithLoRA.base_inputs`)
+    sms = lora_sms_beside(T, device, layer.in_features * layer.out_features, fp8=bool(base_inputs)) if fork else None
     if streams is not None:
         main, side = streams
         side.wait_stream(main)  # x is made on the main stream (and not the GEMM, enqueued after this)

@@ -64,7 +64,14 @@ def beside_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.
     return torch.cuda.current_stream(device), side_stream(device)
 
 
-#: A GEMM reading at least this many weights runs long enough at 9-256 tokens for the delta
+#: Steps of more tokens run their GEMMs on every multiprocessor (`lora_sms_beside`): the GEMMs are
+#: compute-bound, and the share they would leave costs them more than the delta beside them gains.
+CARVEOUT_MAX_TOKENS = 1024
+#: The same for an FP8 GEMM, which computes twice as fast beside the same delta: past this, the
+#: share it leaves made mixed steps no faster or slower.
+FP8_CARVEOUT_MAX_TOKENS = 256
+
+#: A GEMM reading at least this many weights runs long enough at 9-1024 tokens for the delta
 #: beside it to finish on a smaller share of the multiprocessors (`lora_sms_beside`); on
 #: Llama-3.1-8B shapes gate_up (117M weights) and down (59M) do, qkv (25M) and o (17M) do not.
 BIG_GEMM_WEIGHTS = 1 << 25
@@ -77,21 +84,23 @@ def is_big_gemm(gemm_weights: int) -> bool:
     return gemm_weights >= BIG_GEMM_WEIGHTS
 
 
-def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0) -> int:
+def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0, fp8: bool = False) -> int:
     """Multiprocessors the base GEMM of a ``num_tokens``-token step leaves to the LoRA work beside
     it (0: the GEMM takes them all, and the LoRA launches are sized for all); ``gemm_weights``:
-    the GEMM's ``in_features * out_features``.
+    the GEMM's ``in_features * out_features``; ``fp8``: an FP8 GEMM.
 
     None up to 8 tokens (the GEMM's tail leaves room, and a carveout costs the GEMM more than
-    the delta gains), and none past 256 tokens, where the GEMM is compute-bound and every
-    multiprocessor counts. Between them a GEMM reads its weights at near full bandwidth on a
-    fraction of the SMs, and the delta's many short programs want the rest: a big GEMM
-    (`BIG_GEMM_WEIGHTS`) leaves an eighth and a small one a third at 9-32 and at 129-256 tokens
-    (there the GEMMs are nearly compute-bound and a larger share slows them more than the delta
-    gains), a third and two thirds at 33-128 tokens. These shares were the fastest decode steps of
-    the choices tried, at every batch size and adapter mix measured (docs/benchmarks/throughput.md).
+    the delta gains), and none past `CARVEOUT_MAX_TOKENS` (`FP8_CARVEOUT_MAX_TOKENS`). Between
+    them a GEMM reads its weights at near full bandwidth on a fraction of the SMs, and the
+    delta's many short programs want the rest: a big GEMM (`BIG_GEMM_WEIGHTS`) leaves an eighth
+    and a small one a third at 9-32 tokens and past 128 (there the GEMMs are nearly compute-bound
+    and a larger share slows them more than the delta gains), a third and two thirds at 33-128
+    tokens. These shares were the fastest decode steps of the choices tried, at every batch size
+    and adapter mix measured (docs/benchmarks/throughput.md), and the fastest mixed steps
+    (decodes beside prefill chunks, one adapter or many) up to the limit.
     """
-    if device.type != "cuda" or num_tokens <= 8 or num_tokens > 256:
+    limit = FP8_CARVEOUT_MAX_TOKENS if fp8 else CARVEOUT_MAX_TOKENS
+    if device.type != "cuda" or num_tokens <= 8 or num_tokens > limit:
         return 0
     sms = num_sms(device.index if device.index is not None else torch.cuda.current_device())
     big = is_big_gemm(gemm_weights)
