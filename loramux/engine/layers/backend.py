@@ -24,6 +24,7 @@ from loramux.engine.layers import side_stream
 from loramux.engine.layers.contract import LayerSupport, Route
 from loramux.engine.layers.side_stream import beside_streams, gemm_carveout, lora_sms_beside
 from loramux.kernels import LoRABatchMeta, lora_apply, lora_expand, lora_shrink
+from loramux.kernels.fp8_reference import FP8_DTYPE
 from loramux.kernels.tiles import DECODE_MAX_TOKENS
 
 __all__ = ["APART_ROUTES", "Batch", "Phase", "ROUTES", "RoutePlan", "Rule", "add_standard_delta", "plan_routes",
@@ -200,8 +201,8 @@ def run_apart(layer, x: torch.Tensor, base_inputs: list[torch.Tensor] = ()) -> t
     delta = torch.empty(T, layer.out_features, dtype=slots.dtype, device=device)  # [T, N]
     fork = (layer.route_plan.graph if meta.static else layer.route_plan.eager) is Route.DELTA_BESIDE
     streams = beside_streams(device) if fork else None
-    # base inputs are an FP8 base's quantized activations (`BaseLayerWithLoRA.base_inputs`)
-    sms = lora_sms_beside(T, device, layer.in_features * layer.out_features, fp8=bool(base_inputs)) if fork else None
+    fp8 = any(t.dtype == FP8_DTYPE for t in base_inputs)  # the GEMM reads FP8 activations
+    sms = lora_sms_beside(T, device, layer.in_features * layer.out_features, fp8=fp8) if fork else None
     if streams is not None:
         main, side = streams
         side.wait_stream(main)  # x is made on the main stream (and not the GEMM, enqueued after this)
