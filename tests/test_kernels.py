@@ -793,18 +793,33 @@ def test_static_split_k_is_sized_for_the_one_adapter_batch(monkeypatch):
 
 def test_static_decode_blocks_split_k_at_rank_64(monkeypatch):
     """At max_lora_rank 64 (a fleet of mixed ranks), on the two thirds of an H100 that qkv's delta
-    gets at 64 tokens: 32-wide rank blocks, so the one-adapter grid leaves room to split K (3 ways,
-    each program 11 K steps); 16-wide blocks filled it, and every program of a many-adapter batch
-    read all of K. At rank 16 the blocks stay 16 wide."""
+    gets at 64 tokens: 32-wide rank blocks, so the one-adapter grid leaves room to split K (4 ways,
+    each program 8 K steps: the fill asks 3, `DECODE_MAX_K_PER_SPLIT` 4); 16-wide blocks filled
+    it, and every program of a many-adapter batch read all of K. At rank 16 the blocks stay 16 wide."""
     from loramux.kernels import shrink
 
     monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     meta = build_lora_meta(torch.full((64,), -1), 256, static=True)
     cpu = torch.device("cpu")
     r64 = shrink.shrink_launch(meta, 3 * 64, 4096, torch.bfloat16, cpu, sms=88, rank=64)
-    assert (r64.config.block_n, r64.split_k, r64.k_per_split) == (32, 3, 11 * 128)
+    assert (r64.config.block_n, r64.split_k, r64.k_per_split) == (32, 4, 8 * 128)
     r16 = shrink.shrink_launch(meta, 3 * 16, 4096, torch.bfloat16, cpu, sms=88, rank=16)
     assert (r16.config.block_n, r16.split_k) == (16, 7)
+
+
+@pytest.mark.parametrize("H", [4096, 14336])
+def test_static_mixed_step_splits_k_into_short_ranges(H, monkeypatch):
+    """A mixed step's graph (176 tokens: decodes beside a prompt chunk) on the eighth of an H100
+    that a big GEMM leaves: the one-adapter grid (6 tiles x 2 rank blocks) nearly fills the 16
+    programs, but each program of a many-adapter batch (a one-row tile per adapter) would loop
+    over all of K; K is split into ranges of at most `DECODE_MAX_K_PER_SPLIT`."""
+    from loramux.kernels import shrink
+
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
+    meta = build_lora_meta(torch.full((176,), -1), 256, static=True)
+    launch = shrink.shrink_launch(meta, 64, H, torch.bfloat16, torch.device("cpu"), sms=16, rank=64)
+    assert launch.k_per_split <= shrink.DECODE_MAX_K_PER_SPLIT
+    assert launch.split_k == H // shrink.DECODE_MAX_K_PER_SPLIT
 
 
 def test_static_decode_expand_fills_half_the_target(monkeypatch):

@@ -19,9 +19,10 @@ Launch shape: from this batch's tiles (`shrink_config`, a decode-sized eager met
 static meta and any prefill-sized batch, from T, S and the module's shape alone
 (`static_shrink_config`), so the grid is the same for every mapping of T tokens: one CUDA graph
 serves any mix of adapters. The split count there is sized for the one-adapter case (the fewest
-real tiles), which wants the most parallelism in K; a mixed batch gets more real tiles from the
-same grid. Eager launches on the whole GPU first look for a shape tuned on this device model
-(`loramux.kernels.tuned`, written by scripts/tune_shrink.py).
+real tiles), which wants the most parallelism in K, and at decode sizes bounds each program's K
+range; a mixed batch gets more real tiles from the same grid. Eager launches on the whole GPU
+first look for a shape tuned on this device model (`loramux.kernels.tuned`, written by
+scripts/tune_shrink.py).
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ PREFILL_MAX_SPLIT_K = 4
 #: of decode adapters (a row or two each) are a large share of its grid there, and 64-row tiles
 #: would run those programs mostly masked. Past it the prompt chunks' tiles dominate.
 PREFILL_SHORT_TILES_MAX = 1024
+#: Widest K range of one program of a decode-sized static launch. A many-adapter batch fills the
+#: grid with a one-row tile per adapter, each program a K loop of dependent loads beside the base
+#: GEMM, so the longest loop, not the bytes, sets the launch's time; a split sized for the
+#: one-adapter grid left K whole in a mixed step's graph (decodes beside a prompt chunk).
+DECODE_MAX_K_PER_SPLIT = 1024
 #: Counters in a device's split-K table: one per (tile, rank block) of a launch. Split-K launches
 #: have a few thousand at most (decode: tiles <= min(S, T) + T / BLOCK_M); a launch needing more
 #: runs without split-K.
@@ -205,10 +211,10 @@ def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, d
 
     The grid holds the worst-case tile count (T tokens over the meta's ``num_active`` slots); its
     split count is chosen for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that
-    needs K split most, at decode sizes to fill `STATIC_DECODE_FILL` of the target, at prefill
-    sizes at most `PREFILL_MAX_SPLIT_K` ways. Many adapters then fill the same grid with more real
-    tiles, each reading its own adapter's weights: more programs, each as short as in the
-    one-adapter case.
+    needs K split most, at decode sizes to fill `STATIC_DECODE_FILL` of the target (and at least
+    into `DECODE_MAX_K_PER_SPLIT`-wide ranges), at prefill sizes at most `PREFILL_MAX_SPLIT_K`
+    ways. Many adapters then fill the same grid with more real tiles, each reading its own
+    adapter's weights: more programs, each as short as in the one-adapter case.
     """
     return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device, sms), rank or NR)
 
@@ -234,6 +240,8 @@ def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, 
     split_k = _split_for(one_adapter_tiles * cdiv(NR, block_n), target, H, block_k)
     if num_tokens > DECODE_MAX_TOKENS:
         split_k = min(split_k, PREFILL_MAX_SPLIT_K)
+    else:
+        split_k = max(split_k, min(cdiv(H, DECODE_MAX_K_PER_SPLIT), cdiv(H, block_k) // 2, MAX_SPLIT_K))
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
     return ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, 4)
 
