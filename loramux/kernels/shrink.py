@@ -236,21 +236,19 @@ def _static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, 
         block_k //= 2
     one_adapter_tiles = max(1, cdiv(num_tokens, block_m))
     if num_tokens <= DECODE_MAX_TOKENS:
-        target = max(1, int(target * STATIC_DECODE_FILL))
-    split_k = _split_for(one_adapter_tiles * cdiv(NR, block_n), target, H, block_k)
-    if num_tokens > DECODE_MAX_TOKENS:
-        split_k = min(split_k, PREFILL_MAX_SPLIT_K)
+        split_k = _split_for(one_adapter_tiles * cdiv(NR, block_n), max(1, int(target * STATIC_DECODE_FILL)), H,
+                             block_k, at_least=cdiv(H, DECODE_MAX_K_PER_SPLIT))
     else:
-        split_k = max(split_k, min(cdiv(H, DECODE_MAX_K_PER_SPLIT), cdiv(H, block_k) // 2, MAX_SPLIT_K))
+        split_k = min(_split_for(one_adapter_tiles * cdiv(NR, block_n), target, H, block_k), PREFILL_MAX_SPLIT_K)
     num_warps = 8 if block_m * block_n >= 64 * 128 else 4
     return ShrinkConfig(block_m, block_n, block_k, split_k, num_warps, 4)
 
 
-def _split_for(programs: int, target: int, H: int, block_k: int) -> int:
-    """K splits that bring `programs` up to `target`, each split keeping >= 2 K-steps."""
-    if programs >= target:
-        return 1
-    return max(1, min(target // programs, cdiv(H, block_k) // 2, MAX_SPLIT_K))
+def _split_for(programs: int, target: int, H: int, block_k: int, at_least: int = 1) -> int:
+    """K splits that bring `programs` up to `target`, and at least ``at_least``; each split
+    keeping >= 2 K-steps, at most `MAX_SPLIT_K`."""
+    wanted = max(at_least, target // programs if programs < target else 1)
+    return max(1, min(wanted, cdiv(H, block_k) // 2, MAX_SPLIT_K))
 
 
 @dataclass(frozen=True)

@@ -201,8 +201,8 @@ def run_apart(layer, x: torch.Tensor, base_inputs: list[torch.Tensor] = ()) -> t
     delta = torch.empty(T, layer.out_features, dtype=slots.dtype, device=device)  # [T, N]
     fork = (layer.route_plan.graph if meta.static else layer.route_plan.eager) is Route.DELTA_BESIDE
     streams = beside_streams(device) if fork else None
-    fp8 = any(t.dtype == FP8_DTYPE for t in base_inputs)  # the GEMM reads FP8 activations
-    sms = lora_sms_beside(T, device, layer.in_features * layer.out_features, fp8=fp8) if fork else None
+    sms = lora_sms_beside(T, device, layer.in_features * layer.out_features,
+                          fp8=any(t.dtype == FP8_DTYPE for t in base_inputs)) if fork else None  # the GEMM reads FP8
     if streams is not None:
         main, side = streams
         side.wait_stream(main)  # x is made on the main stream (and not the GEMM, enqueued after this)
