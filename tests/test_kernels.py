@@ -90,6 +90,15 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
 
 
+def shrunk_rows(slots: torch.Tensor, ranks: torch.Tensor | None) -> torch.Tensor:
+    """[T] bool on the CPU: the rows of buf a shrink writes, those of tokens whose slot has a rank
+    on the module (a slot -1 token's row, and a rank-0 slot's, are left as they were)."""
+    slots = slots.cpu().long()
+    if ranks is None:
+        return slots >= 0
+    return (slots >= 0) & (ranks.cpu()[slots.clamp(min=0)] > 0)
+
+
 def check_pipeline(case: Case, dtype, device, seed, shrink, expand, y_offset=3):
     """Run shrink then expand (given callables) and compare both with the float64 reference.
 
@@ -105,7 +114,8 @@ def check_pipeline(case: Case, dtype, device, seed, shrink, expand, y_offset=3):
     assert buf.shape == (case.T, n * case.R) and buf.dtype == torch.float32 and buf.device == x.device
     ranks_cpu = ranks.cpu() if ranks is not None else None
     buf_ref = reference.lora_shrink_ref(x.cpu().double(), A.cpu().double(), scales.cpu().double(), meta64, ranks_cpu)
-    err = rel_err(buf.cpu()[active], buf_ref[active])
+    written = shrunk_rows(slots, ranks)
+    err = rel_err(buf.cpu()[written], buf_ref[written])
     assert err < TOL[torch.float32 if dtype == torch.float32 else dtype], f"shrink rel err {err:.2e}"
 
     # y: a column window of a wider tensor (row stride != width), poisoned around the window
@@ -270,20 +280,23 @@ def test_triton_interpreter_forced_launch_shapes(case):
 
 @needs_interpreter
 def test_triton_shrink_writes_every_element():
-    """Poisoned output buffer: every row of a token with an adapter is written (zeros past rank)."""
+    """Poisoned output buffer: every row of a token whose slot has a rank is written (zeros past
+    the rank); rows without an adapter, and of a rank-0 slot (no kernel reads them), are not."""
     from loramux.kernels.shrink import ShrinkConfig, lora_shrink_triton
 
     case = CPU_CASES[1]
     x, A, B, scales, ranks, slots = make_inputs(case, torch.float32, "cpu", 5)
+    ranks[int(slots[slots >= 0][0])] = 0  # one used slot of rank 0
     meta = build_lora_meta(slots, case.S)
     out = torch.full((case.T, len(case.slice_sizes) * case.R), float("nan"))
     buf = lora_shrink_triton(x, A, scales, meta, ranks, config=ShrinkConfig(16, 16, 32, 1, 4, 2), out=out)
     assert buf is out
-    active = slots >= 0
-    assert torch.isfinite(buf[active]).all()
-    assert torch.isnan(buf[~active]).all()  # rows without adapter are not touched either
+    written = shrunk_rows(slots, ranks)
+    assert written.any() and ((slots >= 0) & ~written).any()
+    assert torch.isfinite(buf[written]).all()
+    assert torch.isnan(buf[~written]).all()
     ref = reference.lora_shrink_ref(x.double(), A.double(), scales.double(), meta, ranks)
-    assert rel_err(buf[active], ref[active]) < 1e-5
+    assert rel_err(buf[written], ref[written]) < 1e-5
 
 
 def test_nan_never_passes():
@@ -780,15 +793,16 @@ def test_static_launch_grid_depends_only_on_tokens_and_slots(T, monkeypatch):
 def test_static_split_k_is_sized_for_the_one_adapter_batch(monkeypatch):
     """Decode at 64 tokens, 32 slots, q/k/v r16, on a GPU of 132 SMs: 16-row tiles, K split 11
     ways (the one-adapter grid's 12 programs a tile-row x 11 fill half the target of 264, each
-    program three 128-wide K steps), grid = 34 tiles (the bound: 31 one-token slots + 33 tokens)
-    x 3 x 11."""
+    program three 128-wide K steps); the grid is the bound, 34 tiles (31 one-token slots + 33
+    tokens) x 3 x 11 work items, fewer than `LOOP_FILL` x the target."""
     from loramux.kernels import shrink
+    from loramux.kernels.tiles import LOOP_FILL
 
     monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
     meta = build_lora_meta(torch.full((64,), -1), 32, static=True)
     launch = shrink.shrink_launch(meta, 48, 4096, torch.bfloat16, torch.device("cpu"), rank=16)
     assert (launch.config.block_m, launch.config.block_n, launch.split_k, launch.n_tiles) == (16, 16, 11, 34)
-    assert launch.grid == (34 * 3 * 11,)
+    assert launch.grid == (34 * 3 * 11,) and 34 * 3 * 11 < LOOP_FILL * 264
 
 
 def test_static_decode_blocks_split_k_at_rank_64(monkeypatch):
@@ -820,6 +834,27 @@ def test_static_mixed_step_splits_k_into_short_ranges(H, monkeypatch):
     launch = shrink.shrink_launch(meta, 64, H, torch.bfloat16, torch.device("cpu"), sms=16, rank=64)
     assert launch.k_per_split <= shrink.DECODE_MAX_K_PER_SPLIT
     assert launch.split_k == H // shrink.DECODE_MAX_K_PER_SPLIT
+
+
+def test_static_grids_loop_over_the_bound_with_a_program_per_one_adapter_item(monkeypatch):
+    """A mixed step's graph (176 tokens of at most 64 sequences) on the 16 multiprocessors a big
+    GEMM leaves: gate_up's expand bound is 67 tiles (63 one-token segments and 4 of the rest) x 56
+    column chunks, but its grid runs the one-adapter batch's 6 x 56 items' worth of programs, each
+    looping over the live items; the down shrink's the same, `LOOP_FILL` x the target where that
+    is more."""
+    from loramux.kernels import expand, shrink
+    from loramux.kernels.tiles import LOOP_FILL, cdiv
+
+    monkeypatch.setattr(shrink, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
+    monkeypatch.setattr(expand, "target_programs", lambda device, sms=None: 2 * sms if sms else 264)
+    meta = build_lora_meta(torch.full((176,), -1), 256, static=True, max_distinct=64)
+    cpu = torch.device("cpu")
+    cfg, grid, n_units = expand.expand_launch(meta, (14336, 14336), 64, torch.bfloat16, cpu, sms=16)
+    assert (cfg.block_m, n_units, meta.num_tiles(32)) == (32, 56, 67)
+    assert grid == (6 * 56,)
+    down = shrink.shrink_launch(meta, 64, 14336, torch.bfloat16, cpu, sms=16, rank=64)
+    per_tile = 2 * down.split_k
+    assert down.n_tiles * per_tile > down.grid[0] == max(cdiv(176, down.config.block_m) * per_tile, LOOP_FILL * 32)
 
 
 def test_static_decode_expand_fills_half_the_target(monkeypatch):
@@ -988,7 +1023,8 @@ def test_triton_interpreter_no_zeroing_needed(monkeypatch):
     out = torch.full((T, len(sizes) * R), float("nan"))
     shrink.lora_shrink_triton(x, A, scales, meta, ranks, config=shrink.ShrinkConfig(16, 16, 64, 3, 4, 2), out=out)
     ref = reference.lora_shrink_ref(x.double(), A.double(), scales.double(), meta, ranks)
-    assert rel_err(out[slots >= 0], ref[slots >= 0]) < 1e-5
+    written = shrunk_rows(slots, ranks)
+    assert rel_err(out[written], ref[written]) < 1e-5
 
 
 @pytest.mark.gpu

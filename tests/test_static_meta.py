@@ -12,7 +12,7 @@ from loramux.kernels import build_lora_meta
 from loramux.kernels.metadata import _slot_vector_pad, _static_arrays
 from loramux.kernels.static_meta import ENV_VAR, static_meta_arrays, use_meta_kernel
 
-NAMES = ("sorted_token_ids", "active_slots", "active_counts", "active_starts", "tile_counts")
+NAMES = ("sorted_token_ids", "active_slots", "active_counts", "active_starts")
 
 
 def mappings(T: int, S: int, seed: int) -> dict[str, torch.Tensor]:

@@ -45,8 +45,9 @@ def lora_shrink(
     scales: [S, n_slices] float32; ranks: optional [S] int32, true rank per slot (rows past it
     must be zero padding; they are skipped); a slice whose scale is 0 for a slot (one its adapter
     does not target) is not read either. Returns buf: [T, n_slices*R] float32, zeros past a
-    slot's rank and in its scale-0 slices; rows of slot -1 tokens are unspecified. One kernel, no
-    memset before it, no host sync (with a static meta it can be captured in a CUDA graph).
+    slot's rank and in its scale-0 slices; rows of slot -1 tokens, and of a slot whose rank is 0
+    (the expand skips it), are unspecified. One kernel, no memset before it, no host sync (with a
+    static meta it can be captured in a CUDA graph).
 
     out: buf's memory, given by the caller (a float32 [T, n_slices*R] tensor on x's device), so a
     shrink launched on a side stream writes into memory the main stream allocated; returned.

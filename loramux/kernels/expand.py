@@ -1,15 +1,16 @@
 """Multi-LoRA expand (Triton): y[:, slice_i] += buf[:, slice_i ranks] @ B[slot, slice_i].T for every
 slice of a packed module in one launch.
 
-Grid: tiles x column chunks. A tile is up to BLOCK_M tokens of one slot's segment; a chunk is
-`group` blocks of BLOCK_N columns inside one slice. A program loads its buf tile once (the whole
-rank), then walks its chunk block by block with the next blocks' y and B already in flight
-(async copies, `num_stages` deep), so y streams through at memory speed. Rows of tokens without
-an adapter are never touched, nor are rows of a slot whose rank is 0 for this module.
+Work items (tile-major): live tiles x column chunks. A tile is up to BLOCK_M tokens of one
+slot's segment, live when the slot has a rank on this module; a chunk is `group` blocks of
+BLOCK_N columns inside one slice. An item loads its buf tile once (the whole rank), then walks
+its chunk block by block with the next blocks' y and B already in flight (async copies,
+`num_stages` deep), so y streams through at memory speed. Rows of tokens without an adapter are
+never touched, nor are rows of a slot whose rank is 0 for this module.
 
-The grid is linear and tile-major. For a static meta its shape comes from T and the module's
-shape only (`static_expand_config`), so one CUDA graph serves every mapping: the programs of
-tiles past the batch's last one exit after one round of loads.
+The grid's programs loop over the items with its stride (`loramux.kernels.tiles.looped_grid`).
+For a static meta its shape comes from T and the module's shape only (`static_expand_config`),
+so one CUDA graph serves every mapping.
 """
 
 from __future__ import annotations
@@ -24,23 +25,23 @@ import triton.language as tl
 from .checks import check_expand
 from .metadata import LoRABatchMeta
 from .pool import POOL_ROW_ALIGN
-from .tiles import (DECODE_MAX_TOKENS, POOL_ALIGN, STATIC_DECODE_FILL, block_m_for, cdiv, dot_precision, next_pow2,
-                    pool_width, resolve_pdl, segment_tile, shape_from_tokens_alone, slot_lanes, static_block_m,
-                    target_programs)
+from .tiles import (DECODE_MAX_TOKENS, POOL_ALIGN, STATIC_DECODE_FILL, block_m_for, cdiv, dot_precision,
+                    live_segments, looped_grid, next_pow2, pool_width, resolve_pdl, shape_from_tokens_alone,
+                    slot_lanes, static_block_m, target_programs, tile_at)
 
 
 # token-count-dependent ints are not specialized: a batch flipping between 1 and 2 adapters must not recompile
 @triton.jit(do_not_specialize=["num_active", "n_slices", "n_units", "group"])
 def _expand_kernel(
     y_ptr, buf_ptr, b_ptr, ranks_ptr, pool_ptr, slice_tab_ptr, scales_ptr,
-    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active, real_tiles_ptr,
+    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
     n_slices, R, n_units, group,
     stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk, stride_ss, stride_sn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     A_PAD: tl.constexpr, SL_PAD: tl.constexpr,
     HAS_RANKS: tl.constexpr, HAS_SCALES: tl.constexpr, CAST_BUF: tl.constexpr, PRECISION: tl.constexpr,
     Y_VEC: tl.constexpr, W_VEC: tl.constexpr, STAGES: tl.constexpr, USE_PDL: tl.constexpr, PAGED: tl.constexpr,
-    EXIT_PAST_TILES: tl.constexpr, STORE: tl.constexpr,
+    STORE: tl.constexpr,
 ):
     # STORE: y's rows of tokens with an adapter touching the module are overwritten with the delta
     # (zeros in the slices it does not target) and never read: y is a delta buffer of its own
@@ -49,72 +50,68 @@ def _expand_kernel(
     # what was written before those kernels started (the step's meta, the slice table, the slot
     # ranks): they start only once everything before them has completed, being launched normally
     # or being this kernel, which waits in every program. buf and y come after the wait. Every
-    # program waits before it exits, early exits included, so this kernel never completes before
-    # its predecessors do: a later kernel launched normally sees them completed, as without PDL.
-    pid = tl.program_id(0)
-    pid_m = pid // n_units
-    unit = pid % n_units
-    if EXIT_PAST_TILES:  # a static grid's programs past the batch's tiles: one scalar load, out
-        if pid_m >= tl.load(real_tiles_ptr):
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()
-            return
-    slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
-    if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-        return
-    rank = R
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot).to(tl.int32), R)
-        if rank <= 0:  # the slot's adapter does not touch this module: y stays bit-exact
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()
-            return
-
-    # slice table: [2, SL_PAD] int32 = (sizes, offsets); find this unit's slice and chunk
-    chunk = BLOCK_N * group
+    # program waits, so this kernel never completes before its predecessors do: a later kernel
+    # launched normally sees them completed, as without PDL.
+    cnt, sts, sls, rks, ntile, cum = live_segments(counts_ptr, starts_ptr, slots_ptr, ranks_ptr, num_active,
+                                                   BLOCK_M, A_PAD, HAS_RANKS)
+    # slice table: [2, SL_PAD] int32 = (sizes, offsets)
     s_idx = tl.arange(0, SL_PAD)
     sizes = tl.load(slice_tab_ptr + s_idx, mask=s_idx < n_slices, other=0)
     offsets = tl.load(slice_tab_ptr + SL_PAD + s_idx, mask=s_idx < n_slices, other=0)
-    if HAS_SCALES:  # the slot's scales row, loaded beside the table (both wait on the slot only)
-        slice_on = tl.load(scales_ptr + slot.to(tl.int64) * stride_ss + s_idx * stride_sn,
-                           mask=s_idx < n_slices, other=0.0) != 0.0
+    chunk = BLOCK_N * group
     n_chunks = (sizes + chunk - 1) // chunk
-    cum = tl.cumsum(n_chunks, 0)
-    i = tl.sum((cum <= unit).to(tl.int32), 0)
-    sel = s_idx == i
-    c0 = (unit - tl.sum(tl.where(sel, cum - n_chunks, 0), 0)) * chunk  # first column in the slice
-    n_i = tl.sum(tl.where(sel, sizes, 0), 0)
-    off_i = tl.sum(tl.where(sel, offsets, 0), 0)
-    if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
-        off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
-    n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
-    slice_off = False
-    if HAS_SCALES:
-        # a slice the slot's adapter does not target (scale 0; the shrink left its buf columns
-        # zero): its B (zeros) is not read, and y stays as it was (STORE: takes zeros)
-        slice_off = tl.sum(tl.where(sel, slice_on, False).to(tl.int32), 0) == 0
-        if not STORE and slice_off:
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()
-            return
-
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+    chunk_cum = tl.cumsum(n_chunks, 0)
     if USE_PDL:  # buf (the shrink's) and y (the base GEMM's) are read only past this point
         tl.extra.cuda.gdc_wait()
-    if STORE and slice_off:  # the row of a delta buffer is whole: an untargeted slice's columns are zeros
-        n_end = tl.minimum(n_i, c0 + chunk)
-        n_loc = c0 + tl.arange(0, BLOCK_N)
-        y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
-        for j in range(0, n_blocks):
-            y_mask = m_mask[:, None] & (n_loc < n_end)[None, :]
-            tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=y_mask)
-            n_loc += BLOCK_N
-            y_ptrs += BLOCK_N * stride_yn
-        return
+    # work items, tile-major: (live tile, column chunk); the grid strides over them
+    for item in range(tl.program_id(0), tl.sum(ntile, 0) * n_units, tl.num_programs(0)):
+        unit = item % n_units
+        slot, rank, start, count, m0 = tile_at(item // n_units, cnt, sts, sls, rks, ntile, cum, BLOCK_M, A_PAD)
+        if HAS_RANKS:
+            rank = tl.minimum(rank, R)
+        else:
+            rank = R
+        # this unit's slice and chunk
+        i = tl.sum((chunk_cum <= unit).to(tl.int32), 0)
+        sel = s_idx == i
+        c0 = (unit - tl.sum(tl.where(sel, chunk_cum - n_chunks, 0), 0)) * chunk  # first column in the slice
+        n_i = tl.sum(tl.where(sel, sizes, 0), 0)
+        off_i = tl.sum(tl.where(sel, offsets, 0), 0)
+        if Y_VEC > 1:  # slices start and end on 16-byte boundaries: y moves in 16-byte vectors
+            off_i = (off_i // Y_VEC) * Y_VEC  # a no-op the compiler's alignment analysis can read
+        n_blocks = tl.minimum(tl.cdiv(n_i - c0, BLOCK_N), group)
+        n_end = tl.minimum(n_i, c0 + chunk)  # this item's columns: [c0, n_end) of slice i
+        slice_on = True
+        if HAS_SCALES:
+            # a slice the slot's adapter does not target (scale 0; the shrink left its buf columns
+            # zero): its B (zeros) is not read, and y stays as it was (STORE: takes zeros)
+            slice_on = tl.load(scales_ptr + slot.to(tl.int64) * stride_ss + i * stride_sn) != 0.0
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        if slice_on:
+            tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+            _expand_chunk(y_ptr, buf_ptr, b_ptr, pool_ptr, tok, m_mask, slot, rank, i, R, off_i, c0, n_end,
+                          n_blocks, stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk,
+                          BLOCK_M, BLOCK_N, BLOCK_R, CAST_BUF, PRECISION, Y_VEC, W_VEC, STAGES, PAGED, STORE)
+        elif STORE:  # the row of a delta buffer is whole: an untargeted slice's columns are zeros
+            tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+            n_loc = c0 + tl.arange(0, BLOCK_N)
+            y_ptrs = y_ptr + tok[:, None] * stride_ym + (off_i + n_loc)[None, :] * stride_yn
+            for j in range(0, n_blocks):
+                y_mask = m_mask[:, None] & (n_loc < n_end)[None, :]
+                tl.store(y_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=y_mask)
+                n_loc += BLOCK_N
+                y_ptrs += BLOCK_N * stride_yn
+
+
+@triton.jit
+def _expand_chunk(y_ptr, buf_ptr, b_ptr, pool_ptr, tok, m_mask, slot, rank, i, R, off_i, c0, n_end, n_blocks,
+                  stride_ym, stride_yn, stride_bm, stride_bk, stride_ws, stride_wn, stride_wk,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, CAST_BUF: tl.constexpr,
+                  PRECISION: tl.constexpr, Y_VEC: tl.constexpr, W_VEC: tl.constexpr, STAGES: tl.constexpr,
+                  PAGED: tl.constexpr, STORE: tl.constexpr):
+    """One work item: columns [c0, n_end) of slice ``i`` (``n_blocks`` blocks) for a tile's
+    tokens ``tok``: y += (or, STORE, y =) buf's slice-i ranks @ B[slot]'s columns."""
     offs_r = tl.arange(0, BLOCK_R)
     # buf: [T, n_slices*R] f32, slice i at columns i*R; loaded once, reused for every block
     hb = tl.load(buf_ptr + tok[:, None] * stride_bm + (i * R + offs_r)[None, :] * stride_bk,
@@ -130,8 +127,6 @@ def _expand_kernel(
     r_mask = offs_r < rank
     if CAST_BUF:  # 16-bit: round to the weights' dtype for the tensor cores, as PEFT does
         hb = hb.to(b_ptr.dtype.element_ty)
-
-    n_end = tl.minimum(n_i, c0 + chunk)  # this program's columns: [c0, n_end) of slice i
     if Y_VEC > 1:  # a no-op that proves the column mask uniform per vector, so y's loads pipeline
         n_end = (n_end // Y_VEC) * Y_VEC
     n_loc = c0 + tl.arange(0, BLOCK_N)  # [BN] columns of this block within the slice
@@ -201,8 +196,8 @@ def static_expand_config(num_tokens: int, slice_sizes: tuple[int, ...], R: int, 
                          device: torch.device, sms: int | None = None) -> ExpandConfig:
     """Launch shape for a static meta (and a prefill-sized batch), from T and the module's shape
     only. At decode sizes the column split is sized for the one-adapter batch (ceil(T / BLOCK_M)
-    real tiles), the one that needs the most programs per tile; a mixed batch fills more tiles of
-    the same grid. Prefill-sized launches take fixed 512-column chunks."""
+    tiles), the one that needs the most items per tile; a mixed batch gives the same grid more
+    tiles. Prefill-sized launches take fixed 512-column chunks."""
     block_m = min(static_block_m(num_tokens), 32 if R <= 32 else 64)
     # a decode graph's grid has a tile per adapter of the batch, and each program's start (its
     # segment, token ids, buf rows: dependent loads) is paid per tile: its one-adapter grid fills
@@ -259,11 +254,14 @@ def expand_launch(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dty
     """(config, grid, work units per tile) of the launch `lora_expand_triton` makes. For a static
     meta it depends on (T, S, slice sizes, R, dtype, device) only: tests compare it across mappings."""
     cfg = config or expand_config(meta, slice_sizes, R, dtype, device, sms)
-    key = ("expand_launch", slice_sizes, cfg)
+    key = ("expand_launch", slice_sizes, cfg, sms)
     hit = meta._cache.get(key)
     if hit is None:  # per step and module shape
         n_units = sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes)
-        hit = (cfg, (meta.num_tiles(cfg.block_m) * n_units,), n_units)
+        n_tiles = meta.num_tiles(cfg.block_m)
+        grid = looped_grid(n_tiles * n_units, cdiv(meta.num_tokens, cfg.block_m) * n_units,
+                           target_programs(device, sms)) if n_tiles else (0,)
+        hit = (cfg, grid, n_units)
         meta._cache[key] = hit
     return hit
 
@@ -296,7 +294,6 @@ def lora_expand_triton(
     if grid[0] == 0:
         return
     tab, sl_pad, _ = _slice_table(slice_sizes, y.device)
-    real_tiles = meta.real_tiles(cfg.block_m)
     sy, sb = y.stride(), buf.stride()
     # a pool [U, N] holds each slot's [N, width] block from element start * N: stride_ws is N
     sw = lora_b.stride() if pool_starts is None else (lora_b.shape[1], 0, 1)
@@ -314,7 +311,6 @@ def lora_expand_triton(
         y, buf, lora_b, ranks if ranks is not None else tab, pool_starts if pool_starts is not None else tab, tab,
         scales if scales is not None else tab,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
-        real_tiles if real_tiles is not None else tab,
         n_slices, R, n_units, cfg.group,
         sy[0], sy[1], sb[0], sb[1], sw[0], sw[1], sw[2], ss[0], ss[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=max(16, next_pow2(R)),
@@ -323,6 +319,6 @@ def lora_expand_triton(
         CAST_BUF=cfg.cast_buf and y.dtype != torch.float32,
         PRECISION=dot_precision(y.dtype), Y_VEC=y_vec, W_VEC=w_vec,
         STAGES=cfg.num_stages, USE_PDL=use_pdl, PAGED=pool_starts is not None,
-        EXIT_PAST_TILES=real_tiles is not None, STORE=store,
+        STORE=store,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options,
     )

@@ -22,15 +22,6 @@ import torch
 
 __all__ = ["LoRABatchMeta", "build_lora_meta"]
 
-#: Tile heights a static meta counts its real tiles for (those static launches use).
-STATIC_TILE_HEIGHTS = (16, 32, 64)
-assert STATIC_TILE_HEIGHTS == tuple(16 << i for i in range(3)), "_build_static_meta counts these heights"
-#: A static grid of at least this many tiles checks the real count first, so its programs past
-#: them exit on one scalar load. Every program pays that load's latency first: it costs more
-#: than it saves where the bound is small, and saves several times that where the grid is large.
-EXIT_PAST_TILES_MIN = 48
-
-
 @dataclass(frozen=True, eq=False)
 class LoRABatchMeta:
     """Tokens of one batch segmented by adapter slot (Punica's SGMV layout).
@@ -67,9 +58,6 @@ class LoRABatchMeta:
     active_counts_host: tuple[int, ...]
     active_starts_host: tuple[int, ...]
     static: bool = False
-    # static metas: [len(STATIC_TILE_HEIGHTS)] int32 on the device, the batch's real tiles at
-    # each height, so a static grid's programs past them exit on one scalar load
-    tile_counts: torch.Tensor | None = None
     # per-launcher caches keyed by tile height (tile counts); filled lazily, host-only
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -85,16 +73,6 @@ class LoRABatchMeta:
             n = sum((c + block_m - 1) // block_m for c in self.active_counts_host)
             self._cache[key] = n
         return n
-
-    def real_tiles(self, block_m: int) -> torch.Tensor | None:
-        """A static meta's count of real [block_m]-token tiles, a [1] int32 device view, when its
-        grid's bound is large enough (`EXIT_PAST_TILES_MIN`) for an early exit to pay; None for
-        an exact meta (its grid holds its tiles only) or a height it did not count."""
-        if (self.tile_counts is None or block_m not in STATIC_TILE_HEIGHTS
-                or self.num_tiles(block_m) < EXIT_PAST_TILES_MIN):
-            return None
-        i = STATIC_TILE_HEIGHTS.index(block_m)
-        return self.tile_counts[i : i + 1]
 
     def exact(self) -> "LoRABatchMeta":
         """This meta with its exact host layout: itself, or for a static meta the meta
@@ -207,8 +185,9 @@ def build_lora_meta(token_slots: torch.Tensor, num_slots: int, *, static: bool =
 
 
 def _slot_vector_pad(num_slots: int) -> int:
-    # the kernels read their slot vector with A_PAD = max(32, next_pow2(num_slots)) lanes and, for
-    # a tile past the last real one, index A_PAD itself; keep that entry (and a margin) valid
+    # the kernels read at most num_active <= num_slots entries of the slot vectors, in lanes of up
+    # to A_PAD = max(32, next_pow2(num_slots)) (`tiles.slot_lanes`); past num_slots every entry
+    # holds a valid slot, so a read of the whole lane width would stay in bounds too
     return 2 * max(32, 1 << max(0, (num_slots - 1).bit_length())) + 1
 
 
@@ -219,8 +198,7 @@ def _build_static_meta(token_slots: torch.Tensor, num_slots: int, max_distinct: 
 
     T, S = token_slots.numel(), num_slots
     build = static_meta_arrays if use_meta_kernel(token_slots.device) else _static_arrays
-    sorted_token_ids, active_slots, active_counts, active_starts, tile_counts = build(
-        token_slots, S, _slot_vector_pad(S))
+    sorted_token_ids, active_slots, active_counts, active_starts = build(token_slots, S, _slot_vector_pad(S))
     a = min(S, T, max_distinct or S)
     # worst case over batches of T tokens on <= a slots: a - 1 + ceil((T - a + 1) / m) tiles of
     # height m (every other split of T into a segments has at most as many tiles)
@@ -240,15 +218,14 @@ def _build_static_meta(token_slots: torch.Tensor, num_slots: int, max_distinct: 
         active_counts_host=counts_h,
         active_starts_host=(),
         static=True,
-        tile_counts=tile_counts,
     )
 
 
 def _static_arrays(token_slots: torch.Tensor, S: int, pad: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A static meta's device arrays by torch ops, no host sync (no bincount, no sort): counts by
     a one-hot sum, each token's place in its segment by a one-hot prefix sum. Returns
-    (sorted_token_ids [T], active_slots, active_counts, active_starts [pad], tile_counts [3])."""
+    (sorted_token_ids [T], active_slots, active_counts, active_starts [pad])."""
     T, device = token_slots.numel(), token_slots.device
     slots = token_slots.to(torch.int64)
     key = torch.where((slots < 0) | (slots >= S), torch.full_like(slots, S), slots)  # [T], S = none
@@ -270,6 +247,4 @@ def _static_arrays(token_slots: torch.Tensor, S: int, pad: int
     active_counts[:S] = counts[order].to(torch.int32)
     active_starts = torch.zeros(pad, dtype=torch.int32, device=device)
     active_starts[:S] = starts[order].to(torch.int32)
-    heights = 16 << torch.arange(len(STATIC_TILE_HEIGHTS), device=device)  # STATIC_TILE_HEIGHTS
-    tile_counts = ((counts[:, None] + heights - 1) // heights).sum(0).to(torch.int32)
-    return sorted_token_ids, active_slots, active_counts, active_starts, tile_counts
+    return sorted_token_ids, active_slots, active_counts, active_starts

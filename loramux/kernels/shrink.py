@@ -1,9 +1,11 @@
 """Multi-LoRA shrink (Triton): buf = (x @ A[slot].T) * scale for every slice of a packed module in
 one launch, so x is read once.
 
-Grid (linear, tile-major): tiles x rank blocks x split_k. A tile is up to BLOCK_M tokens of one
-slot's segment; a rank block is BLOCK_N columns of the n_slices*R stacked ranks. Decode shapes
-have few tiles, so the K (hidden) dimension is split across SPLIT_K programs.
+Work items (tile-major): live tiles x rank blocks x split_k. A tile is up to BLOCK_M tokens of
+one slot's segment, live when the slot has a rank on this module; a rank block is BLOCK_N columns
+of the n_slices*R stacked ranks. Decode shapes have few tiles, so the K (hidden) dimension is
+split across SPLIT_K items. The grid's programs loop over the items with its stride
+(`loramux.kernels.tiles.looped_grid`).
 
 Split-K without a zeroed buffer: each split stores its float32 partial product in a scratch
 tensor [SPLIT_K, T, NR] (torch.empty, never cleared), then bumps a per-(tile, rank block) counter
@@ -11,7 +13,8 @@ in a device-wide table with one acquire-release atomic; the program that finds t
 SPLIT_K - 1 is the last, sums the partials in split order (deterministic) and stores buf, then
 puts the counter back to 0. The table is zeroed once when made and every launch leaves it zero,
 so no launch needs a memset before it (one node less per projection in a CUDA graph). buf's
-rows of tokens with an adapter are stored by exactly one program, zeros past a slot's rank.
+rows of tokens whose slot has a rank here are stored by exactly one item, zeros past the rank;
+a rank-0 slot's rows are not (the expand skips that slot).
 Launches of the same device share the table: do not run two split-K shrinks at once on
 different streams.
 
@@ -19,8 +22,8 @@ Launch shape: from this batch's tiles (`shrink_config`, a decode-sized eager met
 static meta and any prefill-sized batch, from T, S and the module's shape alone
 (`static_shrink_config`), so the grid is the same for every mapping of T tokens: one CUDA graph
 serves any mix of adapters. The split count there is sized for the one-adapter case (the fewest
-real tiles), which wants the most parallelism in K, and at decode sizes bounds each program's K
-range; a mixed batch gets more real tiles from the same grid. Eager launches on the whole GPU
+tiles), which wants the most parallelism in K, and at decode sizes bounds each item's K range; a
+mixed batch gives the same grid more items. Eager launches on the whole GPU
 first look for a shape tuned on this device model (`loramux.kernels.tuned`, written by
 scripts/tune_shrink.py).
 """
@@ -36,8 +39,9 @@ import triton.language as tl
 
 from .checks import check_shrink
 from .metadata import LoRABatchMeta
-from .tiles import (DECODE_MAX_TOKENS, STATIC_DECODE_FILL, block_m_for, cdiv, dot_precision, next_pow2,
-                    segment_tile, shape_from_tokens_alone, slot_lanes, static_block_m, target_programs)
+from .tiles import (DECODE_MAX_TOKENS, STATIC_DECODE_FILL, block_m_for, cdiv, dot_precision, live_segments,
+                    looped_grid, next_pow2, shape_from_tokens_alone, slot_lanes, static_block_m, target_programs,
+                    tile_at)
 from .tuned import many_adapters, tuned_shrink_config
 
 #: Most K splits of one launch (the last program's reduction loop is unrolled this far).
@@ -66,53 +70,61 @@ LOCK_TABLE_SIZE = 1 << 15
 @triton.jit(do_not_specialize=["num_active", "k_per_split", "T"])
 def _shrink_kernel(
     x_ptr, a_ptr, scales_ptr, ranks_ptr, pool_ptr, buf_ptr, part_ptr, lock_ptr,
-    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active, real_tiles_ptr,
+    sorted_ids_ptr, counts_ptr, starts_ptr, slots_ptr, num_active,
     T, H, NR, R, k_per_split,
     stride_xm, stride_xk, stride_as, stride_an, stride_ak, stride_ss, stride_sn, stride_bm, stride_bn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
     A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
-    PAGED: tl.constexpr, EXIT_PAST_TILES: tl.constexpr,
+    PAGED: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    cnt, sts, sls, rks, ntile, cum = live_segments(counts_ptr, starts_ptr, slots_ptr, ranks_ptr, num_active,
+                                                   BLOCK_M, A_PAD, HAS_RANKS)
     n_blocks = tl.cdiv(NR, BLOCK_N)
     per_tile = n_blocks * SPLIT_K
-    pid_m = pid // per_tile  # tile-major: programs with work come first
-    pid_n = (pid % per_tile) // SPLIT_K
-    pid_k = pid % SPLIT_K
-    if EXIT_PAST_TILES:  # a static grid's programs past the batch's tiles: one scalar load, out
-        if pid_m >= tl.load(real_tiles_ptr):
-            return
-    slot, start, count, m0 = segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active, BLOCK_M, A_PAD)
-    if count <= m0:  # a tile past the batch's last one (static grid): nothing to do
-        return
+    # work items, tile-major: (live tile, rank block, K split); the grid strides over them
+    for item in range(tl.program_id(0), tl.sum(ntile, 0) * per_tile, tl.num_programs(0)):
+        pid_m = item // per_tile
+        pid_n = (item % per_tile) // SPLIT_K
+        pid_k = item % SPLIT_K
+        slot, rank, start, count, m0 = tile_at(pid_m, cnt, sts, sls, rks, ntile, cum, BLOCK_M, A_PAD)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_in = offs_n < NR
+        # the scales load beside the token ids (both wait on the slot only), before the K loop: a
+        # slice with scale 0 is one the slot's adapter does not target (a q/v adapter's k in a
+        # fused qkv): its A rows (zeros) are never read, and a block of such columns stores zeros
+        sc = tl.load(scales_ptr + slot.to(tl.int64) * stride_ss + (offs_n // R) * stride_sn, mask=n_in, other=0.0)
+        n_mask = n_in & (sc != 0.0)
+        if HAS_RANKS:
+            n_mask = n_mask & ((offs_n % R) < rank)
+        out_mask = m_mask[:, None] & n_in[None, :]
+        buf_ptrs = buf_ptr + tok[:, None] * stride_bm + offs_n[None, :] * stride_bn
+        if tl.max(n_mask.to(tl.int32), 0) == 0:
+            # the whole block is past the slot's rank or off (every split sees the same): split 0
+            # stores the zeros, nobody touches the counter
+            if pid_k == 0:
+                tl.store(buf_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=out_mask)
+        else:
+            _shrink_block(x_ptr, a_ptr, pool_ptr, buf_ptrs, part_ptr, lock_ptr, tok, slot, offs_n, sc,
+                          m_mask, n_mask, out_mask, pid_m * n_blocks + pid_n, pid_k, T, H, NR, R, k_per_split,
+                          stride_xm, stride_xk, stride_as, stride_an, stride_ak,
+                          BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, EVEN_K, PRECISION, PAGED)
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    tok = tl.load(sorted_ids_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_in = offs_n < NR
-    slot64 = slot.to(tl.int64)
-    # the scales load beside the rank's (both wait on the slot only), before the K loop: a slice
-    # with scale 0 is one the slot's adapter does not target (a q/v adapter's k in a fused qkv):
-    # its A rows (zeros) are never read, and a block of such columns only stores zeros
-    sc = tl.load(scales_ptr + slot64 * stride_ss + (offs_n // R) * stride_sn, mask=n_in, other=0.0)
-    n_mask = n_in & (sc != 0.0)
-    if HAS_RANKS:
-        rank = tl.load(ranks_ptr + slot)
-        n_mask = n_mask & ((offs_n % R) < rank)
-    out_mask = m_mask[:, None] & n_in[None, :]
-    buf_ptrs = buf_ptr + tok[:, None] * stride_bm + offs_n[None, :] * stride_bn
-    if tl.max(n_mask.to(tl.int32), 0) == 0:
-        # the whole block is past the slot's rank or off (every split sees the same): split 0
-        # stores the zeros, nobody touches the counter
-        if pid_k == 0:
-            tl.store(buf_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), mask=out_mask)
-        return
 
+@triton.jit
+def _shrink_block(x_ptr, a_ptr, pool_ptr, buf_ptrs, part_ptr, lock_ptr, tok, slot, offs_n, sc,
+                  m_mask, n_mask, out_mask, lock_idx, pid_k, T, H, NR, R, k_per_split,
+                  stride_xm, stride_xk, stride_as, stride_an, stride_ak,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                  EVEN_K: tl.constexpr, PRECISION: tl.constexpr, PAGED: tl.constexpr):
+    """One work item: split ``pid_k`` of K for a tile's rank block, into buf (or, split, into
+    the partials, the last split of the (tile, block) ``lock_idx`` summing them into buf)."""
     if PAGED:  # the pool [U, n_slices, H]: rank row j of slice i at unit start + j
         a_rows = (tl.load(pool_ptr + slot).to(tl.int64) + offs_n % R) * stride_as + (offs_n // R) * stride_an
     else:  # A[slot]: [NR, H]
-        a_rows = slot64 * stride_as + offs_n * stride_an
+        a_rows = slot.to(tl.int64) * stride_as + offs_n * stride_an
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_lo = tl.multiple_of(pid_k * k_per_split, BLOCK_K)
     k_hi = tl.minimum(k_lo + k_per_split, H)
@@ -131,7 +143,6 @@ def _shrink_kernel(
         acc += tl.dot(xt, tl.trans(at), input_precision=PRECISION)
         x_ptrs += BLOCK_K * stride_xk
         a_ptrs += BLOCK_K * stride_ak
-
     acc = acc * sc[None, :]  # columns past the rank are exact zeros (A masked)
     if SPLIT_K == 1:
         tl.store(buf_ptrs, acc, mask=out_mask)
@@ -140,7 +151,7 @@ def _shrink_kernel(
         part_off = tok[:, None] * NR + offs_n[None, :]
         tl.store(part_ptr + pid_k * T * NR + part_off, acc, mask=out_mask)
         tl.debug_barrier()  # every thread's partial is written before the release below
-        lock = lock_ptr + pid_m * n_blocks + pid_n
+        lock = lock_ptr + lock_idx
         arrived = tl.atomic_add(lock, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:  # the last split of this (tile, block): reduce, in split order
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -209,12 +220,11 @@ def static_shrink_config(num_tokens: int, NR: int, H: int, dtype: torch.dtype, d
     """Launch shape for a static meta: a function of T and the module's shape only (``rank``: R,
     each slice's rank columns; default NR, one slice).
 
-    The grid holds the worst-case tile count (T tokens over the meta's ``num_active`` slots); its
-    split count is chosen for the one-adapter batch (ceil(T / BLOCK_M) real tiles), the one that
+    The split count is chosen for the one-adapter batch (ceil(T / BLOCK_M) tiles), the one that
     needs K split most, at decode sizes to fill `STATIC_DECODE_FILL` of the target (and at least
     into `DECODE_MAX_K_PER_SPLIT`-wide ranges), at prefill sizes at most `PREFILL_MAX_SPLIT_K`
-    ways. Many adapters then fill the same grid with more real tiles, each reading its own
-    adapter's weights: more programs, each as short as in the one-adapter case.
+    ways. Many adapters then give the same grid more tiles, each reading its own adapter's
+    weights: more items, each as short as in the one-adapter case.
     """
     return _static_shrink_config(num_tokens, NR, H, dtype, target_programs(device, sms), rank or NR)
 
@@ -257,7 +267,7 @@ class ShrinkLaunch:
 
     config: ShrinkConfig
     grid: tuple[int]
-    n_tiles: int  # tiles in the grid (for a static meta: the bound over every mapping)
+    n_tiles: int  # tiles of the batch (for a static meta: the bound over every mapping)
     split_k: int  # splits that cover K (<= config.split_k: empty splits are dropped)
     k_per_split: int
 
@@ -275,7 +285,8 @@ def shrink_launch(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     split_k = cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
     if n_tiles * cdiv(NR, cfg.block_n) > LOCK_TABLE_SIZE:  # more counters than the table: no split
         split_k, k_per_split = 1, k_chunks * cfg.block_k
-    grid = (n_tiles * cdiv(NR, cfg.block_n) * split_k,)
+    per_tile = cdiv(NR, cfg.block_n) * split_k
+    grid = looped_grid(n_tiles * per_tile, cdiv(meta.num_tokens, cfg.block_m) * per_tile, target_programs(device, sms))
     return ShrinkLaunch(cfg, grid, n_tiles, split_k, k_per_split)
 
 
@@ -334,7 +345,6 @@ def lora_shrink_triton(
     if launch.n_tiles == 0:
         return buf
     cfg = launch.config
-    real_tiles = meta.real_tiles(cfg.block_m)
     if launch.split_k > 1:
         parts = _scratch(launch.split_k, T, NR, device=x.device)  # [SPLIT, T, NR], never cleared
         locks = _lock_table(x.device)
@@ -345,12 +355,11 @@ def lora_shrink_triton(
         x, lora_a, scales, ranks if ranks is not None else scales, pool_starts if pool_starts is not None else scales,
         buf, parts, locks,
         meta.sorted_token_ids, meta.active_counts, meta.active_starts, meta.active_slots, meta.num_active,
-        real_tiles if real_tiles is not None else meta.active_counts,
         T, H, NR, R, launch.k_per_split,
         sx[0], sx[1], sa[0], sa[1], sa[2], ss[0], ss[1], sb[0], sb[1],
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=launch.split_k,
         A_PAD=slot_lanes(meta), HAS_RANKS=ranks is not None, EVEN_K=H % cfg.block_k == 0,
-        PRECISION=dot_precision(x.dtype), PAGED=pool_starts is not None, EXIT_PAST_TILES=real_tiles is not None,
+        PRECISION=dot_precision(x.dtype), PAGED=pool_starts is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return buf

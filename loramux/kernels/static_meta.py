@@ -6,7 +6,7 @@ arrays from ``token_slots`` on every replay. With torch ops that is about 60 sma
 before the step's first layer: a good part of what one adapter costs a decode step. This kernel
 computes the same arrays in one program: the slots' counts (a one-hot sum over blocks of tokens), their starts (a prefix sum),
 each token's place in its slot's segment (a running count per slot), the active slots first in
-ascending order, the padding past the slot vector, and the real tile counts.
+ascending order, and the padding past the slot vector.
 
 So it is on by default on CUDA; ``LORAMUX_META_KERNEL=0`` builds with the torch ops instead (a
 fallback should a Triton version miscompile it). The CPU tests run it under Triton's interpreter
@@ -50,8 +50,7 @@ def _one_hot(slots_ptr, t0, T, S, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr):
 
 # T is not specialized: one compiled kernel serves every graph size
 @triton.jit(do_not_specialize=["T"])
-def _static_meta_kernel(slots_ptr, sorted_ptr, act_slots_ptr, act_counts_ptr, act_starts_ptr, tiles_ptr,
-                        T, S, PAD, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr, P_PAD: tl.constexpr):
+def _static_meta_kernel(slots_ptr, sorted_ptr, act_slots_ptr, act_counts_ptr, act_starts_ptr, T, S, PAD, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr, P_PAD: tl.constexpr):
     lanes = tl.arange(0, S_PAD)
     # pass 1: tokens per lane
     counts = tl.zeros([S_PAD], dtype=tl.int32)
@@ -81,23 +80,17 @@ def _static_meta_kernel(slots_ptr, sorted_ptr, act_slots_ptr, act_counts_ptr, ac
     tl.store(act_slots_ptr + pads, zeros + first, mask=past)
     tl.store(act_counts_ptr + pads, zeros, mask=past)
     tl.store(act_starts_ptr + pads, zeros, mask=past)
-    # real tiles at the static heights (metadata.STATIC_TILE_HEIGHTS: 16, 32, 64)
-    c = tl.where(real, counts, 0)
-    tl.store(tiles_ptr + 0, tl.sum((c + 15) // 16, 0))
-    tl.store(tiles_ptr + 1, tl.sum((c + 31) // 32, 0))
-    tl.store(tiles_ptr + 2, tl.sum((c + 63) // 64, 0))
 
 
 def static_meta_arrays(token_slots: torch.Tensor, num_slots: int, pad: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_token_ids [T], active_slots, active_counts, active_starts [pad], tile_counts [3]),
-    all int32, as `metadata._build_static_meta` lays them out; one launch, no host sync."""
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted_token_ids [T], active_slots, active_counts, active_starts [pad]), all int32, as
+    `metadata._build_static_meta` lays them out; one launch, no host sync."""
     T, device = token_slots.numel(), token_slots.device
     assert pad >= num_slots, (pad, num_slots)
     slots = token_slots.to(torch.int32)
     sorted_ids = torch.empty(T, dtype=torch.int32, device=device)
     active = torch.empty(3, pad, dtype=torch.int32, device=device)
-    tiles = torch.empty(3, dtype=torch.int32, device=device)
-    _static_meta_kernel[(1,)](slots, sorted_ids, active[0], active[1], active[2], tiles, T, num_slots, pad,
+    _static_meta_kernel[(1,)](slots, sorted_ids, active[0], active[1], active[2], T, num_slots, pad,
                               BLOCK_T=BLOCK_T, S_PAD=next_pow2(num_slots + 1), P_PAD=next_pow2(pad), num_warps=4)
-    return sorted_ids, active[0], active[1], active[2], tiles
+    return sorted_ids, active[0], active[1], active[2]

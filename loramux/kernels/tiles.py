@@ -1,9 +1,10 @@
 """Shared Triton helpers and launch heuristics for the segmented (SGMV) kernels.
 
-Launch grids are linear and tile-major: program ``pid`` serves tile ``pid // per_tile``. Tiles
-are numbered slot after slot (active slots first), so the programs with work have the lowest
-ids and are dispatched first; the programs of a grid sized from a bound (a static meta) that
-find no tile exit after one round of loads, while the real ones run.
+A launch's work items are tile-major: item ``w`` serves live tile ``w // per_tile``, the live
+tiles numbered slot after slot over the segments whose slot has a rank on the module
+(`live_segments`, `tile_at`). The grid's programs loop over the items with its stride, so a grid
+sized from a bound (a static meta) runs a bounded number of programs (`looped_grid`), not one
+per item of the bound.
 
 Also here: whether a launch may use programmatic dependent launch (`pdl_available`,
 `resolve_pdl`; ``LORAMUX_PDL``).
@@ -27,37 +28,46 @@ if TYPE_CHECKING:  # metadata builds on these tiles (through static_meta)
 
 
 @triton.jit
-def segment_tile(pid_m, counts_ptr, starts_ptr, slots_ptr, num_active,
-                 BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
-    """Map tile index pid_m to (slot, segment start, segment length, first row in segment).
+def live_segments(counts_ptr, starts_ptr, slots_ptr, ranks_ptr, num_active,
+                  BLOCK_M: tl.constexpr, A_PAD: tl.constexpr, HAS_RANKS: tl.constexpr):
+    """The batch's segments with work for this module, as [A_PAD] vectors, one lane per active
+    slot: (token counts, segment starts, slots, ranks, tiles per segment, inclusive prefix sum of
+    the tiles). The live tiles are numbered slot after slot; their count is the sum of the tiles.
 
-    Each active slot's segment is cut into ceil(count / BLOCK_M) tiles; tiles are numbered slot
-    after slot. Found with one vector load and a prefix sum, so no per-tile-size table is needed.
-
-    The three slot vectors are loaded side by side (one round trip, not two dependent ones).
-    A tile past the last real one (a grid sized from a bound, as for a CUDA graph, rather than
-    from this batch's counts) finds `a` = A_PAD, past the end of the slot vectors: it gets count 0
-    and slot/start 0, and the callers exit (`count <= m0`). Loads are masked by num_active, so the
-    vectors need no padding past num_active entries.
+    The three slot vectors load side by side (one round trip), the slots' ranks after them: a
+    segment whose slot has rank 0 here (its adapter does not touch this module) counts no tiles,
+    so no program spends time on it. Loads are masked by num_active: the vectors need no padding
+    past num_active entries, and a static meta's lanes of unused slots hold no tokens.
     """
     a_idx = tl.arange(0, A_PAD)
     real = a_idx < num_active
     cnt = tl.load(counts_ptr + a_idx, mask=real, other=0)  # [A_PAD]
     sts = tl.load(starts_ptr + a_idx, mask=real, other=0)
     sls = tl.load(slots_ptr + a_idx, mask=real, other=0)
+    if HAS_RANKS:
+        rks = tl.load(ranks_ptr + sls, mask=real & (cnt > 0), other=0).to(tl.int32)
+        cnt = tl.where(rks > 0, cnt, 0)
+    else:
+        rks = tl.zeros([A_PAD], dtype=tl.int32)
     ntile = (cnt + BLOCK_M - 1) // BLOCK_M
-    cum = tl.cumsum(ntile, 0)  # inclusive
-    a = tl.sum((cum <= pid_m).to(tl.int32), 0)
-    sel = a_idx == a
+    return cnt, sts, sls, rks, ntile, tl.cumsum(ntile, 0)
+
+
+@triton.jit
+def tile_at(t, cnt, sts, sls, rks, ntile, cum, BLOCK_M: tl.constexpr, A_PAD: tl.constexpr):
+    """Live tile ``t`` (below the sum of `live_segments`' tiles) -> (slot, its rank, segment
+    start, segment length, the tile's first row in the segment): register work, no load."""
+    sel = tl.arange(0, A_PAD) == tl.sum((cum <= t).to(tl.int32), 0)
     first_tile = tl.sum(tl.where(sel, cum - ntile, 0), 0)
     count = tl.sum(tl.where(sel, cnt, 0), 0)
     slot = tl.sum(tl.where(sel, sls, 0), 0)
+    rank = tl.sum(tl.where(sel, rks, 0), 0)
     start = tl.sum(tl.where(sel, sts, 0), 0)
-    return slot, start, count, (pid_m - first_tile) * BLOCK_M
+    return slot, rank, start, count, (t - first_tile) * BLOCK_M
 
 
 def slot_lanes(meta: LoRABatchMeta) -> int:
-    """`segment_tile`'s A_PAD: lanes enough for every active slot of the batch, of which there are
+    """`live_segments`' A_PAD: lanes enough for every active slot of the batch, of which there are
     at most min(S, T), or a static meta's bound (its ``num_active``). Sized from S alone, a decode
     step of 64 tokens with 256 slots loaded and scanned 256-lane vectors in every program."""
     return max(32, next_pow2(meta.num_active if meta.static else min(meta.num_slots, meta.num_tokens)))
@@ -112,6 +122,21 @@ DECODE_MAX_TOKENS = 256  # a batch of at most this many tokens is decode-sized: 
 #: GEMM beside it. Half the target shortens the many-adapter kernels and leaves the one-adapter
 #: ones as they were, which the decode step shows (docs/benchmarks/throughput.md).
 STATIC_DECODE_FILL = 0.5
+
+
+#: A launch runs at most this many times `target_programs` programs, or the one-adapter batch's
+#: item count where that is more, each program looping over the live work items with the grid's
+#: stride. A static meta's bound over every mapping has an item per tile of the worst case: a
+#: program per item, most finding no work (tiles past the batch's, slots of rank 0 here), ran in
+#: waves behind the real ones. Far fewer programs, each looping over many items, run a
+#: many-adapter batch's items one after the other, each waiting on its own loads: slower again.
+LOOP_FILL = 8
+
+
+def looped_grid(work: int, one_adapter_work: int, target: int) -> tuple[int]:
+    """The grid of a launch of at most ``work`` items, the one-adapter batch's being
+    ``one_adapter_work`` (`LOOP_FILL`)."""
+    return (max(1, min(work, max(one_adapter_work, LOOP_FILL * target))),)
 
 
 def shape_from_tokens_alone(meta: LoRABatchMeta) -> bool:
