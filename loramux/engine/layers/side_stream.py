@@ -29,7 +29,7 @@ from contextlib import contextmanager
 import torch
 
 from loramux.kernels.dispatch import uses_triton
-from loramux.kernels.tiles import num_sms
+from loramux.kernels.tiles import DECODE_MAX_TOKENS, num_sms
 
 __all__ = ["beside_streams", "delta_beside_base", "gemm_carveout", "is_big_gemm", "lora_sms_beside", "side_stream"]
 
@@ -92,12 +92,14 @@ def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0
     None up to 8 tokens (the GEMM's tail leaves room, and a carveout costs the GEMM more than
     the delta gains), and none past `CARVEOUT_MAX_TOKENS` (`FP8_CARVEOUT_MAX_TOKENS`). Between
     them a GEMM reads its weights at near full bandwidth on a fraction of the SMs, and the
-    delta's many short programs want the rest: a big GEMM (`BIG_GEMM_WEIGHTS`) leaves an eighth
-    and a small one a third at 9-32 tokens and past 128 (there the GEMMs are nearly compute-bound
-    and a larger share slows them more than the delta gains), a third and two thirds at 33-128
-    tokens. These shares were the fastest decode steps of the choices tried, at every batch size
-    and adapter mix measured (docs/benchmarks/throughput.md), and the fastest mixed steps
-    (decodes beside prefill chunks, one adapter or many) up to the limit.
+    delta's many short programs want the rest: a big GEMM (`BIG_GEMM_WEIGHTS`) leaves a third at
+    33-128 tokens and an eighth elsewhere; a small one two thirds at 33-128, a half at 129-256 (a
+    third beside an FP8 GEMM) and a third elsewhere (past 256 the GEMMs are nearly compute-bound
+    and a larger share slows them more than the delta gains). These shares were the fastest
+    decode steps of the choices tried, at every batch size and adapter mix measured
+    (docs/benchmarks/throughput.md), and the fastest mixed steps (decodes beside a prefill chunk,
+    one adapter or many) up to the limit; at 129-256 tokens a small GEMM's delta over a mixed
+    step's decode adapters outlasted the GEMM on a third.
     """
     limit = FP8_CARVEOUT_MAX_TOKENS if fp8 else CARVEOUT_MAX_TOKENS
     if device.type != "cuda" or num_tokens <= 8 or num_tokens > limit:
@@ -106,7 +108,9 @@ def lora_sms_beside(num_tokens: int, device: torch.device, gemm_weights: int = 0
     big = is_big_gemm(gemm_weights)
     if 32 < num_tokens <= 128:
         return sms // 3 if big else sms * 2 // 3
-    return sms // 8 if big else sms // 3
+    if big:
+        return sms // 8
+    return sms // 2 if 128 < num_tokens <= DECODE_MAX_TOKENS and not fp8 else sms // 3
 
 
 @contextmanager
