@@ -258,10 +258,7 @@ def expand_launch(meta: LoRABatchMeta, slice_sizes: tuple[int, ...], R: int, dty
     hit = meta._cache.get(key)
     if hit is None:  # per step and module shape
         n_units = sum(cdiv(n, cfg.block_n * cfg.group) for n in slice_sizes)
-        n_tiles = meta.num_tiles(cfg.block_m)
-        grid = looped_grid(n_tiles * n_units, cdiv(meta.num_tokens, cfg.block_m) * n_units,
-                           target_programs(device, sms)) if n_tiles else (0,)
-        hit = (cfg, grid, n_units)
+        hit = (cfg, looped_grid(meta, cfg.block_m, n_units, target_programs(device, sms)), n_units)
         meta._cache[key] = hit
     return hit
 

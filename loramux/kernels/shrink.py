@@ -23,9 +23,8 @@ static meta and any prefill-sized batch, from T, S and the module's shape alone
 (`static_shrink_config`), so the grid is the same for every mapping of T tokens: one CUDA graph
 serves any mix of adapters. The split count there is sized for the one-adapter case (the fewest
 tiles), which wants the most parallelism in K, and at decode sizes bounds each item's K range; a
-mixed batch gives the same grid more items. Eager launches on the whole GPU
-first look for a shape tuned on this device model (`loramux.kernels.tuned`, written by
-scripts/tune_shrink.py).
+mixed batch gives the same grid more items. Eager launches on the whole GPU first look for a
+shape tuned on this device model (`loramux.kernels.tuned`, written by scripts/tune_shrink.py).
 """
 
 from __future__ import annotations
@@ -285,8 +284,7 @@ def shrink_launch(meta: LoRABatchMeta, NR: int, H: int, dtype: torch.dtype, devi
     split_k = cdiv(max(H, 1), k_per_split)  # drop splits that would be empty
     if n_tiles * cdiv(NR, cfg.block_n) > LOCK_TABLE_SIZE:  # more counters than the table: no split
         split_k, k_per_split = 1, k_chunks * cfg.block_k
-    per_tile = cdiv(NR, cfg.block_n) * split_k
-    grid = looped_grid(n_tiles * per_tile, cdiv(meta.num_tokens, cfg.block_m) * per_tile, target_programs(device, sms))
+    grid = looped_grid(meta, cfg.block_m, cdiv(NR, cfg.block_n) * split_k, target_programs(device, sms))
     return ShrinkLaunch(cfg, grid, n_tiles, split_k, k_per_split)
 
 

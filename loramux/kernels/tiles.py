@@ -133,10 +133,11 @@ STATIC_DECODE_FILL = 0.5
 LOOP_FILL = 8
 
 
-def looped_grid(work: int, one_adapter_work: int, target: int) -> tuple[int]:
-    """The grid of a launch of at most ``work`` items, the one-adapter batch's being
-    ``one_adapter_work`` (`LOOP_FILL`)."""
-    return (max(1, min(work, max(one_adapter_work, LOOP_FILL * target))),)
+def looped_grid(meta: LoRABatchMeta, block_m: int, per_tile: int, target: int) -> tuple[int]:
+    """The grid of a launch over ``meta``'s tiles of ``block_m`` rows, ``per_tile`` work items
+    each, sized for ``target`` programs (`LOOP_FILL`); empty for a batch with no tile."""
+    one_adapter_work = cdiv(meta.num_tokens, block_m) * per_tile
+    return (min(meta.num_tiles(block_m) * per_tile, max(one_adapter_work, LOOP_FILL * target)),)
 
 
 def shape_from_tokens_alone(meta: LoRABatchMeta) -> bool:
