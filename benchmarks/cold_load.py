@@ -13,9 +13,10 @@ validation is built on the ``meta`` device (shapes only), so no weights are need
 measures the disk's sequential read bandwidth, so that "cold TTFT <= warm TTFT + 1.5 x adapter
 bytes / disk bandwidth" can be judged on any host. With CUDA the weights are read straight into a
 piece of a page-locked arena made beforehand, as the engine's loads are, and copied to the GPU;
-without it there is no copy. The content digest is hashed chunk by chunk while the file is read;
-"digest_wait" is what is left of it after the checks ran. The read, check and digest stages are
-the loader's own timings (``load_adapter_with_digest(..., stages=)``).
+without it there is no copy. Each 1 MiB chunk is hashed and scanned for NaN and infinity on a
+pool while the file is read, so "loader_checks" holds the wait for the last chunks' scan and
+"digest_wait" what is left of the digest after it. The read, check and digest stages are the
+loader's own timings (``load_adapter_with_digest(..., stages=)``).
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def main(argv=None) -> Path:
 
 
 STAGES = {"raw_read": "the file read whole into a buffer (the floor)", "resolve": "resolve the name to a dir",
-          "read": "read, hashed chunk by chunk on a pool", "loader_checks": "parse and check the tensors",
+          "read": "read, hashed and scanned chunk by chunk on a pool", "loader_checks": "check the tensors (the scan's tail)",
           "engine_validate": "the engine's validation", "digest_wait": "the digest's tail",
           "pin": "page-lock (0: read into the arena)", "copy": "copy to the GPU",
           "registry_get": "the whole load through the registry"}

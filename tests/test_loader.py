@@ -289,6 +289,20 @@ def test_a_non_finite_tensor_loramux_skips_does_not_refuse_the_adapter(tmp_path)
     assert_refused(tmp_path / "broken", InvalidAdapterError, "embed_tokens", "NaN or infinity")
 
 
+def test_a_file_scanned_finite_while_read_is_not_checked_again(make_adapter, monkeypatch):
+    """The scan beside the read answers for the whole file; the check of the kept tensors runs only
+    when it found a NaN or infinity somewhere (the test above: in a tensor loramux skips)."""
+    import loramux.registry.loader as loader
+
+    path = make_adapter("scanned", model=tiny_llama())
+
+    def no_second_check(*args):
+        raise AssertionError("checked again")
+
+    monkeypatch.setattr(loader, "spans_finite", no_second_check)
+    assert load_adapter(path).modules
+
+
 def test_adapters_of_one_layout_share_its_parsed_header_but_each_keeps_its_own_config(make_adapter):
     from functools import partial
 

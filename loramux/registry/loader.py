@@ -26,10 +26,11 @@ from loramux.registry.handle import combine_digest, config_digest
 from loramux.registry.host_memory import PAGEABLE, PINNED_EACH_LOAD, HostMemory, release_frames
 from loramux.registry.weights_io import (
     SafetensorsLayout,
+    advise_read,
     all_finite,
     read_and_hash,
-    read_layout,
     read_pickle,
+    read_safetensors,
     spans_finite,
 )
 
@@ -156,6 +157,7 @@ class _Weights(NamedTuple):
     digest: Callable[[], bytes]
     buffer: torch.Tensor | None  # the read buffer the tensors are views of (None: a pickle's own tensors)
     layout: SafetensorsLayout | None
+    finite: Callable[[], bool] | None = None  # True: every float in the file is finite (safetensors)
 
 
 def _read_tensors(directory: Path, name: str, allocate: Callable[[int], torch.Tensor]) -> _Weights:
@@ -164,13 +166,10 @@ def _read_tensors(directory: Path, name: str, allocate: Callable[[int], torch.Te
     safetensors_file = directory / SAFETENSORS_FILE
     pickle_file = directory / PICKLE_FILE
     if safetensors_file.is_file():
-        digest = None
         try:
-            buffer, digest = read_and_hash(safetensors_file, allocate)
-            layout = read_layout(buffer)
-            return _Weights(layout.tensors(buffer), safetensors_file, digest, buffer, layout)
+            read = read_safetensors(safetensors_file, allocate)
+            return _Weights(read.tensors, safetensors_file, read.digest, read.buffer, read.layout, read.finite)
         except (OSError, ValueError) as error:
-            _settle(digest)
             raise InvalidAdapterError(
                 f"the weights file is corrupt or truncated ({error}).",
                 adapter=name,
@@ -241,25 +240,12 @@ def _module_plan(weights: _Weights, peft_config: dict, config_key: bytes, name: 
     )
     kept = {key for _, a_key, b_key, _, _ in modules for key in (a_key, b_key)}
     nbytes = sum(weights.tensors[key].nbytes for key in kept)
-    plan = _ModulePlan(modules, _kept_spans(layout, kept) if layout is not None else (), nbytes)
+    plan = _ModulePlan(modules, layout.runs(kept) if layout is not None else (), nbytes)
     if layout is not None:
         if len(plans) >= _PLANS_PER_LAYOUT:
             plans.clear()
         plans[config_key] = plan
     return plan
-
-
-def _kept_spans(layout: SafetensorsLayout, kept: set[str]) -> tuple[tuple[torch.dtype, int, int], ...]:
-    """The byte runs of ``layout`` that the ``kept`` tensors cover: neighbours of one dtype merged
-    (a whole adapter file is usually one run)."""
-    runs: list[list] = []
-    for entry in sorted((e for e in layout.entries if e.key in kept), key=lambda e: e.begin):
-        begin, end = layout.data_start + entry.begin, layout.data_start + entry.end
-        if runs and runs[-1][0] == entry.dtype and runs[-1][2] == begin:
-            runs[-1][2] = end
-        else:
-            runs.append([entry.dtype, begin, end])
-    return tuple((dtype, begin, end) for dtype, begin, end in runs if end > begin)
 
 
 def _group_by_module(
@@ -371,8 +357,8 @@ def load_adapter_with_digest(
 
     :param stages: if given, receives the seconds of each stage of the load (for benchmarks):
         ``read`` (the config and the weights file, into host memory), ``checks`` (the tensors'
-        layout, names, shapes, ranks and finiteness) and ``digest_wait`` (the content hash's tail,
-        computed beside the checks).
+        names, shapes and ranks, and the wait for the finite scan run beside the read) and
+        ``digest_wait`` (what is left of the content hash after them).
     """
     memory = host_memory or (PINNED_EACH_LOAD if pin_memory else PAGEABLE)
     try:
@@ -392,6 +378,8 @@ def _load(directory: Path, config: LoRAConfig | None, name: str, base_model_name
             path=directory,
             fix="Check the path; it must be a directory saved by PEFT's save_pretrained().",
         )
+    # both files' disk reads start now, the small config's first: the weights stream in while it is parsed
+    advise_read(directory / ADAPTER_CONFIG_FILE, directory / SAFETENSORS_FILE)
     peft_config = _read_config(directory, name)
     config_file = directory / ADAPTER_CONFIG_FILE
     _check_supported(peft_config, name, config_file)
@@ -454,6 +442,8 @@ _WASTE_FACTOR = 1.25
 
 
 def _check_finite(modules: dict[str, LoRAModuleWeights], weights: _Weights, plan: _ModulePlan, name: str) -> None:
+    if weights.finite is not None and weights.finite():  # scanned while read: nothing to do
+        return
     if weights.buffer is not None:
         finite = spans_finite(weights.buffer, plan.spans)
     else:

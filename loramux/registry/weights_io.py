@@ -1,13 +1,17 @@
-"""Reading an adapter's weights file once: into one host buffer, hashed while it is read.
+"""Reading an adapter's weights file once: into one host buffer, hashed and checked while it is read.
 
 The file is read whole into a buffer the caller allocates (page-locked when a GPU is present, so
-the copy into a GPU slot can run asynchronously straight from it), `READ_BYTES` a read. Each read
-is hashed on a small thread pool as soon as it lands (per 1 MiB chunk), while the next is read
-(hashlib and file reads release the GIL), so the content digest costs little beyond the read.
-Reads are large because each read and each hash job takes the GIL back when it ends, and beside
-a busy engine thread that can wait up to a switch interval: fewer, larger reads wait fewer times
-(cold loads stage by stage: docs/benchmarks/cold_load.md). A safetensors file
-then becomes tensors that are views into that buffer: one copy from the disk, none after it.
+the copy into a GPU slot can run asynchronously straight from it), `READ_BYTES` a read, after
+asking the kernel to read the whole file ahead (``POSIX_FADV_WILLNEED``): the disk then streams
+the file while this thread parses the header and builds the tensors' views. Each 1 MiB chunk is
+hashed on a small thread pool as soon as it lands, while the next is read (hashlib, numpy and file
+reads release the GIL), and in a safetensors file also scanned for NaN and infinity in its float
+tensors, so the content digest and the finite check cost little beyond the read: what is left
+after the last read is one chunk's work. Reads are large because each read and each job takes
+the GIL back when it ends, and beside a busy engine thread that can wait up to a switch interval:
+fewer, larger reads wait fewer times (cold loads stage by stage: docs/benchmarks/cold_load.md). A
+safetensors file then becomes tensors that are views into that buffer: one copy from the disk,
+none after it.
 
 safetensors' own Python API cannot do this: ``load_file`` copies every tensor out of a memory
 map, ``load(bytes)`` copies twice, and neither builds tensors over a buffer we own. The format is
@@ -18,6 +22,7 @@ against the file before a tensor is made.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -25,7 +30,7 @@ import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,12 +40,13 @@ import numpy as np
 import torch
 
 __all__ = [
-    "HASH_CHUNK_BYTES", "SafetensorsLayout", "all_finite", "parse_safetensors", "read_and_hash", "read_layout",
-    "read_pickle", "spans_finite",
+    "HASH_CHUNK_BYTES", "SafetensorsLayout", "SafetensorsRead", "advise_read", "all_finite", "parse_safetensors",
+    "read_and_hash", "read_layout", "read_pickle", "read_safetensors", "spans_finite",
 ]
 
+#: Bytes of one hash job (and, in a safetensors file, of one finite scan).
 HASH_CHUNK_BYTES = 1 << 20
-#: Bytes of one read (and one hash job of its 1 MiB chunks).
+#: Bytes of one read.
 READ_BYTES = 4 * HASH_CHUNK_BYTES
 
 # safetensors dtype names (https://github.com/huggingface/safetensors#format) -> torch
@@ -64,14 +70,95 @@ def _hash_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def _sha256(piece: list[memoryview]) -> bytes:
-    """The SHA-256 of each `HASH_CHUNK_BYTES` chunk of the one view in ``piece``, concatenated;
-    the view is taken out first: the pool's work item keeps its arguments until after the result
+def advise_read(*paths: Path) -> None:
+    """Ask the kernel to read ``paths`` ahead now, in this order (a hint: nothing waits, errors
+    are ignored), so that their disk reads run back to back while the first is being used."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+class _FloatRun(NamedTuple):
+    """Neighbouring tensors of one float dtype, as the integers the finite scan masks: file
+    offsets ``begin``..``end``, elements of ``bits`` (numpy) whose exponent bits are ``mask``."""
+
+    bits: np.dtype
+    mask: int
+    begin: int
+    end: int
+
+
+def _hash_and_scan(piece: list[memoryview], begin: int, end: int, runs: Sequence[_FloatRun]) -> tuple[bytes, bool]:
+    """The SHA-256 of bytes ``begin``..``end`` of the file's view (the one item of ``piece``), and
+    whether the float elements of ``runs`` whose last byte lies there are finite (an element that
+    straddles two chunks is the later chunk's: its bytes before ``begin`` were read already).
+
+    The view is taken out first: the pool's work item keeps its arguments until after the result
     is set, and a view kept there would hold the read buffer (an arena piece) past the moment
     its digest is known."""
     view = piece.pop()
-    return b"".join(hashlib.sha256(view[at : at + HASH_CHUNK_BYTES]).digest()
-                    for at in range(0, len(view), HASH_CHUNK_BYTES))
+    digest = hashlib.sha256(view[begin:end]).digest()
+    for run in runs:
+        size = run.bits.itemsize
+        first = max(0, -(-(begin - run.begin + 1) // size) - 1)
+        last = min(run.end - run.begin, end - run.begin) // size
+        if last > first and not _bits_finite(
+                np.frombuffer(view, run.bits, last - first, run.begin + first * size), run.mask):
+            return digest, False
+    return digest, True
+
+
+def _read(path: Path, allocate: Callable[[int], torch.Tensor],
+          runs_after: Callable[[torch.Tensor, int], Sequence[_FloatRun] | None]) -> tuple[torch.Tensor, list[Future]]:
+    """Read ``path`` whole into ``allocate(size)`` (a uint8 tensor), a `_hash_and_scan` job for
+    each 1 MiB chunk as it lands. ``runs_after(buffer, bytes read)`` says what the jobs scan, or
+    None while it cannot say yet (a header still being read): chunks wait until it can."""
+    with open(path, "rb", buffering=0) as file:
+        size = os.fstat(file.fileno()).st_size
+        buffer = allocate(size)
+        view = memoryview(buffer.numpy())
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        jobs: list[Future[tuple[bytes, bool]]] = []
+        pool = _hash_pool()
+        handed = 0  # bytes given to jobs
+        try:
+            for start in range(0, size, READ_BYTES):
+                end = min(start + READ_BYTES, size)
+                done = start
+                while done < end:
+                    read = file.readinto(view[done:end])
+                    if not read:
+                        raise OSError(f"{path} shrank while being read ({done} of {size} bytes)")
+                    done += read
+                runs = runs_after(buffer, end)
+                if runs is None:
+                    continue
+                for at in range(handed, end, HASH_CHUNK_BYTES):
+                    jobs.append(pool.submit(_hash_and_scan, [view], at, min(at + HASH_CHUNK_BYTES, end), runs))
+                handed = end
+            if not size:  # an empty file: a header must still be there
+                runs_after(buffer, 0)
+        except BaseException:
+            wait(jobs)  # they read the buffer: a failed read lets it go only once they are done
+            raise
+    return buffer, jobs
+
+
+def _digest(jobs: list[Future[tuple[bytes, bool]]]) -> Callable[[], bytes]:
+    """The file's digest, once its jobs are done: SHA-256 over the SHA-256 of each 1 MiB chunk in
+    order (a function of the bytes alone, whatever the reads return)."""
+    return lambda: hashlib.sha256(b"".join(job.result()[0] for job in jobs)).digest()
 
 
 def read_and_hash(
@@ -87,30 +174,53 @@ def read_and_hash(
         so that it is freed at once.
     :raises OSError: the file cannot be read, or it shrank while being read.
     """
-    with open(path, "rb", buffering=0) as file:
-        size = os.fstat(file.fileno()).st_size
-        buffer = allocate(size)
-        view = memoryview(buffer.numpy())
-        chunks: list[Future[bytes]] = []
-        pool = _hash_pool()
-        try:
-            for start in range(0, size, READ_BYTES):
-                end = min(start + READ_BYTES, size)
-                done = start
-                while done < end:
-                    read = file.readinto(view[done:end])
-                    if not read:
-                        raise OSError(f"{path} shrank while being read ({done} of {size} bytes)")
-                    done += read
-                chunks.append(pool.submit(_sha256, [view[start:end]]))
-        except BaseException:
-            wait(chunks)  # they read the buffer: a failed read lets it go only once they are done
-            raise
+    buffer, jobs = _read(path, allocate, lambda buffer, read: ())
+    return buffer, _digest(jobs)
 
-    def digest() -> bytes:
-        return hashlib.sha256(b"".join(chunk.result() for chunk in chunks)).digest()
 
-    return buffer, digest
+class SafetensorsRead(NamedTuple):
+    """A safetensors file read whole (`read_safetensors`)."""
+
+    buffer: torch.Tensor
+    layout: "SafetensorsLayout"
+    #: the file's tensors, views into ``buffer``
+    tensors: dict[str, torch.Tensor]
+    #: the file's digest, as `read_and_hash` returns it (call it before giving up on the buffer)
+    digest: Callable[[], bytes]
+    #: whether every element of the file's float tensors is finite (when not, the tensors a caller
+    #: keeps may still be: check those)
+    finite: Callable[[], bool]
+
+
+def read_safetensors(path: Path, allocate: Callable[[int], torch.Tensor]) -> SafetensorsRead:
+    """`read_and_hash` for a safetensors file: its header is parsed (`read_layout`) and its tensors'
+    views are built as soon as the header is read, while the disk reads the rest, and each chunk is
+    scanned for NaN and infinity beside its hash.
+
+    :raises OSError: the file cannot be read, or it shrank while being read.
+    :raises ValueError: the header is truncated, not JSON, or names a dtype, shape or offsets
+        that the file does not hold.
+    """
+    parsed: list = []
+
+    def runs_after(buffer: torch.Tensor, read: int) -> Sequence[_FloatRun] | None:
+        if not parsed:
+            layout = _layout_of(memoryview(buffer.numpy()), read, buffer.numel())
+            if layout is None:
+                return None
+            parsed.append(layout)
+            if layout.views_only(buffer):  # views need no data: made while the disk reads the rest
+                parsed.append(layout.tensors(buffer))
+        return parsed[0].float_runs
+
+    buffer, jobs = _read(path, allocate, runs_after)
+    layout = parsed[0]
+    try:
+        tensors = parsed[1] if len(parsed) > 1 else layout.tensors(buffer)  # a copy needs the data
+    except BaseException:
+        wait(jobs)
+        raise
+    return SafetensorsRead(buffer, layout, tensors, _digest(jobs), lambda: all(job.result()[1] for job in jobs))
 
 
 class _Entry(NamedTuple):
@@ -137,8 +247,36 @@ class SafetensorsLayout:
     data_end: int  # the largest end offset: the file must hold this many data bytes
     derived: dict = field(default_factory=dict, repr=False)  # users' caches keyed by what they derive from
 
+    @functools.cached_property
+    def float_runs(self) -> tuple[_FloatRun, ...]:
+        """The runs of float tensors as the finite scan masks them (every float dtype of the
+        format has a mask): what `read_safetensors` scans for NaN and infinity."""
+        return tuple(_FloatRun(np.dtype(_NUMPY_INTS[_EXPONENT_MASKS[dtype][0]]), _EXPONENT_MASKS[dtype][1], begin, end)
+                     for dtype, begin, end in self.runs() if dtype.is_floating_point)
+
+    def runs(self, keys: Collection[str] | None = None) -> tuple[tuple[torch.dtype, int, int], ...]:
+        """``(dtype, begin, end)``: the byte runs (offsets in the file) of the tensors named ``keys``
+        (default: all), neighbours of one dtype merged (a whole adapter file is usually one run)."""
+        runs: list[list] = []
+        for entry in sorted(self.entries, key=lambda e: e.begin):
+            if (keys is not None and entry.key not in keys) or entry.end == entry.begin:
+                continue
+            begin, end = self.data_start + entry.begin, self.data_start + entry.end
+            if runs and runs[-1][0] == entry.dtype and runs[-1][2] == begin:
+                runs[-1][2] = end
+            else:
+                runs.append([entry.dtype, begin, end])
+        return tuple((dtype, begin, end) for dtype, begin, end in runs)
+
+    def views_only(self, buffer: torch.Tensor) -> bool:
+        """Whether `tensors` of ``buffer`` are all views (no tensor is misaligned there, so none is
+        copied): then they can be made before the data is read."""
+        base = buffer.storage_offset() + self.data_start
+        return all((base + entry.begin) % entry.dtype.itemsize == 0 for entry in self.entries)
+
     def tensors(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The tensors of a file with this header held in ``buffer`` (uint8), as views into it.
+        """The tensors of a file with this header held in ``buffer`` (uint8), as views into it
+        (a misaligned one, which safetensors never writes, as a copy).
 
         :raises ValueError: the file is too short for its header.
         """
@@ -174,13 +312,21 @@ def read_layout(buffer: torch.Tensor) -> SafetensorsLayout:
     :raises ValueError: the header is truncated, not JSON, or names a dtype, shape or offsets
         that are not a tensor's.
     """
-    size = buffer.numel()
-    raw = memoryview(buffer.numpy())
+    return _layout_of(memoryview(buffer.numpy()), buffer.numel(), buffer.numel())
+
+
+def _layout_of(raw: memoryview, have: int, size: int) -> SafetensorsLayout | None:
+    """`read_layout` of a file of ``size`` bytes whose first ``have`` are in ``raw``; None while its
+    header is not all there."""
     if size < 8:
         raise ValueError(f"the file has {size} bytes, fewer than its 8-byte header length")
+    if have < 8:
+        return None
     header_len = int.from_bytes(raw[:8], "little")
     if header_len > size - 8:
         raise ValueError(f"the header claims {header_len} bytes but the file has {size - 8} after it")
+    if have < 8 + header_len:
+        return None
     header_bytes = bytes(raw[8 : 8 + header_len])
     with _layouts_lock:
         layout = _layouts.get(header_bytes)
@@ -234,14 +380,18 @@ def read_pickle(buffer: torch.Tensor) -> object:
     return torch.load(io.BytesIO(memoryview(buffer.numpy())), map_location="cpu", weights_only=True)
 
 
-# Exponent bits: all ones means infinity or NaN, so one integer AND finds both without a float op
-# (isfinite on bfloat16 runs ~30x slower on CPU than this).
+# Bits all set only in infinity or NaN (the exponent's; float8_e4m3fn has no infinity, and its
+# only NaN sets every bit but the sign), so one integer AND finds both without a float op
+# (isfinite on bfloat16 runs ~30x slower on CPU than this, and torch has none for float8).
 _EXPONENT_MASKS: dict[torch.dtype, tuple[torch.dtype, int]] = {
     torch.bfloat16: (torch.int16, 0x7F80),
     torch.float16: (torch.int16, 0x7C00),
     torch.float32: (torch.int32, 0x7F800000),
     torch.float64: (torch.int64, 0x7FF0000000000000),
+    torch.float8_e4m3fn: (torch.int8, 0x7F),
+    torch.float8_e5m2: (torch.int8, 0x7C),
 }
+_NUMPY_INTS = {torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
 _CHECK_ELEMENTS = 1 << 18  # per step: the scratch buffer stays in cache
 
 
@@ -271,14 +421,19 @@ def _span_finite(span: torch.Tensor) -> bool:
     mask = _EXPONENT_MASKS.get(span.dtype)
     if mask is None:
         return bool(torch.isfinite(span).all())
+    return _bits_finite(span.view(mask[0]).numpy(), mask[1])
+
+
+def _bits_finite(bits: np.ndarray, mask: int) -> bool:
+    """Whether no element of ``bits`` (a float array seen as integers) has all of its exponent
+    bits ``mask`` set: no NaN or infinity."""
     # numpy, not torch: one thread, SIMD, no intra-op thread pool to wake (which, on a busy
     # host, made this check 10-100x slower); max, not any(): an int reduction is vectorized
-    bits = span.view(mask[0]).numpy()
     scratch = np.empty(min(bits.size, _CHECK_ELEMENTS), dtype=bits.dtype)
     for start in range(0, bits.size, _CHECK_ELEMENTS):
         chunk = bits[start : start + _CHECK_ELEMENTS]
-        masked = np.bitwise_and(chunk, mask[1], out=scratch[: chunk.size])
-        if int(masked.max()) == mask[1]:
+        masked = np.bitwise_and(chunk, mask, out=scratch[: chunk.size])
+        if int(masked.max()) == mask:
             return False
     return True
 
