@@ -1,17 +1,17 @@
 """Reading an adapter's weights file once: into one host buffer, hashed and checked while it is read.
 
 The file is read whole into a buffer the caller allocates (page-locked when a GPU is present, so
-the copy into a GPU slot can run asynchronously straight from it), `READ_BYTES` a read, after
-asking the kernel to read the whole file ahead (``POSIX_FADV_WILLNEED``): the disk then streams
-the file while this thread parses the header and builds the tensors' views. Each 1 MiB chunk is
-hashed on a small thread pool as soon as it lands, while the next is read (hashlib, numpy and file
-reads release the GIL), and in a safetensors file also scanned for NaN and infinity in its float
-tensors, so the content digest and the finite check cost little beyond the read: what is left
-after the last read is one chunk's work. Reads are large because each read and each job takes
-the GIL back when it ends, and beside a busy engine thread that can wait up to a switch interval:
-fewer, larger reads wait fewer times (cold loads stage by stage: docs/benchmarks/cold_load.md). A
-safetensors file then becomes tensors that are views into that buffer: one copy from the disk,
-none after it.
+the copy into a GPU slot can run asynchronously straight from it), after asking the kernel to read
+all of it ahead (``POSIX_FADV_WILLNEED``): the disk then streams the file while this thread parses
+the header and builds the tensors' views. Each 1 MiB chunk is hashed on a small thread pool as
+soon as it lands, while the next is read (hashlib, numpy and file reads release the GIL), and in a
+safetensors file also scanned for NaN and infinity in its float tensors, so the content digest and
+the finite check cost little beyond the read. Reads are `READ_BYTES` because each read and each
+job takes the GIL back when it ends, and beside a busy engine thread that can wait up to a switch
+interval: fewer, larger reads wait fewer times; the last `READ_BYTES` are read a chunk at a time,
+so that what is left after the last read is one chunk's hash (cold loads stage by stage:
+docs/benchmarks/cold_load.md). A safetensors file then becomes tensors that are views into that
+buffer: one copy from the disk, none after it.
 
 safetensors' own Python API cannot do this: ``load_file`` copies every tensor out of a memory
 map, ``load(bytes)`` copies twice, and neither builds tensors over a buffer we own. The format is
@@ -46,7 +46,7 @@ __all__ = [
 
 #: Bytes of one hash job (and, in a safetensors file, of one finite scan).
 HASH_CHUNK_BYTES = 1 << 20
-#: Bytes of one read.
+#: Bytes of one read (but over the last of them: one chunk).
 READ_BYTES = 4 * HASH_CHUNK_BYTES
 
 # safetensors dtype names (https://github.com/huggingface/safetensors#format) -> torch
@@ -131,16 +131,19 @@ def _read(path: Path, allocate: Callable[[int], torch.Tensor],
             os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
         jobs: list[Future[tuple[bytes, bool]]] = []
         pool = _hash_pool()
-        handed = 0  # bytes given to jobs
+        handed = start = 0  # bytes given to jobs; where the next read starts
         try:
-            for start in range(0, size, READ_BYTES):
-                end = min(start + READ_BYTES, size)
+            while start < size:
+                # the last READ_BYTES chunk by chunk: each chunk's job starts as it lands, so what is
+                # left after the last read is the last chunk's hash, not a whole read's
+                end = min(start + (READ_BYTES if size - start > READ_BYTES else HASH_CHUNK_BYTES), size)
                 done = start
                 while done < end:
                     read = file.readinto(view[done:end])
                     if not read:
                         raise OSError(f"{path} shrank while being read ({done} of {size} bytes)")
                     done += read
+                start = end
                 runs = runs_after(buffer, end)
                 if runs is None:
                     continue
