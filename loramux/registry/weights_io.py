@@ -73,19 +73,24 @@ def _hash_pool() -> ThreadPoolExecutor:
 def advise_read(*paths: Path) -> None:
     """Ask the kernel to read ``paths`` ahead now, in this order (a hint: nothing waits, errors
     are ignored), so that their disk reads run back to back while the first is being used."""
-    if not hasattr(os, "posix_fadvise"):
-        return
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue
         try:
+            _advise(fd)
+        finally:
+            os.close(fd)
+
+
+def _advise(fd: int) -> None:
+    """``POSIX_FADV_WILLNEED`` on the whole file, where the platform and the filesystem take it."""
+    if hasattr(os, "posix_fadvise"):
+        try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
-        finally:
-            os.close(fd)
 
 
 class _FloatRun(NamedTuple):
@@ -127,8 +132,7 @@ def _read(path: Path, allocate: Callable[[int], torch.Tensor],
         size = os.fstat(file.fileno()).st_size
         buffer = allocate(size)
         view = memoryview(buffer.numpy())
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(file.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        _advise(file.fileno())
         jobs: list[Future[tuple[bytes, bool]]] = []
         pool = _hash_pool()
         handed = start = 0  # bytes given to jobs; where the next read starts
