@@ -185,7 +185,8 @@ def main(argv=None) -> Path:
 
 
 STAGES = {"raw_read": "the file read whole into a buffer (the floor)", "resolve": "resolve the name to a dir",
-          "read": "read, hashed and scanned chunk by chunk on a pool", "loader_checks": "check the tensors (the scan's tail)",
+          "read": "read, hashed and scanned chunk by chunk on a pool",
+          "loader_checks": "check the tensors (the scan's tail)",
           "engine_validate": "the engine's validation", "digest_wait": "the digest's tail",
           "pin": "page-lock (0: read into the arena)", "copy": "copy to the GPU",
           "registry_get": "the whole load through the registry"}

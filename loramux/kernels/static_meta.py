@@ -50,7 +50,8 @@ def _one_hot(slots_ptr, t0, T, S, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr):
 
 # T is not specialized: one compiled kernel serves every graph size
 @triton.jit(do_not_specialize=["T"])
-def _static_meta_kernel(slots_ptr, sorted_ptr, act_slots_ptr, act_counts_ptr, act_starts_ptr, T, S, PAD, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr, P_PAD: tl.constexpr):
+def _static_meta_kernel(slots_ptr, sorted_ptr, act_slots_ptr, act_counts_ptr, act_starts_ptr,
+                        T, S, PAD, BLOCK_T: tl.constexpr, S_PAD: tl.constexpr, P_PAD: tl.constexpr):
     lanes = tl.arange(0, S_PAD)
     # pass 1: tokens per lane
     counts = tl.zeros([S_PAD], dtype=tl.int32)
