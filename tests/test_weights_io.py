@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from loramux.registry.weights_io import (
     HASH_CHUNK_BYTES,
     READ_BYTES,
+    TAIL_PIECE_BYTES,
     all_finite,
     parse_safetensors,
     read_and_hash,
@@ -131,13 +132,16 @@ def test_read_safetensors_gives_the_tensors_and_the_digest_of_a_plain_read(tmp_p
 
 def float_offsets(path, key: str) -> list[int]:
     """File offsets of the first element of ``key``, of its last, and of those that start just
-    before and at each chunk boundary inside it."""
+    before and at each chunk boundary inside it, and each boundary of the pieces the last chunk
+    is read in."""
     buffer = read(path)
     tensor = parse_safetensors(buffer)[key]
     start = tensor.data_ptr() - buffer.data_ptr()
     end = start + tensor.nbytes
     size = tensor.element_size()
-    near = [b + d for b in range(HASH_CHUNK_BYTES, end, HASH_CHUNK_BYTES) if start < b < end for d in (-size, 0)]
+    last = (buffer.numel() - 1) // HASH_CHUNK_BYTES * HASH_CHUNK_BYTES
+    bounds = [*range(HASH_CHUNK_BYTES, last + 1, HASH_CHUNK_BYTES), *range(last + TAIL_PIECE_BYTES, end, TAIL_PIECE_BYTES)]
+    near = [b + d for b in bounds if start < b < end for d in (-size, 0)]
     return [start, end - size, *near]
 
 
@@ -192,6 +196,25 @@ def test_a_header_longer_than_a_read_delays_the_scan_not_the_answer(tmp_path):
     read = read_safetensors(path, ALLOCATE)
     assert not read.finite() and torch.equal(read.tensors["w"], tensors["w"])
     assert read.digest() == read_and_hash(path, ALLOCATE)[1]()
+
+
+@pytest.mark.parametrize("note", [300_000, 1_400_000], ids=["all-in-the-last-chunk", "ends-in-the-last-chunk"])
+@pytest.mark.parametrize("where", [0, -1])
+def test_a_header_that_ends_in_the_last_chunk_is_scanned_and_hashed_in_order(tmp_path, note, where):
+    """The last chunk is read in pieces: a header that ends past its first piece starts the scan
+    there, the chunks before it are handed out then, and the digest is the plain read's."""
+    path = tmp_path / "tail-header.safetensors"
+    tensors = {"w": torch.randn(100_000).bfloat16()}
+    save_file(tensors, path, metadata={"note": "x" * note})
+    header_end = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    assert header_end > (path.stat().st_size - 1) // HASH_CHUNK_BYTES * HASH_CHUNK_BYTES + TAIL_PIECE_BYTES
+    clean = read_safetensors(path, ALLOCATE)
+    assert clean.finite() and clean.digest() == read_and_hash(path, ALLOCATE)[1]()
+    tensors["w"][where] = float("inf")
+    save_file(tensors, path, metadata={"note": "x" * note})
+    bad = read_safetensors(path, ALLOCATE)
+    assert not bad.finite() and torch.equal(bad.tensors["w"], tensors["w"])
+    assert bad.digest() == read_and_hash(path, ALLOCATE)[1]()
 
 
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])

@@ -8,10 +8,11 @@ soon as it lands, while the next is read (hashlib, numpy and file reads release 
 safetensors file also scanned for NaN and infinity in its float tensors, so the content digest and
 the finite check cost little beyond the read. Reads are `READ_BYTES` because each read and each
 job takes the GIL back when it ends, and beside a busy engine thread that can wait up to a switch
-interval: fewer, larger reads wait fewer times; the last `READ_BYTES` are read a chunk at a time,
-so that what is left after the last read is one chunk's hash (cold loads stage by stage:
-docs/benchmarks/cold_load.md). A safetensors file then becomes tensors that are views into that
-buffer: one copy from the disk, none after it.
+interval: fewer, larger reads wait fewer times. The last `READ_BYTES` are read a chunk at a time,
+and the last chunk `TAIL_PIECE_BYTES` at a time, hashed and scanned by the reading thread as each
+piece lands, so that what is left after the last read is one piece's hash: SHA-256 runs slower
+than a disk streams (cold loads stage by stage: docs/benchmarks/cold_load.md). A safetensors file
+then becomes tensors that are views into that buffer: one copy from the disk, none after it.
 
 safetensors' own Python API cannot do this: ``load_file`` copies every tensor out of a memory
 map, ``load(bytes)`` copies twice, and neither builds tensors over a buffer we own. The format is
@@ -48,6 +49,8 @@ __all__ = [
 HASH_CHUNK_BYTES = 1 << 20
 #: Bytes of one read (but over the last of them: one chunk).
 READ_BYTES = 4 * HASH_CHUNK_BYTES
+#: Bytes of one read of a file's last chunk, which the reading thread hashes and scans as it lands.
+TAIL_PIECE_BYTES = HASH_CHUNK_BYTES // 4
 
 # safetensors dtype names (https://github.com/huggingface/safetensors#format) -> torch
 _DTYPES: dict[str, torch.dtype] = {
@@ -105,61 +108,104 @@ class _FloatRun(NamedTuple):
 
 def _hash_and_scan(piece: list[memoryview], begin: int, end: int, runs: Sequence[_FloatRun]) -> tuple[bytes, bool]:
     """The SHA-256 of bytes ``begin``..``end`` of the file's view (the one item of ``piece``), and
-    whether the float elements of ``runs`` whose last byte lies there are finite (an element that
-    straddles two chunks is the later chunk's: its bytes before ``begin`` were read already).
+    whether the float elements of ``runs`` there are finite (`_finite_in`).
 
     The view is taken out first: the pool's work item keeps its arguments until after the result
     is set, and a view kept there would hold the read buffer (an arena piece) past the moment
     its digest is known."""
     view = piece.pop()
-    digest = hashlib.sha256(view[begin:end]).digest()
+    return hashlib.sha256(view[begin:end]).digest(), _finite_in(view, begin, end, runs)
+
+
+def _finite_in(view: memoryview, begin: int, end: int, runs: Sequence[_FloatRun]) -> bool:
+    """Whether the float elements of ``runs`` whose last byte lies in ``begin``..``end`` of the
+    file's view are finite (an element that straddles two ranges is the later one's: its bytes
+    before ``begin`` were read already)."""
     for run in runs:
         size = run.bits.itemsize
         first = max(0, -(-(begin - run.begin + 1) // size) - 1)
         last = min(run.end - run.begin, end - run.begin) // size
         if last > first and not _bits_finite(
                 np.frombuffer(view, run.bits, last - first, run.begin + first * size), run.mask):
-            return digest, False
-    return digest, True
+            return False
+    return True
 
 
 def _read(path: Path, allocate: Callable[[int], torch.Tensor],
           runs_after: Callable[[torch.Tensor, int], Sequence[_FloatRun] | None]) -> tuple[torch.Tensor, list[Future]]:
     """Read ``path`` whole into ``allocate(size)`` (a uint8 tensor), a `_hash_and_scan` job for
-    each 1 MiB chunk as it lands. ``runs_after(buffer, bytes read)`` says what the jobs scan, or
-    None while it cannot say yet (a header still being read): chunks wait until it can."""
+    each 1 MiB chunk as it lands but the last, which this thread hashes and scans a piece at a
+    time as it lands (`_read_last_chunk`). ``runs_after(buffer, bytes read)`` says what the jobs
+    scan, or None while it cannot say yet (a header still being read): chunks wait until it can.
+
+    No closure here holds the buffer: a failed read's error keeps its frames, and their
+    functions' closures, alive (`release_frames` clears the frames' locals, not closures)."""
     with open(path, "rb", buffering=0) as file:
         size = os.fstat(file.fileno()).st_size
         buffer = allocate(size)
         view = memoryview(buffer.numpy())
         _advise(file.fileno())
         jobs: list[Future[tuple[bytes, bool]]] = []
-        pool = _hash_pool()
         handed = start = 0  # bytes given to jobs; where the next read starts
+        last = (size - 1) // HASH_CHUNK_BYTES * HASH_CHUNK_BYTES if size else 0  # where the last chunk starts
         try:
-            while start < size:
-                # the last READ_BYTES chunk by chunk: each chunk's job starts as it lands, so what is
-                # left after the last read is the last chunk's hash, not a whole read's
-                end = min(start + (READ_BYTES if size - start > READ_BYTES else HASH_CHUNK_BYTES), size)
-                done = start
-                while done < end:
-                    read = file.readinto(view[done:end])
-                    if not read:
-                        raise OSError(f"{path} shrank while being read ({done} of {size} bytes)")
-                    done += read
+            while start < last:
+                # the last READ_BYTES chunk by chunk: each chunk's job starts as it lands, so that
+                # they end with the last chunk's own hash
+                end = min(start + (READ_BYTES if last - start > READ_BYTES else HASH_CHUNK_BYTES), last)
+                _read_into(file, view, start, end, path)
                 start = end
                 runs = runs_after(buffer, end)
-                if runs is None:
-                    continue
-                for at in range(handed, end, HASH_CHUNK_BYTES):
-                    jobs.append(pool.submit(_hash_and_scan, [view], at, min(at + HASH_CHUNK_BYTES, end), runs))
-                handed = end
-            if not size:  # an empty file: a header must still be there
+                if runs is not None:
+                    handed = _hand_out(jobs, view, handed, end, runs)
+            if size:
+                jobs.append(_read_last_chunk(file, buffer, view, last, path, runs_after, jobs, handed))
+            else:  # an empty file: a header must still be there
                 runs_after(buffer, 0)
         except BaseException:
             wait(jobs)  # they read the buffer: a failed read lets it go only once they are done
             raise
     return buffer, jobs
+
+
+def _hand_out(jobs: list[Future[tuple[bytes, bool]]], view: memoryview, begin: int, end: int,
+              runs: Sequence[_FloatRun]) -> int:
+    """A `_hash_and_scan` job for each chunk of bytes ``begin``..``end`` (chunk-aligned at
+    ``begin``), onto ``jobs``; returns ``end``."""
+    pool = _hash_pool()
+    for at in range(begin, end, HASH_CHUNK_BYTES):
+        jobs.append(pool.submit(_hash_and_scan, [view], at, min(at + HASH_CHUNK_BYTES, end), runs))
+    return end
+
+
+def _read_into(file: io.RawIOBase, view: memoryview, begin: int, end: int, path: Path) -> None:
+    """Bytes ``begin``..``end`` of ``file`` into ``view`` (a read may return fewer)."""
+    while begin < end:
+        read = file.readinto(view[begin:end])
+        if not read:
+            raise OSError(f"{path} shrank while being read ({begin} of {len(view)} bytes)")
+        begin += read
+
+
+def _read_last_chunk(file: io.RawIOBase, buffer: torch.Tensor, view: memoryview, begin: int, path: Path,
+                     runs_after: Callable[[torch.Tensor, int], Sequence[_FloatRun] | None],
+                     jobs: list[Future[tuple[bytes, bool]]], handed: int) -> Future[tuple[bytes, bool]]:
+    """Read the file's last chunk (from ``begin``) `TAIL_PIECE_BYTES` at a time, hashing and
+    scanning each piece here as it lands: what is left after the last read is one piece's hash,
+    not a chunk's. The chunks before it from ``handed`` (read while the header was) get their
+    jobs once ``runs_after`` can say what they scan. Returns its `_hash_and_scan` result, as a job's."""
+    digest, finite, scanned, runs = hashlib.sha256(), True, begin, None
+    for at in range(begin, len(view), TAIL_PIECE_BYTES):
+        end = min(at + TAIL_PIECE_BYTES, len(view))
+        _read_into(file, view, at, end, path)
+        digest.update(view[at:end])
+        if runs is None and (runs := runs_after(buffer, end)) is not None:
+            _hand_out(jobs, view, handed, begin, runs)
+        if runs is not None and finite:
+            finite, scanned = _finite_in(view, scanned, end, runs), end
+    result: Future[tuple[bytes, bool]] = Future()
+    result.set_result((digest.digest(), finite))
+    return result
 
 
 def _digest(jobs: list[Future[tuple[bytes, bool]]]) -> Callable[[], bytes]:
