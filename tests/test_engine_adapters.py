@@ -58,6 +58,22 @@ def errors_at_the_end(eng: LLMEngine) -> dict[str, BaseException | None]:
     raise AssertionError("the engine never finished its requests")
 
 
+def test_an_adapters_slot_write_is_worked_out_on_its_loading_thread(make_adapter, monkeypatch):
+    """The engine's registry validates a load and works its slot write out on the loading thread
+    (`LoRAModelManager.validate_and_prepare`); placing it takes that, and the output is PEFT's."""
+    path = make_adapter("prepared", seed=43)
+    eng = engine()
+    planner = eng.lora_manager.pool._planner
+    image, threads = planner.image, []
+    monkeypatch.setattr(planner, "image", lambda modules: threads.append(threading.current_thread().name)
+                        or image(modules))
+    rec = Recorder(eng)
+    eng.add_request("a", {"prompt_token_ids": PROMPT}, GREEDY, LoRARequest("prepared", 1, str(path)))
+    rec.until(lambda: not eng.has_unfinished_requests())
+    assert rec.finished["a"][1] == peft_greedy(path, PROMPT, 10)
+    assert len(threads) == 1 and threads[0].startswith("loramux-load"), threads
+
+
 def test_reload_while_requests_run_old_ones_finish_on_old_weights_new_ones_get_new(make_adapter, monkeypatch):
     old_path, new_path = make_adapter("live-v1", seed=41), make_adapter("live-v2", seed=42)
     eng = engine()

@@ -6,7 +6,11 @@ through it equals PEFT through churn; the helpers that run a plan."""
 from __future__ import annotations
 
 import copy
+import gc
 import random
+import sys
+import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -132,6 +136,88 @@ def test_a_layer_without_room_stops_the_write_before_anything_changes():
     for layer in layers.values():
         layer.slots.rows.check()
         assert 1 not in layer.slots.rows
+
+
+def test_a_write_is_worked_out_once_per_adapter_and_forgotten_with_its_weights(monkeypatch):
+    """`prepare` works an adapter's write out once: a footprint, writes into two slots and a
+    rewrite reuse it; modules of other weights (one module replaced, or another load of the same
+    file) are worked out again; once the adapter is dropped, its entry and its host buffer go."""
+    pool = AdapterWeightPool(fused_layers(), CONFIG)
+    images = []
+    image = pool._planner.image
+    monkeypatch.setattr(pool._planner, "image", lambda modules: images.append(len(modules)) or image(modules))
+    modules = fused_adapter((8, 3, 8), 1)
+    footprint = pool.footprint(modules)
+    pool.write(0, modules)
+    pool.write(1, modules)
+    pool.clear(0)
+    pool.write(0, modules)
+    assert images == [6] and pool.prepare(modules)[1] is footprint
+    other = dict(modules, **{"l1.s1": LoRAModuleWeights(modules["l1.s1"].lora_a, modules["l1.s1"].lora_b, 2.0)})
+    pool.clear(1)
+    pool.write(1, other)
+    assert images == [6, 6]
+    slots = pool.layers["l1"].slots  # its own scaling for that slice, the same weights
+    assert slots.scales[1, 1] == 2.0 * pool.layers["l1"].scale_multiplier()
+    assert torch.equal(slots.slot_weights(1)[1][1][:, :3], modules["l1.s1"].lora_b)
+    again = fused_adapter((8, 3, 8), 1)  # equal weights, other tensors: its own entry
+    pool.prepare(again)
+    assert images == [6, 6, 6]
+    buffer = weakref.ref(modules["l0.s0"].lora_a.untyped_storage())
+    del modules, other, again
+    gc.collect()
+    assert pool._prepared == {} and buffer() is None
+
+
+def test_loading_threads_work_out_writes_at_once_on_a_fresh_pool():
+    """`prepare` runs on loading threads, several at a time: on a pool whose shapes no one has
+    read yet, each still works its adapter's write out whole (the pools are read once, and
+    published whole), and each writes what the oracle writes."""
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads interleave as often as they can
+    try:
+        for attempt in range(20):
+            by_pool = fused_layers()
+            pool = AdapterWeightPool(by_pool, CONFIG)
+            adapters = [fused_adapter((8, 3, 8), seed) for seed in range(3)]
+            start, errors = threading.Barrier(len(adapters)), []
+
+            def work(modules):
+                start.wait()
+                try:
+                    pool.prepare(modules)
+                except BaseException as error:  # noqa: BLE001 (reported below)
+                    errors.append(error)
+
+            threads = [threading.Thread(target=work, args=(m,)) for m in adapters]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert not errors, (attempt, errors)
+    finally:
+        sys.setswitchinterval(interval)
+    by_oracle = fused_layers()
+    AdapterWeightPool(by_oracle, CONFIG)
+    for slot, modules in enumerate(adapters):
+        pool.write(slot, modules)
+        write_adapter(by_oracle, slot, modules)
+    assert_same_state(state(by_pool), state(by_oracle))
+
+
+def test_a_write_worked_out_before_the_pools_moved_lands_in_the_new_pools():
+    """An image holds offsets into the pools, not their addresses: worked out, then the pools
+    replaced (``module.to`` moves them), the write still leaves what the oracle leaves."""
+    by_pool, by_oracle = fused_layers(), fused_layers()
+    pool = AdapterWeightPool(by_pool, CONFIG)
+    AdapterWeightPool(by_oracle, CONFIG)
+    modules = fused_adapter((8, 3, 8), 1)
+    pool.prepare(modules)
+    for layer in by_pool.values():
+        layer.slots._apply(lambda t: t.clone())
+    pool.write(2, modules)
+    write_adapter(by_oracle, 2, modules)
+    assert_same_state(state(by_pool), state(by_oracle))
 
 
 def test_shards_are_views_of_the_adapters_buffer():

@@ -43,7 +43,7 @@ class EngineSetup:
     eos_token_ids: frozenset[int]
     lora_manager: object | None
     registry: object | None
-    registry_validates: bool  # the registry runs lora_manager.validate itself (one we built)
+    registry_validates: bool  # the registry runs lora_manager.validate_and_prepare itself (one we built)
     lora_modules: list[LoRARequest]
 
 
@@ -118,7 +118,8 @@ def build_engine_setup(config: EngineConfig, *, tp_rank: int = 0, workers=None,
                 from loramux.registry import Registry
 
                 # validation before caching: an adapter that does not fit never takes a CPU-tier entry
-                registry_obj = Registry(lora_config, base_model_name=name, validate=lora_manager.validate,
+                registry_obj = Registry(lora_config, base_model_name=name,
+                                        validate=lora_manager.validate_and_prepare,
                                         resolver_settings=config.resolver_settings, host_memory=memory)
             requests = _lora_requests(config.lora_modules)
     return EngineSetup(

@@ -75,9 +75,9 @@ class Registry:
     :param resolver_order: names of the resolvers to ask by name, in order (a list or ``"a,b"``);
         overrides ``resolver_settings.order``.
     :param cache: the CPU tier; default one sized by ``lora_config``.
-    :param validate: called once with each adapter after it loads, before it gets a handle (the
-        engine passes ``LoRAModelManager.validate``); its exception fails the load and caches
-        nothing.
+    :param validate: called once with each adapter after it loads, before it gets a handle, on the
+        loading thread (the engine passes ``LoRAModelManager.validate_and_prepare``); its
+        exception fails the load and caches nothing.
     :param pin_memory: keep weights in page-locked memory allocated for each load (read straight
         into it), so copies into GPU slots run asynchronously; default: when CUDA is available.
         Allocating it while serving stalls the engine's CUDA calls: the engine gives its registry

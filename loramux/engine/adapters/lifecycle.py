@@ -96,7 +96,7 @@ class AdapterLifecycle(AdapterUses):
                 raise LoRAError("the registry returned it without a handle.", adapter=adapter.name,
                                 fix="Pass a loramux.registry.Registry (it issues handles).")
             if self._validate:  # a registry we did not build: check it fits here
-                self.manager.validate(adapter)
+                self.manager.validate_and_prepare(adapter)
         except BaseException:
             self._unpin_cpu(adapter)
             raise
@@ -317,7 +317,7 @@ class AdapterLifecycle(AdapterUses):
             adapter = self._rebind_when_room(request, time.monotonic() + wait_s)
             try:
                 if self._validate:
-                    self.manager.validate(adapter)
+                    self.manager.validate_and_prepare(adapter)
                 if was_pinned and adapter.handle != old:
                     self.pin_adapter(adapter)
             finally:

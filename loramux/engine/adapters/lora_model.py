@@ -129,6 +129,16 @@ class LoRAModelManager:
         """
         self.validator.validate(adapter)
 
+    def validate_and_prepare(self, adapter: LoRAAdapter) -> None:
+        """`validate`, then work out ``adapter``'s slot write ahead (`AdapterWeightPool.prepare`),
+        so that placing it later costs the engine's thread only its rows and its launch. Any
+        thread may call it: the registry does as it loads an adapter, on its loading thread.
+
+        :raises IncompatibleAdapterError: as `validate` (nothing changes).
+        """
+        self.validate(adapter)
+        self.pool.prepare(adapter.modules)
+
     # -- slots (keyed by handle id) ---------------------------------------------------------------
 
     def prefetch(self, adapter: LoRAAdapter, keep: Collection[int] = ()) -> int | None:

@@ -32,7 +32,8 @@ import torch
 if TYPE_CHECKING:
     from loramux.engine.layers.layer_slots import LayerSlots
 
-__all__ = ["COPY_FIELDS", "Table", "WritePlan", "copy_one_by_one", "launch_table", "shared_buffer", "zero_all"]
+__all__ = ["COPY_FIELDS", "SlotImage", "Table", "WritePlan", "copy_one_by_one", "launch_table", "shared_buffer",
+           "zero_all"]
 
 #: Stage the adapter's whole host buffer only when it is at most this much larger than the
 #: blocks the slot needs (a buffer with a saved base embedding beside the LoRA weights is not).
@@ -47,6 +48,20 @@ _FIELDS = 6
 COPY_FIELDS = 9
 
 
+class SlotImage(NamedTuple):
+    """An adapter's slot write before it has a slot or rows
+    (`loramux.engine.layers.write_plan.WritePlanner.image`): worked out once per adapter."""
+
+    rows: np.ndarray  # int64 [layers]: the pool rows it takes in each layer (its largest rank there, rounded up)
+    touched: np.ndarray  # int64 [k]: the layers it writes, in order
+    ranks: np.ndarray  # int64 [k]
+    scales: np.ndarray  # float32: every slice's scale of the touched layers, in order
+    copies: np.ndarray  # int64 [n, COPY_FIELDS], a destination as its offset in its pool from the slot's rows
+    zeros: np.ndarray  # int64 [m, COPY_FIELDS - 1], the same
+    sources: list[torch.Tensor]  # the weights copied from: each module's A then B
+    host: torch.Tensor | None  # uint8 over the one host buffer every copy reads; None: block by block
+
+
 class WritePlan(NamedTuple):
     """A slot write as numbers (`loramux.engine.layers.write_plan.WritePlanner.plan`); the layers'
     rank-pool rows are taken already."""
@@ -59,7 +74,9 @@ class WritePlan(NamedTuple):
     ranks: np.ndarray  # int64 [k]
     starts: np.ndarray  # int64 [k]
     sources: list[torch.Tensor]  # the weights copied from: each module's A then B
-    table_ok: bool  # no cast, rows of contiguous columns, in host memory (`WritePlanner.table`)
+    #: the one host buffer every copy reads (no cast, rows of contiguous columns, in host memory),
+    #: when a `copy_blocks` table can say the write; None: copied block by block
+    host: torch.Tensor | None
 
 
 class Table(NamedTuple):

@@ -9,18 +9,21 @@ before the bytes do. An explicit ``max_loras`` caps the slots instead; with it a
 budget each slot is a fixed region of ``max_lora_rank`` rows in every layer (no sharing, no
 fragmentation).
 
-It writes an adapter into a slot of every layer at once (`write`: `loramux.engine.layers.write_plan`
-computes the write, `loramux.engine.layers.slot_copy` runs it), clears a slot (`clear`), answers
+It works out an adapter's write once, ahead and off the engine's thread where it can (`prepare`:
+`loramux.engine.layers.write_plan`), writes it into a slot of every layer at once (`write`: rows,
+then `loramux.engine.layers.slot_copy` runs it), clears a slot (`clear`), answers
 whether an adapter's rows fit (`footprint`, `fits`, `fits_keeping`), and splits an adapter for
 the ranks of a tensor-parallel model (`shard`). Which adapter sits in which slot, and which to
 evict, is the model manager's (`loramux.engine.adapters.lora_model`, `placement`); the pool holds
-no adapter, only their weights.
+no adapter, only their weights and the writes it worked out for adapters whose weights live.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +31,7 @@ import torch
 from loramux.engine.adapters.rank_pool import RowGroups
 from loramux.engine.layers.base import BaseLayerWithLoRA
 from loramux.engine.layers.layer_slots import LayerSlots
-from loramux.engine.layers.slot_copy import copy_one_by_one, launch_table, zero_all
+from loramux.engine.layers.slot_copy import SlotImage, copy_one_by_one, launch_table, zero_all
 from loramux.engine.layers.write_plan import WritePlanner
 from loramux.kernels.pool import POOL_ROW_ALIGN, pool_rows
 from loramux.registry import LoRAConfig, LoRAModuleWeights
@@ -68,9 +71,17 @@ class Footprint:
     big_gemm: bool
 
 
+class _Prepared(NamedTuple):
+    """An adapter's `SlotImage` and `Footprint`, and (weakly) the weights they were worked out from."""
+
+    weights: tuple[weakref.ref, ...]
+    image: SlotImage
+    footprint: Footprint
+
+
 class AdapterWeightPool:
     """The adapter weights of ``layers`` (see the module docstring); not thread-safe on its own
-    (the model manager serialises calls).
+    (the model manager serialises calls), but for `prepare`, which any thread may call.
 
     :param layers: the wrapped layers by module name (`patch_model`'s result); each gets its
         `LayerSlots` as ``layer.slots``.
@@ -111,6 +122,9 @@ class AdapterWeightPool:
         # slot -> the layers (indices into the planner's) where it has a rank: a clear zeroes
         # those, not every layer (the engine's thread clears a slot per eviction)
         self._holding: dict[int, list[int]] = {}
+        # id of an adapter's first module weights -> what `prepare` worked out for its modules,
+        # dropped as those weights are (an image holds the weights' tensors)
+        self._prepared: dict[int, _Prepared] = {}
 
     @property
     def row_bytes(self) -> int:
@@ -146,10 +160,34 @@ class AdapterWeightPool:
 
     # -- room ----------------------------------------------------------------------------------
 
+    def prepare(self, modules: Mapping[str, LoRAModuleWeights]) -> tuple[SlotImage, Footprint]:
+        """The write of an adapter with these modules but its slot and rows (`WritePlanner.image`),
+        and its footprint: worked out once for the modules' weights (an adapter's never change)
+        and kept while they live. Reads only the adapter and the layers' shapes, so any thread
+        may call it: the engine does as a load is validated, so that placing the adapter later
+        costs the engine's thread only its rows and its launch."""
+        values = modules.values()
+        first = next(iter(values), None)
+        found = self._prepared.get(id(first))
+        if found is not None and len(found.weights) == len(modules) and all(
+                ref() is weights for ref, weights in zip(found.weights, values)):
+            return found.image, found.footprint
+        image = self._planner.image(modules)
+        footprint = Footprint(image.rows, bool(self._big_gemm[image.rows > 0].any()))
+        if first is not None:
+            key, table = id(first), self._prepared
+
+            def forget(ref: weakref.ref) -> None:  # the first weights are gone: so is the entry
+                if (entry := table.get(key)) is not None and entry.weights[0] is ref:
+                    del table[key]
+
+            refs = (weakref.ref(first, forget), *map(weakref.ref, list(values)[1:]))
+            table[key] = _Prepared(refs, image, footprint)
+        return image, footprint
+
     def footprint(self, modules: Mapping[str, LoRAModuleWeights]) -> Footprint:
-        """The pool rows an adapter with these modules takes in each layer."""
-        rows = self._planner.rows_for(modules)
-        return Footprint(rows, bool(self._big_gemm[rows > 0].any()))
+        """The pool rows an adapter with these modules takes in each layer (`prepare`)."""
+        return self.prepare(modules)[1]
 
     def fits(self, footprint: Footprint) -> bool:
         """Whether every layer has ``footprint``'s rows free now."""
@@ -172,7 +210,7 @@ class AdapterWeightPool:
         :raises RuntimeError: a layer's pool has no room (make room first); the slot is empty then.
         """
         self.clear(slot)
-        plan = self._planner.plan(slot, modules)
+        plan = self._planner.plan(slot, self.prepare(modules)[0])
         self._holding[slot] = plan.touched.tolist()
         if len(plan.touched):
             table = self._planner.table(plan) if self.use_table else None

@@ -1,4 +1,4 @@
-"""`WritePlanner.plan`: the one computation of a slot write, for every wrapped layer at once, with numpy.
+"""`WritePlanner`: the one computation of a slot write, for every wrapped layer at once, with numpy.
 
 Writing an adapter into a slot touches every wrapped layer: per output slice an A block and a B
 block to copy into the rows the slot takes in the layer's pool, the padding past the slice's rank
@@ -6,11 +6,17 @@ to clear (the rows held another adapter's weights; a kernel reads up to the slot
 slice, and B's columns up to its rows), and per layer the scales, the rank and the pool start.
 Every number of that follows from a few per layer (its pools' addresses and strides, read once)
 and a few per module of the adapter (its rank, its weights' addresses and row strides, its
-scaling), so the plan is numpy over arrays, never Python per block: the Python left per write is
-one pass over the adapter's modules and a rank-pool allocation per group of layers written alike
-(`RowGroups`). An 8B model has 128 pooled projections: described layer by layer and block by
-block, a write is hundreds of Python steps per adapter on the engine's thread, all of them before
-the step that admits the adapter's request can launch.
+scaling), so the plan is numpy over arrays, never Python per block. An 8B model has 128 pooled
+projections: described layer by layer and block by block, a write is hundreds of Python steps per
+adapter on the engine's thread, all of them before the step that admits the adapter's request can
+launch.
+
+So a write is computed in two parts. `WritePlanner.image` does all that depends on the adapter
+alone, once per adapter and off the engine's thread (as its load is validated): the one pass over
+its modules, every block with its destination as an offset in its pool, the scales, the host
+buffer a table copies. `WritePlanner.plan` does what depends on the slot, on the engine's thread:
+a rank-pool allocation per group of layers written alike (`RowGroups`), then each destination
+moved to the pool's address and the slot's rows, a few numpy operations.
 
 The plan is run by `loramux.engine.layers.slot_copy`: as one `copy_blocks` table on CUDA
 (`WritePlanner.table`), or block by block where a table cannot say it (the CPU, a cast, weights
@@ -25,7 +31,7 @@ import numpy as np
 
 from loramux.engine.adapters.rank_pool import RowGroups
 from loramux.engine.layers.base import BaseLayerWithLoRA
-from loramux.engine.layers.slot_copy import COPY_FIELDS, Table, WritePlan, shared_buffer
+from loramux.engine.layers.slot_copy import COPY_FIELDS, SlotImage, Table, WritePlan, shared_buffer
 from loramux.kernels.pool import pool_rows
 from loramux.registry import LoRAModuleWeights
 
@@ -54,38 +60,22 @@ class WritePlanner:
                 slices.append((j, i, size, before))
                 before += size
         self._layer, self._index, self._size, self._before = np.array(slices, dtype=np.int64).reshape(-1, 4).T
-        self._sentinel = None  # the tensor `geometry` checks
-        self._geometry: dict[str, np.ndarray] = {}
-        self._dtype: list = []  # each slice's pool dtype (read with the geometry)
+        # (the first layer's A pool, the geometry read from the pools, each slice's pool dtype):
+        # replaced whole, as threads may read it at once (`image` runs on loading threads)
+        self._pools: tuple = (None, {}, [])
 
     def layer_of(self, module: str) -> tuple[BaseLayerWithLoRA, int] | None:
         """The layer a module's weights fill, and its slice there."""
         row = self._slice.get(module)
         return None if row is None else (self.layers[int(self._layer[row])], int(self._index[row]))
 
-    def rows_for(self, modules: Mapping[str, LoRAModuleWeights]) -> np.ndarray:
-        """The pool rows ``modules`` take in each layer: their largest rank there rounded up to
-        `POOL_ROW_ALIGN`, 0 where they have none."""
+    def image(self, modules: Mapping[str, LoRAModuleWeights]) -> SlotImage:
+        """Work out the write of ``modules`` (an adapter's, validated against this model; a
+        tensor-parallel rank's part) but its slot and rows: every block, scale and rank. It reads
+        only the adapter and the layers' shapes, never the pools' state, so it may run on any
+        thread (the engine runs it as a load is validated, on its loading thread)."""
+        _, g, dtypes = self._read_pools()
         slice_of = self._slice.get
-        found = [(row, w.rank) for name, w in modules.items() if (row := slice_of(name)) is not None]
-        rows, ranks = np.array(found, dtype=np.int64).reshape(-1, 2).T
-        return pool_rows(self._layer_ranks(rows, ranks))
-
-    def _layer_ranks(self, rows: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-        """Each layer's largest rank over the slices ``rows`` (of ranks ``ranks``), 0 where none."""
-        rank = np.zeros(len(self.layers), dtype=np.int64)
-        np.maximum.at(rank, self._layer[rows], ranks)
-        return rank
-
-    def plan(self, slot: int, modules: Mapping[str, LoRAModuleWeights]) -> WritePlan:
-        """Give ``modules`` (an adapter's, validated against this model; a tensor-parallel rank's
-        part) rows in ``slot`` of every layer they touch and return the plan that writes them
-        there. ``slot`` must own no rows (the pool clears a slot before it is written again).
-
-        :raises RuntimeError: a layer's pool has no room (the model manager makes room first);
-            nothing changed.
-        """
-        g, dtypes, slice_of = self.geometry(), self._dtype, self._slice.get
         found, tensors, scaling = [], [], []
         first = next(iter(modules.values()), None)
         # weights on a device already (an adapter bound as it is) are in no host buffer
@@ -117,31 +107,61 @@ class WritePlanner:
         rank = self._layer_ranks(rows, per_slice[rows, 1])
         width = pool_rows(rank)
         touched = np.flatnonzero(rank)
-        start = self.rows.allocate(slot, width)
+        s = np.flatnonzero(np.isin(self._layer, touched))  # the touched layers' slices, in order
+        copies, zeros = self._blocks(g, s, per_slice, rank, width)
+        scales = np.where(per_slice[s, 1] > 0, scalings[s] * g["multiplier"][self._layer[s]], 0.0).astype(np.float32)
+        # the one host buffer every copy reads (a block's span: its rows but the last at the
+        # source's stride, then the last), when a table can say the write
+        host = None
+        if table_ok and tensors:
+            host = shared_buffer(tensors[0], np.stack(
+                [copies[:, 1], 2 * ((copies[:, 2] - 1) * copies[:, 5] + copies[:, 3])], axis=1))
+        return SlotImage(width, touched, rank[touched], scales, copies, zeros, tensors, host)
+
+    def _layer_ranks(self, rows: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """Each layer's largest rank over the slices ``rows`` (of ranks ``ranks``), 0 where none."""
+        rank = np.zeros(len(self.layers), dtype=np.int64)
+        np.maximum.at(rank, self._layer[rows], ranks)
+        return rank
+
+    def plan(self, slot: int, image: SlotImage) -> WritePlan:
+        """Give the adapter of ``image`` rows in ``slot`` of every layer it touches and return the
+        plan that writes it there. ``slot`` must own no rows (the pool clears a slot before it is
+        written again).
+
+        :raises RuntimeError: a layer's pool has no room (the model manager makes room first);
+            nothing changed.
+        """
+        start = self.rows.allocate(slot, image.rows)
+        touched = image.touched
         if start is None:
-            short = self.rows.short(width)
+            short = self.rows.short(image.rows)
             j = next(j for j in touched.tolist() if self.slots[j].rows in short)
             pool = self.slots[j].rows
             raise RuntimeError(
-                f"{self.layers[j].module_name}: no {int(width[j])} free rows in its LoRA pool of "
+                f"{self.layers[j].module_name}: no {int(image.rows[j])} free rows in its LoRA pool of "
                 f"{pool.units} ({pool.free_units} free); the model manager makes room before it writes")
-        for j, r in zip(touched.tolist(), rank[touched].tolist()):
+        for j, r in zip(touched.tolist(), image.ranks.tolist()):
             self.slots[j].host_ranks[slot] = r  # until the write completes, a failure's clear zeroes it
-        s = np.flatnonzero(np.isin(self._layer, touched))  # the touched layers' slices, in order
-        copies, zeros = self._blocks(g, s, per_slice, rank, width, start)
-        scales = np.where(per_slice[s, 1] > 0, scalings[s] * g["multiplier"][self._layer[s]], 0.0).astype(np.float32)
-        return WritePlan(slot, copies, zeros, touched, scales, rank[touched], start[touched], tensors, table_ok)
+        g = self.geometry()
+        copies, zeros = image.copies.copy(), image.zeros.copy()
+        for blocks in (copies, zeros):  # the pool's address, and the slot's first row in it
+            j, pool = blocks[:, 6], blocks[:, 7]
+            blocks[:, 0] += g["base"][pool, j] + start[j] * g["row_bytes"][pool, j]
+        return WritePlan(slot, copies, zeros, touched, image.scales, image.ranks, start[touched], image.sources,
+                         image.host)
 
-    def _blocks(self, g, s, per_slice, rank, width, start) -> tuple[np.ndarray, np.ndarray]:
+    def _blocks(self, g, s, per_slice, rank, width) -> tuple[np.ndarray, np.ndarray]:
         """The blocks to copy and to zero, as `copy_blocks` rows (addresses in bytes, the rest in
-        2-byte units) with each block's layer and pool (and its source, for a copy), over the
-        slices ``s`` of the touched layers (one the adapter leaves out still gets zeros)."""
+        2-byte units; a destination as its offset in its pool were the slot's rows to start at 0)
+        with each block's layer and pool (and its source, for a copy), over the slices ``s`` of
+        the touched layers (one the adapter leaves out still gets zeros)."""
         j, i, size, before = self._layer[s], self._index[s], self._size[s], self._before[s]
         _, r, src_a, src_b, stride_a, stride_b, source = per_slice[s].T
         itemsize, units = g["itemsize"][j], g["itemsize"][j] // 2
         a_row, w = g["a_row"][j], width[j]  # elements between a pool's A rows; the slot's rows
-        a_dst = g["a_ptr"][j] + (start[j] * a_row + i * g["a_slice"][j]) * itemsize  # the slice's first A row
-        b_dst = g["b_ptr"][j] + (start[j] * g["out"][j] + w * before) * itemsize  # its [size, width] B block
+        a_dst = i * g["a_slice"][j] * itemsize  # the slice's first A row
+        b_dst = w * before * itemsize  # its [size, width] B block
         k_units, a_stride = g["in"][j] * units, a_row * units
         copy = r > 0
         copies = np.concatenate([
@@ -155,19 +175,13 @@ class WritePlanner:
     def table(self, plan: WritePlan) -> Table | None:
         """``plan`` as one `copy_blocks` table, or None where a table cannot say it (a cast,
         weights in device memory or in several host buffers)."""
-        host = None
-        if plan.sources:
-            if not plan.table_ok:
-                return None
-            c = plan.copies  # a block's span: its rows but the last at the source's stride, then the last
-            host = shared_buffer(plan.sources[0], np.stack([c[:, 1], 2 * ((c[:, 2] - 1) * c[:, 5] + c[:, 3])], axis=1))
-            if host is None:
-                return None
+        if len(plan.copies) and plan.host is None:
+            return None
         g, t, slot = self.geometry(), plan.touched, plan.slot
         cells = np.concatenate([self._scale_and_rank_cells(slot, t),  # and each touched layer's pool start
                                 np.stack([g["starts"][t] + slot * 4, np.ones_like(t)], axis=1)])
         values = np.concatenate([plan.scales.view(np.int32), plan.ranks.astype(np.int32), plan.starts.astype(np.int32)])
-        return Table(plan.copies[:, :6], plan.zeros[:, :6], cells, values, host)
+        return Table(plan.copies[:, :6], plan.zeros[:, :6], cells, values, plan.host)
 
     def clear_table(self, slot: int, layers: Sequence[int]) -> Table:
         """Zeroing ``slot``'s scales and rank in ``layers`` (indices) as one `copy_blocks` table:
@@ -187,16 +201,20 @@ class WritePlanner:
         """Each layer's pools as numbers (addresses in bytes, strides in elements) and its
         scale multiplier. Read again when the pools were replaced: ``module.to`` moves them all,
         so the first layer's A pool tells."""
-        if self.slots and self.slots[0].lora_a is not self._sentinel:
-            self._sentinel = self.slots[0].lora_a
-            self._geometry = self._read_geometry()
-        return self._geometry
+        return self._read_pools()[1]
+
+    def _read_pools(self) -> tuple:
+        """``_pools``, read again when the pools were replaced."""
+        pools = self._pools
+        if self.slots and self.slots[0].lora_a is not pools[0]:
+            dtypes = [self.slots[j].dtype for j in self._layer.tolist()]
+            pools = self._pools = (self.slots[0].lora_a, self._read_geometry(), dtypes)
+        return pools
 
     def _read_geometry(self) -> dict[str, np.ndarray]:
         slots = self.slots
         for s in slots:
             assert s.lora_a.stride(2) == 1 and s.lora_b.is_contiguous() and s.ranks.stride(0) == s.pool_starts.stride(0) == 1
-        self._dtype = [slots[j].dtype for j in self._layer.tolist()]  # per slice
         columns = {
             "a_ptr": [s.lora_a.data_ptr() for s in slots], "a_row": [s.lora_a.stride(0) for s in slots],
             "a_slice": [s.lora_a.stride(1) for s in slots], "b_ptr": [s.lora_b.data_ptr() for s in slots],
@@ -207,6 +225,9 @@ class WritePlanner:
             "ranks": [s.ranks.data_ptr() for s in slots], "starts": [s.pool_starts.data_ptr() for s in slots],
         }
         geometry = {name: np.array(values, dtype=np.int64) for name, values in columns.items()}
+        # by pool (0: A, 1: B) and layer: its address, and the bytes between two of its rank rows
+        geometry["base"] = np.stack([geometry["a_ptr"], geometry["b_ptr"]])
+        geometry["row_bytes"] = np.stack([geometry["a_row"], geometry["out"]]) * geometry["itemsize"]
         geometry["multiplier"] = np.array([layer.scale_multiplier() for layer in self.layers], dtype=np.float64)
         return geometry
 
