@@ -80,7 +80,6 @@ def test_reload_while_requests_run_old_ones_finish_on_old_weights_new_ones_get_n
     validated = []
     validate = eng.lora_manager.validate
     monkeypatch.setattr(eng.lora_manager, "validate", lambda a: validated.append(a.name) or validate(a))
-    eng.registry._validate = eng.lora_manager.validate  # the registry's callback, as the engine built it
     rec = Recorder(eng)
     eng.add_lora(LoRARequest("live", 1, str(old_path)))
     old = eng.lora_handle("live")

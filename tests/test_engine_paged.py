@@ -251,7 +251,6 @@ def test_an_adapter_is_validated_once_on_its_way_to_a_slot(engine_adapters, monk
     calls = []
     validate = eng.lora_manager.validate
     monkeypatch.setattr(eng.lora_manager, "validate", lambda adapter: calls.append(adapter.name) or validate(adapter))
-    eng.registry._validate = eng.lora_manager.validate  # the registry's callback, as the engine built it
     prompt = [5, 9, 14, 3]
     out = run(eng, [("a", prompt, LoRARequest("all", 2, str(engine_adapters["all"])))])["a"]
     expected = peft_greedy(engine_adapters["all"], prompt, 12)

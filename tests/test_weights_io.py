@@ -140,7 +140,8 @@ def float_offsets(path, key: str) -> list[int]:
     end = start + tensor.nbytes
     size = tensor.element_size()
     last = (buffer.numel() - 1) // HASH_CHUNK_BYTES * HASH_CHUNK_BYTES
-    bounds = [*range(HASH_CHUNK_BYTES, last + 1, HASH_CHUNK_BYTES), *range(last + TAIL_PIECE_BYTES, end, TAIL_PIECE_BYTES)]
+    bounds = [*range(HASH_CHUNK_BYTES, last + 1, HASH_CHUNK_BYTES),
+              *range(last + TAIL_PIECE_BYTES, end, TAIL_PIECE_BYTES)]
     near = [b + d for b in bounds if start < b < end for d in (-size, 0)]
     return [start, end - size, *near]
 
